@@ -1,0 +1,96 @@
+//! Forward: for each (batch, head, block of query rows), a pass over key blocks with an online
+//! softmax in the exp2 domain; O and LSE are written once per row block.
+
+use super::layout::{pack, unpack};
+use super::matmul::{matmul, Mat};
+use super::simd;
+use super::workspace::{filled, zeroed, BLOCK_K, BLOCK_Q};
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::problem::Problem;
+use rayon::prelude::*;
+use std::f32::consts::{LN_2, LOG2_E};
+
+/// q: [B, Sq, H, D], k/v: [B, Sk, Hkv, D] in p.dtype; writes o ([B, Sq, H, D], p.dtype) and
+/// lse ([B, H, Sq], f32, natural log).
+pub fn run(p: &Problem, q: &[u8], k: &[u8], v: &[u8], o: &mut [u8], lse: &mut [u8]) -> Result<()> {
+    let dims = p.dims;
+    let (sq, sk, d) = (dims.seq_q, dims.seq_k, dims.head_dim);
+    // Q is pre-multiplied by scale * log2(e) so that Q·Kᵀ is already in exp2 units.
+    let qp = pack(q, p.dtype, dims.q_shape(), p.scale * LOG2_E, "packed q")?; // [B, H, Sq, D]
+    let kp = pack(k, p.dtype, dims.kv_shape(), 1.0, "packed k")?; // [B, Hkv, Sk, D]
+    let vp = pack(v, p.dtype, dims.kv_shape(), 1.0, "packed v")?; // [B, Hkv, Sk, D]
+    let mut op = zeroed(dims.q_len(), "output accumulator")?; // [B, H, Sq, D]
+    let mut lse_acc = filled(dims.lse_len(), f32::NEG_INFINITY, "lse")?; // [B, H, Sq]
+
+    if sq * d > 0 {
+        op.par_chunks_mut(sq * d).zip(lse_acc.par_chunks_mut(sq)).enumerate().for_each(|(bh, (o_head, lse_head))| {
+            let (b, h) = (bh / dims.heads, bh % dims.heads);
+            let kv = (b * dims.kv_heads + h / dims.group()) * sk * d;
+            let q_head = &qp[bh * sq * d..(bh + 1) * sq * d];
+            let (k_head, v_head) = (&kp[kv..kv + sk * d], &vp[kv..kv + sk * d]);
+            o_head
+                .par_chunks_mut(BLOCK_Q * d)
+                .zip(lse_head.par_chunks_mut(BLOCK_Q))
+                .enumerate()
+                .for_each(|(blk, (o_rows, lse_rows))| {
+                    let r0 = blk * BLOCK_Q;
+                    let q_rows = &q_head[r0 * d..r0 * d + o_rows.len()];
+                    row_block(p, r0, q_rows, k_head, v_head, o_rows, lse_rows);
+                });
+        });
+    }
+
+    unpack(&op, o, p.dtype, dims.q_shape(), 1.0);
+    DType::F32.store(&lse_acc, lse, 0);
+    Ok(())
+}
+
+/// One block of query rows starting at row r0 of one head.
+/// q: [br, D] (scaled), k/v: [Sk, D], o: [br, D] (zeroed; receives O), lse: [br].
+fn row_block(p: &Problem, r0: usize, q: &[f32], k: &[f32], v: &[f32], o: &mut [f32], lse: &mut [f32]) {
+    let d = p.dims.head_dim;
+    let br = lse.len();
+    let key_end = p.keys_visible(r0 + br - 1);
+    let mut s = vec![0.0f32; br * BLOCK_K]; // [br, BLOCK_K] scores, then probabilities
+    let mut m = vec![f32::NEG_INFINITY; br];
+    let mut l = vec![0.0f32; br];
+    let mut alpha = vec![0.0f32; br];
+
+    for c0 in (0..key_end).step_by(BLOCK_K) {
+        let bc = BLOCK_K.min(key_end - c0);
+        let (k_blk, v_blk) = (&k[c0 * d..(c0 + bc) * d], &v[c0 * d..(c0 + bc) * d]);
+        matmul(br, bc, d, &mut s, BLOCK_K, false, Mat::rows(q, d), Mat::transposed(k_blk, d));
+        if p.causal {
+            mask_causal(&mut s, br, bc, r0 as isize + p.dims.diag_offset() - c0 as isize);
+        }
+        simd::online_softmax(&mut s, bc, BLOCK_K, &mut m, &mut l, &mut alpha);
+        simd::scale_rows(o, d, &alpha);
+        matmul(br, d, bc, o, d, true, Mat::rows(&s, BLOCK_K), Mat::rows(v_blk, d));
+    }
+
+    for r in 0..br {
+        let row = &mut o[r * d..(r + 1) * d];
+        if l[r] == 0.0 {
+            // The row sees no key: o = 0, lse = -inf.
+            row.fill(0.0);
+            lse[r] = f32::NEG_INFINITY;
+        } else {
+            let inv = 1.0 / l[r];
+            row.iter_mut().for_each(|x| *x *= inv);
+            lse[r] = (m[r] + l[r].log2()) * LN_2;
+        }
+    }
+}
+
+/// Sets to -inf the scores a causal row may not see. s: [rows, BLOCK_K]; local row r sees local
+/// columns c <= first_limit + r.
+pub fn mask_causal(s: &mut [f32], rows: usize, cols: usize, first_limit: isize) {
+    if first_limit + 1 >= cols as isize {
+        return; // every row of the tile sees every column
+    }
+    for r in 0..rows {
+        let first_hidden = (first_limit + r as isize + 1).clamp(0, cols as isize) as usize;
+        s[r * BLOCK_K + first_hidden..r * BLOCK_K + cols].fill(f32::NEG_INFINITY);
+    }
+}

@@ -1,0 +1,24 @@
+//! flash-core: exact FlashAttention forward (saving logsumexp) and backward.
+//!
+//! Bindings (PyO3, Rustler) describe their tensors as [`TensorSpec`]s, get a validated
+//! [`Problem`] from [`Problem::forward`] / [`Problem::backward`], allocate the outputs it implies,
+//! and call a backend ([`cpu::forward`], [`cpu::backward`]). All buffers are native-endian,
+//! row-major, contiguous bytes:
+//!
+//! | tensor              | shape              | dtype           |
+//! |---------------------|--------------------|-----------------|
+//! | q, o, d_out, dq     | [B, Sq, H, D]      | f32, f16, bf16  |
+//! | k, v, dk, dv        | [B, Sk, Hkv, D]    | same as q       |
+//! | lse                 | [B, H, Sq]         | f32 (natural log) |
+
+pub mod cpu;
+pub mod dtype;
+pub mod error;
+pub mod problem;
+
+pub use dtype::DType;
+pub use error::{FlashError, Result};
+pub use problem::{Dims, Options, Problem, TensorSpec, MAX_HEAD_DIM};
+
+/// The crate version (the Python package and the NIF report it).
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

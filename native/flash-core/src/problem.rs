@@ -1,0 +1,246 @@
+//! The attention problem: sizes, dtype and options, validated once for every binding and backend.
+
+use crate::dtype::DType;
+use crate::error::{FlashError, Result};
+
+/// Largest supported head dimension.
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// What a binding knows about one tensor argument before any compute: its element type, its
+/// shape, and the length in bytes of the buffer that holds it (row-major, contiguous).
+#[derive(Debug, Clone, Copy)]
+pub struct TensorSpec<'a> {
+    pub dtype: DType,
+    pub shape: &'a [usize],
+    pub nbytes: usize,
+}
+
+/// Caller options, identical in every binding.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Options {
+    /// Causal mask aligned bottom-right: query i sees keys j <= i + (Sk - Sq).
+    pub causal: bool,
+    /// Softmax scale; `None` means 1/sqrt(head_dim).
+    pub scale: Option<f64>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { causal: true, scale: None }
+    }
+}
+
+/// Sizes of one attention call: q is [batch, seq_q, heads, head_dim], k and v are
+/// [batch, seq_k, kv_heads, head_dim], lse is [batch, heads, seq_q].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dims {
+    pub batch: usize,
+    pub seq_q: usize,
+    pub seq_k: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl Dims {
+    /// Query heads per kv head (1 = MHA, heads = MQA).
+    pub fn group(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+    pub fn q_shape(&self) -> [usize; 4] {
+        [self.batch, self.seq_q, self.heads, self.head_dim]
+    }
+    pub fn kv_shape(&self) -> [usize; 4] {
+        [self.batch, self.seq_k, self.kv_heads, self.head_dim]
+    }
+    pub fn lse_shape(&self) -> [usize; 3] {
+        [self.batch, self.heads, self.seq_q]
+    }
+    pub fn q_len(&self) -> usize {
+        self.q_shape().iter().product()
+    }
+    pub fn kv_len(&self) -> usize {
+        self.kv_shape().iter().product()
+    }
+    pub fn lse_len(&self) -> usize {
+        self.lse_shape().iter().product()
+    }
+    /// Signed offset of the causal diagonal: query i sees keys j <= i + diag_offset.
+    pub fn diag_offset(&self) -> isize {
+        self.seq_k as isize - self.seq_q as isize
+    }
+}
+
+/// A validated call: every buffer the caller passed has the size these dims imply.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Problem {
+    pub dims: Dims,
+    pub dtype: DType,
+    pub causal: bool,
+    /// The resolved softmax scale.
+    pub scale: f32,
+}
+
+impl Problem {
+    /// Validates the inputs of a forward call.
+    pub fn forward(q: &TensorSpec, k: &TensorSpec, v: &TensorSpec, opts: &Options) -> Result<Problem> {
+        let (dims, dtype) = check_qkv(q, k, v)?;
+        Problem::finish(dims, dtype, opts)
+    }
+
+    /// Validates the inputs of a backward call: the forward's inputs plus dO (like q), o (like q)
+    /// and lse ([B, H, Sq], float32).
+    pub fn backward(
+        d_out: &TensorSpec,
+        q: &TensorSpec,
+        k: &TensorSpec,
+        v: &TensorSpec,
+        o: &TensorSpec,
+        lse: &TensorSpec,
+        opts: &Options,
+    ) -> Result<Problem> {
+        let (dims, dtype) = check_qkv(q, k, v)?;
+        for (name, t) in [("d_out", d_out), ("o", o)] {
+            if t.shape != dims.q_shape() {
+                return Err(FlashError::Shape(format!(
+                    "{name} has shape {:?}; it must match q's shape {:?}",
+                    t.shape,
+                    dims.q_shape()
+                )));
+            }
+            if t.dtype != dtype {
+                return Err(FlashError::DType(format!(
+                    "{name} has dtype {}; it must match q's dtype {}",
+                    t.dtype.name(),
+                    dtype.name()
+                )));
+            }
+            check_nbytes(name, t)?;
+        }
+        if lse.shape != dims.lse_shape() {
+            return Err(FlashError::Shape(format!(
+                "lse has shape {:?}; expected [batch, heads, seq_q] = {:?}",
+                lse.shape,
+                dims.lse_shape()
+            )));
+        }
+        if lse.dtype != DType::F32 {
+            return Err(FlashError::DType(format!(
+                "lse has dtype {}; it must be float32",
+                lse.dtype.name()
+            )));
+        }
+        check_nbytes("lse", lse)?;
+        Problem::finish(dims, dtype, opts)
+    }
+
+    fn finish(dims: Dims, dtype: DType, opts: &Options) -> Result<Problem> {
+        let scale = match opts.scale {
+            None => 1.0 / (dims.head_dim as f64).sqrt(),
+            Some(s) if s.is_finite() && s > 0.0 => s,
+            Some(s) => {
+                return Err(FlashError::Unsupported(format!(
+                    "scale must be a finite positive number, got {s}"
+                )))
+            }
+        };
+        Ok(Problem { dims, dtype, causal: opts.causal, scale: scale as f32 })
+    }
+
+    /// Number of keys query row `row` may see (causal: a prefix; 0 when it sees none).
+    pub fn keys_visible(&self, row: usize) -> usize {
+        if !self.causal {
+            return self.dims.seq_k;
+        }
+        let last = row as isize + self.dims.diag_offset();
+        (last + 1).clamp(0, self.dims.seq_k as isize) as usize
+    }
+}
+
+fn check_qkv(q: &TensorSpec, k: &TensorSpec, v: &TensorSpec) -> Result<(Dims, DType)> {
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        if t.shape.len() != 4 {
+            return Err(FlashError::Shape(format!(
+                "{name} must have rank 4 [batch, seq, heads, head_dim]; got shape {:?}",
+                t.shape
+            )));
+        }
+    }
+    for (name, t) in [("k", k), ("v", v)] {
+        if t.dtype != q.dtype {
+            return Err(FlashError::DType(format!(
+                "{name} has dtype {} but q has dtype {}; q, k and v must share one dtype",
+                t.dtype.name(),
+                q.dtype.name()
+            )));
+        }
+    }
+    if k.shape != v.shape {
+        return Err(FlashError::Shape(format!(
+            "k has shape {:?} but v has shape {:?}; they must match",
+            k.shape, v.shape
+        )));
+    }
+    let (qs, ks) = (q.shape, k.shape);
+    if qs[0] != ks[0] {
+        return Err(FlashError::Shape(format!(
+            "batch mismatch: q has shape {qs:?} (batch {}) but k has shape {ks:?} (batch {})",
+            qs[0], ks[0]
+        )));
+    }
+    if qs[3] != ks[3] {
+        return Err(FlashError::Shape(format!(
+            "head_dim mismatch: q has shape {qs:?} (head_dim {}) but k has shape {ks:?} (head_dim {})",
+            qs[3], ks[3]
+        )));
+    }
+    let dims = Dims {
+        batch: qs[0],
+        seq_q: qs[1],
+        seq_k: ks[1],
+        heads: qs[2],
+        kv_heads: ks[2],
+        head_dim: qs[3],
+    };
+    if dims.head_dim == 0 || dims.head_dim > MAX_HEAD_DIM {
+        return Err(FlashError::Shape(format!(
+            "head_dim must be between 1 and {MAX_HEAD_DIM}; q has shape {qs:?}"
+        )));
+    }
+    if dims.heads == 0 || dims.kv_heads == 0 {
+        return Err(FlashError::Shape(format!(
+            "heads must be at least 1: q has shape {qs:?}, k has shape {ks:?}"
+        )));
+    }
+    if dims.heads % dims.kv_heads != 0 {
+        return Err(FlashError::Shape(format!(
+            "q's heads ({}) must be a multiple of k/v's heads ({}) (GQA); q has shape {qs:?}, k has shape {ks:?}",
+            dims.heads, dims.kv_heads
+        )));
+    }
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        check_nbytes(name, t)?;
+    }
+    Ok((dims, q.dtype))
+}
+
+/// The buffer must hold exactly the elements its shape names (and the count must not overflow).
+fn check_nbytes(name: &str, t: &TensorSpec) -> Result<()> {
+    let bytes = t
+        .shape
+        .iter()
+        .try_fold(t.dtype.size_bytes(), |acc, &d| acc.checked_mul(d))
+        .filter(|&b| b <= isize::MAX as usize)
+        .ok_or_else(|| {
+            FlashError::OutOfMemory(format!("{name} with shape {:?} is too large to address", t.shape))
+        })?;
+    if bytes != t.nbytes {
+        return Err(FlashError::Shape(format!(
+            "{name} has shape {:?} and dtype {}, which needs {bytes} bytes, but its buffer holds {} bytes",
+            t.shape,
+            t.dtype.name(),
+            t.nbytes
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,94 @@
+//! `flash_nif._native`: the thin PyO3 layer. Converts arrays, releases the GIL around the core,
+//! maps errors. The public API and its docs live in python/flash_nif/__init__.py.
+
+mod arrays;
+mod errors;
+
+use arrays::{empty_f32, empty_like_dtype, HostArray};
+use errors::to_pyerr;
+use flash_core::{cpu, FlashError, Options, Problem};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+fn inputs<'py, const N: usize>(py: Python<'py>, args: [(&Bound<'py, PyAny>, &str); N]) -> PyResult<Vec<HostArray<'py>>> {
+    args.iter()
+        .map(|(obj, name)| HostArray::extract(obj, name).map_err(|e| to_pyerr(py, e)))
+        .collect()
+}
+
+/// (o, lse) for NumPy q, k, v on the CPU.
+#[pyfunction]
+#[pyo3(signature = (q, k, v, causal, scale))]
+fn forward_cpu<'py>(
+    py: Python<'py>,
+    q: &Bound<'py, PyAny>,
+    k: &Bound<'py, PyAny>,
+    v: &Bound<'py, PyAny>,
+    causal: bool,
+    scale: Option<f64>,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let a = inputs(py, [(q, "q"), (k, "k"), (v, "v")])?;
+    let opts = Options { causal, scale };
+    let p = Problem::forward(&a[0].spec(), &a[1].spec(), &a[2].spec(), &opts).map_err(|e| to_pyerr(py, e))?;
+    let o = empty_like_dtype(py, &p.dims.q_shape(), &a[0])?;
+    let lse = empty_f32(py, &p.dims.lse_shape())?;
+    let (qb, kb, vb) = (a[0].bytes(), a[1].bytes(), a[2].bytes());
+    let (ob, lb) = (o.bytes_mut(), lse.bytes_mut());
+    py.detach(|| cpu::forward(&p, qb, kb, vb, ob, lb)).map_err(|e| to_pyerr(py, e))?;
+    Ok((o.array.into_any(), lse.array.into_any()))
+}
+
+/// (dq, dk, dv) for NumPy inputs on the CPU.
+#[pyfunction]
+#[pyo3(signature = (d_out, q, k, v, o, lse, causal, scale))]
+#[allow(clippy::too_many_arguments)]
+fn backward_cpu<'py>(
+    py: Python<'py>,
+    d_out: &Bound<'py, PyAny>,
+    q: &Bound<'py, PyAny>,
+    k: &Bound<'py, PyAny>,
+    v: &Bound<'py, PyAny>,
+    o: &Bound<'py, PyAny>,
+    lse: &Bound<'py, PyAny>,
+    causal: bool,
+    scale: Option<f64>,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let a = inputs(py, [(d_out, "d_out"), (q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse")])?;
+    let opts = Options { causal, scale };
+    let p = Problem::backward(&a[0].spec(), &a[1].spec(), &a[2].spec(), &a[3].spec(), &a[4].spec(), &a[5].spec(), &opts)
+        .map_err(|e| to_pyerr(py, e))?;
+    let dq = empty_like_dtype(py, &p.dims.q_shape(), &a[1])?;
+    let dk = empty_like_dtype(py, &p.dims.kv_shape(), &a[2])?;
+    let dv = empty_like_dtype(py, &p.dims.kv_shape(), &a[3])?;
+    let ins: Vec<&[u8]> = a.iter().map(|x| x.bytes()).collect();
+    let (dqb, dkb, dvb) = (dq.bytes_mut(), dk.bytes_mut(), dv.bytes_mut());
+    py.detach(|| cpu::backward(&p, ins[0], ins[1], ins[2], ins[3], ins[4], ins[5], dqb, dkb, dvb))
+        .map_err(|e| to_pyerr(py, e))?;
+    Ok((dq.array.into_any(), dk.array.into_any(), dv.array.into_any()))
+}
+
+/// Raises the error the core gives for an unavailable device (used by the Python layer).
+#[pyfunction]
+fn cuda_unavailable(py: Python<'_>, reason: &str) -> PyErr {
+    to_pyerr(py, FlashError::CudaUnavailable(reason.to_string()))
+}
+
+/// Version, backends, thread count and CPU instruction set.
+#[pyfunction]
+fn info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("version", flash_core::VERSION)?;
+    d.set_item("backends", vec!["cpu"])?;
+    d.set_item("threads", cpu::threads())?;
+    d.set_item("cpu_isa", format!("{:?}", cpu::simd::isa()).to_lowercase())?;
+    Ok(d)
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(forward_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(backward_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_unavailable, m)?)?;
+    m.add_function(wrap_pyfunction!(info, m)?)?;
+    Ok(())
+}
