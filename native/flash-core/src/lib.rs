@@ -12,6 +12,8 @@
 //! | lse                 | [B, H, Sq]         | f32 (natural log) |
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod dtype;
 pub mod error;
 pub mod problem;

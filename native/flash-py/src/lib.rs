@@ -2,6 +2,7 @@
 //! maps errors. The public API and its docs live in python/flash_nif/__init__.py.
 
 mod arrays;
+mod cuda;
 mod errors;
 
 use arrays::{empty_f32, empty_like_dtype, HostArray};
@@ -90,5 +91,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(backward_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_unavailable, m)?)?;
     m.add_function(wrap_pyfunction!(info, m)?)?;
+    cuda::register(m)?;
     Ok(())
 }

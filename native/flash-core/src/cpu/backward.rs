@@ -13,8 +13,8 @@
 //!   enough tasks to fill every thread when batch × kv heads is small.
 
 use super::forward::mask_causal;
-use super::layout::{load_f32, pack, unpack};
-use super::matmul::{matmul, Mat};
+use super::layout::{load_f32, pack_rows, pack_transposed, padded_dim, unpack_rows};
+use super::matmul::{matmul, round_up, Mat, COL_PAD};
 use super::simd;
 use super::workspace::{zeroed, BLOCK_K, BLOCK_Q};
 use crate::error::Result;
@@ -24,12 +24,13 @@ use std::f32::consts::{LN_2, LOG2_E};
 
 /// Inputs of one backward call in the working layout.
 struct Packed {
-    qs: Vec<f32>,    // [B, H, Sq, D], times scale·log2(e)
-    k: Vec<f32>,     // [B, Hkv, Sk, D]
-    v: Vec<f32>,     // [B, Hkv, Sk, D]
-    d_out: Vec<f32>, // [B, H, Sq, D]
-    lse2: Vec<f32>,  // [B, H, Sq], log2 units; +inf for rows that see no key
-    delta: Vec<f32>, // [B, H, Sq]
+    qs: Vec<f32>,    // [B·H, Sq, Dp], times scale·log2(e)
+    d_out: Vec<f32>, // [B·H, Sq, Dp]
+    k: Vec<f32>,     // [B·Hkv, Sk, Dp]
+    kt: Vec<f32>,    // [B·Hkv, D, Skp]
+    vt: Vec<f32>,    // [B·Hkv, D, Skp]
+    lse2: Vec<f32>,  // [B·H, Sq], log2 units; +inf for rows that see no key
+    delta: Vec<f32>, // [B·H, Sq]
 }
 
 /// Writes dq ([B, Sq, H, D]), dk and dv ([B, Sk, Hkv, D]) in p.dtype.
@@ -48,16 +49,18 @@ pub fn run(
 ) -> Result<()> {
     let dims = p.dims;
     let packed = Packed {
-        qs: pack(q, p.dtype, dims.q_shape(), p.scale * LOG2_E, "packed q")?,
-        k: pack(k, p.dtype, dims.kv_shape(), 1.0, "packed k")?,
-        v: pack(v, p.dtype, dims.kv_shape(), 1.0, "packed v")?,
-        d_out: pack(d_out, p.dtype, dims.q_shape(), 1.0, "packed d_out")?,
+        qs: pack_rows(q, p.dtype, dims.q_shape(), p.scale * LOG2_E, "packed q")?,
+        d_out: pack_rows(d_out, p.dtype, dims.q_shape(), 1.0, "packed d_out")?,
+        k: pack_rows(k, p.dtype, dims.kv_shape(), 1.0, "packed k")?,
+        kt: pack_transposed(k, p.dtype, dims.kv_shape(), "packed k")?,
+        vt: pack_transposed(v, p.dtype, dims.kv_shape(), "packed v")?,
         lse2: lse_log2(lse)?,
         delta: row_dots(p, d_out, o)?,
     };
-    let mut dq_acc = zeroed(dims.q_len(), "dq accumulator")?; // [B, H, Sq, D]
-    let mut dk_acc = zeroed(dims.kv_len(), "dk accumulator")?; // [B, Hkv, Sk, D]
-    let mut dv_acc = zeroed(dims.kv_len(), "dv accumulator")?; // [B, Hkv, Sk, D]
+    let dp = padded_dim(dims.head_dim);
+    let mut dq_acc = zeroed(dims.batch * dims.heads * dims.seq_q * dp, "dq accumulator")?; // [B·H, Sq, Dp]
+    let mut dk_acc = zeroed(dims.batch * dims.kv_heads * dims.seq_k * dp, "dk accumulator")?; // [B·Hkv, Sk, Dp]
+    let mut dv_acc = zeroed(dims.batch * dims.kv_heads * dims.seq_k * dp, "dv accumulator")?; // [B·Hkv, Sk, Dp]
 
     if dims.q_len() > 0 && dims.kv_len() > 0 {
         let tasks = dims.batch * dims.kv_heads;
@@ -71,9 +74,9 @@ pub fn run(
     }
 
     // dQ = scale·dS·K; dK = scale·dSᵀ·Q = ln2·dSᵀ·Qs.
-    unpack(&dq_acc, dq, p.dtype, dims.q_shape(), p.scale);
-    unpack(&dk_acc, dk, p.dtype, dims.kv_shape(), LN_2);
-    unpack(&dv_acc, dv, p.dtype, dims.kv_shape(), 1.0);
+    unpack_rows(&dq_acc, dq, p.dtype, dims.q_shape(), p.scale);
+    unpack_rows(&dk_acc, dk, p.dtype, dims.kv_shape(), LN_2);
+    unpack_rows(&dv_acc, dv, p.dtype, dims.kv_shape(), 1.0);
     Ok(())
 }
 
@@ -123,66 +126,75 @@ impl Tile {
 struct TileRef<'a> {
     r0: usize,
     c0: usize,
-    qs: &'a [f32],    // [br, D]
-    d_out: &'a [f32], // [br, D]
+    bc: usize,
+    d: usize,
+    qs: &'a [f32],    // [br, Dp]
+    d_out: &'a [f32], // [br, Dp]
     lse2: &'a [f32],  // [br]
     delta: &'a [f32], // [br]
-    k: &'a [f32],     // [bc, D]
-    v: &'a [f32],     // [bc, D]
+    k: &'a [f32],     // [bc, Dp] (and the rest of the head)
+    kt: &'a [f32],    // [D, Skp] from column c0
+    vt: &'a [f32],    // [D, Skp] from column c0
 }
 
 impl TileRef<'_> {
     fn rows(&self) -> usize {
         self.lse2.len()
     }
-    fn cols(&self, d: usize) -> usize {
-        self.k.len() / d
+    fn dp(&self) -> usize {
+        padded_dim(self.d)
+    }
+    fn skp(&self) -> usize {
+        (self.kt.len() + self.c0) / self.d
     }
 
     /// Fills tile.p with P and tile.ds with dS.
     fn probs_and_dscores(&self, p: &Problem, tile: &mut Tile) {
-        let d = p.dims.head_dim;
-        let (br, bc) = (self.rows(), self.cols(d));
-        matmul(br, bc, d, &mut tile.p, BLOCK_K, false, Mat::rows(self.qs, d), Mat::transposed(self.k, d));
+        let (br, bc, d, dp, skp) = (self.rows(), self.bc, self.d, self.dp(), self.skp());
+        matmul(br, bc, d, &mut tile.p, BLOCK_K, false, Mat::rows(self.qs, dp), self.kt, skp);
         if p.causal {
             let first_limit = self.r0 as isize + p.dims.diag_offset() - self.c0 as isize;
             mask_causal(&mut tile.p, br, bc, first_limit);
         }
-        matmul(br, bc, d, &mut tile.ds, BLOCK_K, false, Mat::rows(self.d_out, d), Mat::transposed(self.v, d));
+        matmul(br, bc, d, &mut tile.ds, BLOCK_K, false, Mat::rows(self.d_out, dp), self.vt, skp);
         simd::probs_and_dscores(&mut tile.p, &mut tile.ds, bc, BLOCK_K, self.lse2, self.delta);
     }
 
-    /// dQ_i[br, D] += dS · K_j.
-    fn add_dq(&self, d: usize, tile: &Tile, dq: &mut [f32]) {
-        let (br, bc) = (self.rows(), self.cols(d));
-        matmul(br, d, bc, dq, d, true, Mat::rows(&tile.ds, BLOCK_K), Mat::rows(self.k, d));
+    /// dQ_i[br, Dp] += dS · K_j.
+    fn add_dq(&self, tile: &Tile, dq: &mut [f32]) {
+        let (br, bc, d, dp) = (self.rows(), self.bc, self.d, self.dp());
+        matmul(br, d, bc, dq, dp, true, Mat::rows(&tile.ds, BLOCK_K), self.k, dp);
     }
 
-    /// dK_j[bc, D] += dSᵀ · Qs_i and dV_j[bc, D] += Pᵀ · dO_i.
-    fn add_dkdv(&self, d: usize, tile: &Tile, dk: &mut [f32], dv: &mut [f32]) {
-        let (br, bc) = (self.rows(), self.cols(d));
-        matmul(bc, d, br, dk, d, true, Mat::transposed(&tile.ds, BLOCK_K), Mat::rows(self.qs, d));
-        matmul(bc, d, br, dv, d, true, Mat::transposed(&tile.p, BLOCK_K), Mat::rows(self.d_out, d));
+    /// dK_j[bc, Dp] += dSᵀ · Qs_i and dV_j[bc, Dp] += Pᵀ · dO_i.
+    fn add_dkdv(&self, tile: &Tile, dk: &mut [f32], dv: &mut [f32]) {
+        let (br, bc, d, dp) = (self.rows(), self.bc, self.d, self.dp());
+        matmul(bc, d, br, dk, dp, true, Mat::transposed(&tile.ds, BLOCK_K), self.qs, dp);
+        matmul(bc, d, br, dv, dp, true, Mat::transposed(&tile.p, BLOCK_K), self.d_out, dp);
     }
 }
 
 /// The tile (query block starting at r0 of head `bh`, key block starting at c0 of kv head `bkv`).
 fn tile_ref<'a>(p: &Problem, x: &'a Packed, bh: usize, bkv: usize, r0: usize, c0: usize) -> TileRef<'a> {
     let dims = p.dims;
-    let d = dims.head_dim;
+    let (d, dp) = (dims.head_dim, padded_dim(dims.head_dim));
+    let skp = round_up(dims.seq_k, COL_PAD);
     let br = BLOCK_Q.min(dims.seq_q - r0);
-    let bc = BLOCK_K.min(dims.seq_k - c0);
     let row = bh * dims.seq_q + r0;
-    let col = bkv * dims.seq_k + c0;
+    let (k_head, kt_head) = ((bkv * dims.seq_k + c0) * dp, bkv * d * skp);
+    let k_end = (bkv + 1) * dims.seq_k * dp;
     TileRef {
         r0,
         c0,
-        qs: &x.qs[row * d..(row + br) * d],
-        d_out: &x.d_out[row * d..(row + br) * d],
+        bc: BLOCK_K.min(dims.seq_k - c0),
+        d,
+        qs: &x.qs[row * dp..(row + br) * dp],
+        d_out: &x.d_out[row * dp..(row + br) * dp],
         lse2: &x.lse2[row..row + br],
         delta: &x.delta[row..row + br],
-        k: &x.k[col * d..(col + bc) * d],
-        v: &x.v[col * d..(col + bc) * d],
+        k: &x.k[k_head..k_end],
+        kt: &x.kt[kt_head + c0..kt_head + d * skp],
+        vt: &x.vt[kt_head + c0..kt_head + d * skp],
     }
 }
 
@@ -202,24 +214,24 @@ fn first_query_block(p: &Problem, c0: usize) -> usize {
 
 fn fused(p: &Problem, x: &Packed, dq: &mut [f32], dk: &mut [f32], dv: &mut [f32]) {
     let dims = p.dims;
-    let (sq, sk, d, g) = (dims.seq_q, dims.seq_k, dims.head_dim, dims.group());
-    dq.par_chunks_mut(g * sq * d)
-        .zip(dk.par_chunks_mut(sk * d).zip(dv.par_chunks_mut(sk * d)))
+    let (sq, sk, dp, g) = (dims.seq_q, dims.seq_k, padded_dim(dims.head_dim), dims.group());
+    dq.par_chunks_mut(g * sq * dp)
+        .zip(dk.par_chunks_mut(sk * dp).zip(dv.par_chunks_mut(sk * dp)))
         .enumerate()
         .for_each(|(bkv, (dq_group, (dk_head, dv_head)))| {
             let mut tile = Tile::new();
             let b = bkv / dims.kv_heads;
-            for (blk, (dk_blk, dv_blk)) in dk_head.chunks_mut(BLOCK_K * d).zip(dv_head.chunks_mut(BLOCK_K * d)).enumerate() {
+            for (blk, (dk_blk, dv_blk)) in dk_head.chunks_mut(BLOCK_K * dp).zip(dv_head.chunks_mut(BLOCK_K * dp)).enumerate() {
                 let c0 = blk * BLOCK_K;
                 for gi in 0..g {
                     let bh = b * dims.heads + (bkv % dims.kv_heads) * g + gi;
-                    let dq_head = &mut dq_group[gi * sq * d..(gi + 1) * sq * d];
+                    let dq_head = &mut dq_group[gi * sq * dp..(gi + 1) * sq * dp];
                     for r0 in (first_query_block(p, c0)..sq).step_by(BLOCK_Q) {
                         let t = tile_ref(p, x, bh, bkv, r0, c0);
                         t.probs_and_dscores(p, &mut tile);
-                        t.add_dkdv(d, &tile, dk_blk, dv_blk);
-                        let rows = r0 * d..(r0 + t.rows()) * d;
-                        t.add_dq(d, &tile, &mut dq_head[rows]);
+                        t.add_dkdv(&tile, dk_blk, dv_blk);
+                        let rows = r0 * dp..(r0 + t.rows()) * dp;
+                        t.add_dq(&tile, &mut dq_head[rows]);
                     }
                 }
             }
@@ -228,16 +240,16 @@ fn fused(p: &Problem, x: &Packed, dq: &mut [f32], dk: &mut [f32], dv: &mut [f32]
 
 fn split_dq(p: &Problem, x: &Packed, dq: &mut [f32]) {
     let dims = p.dims;
-    let (sq, d) = (dims.seq_q, dims.head_dim);
-    dq.par_chunks_mut(sq * d).enumerate().for_each(|(bh, dq_head)| {
+    let (sq, dp) = (dims.seq_q, padded_dim(dims.head_dim));
+    dq.par_chunks_mut(sq * dp).enumerate().for_each(|(bh, dq_head)| {
         let bkv = (bh / dims.heads) * dims.kv_heads + (bh % dims.heads) / dims.group();
-        dq_head.par_chunks_mut(BLOCK_Q * d).enumerate().for_each(|(blk, dq_blk)| {
+        dq_head.par_chunks_mut(BLOCK_Q * dp).enumerate().for_each(|(blk, dq_blk)| {
             let mut tile = Tile::new();
             let r0 = blk * BLOCK_Q;
-            for c0 in key_blocks(p, r0, dq_blk.len() / d) {
+            for c0 in key_blocks(p, r0, dq_blk.len() / dp) {
                 let t = tile_ref(p, x, bh, bkv, r0, c0);
                 t.probs_and_dscores(p, &mut tile);
-                t.add_dq(d, &tile, dq_blk);
+                t.add_dq(&tile, dq_blk);
             }
         });
     });
@@ -245,12 +257,12 @@ fn split_dq(p: &Problem, x: &Packed, dq: &mut [f32]) {
 
 fn split_dkdv(p: &Problem, x: &Packed, dk: &mut [f32], dv: &mut [f32]) {
     let dims = p.dims;
-    let (sq, sk, d, g) = (dims.seq_q, dims.seq_k, dims.head_dim, dims.group());
-    dk.par_chunks_mut(sk * d).zip(dv.par_chunks_mut(sk * d)).enumerate().for_each(|(bkv, (dk_head, dv_head))| {
+    let (sq, sk, dp, g) = (dims.seq_q, dims.seq_k, padded_dim(dims.head_dim), dims.group());
+    dk.par_chunks_mut(sk * dp).zip(dv.par_chunks_mut(sk * dp)).enumerate().for_each(|(bkv, (dk_head, dv_head))| {
         let b = bkv / dims.kv_heads;
         dk_head
-            .par_chunks_mut(BLOCK_K * d)
-            .zip(dv_head.par_chunks_mut(BLOCK_K * d))
+            .par_chunks_mut(BLOCK_K * dp)
+            .zip(dv_head.par_chunks_mut(BLOCK_K * dp))
             .enumerate()
             .for_each(|(blk, (dk_blk, dv_blk))| {
                 let mut tile = Tile::new();
@@ -260,7 +272,7 @@ fn split_dkdv(p: &Problem, x: &Packed, dk: &mut [f32], dv: &mut [f32]) {
                     for r0 in (first_query_block(p, c0)..sq).step_by(BLOCK_Q) {
                         let t = tile_ref(p, x, bh, bkv, r0, c0);
                         t.probs_and_dscores(p, &mut tile);
-                        t.add_dkdv(d, &tile, dk_blk, dv_blk);
+                        t.add_dkdv(&tile, dk_blk, dv_blk);
                     }
                 }
             });

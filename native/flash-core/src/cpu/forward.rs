@@ -1,8 +1,8 @@
 //! Forward: for each (batch, head, block of query rows), a pass over key blocks with an online
 //! softmax in the exp2 domain; O and LSE are written once per row block.
 
-use super::layout::{pack, unpack};
-use super::matmul::{matmul, Mat};
+use super::layout::{pack_rows, pack_transposed, padded_dim, unpack_rows};
+use super::matmul::{matmul, round_up, Mat, COL_PAD};
 use super::simd;
 use super::workspace::{filled, zeroed, BLOCK_K, BLOCK_Q};
 use crate::dtype::DType;
@@ -15,41 +15,43 @@ use std::f32::consts::{LN_2, LOG2_E};
 /// lse ([B, H, Sq], f32, natural log).
 pub fn run(p: &Problem, q: &[u8], k: &[u8], v: &[u8], o: &mut [u8], lse: &mut [u8]) -> Result<()> {
     let dims = p.dims;
-    let (sq, sk, d) = (dims.seq_q, dims.seq_k, dims.head_dim);
+    let (sq, sk, dp) = (dims.seq_q, dims.seq_k, padded_dim(dims.head_dim));
+    let skp = round_up(sk, COL_PAD);
     // Q is pre-multiplied by scale * log2(e) so that Q·Kᵀ is already in exp2 units.
-    let qp = pack(q, p.dtype, dims.q_shape(), p.scale * LOG2_E, "packed q")?; // [B, H, Sq, D]
-    let kp = pack(k, p.dtype, dims.kv_shape(), 1.0, "packed k")?; // [B, Hkv, Sk, D]
-    let vp = pack(v, p.dtype, dims.kv_shape(), 1.0, "packed v")?; // [B, Hkv, Sk, D]
-    let mut op = zeroed(dims.q_len(), "output accumulator")?; // [B, H, Sq, D]
-    let mut lse_acc = filled(dims.lse_len(), f32::NEG_INFINITY, "lse")?; // [B, H, Sq]
+    let qs = pack_rows(q, p.dtype, dims.q_shape(), p.scale * LOG2_E, "packed q")?; // [B·H, Sq, Dp]
+    let kt = pack_transposed(k, p.dtype, dims.kv_shape(), "packed k")?; // [B·Hkv, D, Skp]
+    let vr = pack_rows(v, p.dtype, dims.kv_shape(), 1.0, "packed v")?; // [B·Hkv, Sk, Dp]
+    let mut o_acc = zeroed(dims.batch * dims.heads * sq * dp, "output accumulator")?; // [B·H, Sq, Dp]
+    let mut lse_acc = filled(dims.lse_len(), f32::NEG_INFINITY, "lse")?; // [B·H, Sq]
 
-    if sq * d > 0 {
-        op.par_chunks_mut(sq * d).zip(lse_acc.par_chunks_mut(sq)).enumerate().for_each(|(bh, (o_head, lse_head))| {
-            let (b, h) = (bh / dims.heads, bh % dims.heads);
-            let kv = (b * dims.kv_heads + h / dims.group()) * sk * d;
-            let q_head = &qp[bh * sq * d..(bh + 1) * sq * d];
-            let (k_head, v_head) = (&kp[kv..kv + sk * d], &vp[kv..kv + sk * d]);
+    if sq > 0 {
+        o_acc.par_chunks_mut(sq * dp).zip(lse_acc.par_chunks_mut(sq)).enumerate().for_each(|(bh, (o_head, lse_head))| {
+            let bkv = (bh / dims.heads) * dims.kv_heads + (bh % dims.heads) / dims.group();
+            let q_head = &qs[bh * sq * dp..(bh + 1) * sq * dp];
+            let kt_head = &kt[bkv * dims.head_dim * skp..(bkv + 1) * dims.head_dim * skp];
+            let v_head = &vr[bkv * sk * dp..(bkv + 1) * sk * dp];
             o_head
-                .par_chunks_mut(BLOCK_Q * d)
+                .par_chunks_mut(BLOCK_Q * dp)
                 .zip(lse_head.par_chunks_mut(BLOCK_Q))
                 .enumerate()
                 .for_each(|(blk, (o_rows, lse_rows))| {
                     let r0 = blk * BLOCK_Q;
-                    let q_rows = &q_head[r0 * d..r0 * d + o_rows.len()];
-                    row_block(p, r0, q_rows, k_head, v_head, o_rows, lse_rows);
+                    let q_rows = &q_head[r0 * dp..r0 * dp + o_rows.len()];
+                    row_block(p, r0, q_rows, kt_head, v_head, o_rows, lse_rows);
                 });
         });
     }
 
-    unpack(&op, o, p.dtype, dims.q_shape(), 1.0);
+    unpack_rows(&o_acc, o, p.dtype, dims.q_shape(), 1.0);
     DType::F32.store(&lse_acc, lse, 0);
     Ok(())
 }
 
 /// One block of query rows starting at row r0 of one head.
-/// q: [br, D] (scaled), k/v: [Sk, D], o: [br, D] (zeroed; receives O), lse: [br].
-fn row_block(p: &Problem, r0: usize, q: &[f32], k: &[f32], v: &[f32], o: &mut [f32], lse: &mut [f32]) {
-    let d = p.dims.head_dim;
+/// q: [br, Dp] (scaled), kt: [D, Skp], v: [Sk, Dp], o: [br, Dp] (zeroed; receives O), lse: [br].
+fn row_block(p: &Problem, r0: usize, q: &[f32], kt: &[f32], v: &[f32], o: &mut [f32], lse: &mut [f32]) {
+    let (d, dp) = (p.dims.head_dim, padded_dim(p.dims.head_dim));
+    let skp = kt.len() / d;
     let br = lse.len();
     let key_end = p.keys_visible(r0 + br - 1);
     let mut s = vec![0.0f32; br * BLOCK_K]; // [br, BLOCK_K] scores, then probabilities
@@ -59,18 +61,17 @@ fn row_block(p: &Problem, r0: usize, q: &[f32], k: &[f32], v: &[f32], o: &mut [f
 
     for c0 in (0..key_end).step_by(BLOCK_K) {
         let bc = BLOCK_K.min(key_end - c0);
-        let (k_blk, v_blk) = (&k[c0 * d..(c0 + bc) * d], &v[c0 * d..(c0 + bc) * d]);
-        matmul(br, bc, d, &mut s, BLOCK_K, false, Mat::rows(q, d), Mat::transposed(k_blk, d));
+        matmul(br, bc, d, &mut s, BLOCK_K, false, Mat::rows(q, dp), &kt[c0..], skp);
         if p.causal {
             mask_causal(&mut s, br, bc, r0 as isize + p.dims.diag_offset() - c0 as isize);
         }
         simd::online_softmax(&mut s, bc, BLOCK_K, &mut m, &mut l, &mut alpha);
-        simd::scale_rows(o, d, &alpha);
-        matmul(br, d, bc, o, d, true, Mat::rows(&s, BLOCK_K), Mat::rows(v_blk, d));
+        simd::scale_rows(o, dp, &alpha);
+        matmul(br, d, bc, o, dp, true, Mat::rows(&s, BLOCK_K), &v[c0 * dp..], dp);
     }
 
     for r in 0..br {
-        let row = &mut o[r * d..(r + 1) * d];
+        let row = &mut o[r * dp..r * dp + d];
         if l[r] == 0.0 {
             // The row sees no key: o = 0, lse = -inf.
             row.fill(0.0);

@@ -1,22 +1,32 @@
 //! Conversions between the public layout ([B, S, H, D] in the storage dtype, bytes) and the
-//! kernels' working layout ([B, H, S, D] f32, one contiguous [S, D] matrix per head).
+//! kernels' working layouts, all f32 with one contiguous matrix per head:
+//! * rows:       [B·H, S, Dp], Dp = D rounded up to COL_PAD (zero padding);
+//! * transposed: [B·H, D, Sp], Sp = S rounded up to COL_PAD (zero padding).
 
+use super::matmul::{round_up, COL_PAD};
 use super::workspace::zeroed;
 use crate::dtype::DType;
 use crate::error::Result;
 use rayon::prelude::*;
 
-/// [B, S, H, D] elements of `dtype` in `src` -> [B, H, S, D] f32, each element times `scale`.
-pub fn pack(src: &[u8], dtype: DType, shape: [usize; 4], scale: f32, what: &str) -> Result<Vec<f32>> {
-    let [_, s, h, d] = shape;
-    let mut out = zeroed(shape.iter().product(), what)?;
-    if s * d == 0 {
+/// Padded head dimension of the row layout.
+pub fn padded_dim(d: usize) -> usize {
+    round_up(d, COL_PAD)
+}
+
+/// [B, S, H, D] elements of `dtype` -> rows layout [B·H, S, Dp], each element times `scale`.
+pub fn pack_rows(src: &[u8], dtype: DType, shape: [usize; 4], scale: f32, what: &str) -> Result<Vec<f32>> {
+    let [b, s, h, d] = shape;
+    let dp = padded_dim(d);
+    let mut out = zeroed(b * h * s * dp, what)?;
+    if s == 0 {
         return Ok(out);
     }
-    out.par_chunks_mut(s * d).enumerate().for_each(|(bh, head)| {
-        let (b, hh) = (bh / h, bh % h);
-        for (si, row) in head.chunks_exact_mut(d).enumerate() {
-            dtype.load(src, ((b * s + si) * h + hh) * d, row);
+    out.par_chunks_mut(s * dp).enumerate().for_each(|(bh, head)| {
+        let (bi, hi) = (bh / h, bh % h);
+        for (si, row) in head.chunks_exact_mut(dp).enumerate() {
+            let row = &mut row[..d];
+            dtype.load(src, ((bi * s + si) * h + hi) * d, row);
             if scale != 1.0 {
                 row.iter_mut().for_each(|x| *x *= scale);
             }
@@ -25,20 +35,42 @@ pub fn pack(src: &[u8], dtype: DType, shape: [usize; 4], scale: f32, what: &str)
     Ok(out)
 }
 
-/// [B, H, S, D] f32 times `scale` -> [B, S, H, D] elements of `dtype` in `dst`.
-pub fn unpack(src: &[f32], dst: &mut [u8], dtype: DType, shape: [usize; 4], scale: f32) {
+/// [B, S, H, D] elements of `dtype` -> transposed layout [B·H, D, Sp].
+pub fn pack_transposed(src: &[u8], dtype: DType, shape: [usize; 4], what: &str) -> Result<Vec<f32>> {
+    let [b, s, h, d] = shape;
+    let sp = round_up(s, COL_PAD);
+    let mut out = zeroed(b * h * d * sp, what)?;
+    if sp == 0 {
+        return Ok(out);
+    }
+    out.par_chunks_mut(d * sp).enumerate().for_each(|(bh, head)| {
+        let (bi, hi) = (bh / h, bh % h);
+        let mut row = vec![0.0f32; d];
+        for si in 0..s {
+            dtype.load(src, ((bi * s + si) * h + hi) * d, &mut row);
+            for (di, &x) in row.iter().enumerate() {
+                head[di * sp + si] = x;
+            }
+        }
+    });
+    Ok(out)
+}
+
+/// Rows layout [B·H, S, Dp] times `scale` -> [B, S, H, D] elements of `dtype` in `dst`.
+pub fn unpack_rows(src: &[f32], dst: &mut [u8], dtype: DType, shape: [usize; 4], scale: f32) {
     let [_, s, h, d] = shape;
+    let dp = padded_dim(d);
     let row_bytes = h * d * dtype.size_bytes();
     if row_bytes == 0 {
         return;
     }
     dst.par_chunks_mut(row_bytes).enumerate().for_each(|(bs, out_row)| {
-        let (b, si) = (bs / s, bs % s);
+        let (bi, si) = (bs / s, bs % s);
         let mut buf = vec![0.0f32; d];
-        for hh in 0..h {
-            let start = ((b * h + hh) * s + si) * d;
+        for hi in 0..h {
+            let start = ((bi * h + hi) * s + si) * dp;
             buf.iter_mut().zip(&src[start..start + d]).for_each(|(o, &x)| *o = x * scale);
-            dtype.store(&buf, out_row, hh * d);
+            dtype.store(&buf, out_row, hi * d);
         }
     });
 }

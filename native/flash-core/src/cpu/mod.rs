@@ -3,8 +3,10 @@
 mod backward;
 mod forward;
 mod layout;
-mod matmul;
+#[doc(hidden)]
+pub mod matmul;
 pub mod simd;
+mod vector;
 mod workspace;
 
 use crate::error::{FlashError, Result};

@@ -1,144 +1,8 @@
-//! Elementwise work of a tile (online softmax, probabilities and dS), vectorised by compiling the
-//! same plain loops once per instruction set and picking one at run time (AVX-512, AVX2+FMA, or
-//! the baseline). The loops are written with 16 independent lanes so they vectorise without
-//! fast-math; every path computes in f32.
+//! Elementwise work of a tile (online softmax; probabilities and dS), written once over
+//! [`Vector`] and compiled per instruction set; [`isa`] picks the set at run time.
 
+use super::vector::{exp2_scalar, Scalar, Vector};
 use std::sync::OnceLock;
-
-/// exp2 over the range the kernels need (x <= ~0): round-to-nearest split into 2^n * 2^f with a
-/// degree-6 polynomial for 2^f on [-0.5, 0.5] (relative error < 2e-7). x < -126 gives exactly 0
-/// (so masked -inf entries vanish); NaN stays NaN.
-#[inline(always)]
-fn exp2(x: f32) -> f32 {
-    let xc = if x > 127.0 { 127.0 } else { x };
-    let xc = if xc < -126.0 { -126.0 } else { xc };
-    let n = xc.round_ties_even();
-    let f = xc - n;
-    let p = 1.535_336_2e-4_f32;
-    let p = p * f + 1.339_887_4e-3;
-    let p = p * f + 9.618_437_4e-3;
-    let p = p * f + 5.550_332_5e-2;
-    let p = p * f + 2.402_264_8e-1;
-    let p = p * f + 6.931_472e-1;
-    let p = p * f + 1.0;
-    let pow2n = f32::from_bits(((n as i32 + 127) as u32) << 23);
-    if x < -126.0 {
-        0.0
-    } else {
-        p * pow2n
-    }
-}
-
-const LANES: usize = 16;
-
-/// Maximum of a row, ignoring NaN (NaN still reaches the output through exp2).
-#[inline(always)]
-fn row_max(x: &[f32]) -> f32 {
-    let mut acc = [f32::NEG_INFINITY; LANES];
-    let chunks = x.chunks_exact(LANES);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for i in 0..LANES {
-            acc[i] = if c[i] > acc[i] { c[i] } else { acc[i] };
-        }
-    }
-    let mut m = f32::NEG_INFINITY;
-    for &v in acc.iter().chain(rest) {
-        m = if v > m { v } else { m };
-    }
-    m
-}
-
-/// x <- exp2(x - shift); returns the sum of the new x.
-#[inline(always)]
-fn exp2_shifted_sum(x: &mut [f32], shift: f32) -> f32 {
-    let mut acc = [0.0f32; LANES];
-    let mut chunks = x.chunks_exact_mut(LANES);
-    for c in &mut chunks {
-        for i in 0..LANES {
-            let e = exp2(c[i] - shift);
-            c[i] = e;
-            acc[i] += e;
-        }
-    }
-    let mut sum = 0.0f32;
-    for v in chunks.into_remainder() {
-        *v = exp2(*v - shift);
-        sum += *v;
-    }
-    acc.iter().sum::<f32>() + sum
-}
-
-mod kernels {
-    use super::*;
-
-    /// One online-softmax step over a tile of scores in the exp2 domain.
-    /// s: [rows, ld] (first `cols` columns used) -> probabilities relative to the new row max;
-    /// m, l: running max and sum per row (updated); alpha: per-row factor for the output
-    /// accumulator (exp2(m_old - m_new)).
-    #[inline(always)]
-    pub fn online_softmax(s: &mut [f32], cols: usize, ld: usize, m: &mut [f32], l: &mut [f32], alpha: &mut [f32]) {
-        for r in 0..m.len() {
-            let row = &mut s[r * ld..r * ld + cols];
-            let mx = row_max(row);
-            let m_new = if mx > m[r] { mx } else { m[r] };
-            // A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
-            let shift = if m_new == f32::NEG_INFINITY { 0.0 } else { m_new };
-            alpha[r] = exp2(m[r] - shift);
-            let sum = exp2_shifted_sum(row, shift);
-            l[r] = l[r] * alpha[r] + sum;
-            m[r] = m_new;
-        }
-    }
-
-    /// acc[r, :] *= alpha[r]; acc: [rows, d].
-    #[inline(always)]
-    pub fn scale_rows(acc: &mut [f32], d: usize, alpha: &[f32]) {
-        for (row, &a) in acc.chunks_exact_mut(d).zip(alpha) {
-            for v in row {
-                *v *= a;
-            }
-        }
-    }
-
-    /// Backward tile: s <- P = exp2(s - lse2[r]); dp <- dS = P * (dp - delta[r]).
-    /// s, dp: [rows, ld] with `cols` columns used; lse2 is the row's log-sum-exp in log2 units
-    /// (+inf for rows that see no key, which makes P = 0).
-    #[inline(always)]
-    pub fn probs_and_dscores(s: &mut [f32], dp: &mut [f32], cols: usize, ld: usize, lse2: &[f32], delta: &[f32]) {
-        for r in 0..lse2.len() {
-            let (sr, dr) = (&mut s[r * ld..r * ld + cols], &mut dp[r * ld..r * ld + cols]);
-            let (shift, dl) = (lse2[r], delta[r]);
-            for (x, g) in sr.iter_mut().zip(dr.iter_mut()) {
-                let pr = exp2(*x - shift);
-                *x = pr;
-                *g = pr * (*g - dl);
-            }
-        }
-    }
-}
-
-macro_rules! isa_module {
-    ($name:ident, $features:literal) => {
-        #[cfg(target_arch = "x86_64")]
-        mod $name {
-            #[target_feature(enable = $features)]
-            pub unsafe fn online_softmax(s: &mut [f32], cols: usize, ld: usize, m: &mut [f32], l: &mut [f32], alpha: &mut [f32]) {
-                super::kernels::online_softmax(s, cols, ld, m, l, alpha)
-            }
-            #[target_feature(enable = $features)]
-            pub unsafe fn scale_rows(acc: &mut [f32], d: usize, alpha: &[f32]) {
-                super::kernels::scale_rows(acc, d, alpha)
-            }
-            #[target_feature(enable = $features)]
-            pub unsafe fn probs_and_dscores(s: &mut [f32], dp: &mut [f32], cols: usize, ld: usize, lse2: &[f32], delta: &[f32]) {
-                super::kernels::probs_and_dscores(s, dp, cols, ld, lse2, delta)
-            }
-        }
-    };
-}
-isa_module!(avx512, "avx512f,avx512dq,avx512vl,avx2,fma");
-isa_module!(avx2, "avx2,fma");
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
@@ -156,6 +20,7 @@ pub fn isa() -> Isa {
             if std::is_x86_feature_detected!("avx512f")
                 && std::is_x86_feature_detected!("avx512dq")
                 && std::is_x86_feature_detected!("avx512vl")
+                && std::is_x86_feature_detected!("avx2")
                 && std::is_x86_feature_detected!("fma")
             {
                 return Isa::Avx512;
@@ -168,15 +33,138 @@ pub fn isa() -> Isa {
     })
 }
 
+/// Row maximum of x[..n], ignoring NaN (NaN still reaches the output through exp2).
+#[inline(always)]
+unsafe fn row_max<V: Vector>(x: *const f32, n: usize) -> f32 {
+    let mut acc = V::splat(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i + V::LANES <= n {
+        acc = V::load(x.add(i)).max(acc);
+        i += V::LANES;
+    }
+    let mut m = acc.reduce_max();
+    for t in i..n {
+        let v = *x.add(t);
+        m = if v > m { v } else { m };
+    }
+    m
+}
+
+/// x[..n] <- exp2(x - shift); returns the sum of the new values.
+#[inline(always)]
+unsafe fn exp2_shifted_sum<V: Vector>(x: *mut f32, n: usize, shift: f32) -> f32 {
+    let (sh, mut acc) = (V::splat(shift), V::zero());
+    let mut i = 0;
+    while i + V::LANES <= n {
+        let e = V::load(x.add(i)).sub(sh).exp2();
+        e.store(x.add(i));
+        acc = acc.add(e);
+        i += V::LANES;
+    }
+    let mut sum = acc.reduce_add();
+    for t in i..n {
+        let e = exp2_scalar(*x.add(t) - shift);
+        *x.add(t) = e;
+        sum += e;
+    }
+    sum
+}
+
+mod generic {
+    use super::*;
+
+    /// One online-softmax step over a tile of scores in exp2 units.
+    /// s: [rows, ld], first `cols` columns used -> exp2(s - new row max);
+    /// m, l: running max and sum per row (updated); alpha[r] = exp2(m_old - m_new), the factor
+    /// for the row of the output accumulator.
+    #[inline(always)]
+    pub unsafe fn online_softmax<V: Vector>(s: &mut [f32], cols: usize, ld: usize, m: &mut [f32], l: &mut [f32], alpha: &mut [f32]) {
+        assert!(m.len() == l.len() && m.len() == alpha.len() && (m.is_empty() || (m.len() - 1) * ld + cols <= s.len()));
+        for r in 0..m.len() {
+            let row = s.as_mut_ptr().add(r * ld);
+            let mx = row_max::<V>(row, cols);
+            let m_new = if mx > m[r] { mx } else { m[r] };
+            // A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+            let shift = if m_new == f32::NEG_INFINITY { 0.0 } else { m_new };
+            alpha[r] = exp2_scalar(m[r] - shift);
+            l[r] = l[r] * alpha[r] + exp2_shifted_sum::<V>(row, cols, shift);
+            m[r] = m_new;
+        }
+    }
+
+    /// acc[r, :d] *= alpha[r]; acc: [rows, d] with d a multiple of the vector width.
+    #[inline(always)]
+    pub unsafe fn scale_rows<V: Vector>(acc: &mut [f32], d: usize, alpha: &[f32]) {
+        assert!(d % V::LANES == 0 && alpha.len() * d <= acc.len());
+        for (r, &a) in alpha.iter().enumerate() {
+            let (row, av) = (acc.as_mut_ptr().add(r * d), V::splat(a));
+            for i in (0..d).step_by(V::LANES) {
+                V::load(row.add(i)).mul(av).store(row.add(i));
+            }
+        }
+    }
+
+    /// Backward tile: s <- P = exp2(s - lse2[r]); dp <- dS = P * (dp - delta[r]).
+    /// s, dp: [rows, ld], first `cols` columns used; lse2 is the row's log-sum-exp in log2 units
+    /// (+inf for rows that see no key, which makes P = 0).
+    #[inline(always)]
+    pub unsafe fn probs_and_dscores<V: Vector>(s: &mut [f32], dp: &mut [f32], cols: usize, ld: usize, lse2: &[f32], delta: &[f32]) {
+        let rows = lse2.len();
+        assert!(delta.len() == rows && (rows == 0 || ((rows - 1) * ld + cols <= s.len().min(dp.len()))));
+        for r in 0..rows {
+            let (sr, dr) = (s.as_mut_ptr().add(r * ld), dp.as_mut_ptr().add(r * ld));
+            let (sh, dl) = (V::splat(lse2[r]), V::splat(delta[r]));
+            let mut i = 0;
+            while i + V::LANES <= cols {
+                let p = V::load(sr.add(i)).sub(sh).exp2();
+                p.store(sr.add(i));
+                p.mul(V::load(dr.add(i)).sub(dl)).store(dr.add(i));
+                i += V::LANES;
+            }
+            for t in i..cols {
+                let p = exp2_scalar(*sr.add(t) - lse2[r]);
+                *sr.add(t) = p;
+                *dr.add(t) = p * (*dr.add(t) - delta[r]);
+            }
+        }
+    }
+}
+
+macro_rules! isa_module {
+    ($name:ident, $vector:ty, $features:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        mod $name {
+            use super::generic;
+            #[target_feature(enable = $features)]
+            pub unsafe fn online_softmax(s: &mut [f32], cols: usize, ld: usize, m: &mut [f32], l: &mut [f32], alpha: &mut [f32]) {
+                generic::online_softmax::<$vector>(s, cols, ld, m, l, alpha)
+            }
+            #[target_feature(enable = $features)]
+            pub unsafe fn scale_rows(acc: &mut [f32], d: usize, alpha: &[f32]) {
+                generic::scale_rows::<$vector>(acc, d, alpha)
+            }
+            #[target_feature(enable = $features)]
+            pub unsafe fn probs_and_dscores(s: &mut [f32], dp: &mut [f32], cols: usize, ld: usize, lse2: &[f32], delta: &[f32]) {
+                generic::probs_and_dscores::<$vector>(s, dp, cols, ld, lse2, delta)
+            }
+        }
+    };
+}
+isa_module!(avx512, super::super::vector::x86::Avx512, "avx512f,avx512dq,avx512vl,avx2,fma");
+isa_module!(avx2, super::super::vector::x86::Avx2, "avx2,fma");
+
 macro_rules! dispatch {
     ($f:ident($($arg:expr),*)) => {
-        match isa() {
-            // SAFETY: isa() only reports instruction sets the CPU supports.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { avx512::$f($($arg),*) },
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { avx2::$f($($arg),*) },
-            _ => kernels::$f($($arg),*),
+        // SAFETY: isa() only reports instruction sets the CPU supports; the generic kernels
+        // check their slice bounds before touching raw pointers.
+        unsafe {
+            match isa() {
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 => avx512::$f($($arg),*),
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => avx2::$f($($arg),*),
+                _ => generic::$f::<Scalar>($($arg),*),
+            }
         }
     };
 }
@@ -203,23 +191,46 @@ mod tests {
         let mut x = -126.0f32;
         while x <= 10.0 {
             let want = (x as f64).exp2();
-            let rel = ((exp2(x) as f64 - want) / want).abs();
+            let rel = ((exp2_scalar(x) as f64 - want) / want).abs();
             worst = worst.max(rel);
             x += 0.00137;
         }
         assert!(worst < 3e-7, "worst relative error {worst}");
-        assert_eq!(exp2(f32::NEG_INFINITY), 0.0);
-        assert!(exp2(f32::NAN).is_nan());
+        assert_eq!(exp2_scalar(f32::NEG_INFINITY), 0.0);
+        assert!(exp2_scalar(f32::NAN).is_nan());
+    }
+
+    /// The dispatched (vector) softmax step agrees with a scalar f64 computation, including a
+    /// tail that is not a multiple of the vector width and a fully masked row.
+    #[test]
+    fn online_softmax_matches_scalar() {
+        let (rows, cols, ld) = (3usize, 37usize, 48usize);
+        let mut s: Vec<f32> = (0..rows * ld).map(|i| ((i * 37 % 101) as f32 * 0.173).sin() * 4.0).collect();
+        s[2 * ld..2 * ld + cols].fill(f32::NEG_INFINITY);
+        let orig = s.clone();
+        let (mut m, mut l, mut alpha) = (vec![f32::NEG_INFINITY; rows], vec![0.0; rows], vec![0.0; rows]);
+        online_softmax(&mut s, cols, ld, &mut m, &mut l, &mut alpha);
+        for r in 0..2 {
+            let row = &orig[r * ld..r * ld + cols];
+            let mx = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(m[r], mx);
+            let want: f64 = row.iter().map(|&v| ((v - mx) as f64).exp2()).sum();
+            assert!(((l[r] as f64 - want) / want).abs() < 1e-6);
+            for c in 0..cols {
+                let p = ((row[c] - mx) as f64).exp2();
+                assert!((s[r * ld + c] as f64 - p).abs() <= 1e-6 * p.max(1e-30) + 1e-12);
+            }
+        }
+        assert_eq!((m[2], l[2]), (f32::NEG_INFINITY, 0.0));
+        assert!(s[2 * ld..2 * ld + cols].iter().all(|&p| p == 0.0));
     }
 
     #[test]
-    fn row_max_and_sum() {
-        let mut row: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin()).collect();
-        let m = row_max(&row);
-        let want_m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        assert_eq!(m, want_m);
-        let want: f64 = row.iter().map(|&v| ((v - m) as f64).exp2()).sum();
-        let got = exp2_shifted_sum(&mut row, m);
-        assert!(((got as f64 - want) / want).abs() < 1e-6);
+    fn nan_propagates() {
+        let mut s = vec![0.5f32; 32];
+        s[3] = f32::NAN;
+        let (mut m, mut l, mut alpha) = (vec![f32::NEG_INFINITY], vec![0.0], vec![0.0]);
+        online_softmax(&mut s, 32, 32, &mut m, &mut l, &mut alpha);
+        assert!(l[0].is_nan());
     }
 }

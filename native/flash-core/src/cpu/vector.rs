@@ -1,0 +1,250 @@
+//! One SIMD register type per instruction set (AVX-512, AVX2+FMA, and a 1-lane scalar
+//! fallback), so the micro-kernel and the softmax are written once, generically, and compiled
+//! inside `#[target_feature]` functions for each set.
+
+/// exp2 on the range the kernels need: round-to-nearest split 2^x = 2^n · 2^f with a degree-6
+/// polynomial for 2^f on [-0.5, 0.5] (relative error < 2e-7). x < -126 gives exactly 0 (masked
+/// -inf scores vanish); NaN stays NaN. Coefficients are the classic minimax set for 2^f.
+const EXP2_POLY: [f32; 6] = [1.535_336_2e-4, 1.339_887_4e-3, 9.618_437_4e-3, 5.550_332_5e-2, 2.402_264_8e-1, 6.931_472e-1];
+const EXP2_MIN: f32 = -126.0;
+const EXP2_MAX: f32 = 127.0;
+
+#[inline(always)]
+pub fn exp2_scalar(x: f32) -> f32 {
+    let xc = if x > EXP2_MAX { EXP2_MAX } else { x };
+    let xc = if xc < EXP2_MIN { EXP2_MIN } else { xc };
+    let n = xc.round_ties_even();
+    let f = xc - n;
+    let mut p = EXP2_POLY[0];
+    for c in &EXP2_POLY[1..] {
+        p = p * f + c;
+    }
+    p = p * f + 1.0;
+    let pow2n = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    if x < EXP2_MIN {
+        0.0
+    } else {
+        p * pow2n
+    }
+}
+
+pub trait Vector: Copy {
+    const LANES: usize;
+    unsafe fn zero() -> Self;
+    unsafe fn splat(x: f32) -> Self;
+    unsafe fn load(p: *const f32) -> Self;
+    unsafe fn store(self, p: *mut f32);
+    /// self + a * b
+    unsafe fn fma(self, a: Self, b: Self) -> Self;
+    unsafe fn add(self, b: Self) -> Self;
+    unsafe fn sub(self, b: Self) -> Self;
+    unsafe fn mul(self, b: Self) -> Self;
+    /// Lane-wise max; a NaN lane in `self` is ignored (the kernels let NaN reach the output
+    /// through exp2 instead).
+    unsafe fn max(self, b: Self) -> Self;
+    unsafe fn exp2(self) -> Self;
+    unsafe fn reduce_max(self) -> f32;
+    unsafe fn reduce_add(self) -> f32;
+}
+
+/// The 1-lane fallback for machines without AVX2.
+#[derive(Clone, Copy)]
+pub struct Scalar(f32);
+
+impl Vector for Scalar {
+    const LANES: usize = 1;
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        Scalar(0.0)
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        Scalar(x)
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        Scalar(*p)
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        *p = self.0
+    }
+    #[inline(always)]
+    unsafe fn fma(self, a: Self, b: Self) -> Self {
+        Scalar(self.0 + a.0 * b.0)
+    }
+    #[inline(always)]
+    unsafe fn add(self, b: Self) -> Self {
+        Scalar(self.0 + b.0)
+    }
+    #[inline(always)]
+    unsafe fn sub(self, b: Self) -> Self {
+        Scalar(self.0 - b.0)
+    }
+    #[inline(always)]
+    unsafe fn mul(self, b: Self) -> Self {
+        Scalar(self.0 * b.0)
+    }
+    #[inline(always)]
+    unsafe fn max(self, b: Self) -> Self {
+        Scalar(if self.0 > b.0 { self.0 } else { b.0 })
+    }
+    #[inline(always)]
+    unsafe fn exp2(self) -> Self {
+        Scalar(exp2_scalar(self.0))
+    }
+    #[inline(always)]
+    unsafe fn reduce_max(self) -> f32 {
+        self.0
+    }
+    #[inline(always)]
+    unsafe fn reduce_add(self) -> f32 {
+        self.0
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod x86 {
+    use super::{Vector, EXP2_MAX, EXP2_MIN, EXP2_POLY};
+    use std::arch::x86_64::*;
+
+    const ROUND_NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+    #[derive(Clone, Copy)]
+    pub struct Avx512(__m512);
+    #[derive(Clone, Copy)]
+    pub struct Avx2(__m256);
+
+    impl Vector for Avx512 {
+        const LANES: usize = 16;
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            Avx512(_mm512_setzero_ps())
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            Avx512(_mm512_set1_ps(x))
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            Avx512(_mm512_loadu_ps(p))
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm512_storeu_ps(p, self.0)
+        }
+        #[inline(always)]
+        unsafe fn fma(self, a: Self, b: Self) -> Self {
+            Avx512(_mm512_fmadd_ps(a.0, b.0, self.0))
+        }
+        #[inline(always)]
+        unsafe fn add(self, b: Self) -> Self {
+            Avx512(_mm512_add_ps(self.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn sub(self, b: Self) -> Self {
+            Avx512(_mm512_sub_ps(self.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn mul(self, b: Self) -> Self {
+            Avx512(_mm512_mul_ps(self.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn max(self, b: Self) -> Self {
+            // MAXPS returns its second operand when either is NaN.
+            Avx512(_mm512_max_ps(self.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn exp2(self) -> Self {
+            let x = self.0;
+            // max/min return the second operand on NaN: keep x second so NaN survives.
+            let xc = _mm512_min_ps(_mm512_set1_ps(EXP2_MAX), _mm512_max_ps(_mm512_set1_ps(EXP2_MIN), x));
+            let n = _mm512_roundscale_ps::<ROUND_NEAREST>(xc);
+            let f = _mm512_sub_ps(xc, n);
+            let mut p = _mm512_set1_ps(EXP2_POLY[0]);
+            for &c in &EXP2_POLY[1..] {
+                p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+            }
+            p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0));
+            let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)));
+            let r = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+            let below = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(EXP2_MIN));
+            Avx512(_mm512_mask_blend_ps(below, r, _mm512_setzero_ps()))
+        }
+        #[inline(always)]
+        unsafe fn reduce_max(self) -> f32 {
+            let a: [f32; 16] = std::mem::transmute(self.0);
+            a.iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+        }
+        #[inline(always)]
+        unsafe fn reduce_add(self) -> f32 {
+            _mm512_reduce_add_ps(self.0)
+        }
+    }
+
+    impl Vector for Avx2 {
+        const LANES: usize = 8;
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            Avx2(_mm256_setzero_ps())
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            Avx2(_mm256_set1_ps(x))
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            Avx2(_mm256_loadu_ps(p))
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm256_storeu_ps(p, self.0)
+        }
+        #[inline(always)]
+        unsafe fn fma(self, a: Self, b: Self) -> Self {
+            Avx2(_mm256_fmadd_ps(a.0, b.0, self.0))
+        }
+        #[inline(always)]
+        unsafe fn add(self, b: Self) -> Self {
+            Avx2(_mm256_add_ps(self.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn sub(self, b: Self) -> Self {
+            Avx2(_mm256_sub_ps(self.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn mul(self, b: Self) -> Self {
+            Avx2(_mm256_mul_ps(self.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn max(self, b: Self) -> Self {
+            Avx2(_mm256_max_ps(self.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn exp2(self) -> Self {
+            let x = self.0;
+            let xc = _mm256_min_ps(_mm256_set1_ps(EXP2_MAX), _mm256_max_ps(_mm256_set1_ps(EXP2_MIN), x));
+            let n = _mm256_round_ps::<ROUND_NEAREST>(xc);
+            let f = _mm256_sub_ps(xc, n);
+            let mut p = _mm256_set1_ps(EXP2_POLY[0]);
+            for &c in &EXP2_POLY[1..] {
+                p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+            }
+            p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0));
+            let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
+            let r = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+            let below = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP2_MIN));
+            Avx2(_mm256_andnot_ps(below, r))
+        }
+        #[inline(always)]
+        unsafe fn reduce_max(self) -> f32 {
+            let a: [f32; 8] = std::mem::transmute(self.0);
+            a.iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+        }
+        #[inline(always)]
+        unsafe fn reduce_add(self) -> f32 {
+            let a: [f32; 8] = std::mem::transmute(self.0);
+            (a[0] + a[4]) + (a[1] + a[5]) + ((a[2] + a[6]) + (a[3] + a[7]))
+        }
+    }
+}

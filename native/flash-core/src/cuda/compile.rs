@@ -1,0 +1,199 @@
+//! NVRTC: kernel source + defines -> cubin for one arch, cached in memory and on disk.
+//!
+//! Disk cache: `$FLASH_NIF_CACHE_DIR`, else `$XDG_CACHE_HOME/flash_nif`, else `~/.cache/flash_nif`;
+//! one file per cubin named `<variant>-<arch>-<key>.cubin`, where the key hashes the expanded
+//! source, the options, the arch, the NVRTC version and this crate's version. Writes go through a
+//! temporary file and a rename, so concurrent processes never read a half-written cubin.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, CString};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::nvrtc::sys as nv;
+
+use super::config::Variant;
+use super::{libs, sources};
+use crate::error::{FlashError, Result};
+
+static MEMORY: OnceLock<Mutex<HashMap<u64, Arc<Vec<u8>>>>> = OnceLock::new();
+
+/// The cache directory (created on first write).
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("FLASH_NIF_CACHE_DIR") {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(d).join("flash_nif");
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    home.join(".cache").join("flash_nif")
+}
+
+fn nvrtc_err(call: &str, r: nv::nvrtcResult) -> FlashError {
+    FlashError::Cuda { call: call.to_string(), message: format!("{r:?}") }
+}
+
+/// NVRTC's (major, minor) version.
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    libs::ensure_nvrtc()?;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: out-pointers to two ints.
+    let r = unsafe { nv::nvrtcVersion(&mut major, &mut minor) };
+    if r != nv::nvrtcResult::NVRTC_SUCCESS {
+        return Err(nvrtc_err("nvrtcVersion", r));
+    }
+    Ok((major, minor))
+}
+
+/// What a compile produced.
+pub struct Compiled {
+    pub cubin: Arc<Vec<u8>>,
+    /// The NVRTC log (with `-Xptxas=-v`: registers, spills) when compiled now; empty from a cache.
+    pub log: String,
+    pub from_cache: bool,
+}
+
+/// Compiles (or fetches from the caches) the cubin of `v` for `arch`.
+pub fn compile(v: &Variant, arch: &str) -> Result<Compiled> {
+    compile_with(v, arch, false)
+}
+
+/// As [`compile`]; `verbose` bypasses the caches and asks ptxas for its resource report.
+pub fn compile_with(v: &Variant, arch: &str, verbose: bool) -> Result<Compiled> {
+    let (major, minor) = nvrtc_version()?;
+    let src = sources::expand(v.source)
+        .ok_or_else(|| FlashError::Internal(format!("kernel source {} is not embedded", v.source)))?;
+    let opts = v.options(arch);
+    let key = sources::fnv1a(&[
+        src.as_bytes(),
+        opts.join(" ").as_bytes(),
+        arch.as_bytes(),
+        format!("nvrtc {major}.{minor}").as_bytes(),
+        crate::VERSION.as_bytes(),
+    ]);
+    let mem = MEMORY.get_or_init(|| Mutex::new(HashMap::new()));
+    if !verbose {
+        if let Some(c) = mem.lock().ok().and_then(|m| m.get(&key).cloned()) {
+            return Ok(Compiled { cubin: c, log: String::new(), from_cache: true });
+        }
+    }
+    let path = cache_dir().join(format!("{}-{arch}-{key:016x}.cubin", v.name()));
+    if !verbose {
+        if let Ok(bytes) = std::fs::read(&path) {
+            if bytes.starts_with(b"\x7fELF") {
+                let c = Arc::new(bytes);
+                if let Ok(mut m) = mem.lock() {
+                    m.insert(key, c.clone());
+                }
+                return Ok(Compiled { cubin: c, log: String::new(), from_cache: true });
+            }
+        }
+    }
+    let mut all = opts.clone();
+    if verbose {
+        all.push("-Xptxas=-v".to_string());
+    }
+    let (cubin, log) = run_nvrtc(&src, v, &all)?;
+    let cubin = Arc::new(cubin);
+    if let Ok(mut m) = mem.lock() {
+        m.insert(key, cubin.clone());
+    }
+    write_atomic(&path, &cubin); // a cache that cannot be written only costs a recompile
+    Ok(Compiled { cubin, log, from_cache: false })
+}
+
+fn write_atomic(path: &PathBuf, bytes: &[u8]) {
+    let Some(dir) = path.parent() else { return };
+    if std::fs::create_dir_all(dir).is_err() {
+        return;
+    }
+    let tmp = dir.join(format!(".{}.{}.tmp", std::process::id(), path.file_name().and_then(|n| n.to_str()).unwrap_or("x")));
+    if std::fs::write(&tmp, bytes).is_ok() && std::fs::rename(&tmp, path).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
+
+fn run_nvrtc(src: &str, v: &Variant, opts: &[String]) -> Result<(Vec<u8>, String)> {
+    let csrc = CString::new(src).map_err(|_| FlashError::Internal("NUL in kernel source".into()))?;
+    let cname = CString::new(v.source).unwrap_or_default();
+    let mut prog: nv::nvrtcProgram = std::ptr::null_mut();
+    // SAFETY: valid C strings; no headers.
+    let r = unsafe {
+        nv::nvrtcCreateProgram(&mut prog, csrc.as_ptr(), cname.as_ptr(), 0, std::ptr::null(), std::ptr::null())
+    };
+    if r != nv::nvrtcResult::NVRTC_SUCCESS {
+        return Err(nvrtc_err("nvrtcCreateProgram", r));
+    }
+    struct Guard(nv::nvrtcProgram);
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            // SAFETY: created above, destroyed once.
+            unsafe {
+                nv::nvrtcDestroyProgram(&mut self.0);
+            }
+        }
+    }
+    let guard = Guard(prog);
+    let copts: Vec<CString> = opts.iter().map(|o| CString::new(o.as_str()).unwrap_or_default()).collect();
+    let ptrs: Vec<*const c_char> = copts.iter().map(|c| c.as_ptr()).collect();
+    // SAFETY: the program is live; the option pointers outlive the call.
+    let rc = unsafe { nv::nvrtcCompileProgram(guard.0, ptrs.len() as i32, ptrs.as_ptr()) };
+    let log = program_log(guard.0);
+    if rc != nv::nvrtcResult::NVRTC_SUCCESS {
+        return Err(FlashError::Nvrtc { kernel: format!("{} ({})", v.name(), opts.join(" ")), log });
+    }
+    let mut size = 0usize;
+    // SAFETY: compiled program; out-pointer.
+    let r = unsafe { nv::nvrtcGetCUBINSize(guard.0, &mut size) };
+    if r != nv::nvrtcResult::NVRTC_SUCCESS {
+        return Err(nvrtc_err("nvrtcGetCUBINSize", r));
+    }
+    let mut cubin = vec![0u8; size];
+    // SAFETY: the buffer holds `size` bytes.
+    let r = unsafe { nv::nvrtcGetCUBIN(guard.0, cubin.as_mut_ptr() as *mut c_char) };
+    if r != nv::nvrtcResult::NVRTC_SUCCESS {
+        return Err(nvrtc_err("nvrtcGetCUBIN", r));
+    }
+    Ok((cubin, log))
+}
+
+fn program_log(prog: nv::nvrtcProgram) -> String {
+    let mut n = 0usize;
+    // SAFETY: live program; out-pointer.
+    if unsafe { nv::nvrtcGetProgramLogSize(prog, &mut n) } != nv::nvrtcResult::NVRTC_SUCCESS || n == 0 {
+        return String::new();
+    }
+    let mut buf = vec![0u8; n];
+    // SAFETY: the buffer holds n bytes.
+    unsafe { nv::nvrtcGetProgramLog(prog, buf.as_mut_ptr() as *mut c_char) };
+    String::from_utf8_lossy(&buf).trim_end_matches('\0').trim().to_string()
+}
+
+/// Registers, spill bytes and stack frame read from a ptxas report (`-Xptxas=-v`).
+pub fn parse_ptxas(log: &str) -> (i64, i64, i64) {
+    let num_before = |s: &str, pat: &str| -> i64 {
+        s.find(pat)
+            .and_then(|i| s[..i].split_whitespace().last())
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(-1)
+    };
+    let regs = log
+        .find("Used ")
+        .and_then(|i| log[i + 5..].split_whitespace().next())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(-1);
+    let spill = num_before(log, "bytes spill stores").max(0) + num_before(log, "bytes spill loads").max(0);
+    (regs, spill, num_before(log, "bytes stack frame"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ptxas_report_is_parsed() {
+        let log = "ptxas info    : Function properties for flash_fwd\nptxas         .     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\nptxas info    : Used 166 registers, used 1 barriers";
+        assert_eq!(parse_ptxas(log), (166, 12, 16));
+    }
+}

@@ -1,0 +1,214 @@
+//! Kernel variants: which source, which -D defines, which tile sizes and launch shape.
+//! Mirrored by python/flash_nif/kernels.py (the compile check); tests/test_gpu.py compares them.
+
+use crate::dtype::DType;
+
+/// The four kernels of a forward + backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    Fwd,
+    BwdPreprocess,
+    BwdDq,
+    BwdDkdv,
+}
+
+impl Kernel {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Fwd => "fwd",
+            Kernel::BwdPreprocess => "bwd_preprocess",
+            Kernel::BwdDq => "bwd_dq",
+            Kernel::BwdDkdv => "bwd_dkdv",
+        }
+    }
+    pub fn entry(self) -> &'static str {
+        match self {
+            Kernel::Fwd => "flash_fwd",
+            Kernel::BwdPreprocess => "flash_bwd_preprocess",
+            Kernel::BwdDq => "flash_bwd_dq",
+            Kernel::BwdDkdv => "flash_bwd_dkdv",
+        }
+    }
+}
+
+pub fn dtype_code(d: DType) -> u32 {
+    match d {
+        DType::F16 => 0,
+        DType::BF16 => 1,
+        DType::F32 => 2,
+    }
+}
+
+pub fn dtype_short(d: DType) -> &'static str {
+    match d {
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::F32 => "f32",
+    }
+}
+
+/// One specialised kernel.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Variant {
+    pub kernel: Kernel,
+    pub dtype: DType,
+    pub head_dim: usize,
+    pub source: &'static str,
+    pub block_m: usize,
+    pub block_n: usize,
+    pub num_warps: usize,
+    pub d_split: usize,
+    pub defines: Vec<(&'static str, i64)>,
+}
+
+impl Variant {
+    pub fn threads(&self) -> u32 {
+        32 * self.num_warps as u32
+    }
+
+    /// Stable name, e.g. `fwd_bf16_d128_num_warps8_is_causal1_...` (same as kernels.py).
+    pub fn name(&self) -> String {
+        let rest: Vec<String> = self
+            .defines
+            .iter()
+            .filter(|(k, _)| *k != "FLASH_DTYPE" && *k != "HEAD_DIM")
+            .map(|(k, v)| format!("{}{}", k.to_lowercase(), v))
+            .collect();
+        format!("{}_{}_d{}_{}", self.kernel.name(), dtype_short(self.dtype), self.head_dim, rest.join("_"))
+    }
+
+    /// NVRTC options for `arch` (e.g. "sm_90a").
+    pub fn options(&self, arch: &str) -> Vec<String> {
+        let mut o = vec![format!("-arch={arch}"), "-std=c++17".to_string(), "-default-device".to_string()];
+        o.extend(self.defines.iter().map(|(k, v)| format!("-D{k}={v}")));
+        o
+    }
+
+    /// Dynamic shared memory in bytes (the layouts in cuda/*.cu).
+    pub fn smem_bytes(&self) -> usize {
+        let (d, bm, bn) = (self.head_dim, self.block_m, self.block_n);
+        match (self.kernel, self.dtype) {
+            (Kernel::BwdPreprocess, _) => 0,
+            (k, DType::F32) => {
+                let fs = d + 1;
+                4 * match k {
+                    Kernel::Fwd => (bm + 2 * bn) * fs + bm * (bn + 1),
+                    Kernel::BwdDq => (2 * bm + 2 * bn) * fs + bm * (bn + 1),
+                    _ => (2 * bn + 2 * bm) * fs + 2 * bn * (bm + 1) + 2 * bm,
+                }
+            }
+            (k, _) => {
+                let unit = 16 * self.d_split;
+                let srow = d.div_ceil(unit) * unit + 8;
+                match k {
+                    Kernel::Fwd => 2 * (bm + 4 * bn) * srow,
+                    Kernel::BwdDq => 2 * (2 * bm + 4 * bn) * srow,
+                    _ => 2 * (2 * bn + 4 * bm) * srow + 16 * bm,
+                }
+            }
+        }
+    }
+}
+
+/// (block_m, block_n, num_warps, d_split) per kernel, dtype and head dim.
+pub fn tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, usize) {
+    if kernel == Kernel::BwdPreprocess {
+        return (8, 1, 8, 1);
+    }
+    if dtype == DType::F32 {
+        let (bm, bn) = match kernel {
+            Kernel::Fwd if d <= 64 => (64, 64),
+            Kernel::Fwd if d <= 128 => (64, 32),
+            Kernel::Fwd => (32, 16),
+            _ if d <= 64 => (64, 64),
+            _ if d <= 128 => (32, 32),
+            _ => (16, 16),
+        };
+        return (bm, bn, 8, 1);
+    }
+    match kernel {
+        Kernel::Fwd if d <= 128 => (128, 64, 8, 1),
+        Kernel::Fwd => (64, 32, 4, 1),
+        Kernel::BwdDq if d <= 128 => (64, 64, 4, 1),
+        Kernel::BwdDq => (64, 32, 4, 1),
+        _ if d <= 64 => (64, 128, 8, 1),
+        _ if d <= 128 => (32, 128, 8, 1),
+        _ => (32, 64, 8, 2),
+    }
+}
+
+fn source(kernel: Kernel, dtype: DType) -> &'static str {
+    match (kernel, dtype) {
+        (Kernel::Fwd, DType::F32) => "fwd_f32.cu",
+        (Kernel::BwdDq, DType::F32) => "bwd_dq_f32.cu",
+        (Kernel::BwdDkdv, DType::F32) => "bwd_dkdv_f32.cu",
+        (Kernel::Fwd, _) => "fwd.cu",
+        (Kernel::BwdDq, _) => "bwd_dq.cu",
+        (Kernel::BwdDkdv, _) => "bwd_dkdv.cu",
+        (Kernel::BwdPreprocess, _) => "bwd_preprocess.cu",
+    }
+}
+
+/// The variant launched for a kernel of a problem. `even_m` / `even_n`: Sq / Sk divide the tiles.
+pub fn variant(kernel: Kernel, dtype: DType, head_dim: usize, causal: bool, group: usize, seq_q: usize, seq_k: usize) -> Variant {
+    let (bm, bn, nw, ds) = tiles(kernel, dtype, head_dim);
+    let mut defines: Vec<(&'static str, i64)> =
+        vec![("FLASH_DTYPE", dtype_code(dtype) as i64), ("HEAD_DIM", head_dim as i64), ("NUM_WARPS", nw as i64)];
+    if kernel != Kernel::BwdPreprocess {
+        defines.extend([
+            ("IS_CAUSAL", causal as i64),
+            ("GQA_GROUP", group as i64),
+            ("BLOCK_M", bm as i64),
+            ("BLOCK_N", bn as i64),
+            ("EVEN_M", (seq_q % bm == 0) as i64),
+            ("EVEN_N", (seq_k % bn == 0) as i64),
+        ]);
+        if kernel == Kernel::BwdDkdv && dtype != DType::F32 {
+            defines.push(("D_SPLIT", ds as i64));
+        }
+    }
+    Variant { kernel, dtype, head_dim, source: source(kernel, dtype), block_m: bm, block_n: bn, num_warps: nw, d_split: ds, defines }
+}
+
+/// Every (kernel, dtype, head dim, causal) the library launches, at GQA group 1 with ragged sizes
+/// (the group and EVEN_* flags change a loop bound or fold a branch, not the code's shape).
+pub fn all_variants(head_dims: &[usize]) -> Vec<Variant> {
+    let mut out = Vec::new();
+    for dtype in [DType::F16, DType::BF16, DType::F32] {
+        for &d in head_dims {
+            out.push(variant(Kernel::BwdPreprocess, dtype, d, false, 1, 1, 1));
+            for k in [Kernel::Fwd, Kernel::BwdDq, Kernel::BwdDkdv] {
+                for causal in [false, true] {
+                    out.push(variant(k, dtype, d, causal, 1, 1, 1));
+                }
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiles_fit_an_ampere_block_and_warps_cover_the_tile() {
+        for v in all_variants(&(8..=256).step_by(8).collect::<Vec<_>>()) {
+            assert!(v.smem_bytes() <= 163 * 1024, "{} needs {} bytes", v.name(), v.smem_bytes());
+            if v.dtype != DType::F32 {
+                match v.kernel {
+                    Kernel::Fwd | Kernel::BwdDq => assert_eq!(v.block_m, 16 * v.num_warps),
+                    Kernel::BwdDkdv => assert_eq!(v.block_n * v.d_split, 16 * v.num_warps),
+                    Kernel::BwdPreprocess => {}
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn even_flags_follow_the_sizes() {
+        let v = variant(Kernel::Fwd, DType::BF16, 64, true, 2, 256, 97);
+        assert!(v.defines.contains(&("EVEN_M", 1)));
+        assert!(v.defines.contains(&("EVEN_N", 0)));
+    }
+}

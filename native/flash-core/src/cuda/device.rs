@@ -1,0 +1,252 @@
+//! Devices, contexts, loaded modules and raw launches, through cudarc's driver bindings.
+//!
+//! Work runs in the device's primary context (the one CuPy and torch use), made current for the
+//! duration of a call and the caller's previous context restored afterwards. Modules are loaded
+//! once per (device, cubin) and kept for the life of the process.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CStr, CString};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::sys::{self as cu, CUresult};
+
+use super::compile;
+use super::config::Variant;
+use super::libs;
+use crate::error::{FlashError, Result};
+
+/// A CUDA driver call's result as a FlashError naming the call.
+pub fn check(call: &str, r: CUresult) -> Result<()> {
+    if r == CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: out-pointer; the driver returns a static string.
+    let msg = unsafe {
+        if cu::cuGetErrorName(r, &mut name) == CUresult::CUDA_SUCCESS && !name.is_null() {
+            CStr::from_ptr(name).to_string_lossy().into_owned()
+        } else {
+            format!("{r:?}")
+        }
+    };
+    Err(FlashError::Cuda { call: call.to_string(), message: msg })
+}
+
+/// One GPU: its primary context and properties.
+pub struct Device {
+    pub ordinal: usize,
+    pub ctx: cu::CUcontext,
+    pub name: String,
+    pub cc: (i32, i32),
+    /// NVRTC target: sm_90a on Hopper (wgmma-capable), sm_XY elsewhere.
+    pub arch: String,
+    pub sm_count: i32,
+    pub max_smem_optin: i32,
+}
+
+// SAFETY: CUcontext / CUdevice are driver handles usable from any thread.
+unsafe impl Send for Device {}
+unsafe impl Sync for Device {}
+
+static INIT: OnceLock<std::result::Result<(), FlashError>> = OnceLock::new();
+static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<Device>>>> = OnceLock::new();
+
+/// Loads libcuda and initialises the driver once.
+pub fn init() -> Result<()> {
+    INIT.get_or_init(|| {
+        libs::ensure_driver()?;
+        // SAFETY: the library is present (checked above).
+        match unsafe { cu::cuInit(0) } {
+            CUresult::CUDA_SUCCESS => Ok(()),
+            r => Err(FlashError::CudaUnavailable(format!(
+                "cuInit failed ({}): no usable NVIDIA GPU",
+                check("cuInit", r).err().map(|e| e.to_string()).unwrap_or_default()
+            ))),
+        }
+    })
+    .clone()
+}
+
+/// Number of CUDA devices (0 when the driver is missing).
+pub fn device_count() -> Result<usize> {
+    init()?;
+    let mut n = 0;
+    // SAFETY: out-pointer.
+    check("cuDeviceGetCount", unsafe { cu::cuDeviceGetCount(&mut n) })?;
+    Ok(n.max(0) as usize)
+}
+
+fn attribute(dev: cu::CUdevice, a: cu::CUdevice_attribute) -> Result<i32> {
+    let mut v = 0;
+    // SAFETY: out-pointer, valid device.
+    check("cuDeviceGetAttribute", unsafe { cu::cuDeviceGetAttribute(&mut v, a, dev) })?;
+    Ok(v)
+}
+
+/// The device with this ordinal (primary context retained for the life of the process).
+pub fn device(ordinal: usize) -> Result<Arc<Device>> {
+    init()?;
+    let map = DEVICES.get_or_init(|| Mutex::new(HashMap::new()));
+    let mut map = map.lock().map_err(|_| FlashError::Internal("device table poisoned".into()))?;
+    if let Some(d) = map.get(&ordinal) {
+        return Ok(d.clone());
+    }
+    let count = device_count()?;
+    if ordinal >= count {
+        return Err(FlashError::CudaUnavailable(format!(
+            "CUDA device {ordinal} requested but {count} device(s) are visible"
+        )));
+    }
+    let mut dev: cu::CUdevice = 0;
+    // SAFETY: out-pointers; ordinal checked.
+    check("cuDeviceGet", unsafe { cu::cuDeviceGet(&mut dev, ordinal as i32) })?;
+    let mut name = [0 as std::ffi::c_char; 256];
+    check("cuDeviceGetName", unsafe { cu::cuDeviceGetName(name.as_mut_ptr(), 255, dev) })?;
+    // SAFETY: NUL-terminated by the driver (and by our zeroed buffer).
+    let name = unsafe { CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
+    use cu::CUdevice_attribute as A;
+    let major = attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    let sm_count = attribute(dev, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    let max_smem_optin = attribute(dev, A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+    let mut ctx: cu::CUcontext = std::ptr::null_mut();
+    check("cuDevicePrimaryCtxRetain", unsafe { cu::cuDevicePrimaryCtxRetain(&mut ctx, dev) })?;
+    let arch = if major == 9 && minor == 0 { "sm_90a".to_string() } else { format!("sm_{major}{minor}") };
+    let d = Arc::new(Device { ordinal, ctx, name, cc: (major, minor), arch, sm_count, max_smem_optin });
+    map.insert(ordinal, d.clone());
+    Ok(d)
+}
+
+/// Makes `dev`'s primary context current until dropped, then restores the previous one.
+pub struct ContextGuard {
+    prev: cu::CUcontext,
+}
+
+impl ContextGuard {
+    pub fn new(dev: &Device) -> Result<ContextGuard> {
+        let mut prev: cu::CUcontext = std::ptr::null_mut();
+        // SAFETY: out-pointer; the context is retained.
+        check("cuCtxGetCurrent", unsafe { cu::cuCtxGetCurrent(&mut prev) })?;
+        if prev != dev.ctx {
+            check("cuCtxSetCurrent", unsafe { cu::cuCtxSetCurrent(dev.ctx) })?;
+        }
+        Ok(ContextGuard { prev })
+    }
+}
+
+impl Drop for ContextGuard {
+    fn drop(&mut self) {
+        // SAFETY: restoring the handle read in new() (null is valid: no context).
+        unsafe {
+            let mut cur: cu::CUcontext = std::ptr::null_mut();
+            cu::cuCtxGetCurrent(&mut cur);
+            if cur != self.prev {
+                cu::cuCtxSetCurrent(self.prev);
+            }
+        }
+    }
+}
+
+/// A kernel ready to launch on one device.
+#[derive(Clone, Copy)]
+pub struct Function {
+    pub func: cu::CUfunction,
+    pub threads: u32,
+    pub smem: u32,
+}
+
+// SAFETY: CUfunction handles are usable from any thread.
+unsafe impl Send for Function {}
+unsafe impl Sync for Function {}
+
+static FUNCTIONS: OnceLock<Mutex<HashMap<(usize, Variant), Function>>> = OnceLock::new();
+
+/// Compiles (cached) and loads (cached) `v` on `dev`. The device's context must be current.
+pub fn function(dev: &Device, v: &Variant) -> Result<Function> {
+    let map = FUNCTIONS.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(f) = map.lock().ok().and_then(|m| m.get(&(dev.ordinal, v.clone())).copied()) {
+        return Ok(f);
+    }
+    let smem = v.smem_bytes();
+    if smem > dev.max_smem_optin.max(0) as usize {
+        return Err(FlashError::Unsupported(format!(
+            "kernel {} needs {smem} bytes of shared memory per block but {} ({}) allows {}",
+            v.name(),
+            dev.name,
+            dev.arch,
+            dev.max_smem_optin
+        )));
+    }
+    let compiled = compile::compile(v, &dev.arch)?;
+    let mut module: cu::CUmodule = std::ptr::null_mut();
+    // SAFETY: a cubin image for this device's arch; the context is current.
+    check("cuModuleLoadData", unsafe { cu::cuModuleLoadData(&mut module, compiled.cubin.as_ptr() as *const c_void) })?;
+    let entry = CString::new(v.kernel.entry()).expect("entry names have no NUL");
+    let mut func: cu::CUfunction = std::ptr::null_mut();
+    check("cuModuleGetFunction", unsafe { cu::cuModuleGetFunction(&mut func, module, entry.as_ptr()) })?;
+    if smem > 48 * 1024 {
+        check("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
+            cu::cuFuncSetAttribute(
+                func,
+                cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+        })?;
+    }
+    let f = Function { func, threads: v.threads(), smem: smem as u32 };
+    if let Ok(mut m) = map.lock() {
+        m.insert((dev.ordinal, v.clone()), f);
+    }
+    Ok(f)
+}
+
+/// Launches `f` with one by-value parameter (the params struct) on `stream`. A grid with a zero
+/// dimension launches nothing.
+///
+/// # Safety
+/// `params` must match the kernel's parameter struct and every pointer in it must be valid
+/// device memory of the sizes the kernel reads and writes, for as long as the stream runs.
+pub unsafe fn launch<P>(name: &str, f: Function, grid: (u32, u32, u32), stream: cu::CUstream, params: &P) -> Result<()> {
+    if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+        return Ok(());
+    }
+    if grid.1 > 65535 || grid.2 > 65535 {
+        return Err(FlashError::Unsupported(format!(
+            "{name}: grid {grid:?} exceeds CUDA's limit of 65535 blocks in y (heads) or z (batch)"
+        )));
+    }
+    let mut args = [params as *const P as *mut c_void];
+    check(
+        &format!("cuLaunchKernel({name})"),
+        cu::cuLaunchKernel(f.func, grid.0, grid.1, grid.2, f.threads, 1, 1, f.smem, stream, args.as_mut_ptr(), std::ptr::null_mut()),
+    )
+}
+
+/// Device memory freed on drop (stream-ordered when a stream is given).
+pub struct DeviceBuffer {
+    pub ptr: cu::CUdeviceptr,
+    stream: cu::CUstream,
+}
+
+impl DeviceBuffer {
+    /// Allocates `bytes` (at least 1) on `stream` (stream-ordered allocator).
+    pub fn alloc(bytes: usize, stream: cu::CUstream) -> Result<DeviceBuffer> {
+        let mut ptr: cu::CUdeviceptr = 0;
+        // SAFETY: out-pointer; a context is current.
+        let r = unsafe { cu::cuMemAllocAsync(&mut ptr, bytes.max(1), stream) };
+        if r == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            return Err(FlashError::OutOfMemory(format!("cuMemAllocAsync of {bytes} bytes on the GPU")));
+        }
+        check("cuMemAllocAsync", r)?;
+        Ok(DeviceBuffer { ptr, stream })
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        // SAFETY: allocated by alloc() on this stream, freed once.
+        unsafe {
+            cu::cuMemFreeAsync(self.ptr, self.stream);
+        }
+    }
+}

@@ -1,0 +1,81 @@
+//! The kernel sources (cuda/ at the repository root), embedded at build time, and the expansion
+//! of their local `#include "..."` lines so that NVRTC needs no include path.
+
+/// Every file under cuda/ that a kernel includes or is.
+pub const FILES: &[(&str, &str)] = &[
+    ("params.h", include_str!("../../../../cuda/params.h")),
+    ("ptx.h", include_str!("../../../../cuda/ptx.h")),
+    ("mask.h", include_str!("../../../../cuda/mask.h")),
+    ("softmax.h", include_str!("../../../../cuda/softmax.h")),
+    ("tile.h", include_str!("../../../../cuda/tile.h")),
+    ("tile_f32.h", include_str!("../../../../cuda/tile_f32.h")),
+    ("fwd.cu", include_str!("../../../../cuda/fwd.cu")),
+    ("fwd_f32.cu", include_str!("../../../../cuda/fwd_f32.cu")),
+    ("bwd_preprocess.cu", include_str!("../../../../cuda/bwd_preprocess.cu")),
+    ("bwd_dq.cu", include_str!("../../../../cuda/bwd_dq.cu")),
+    ("bwd_dq_f32.cu", include_str!("../../../../cuda/bwd_dq_f32.cu")),
+    ("bwd_dkdv.cu", include_str!("../../../../cuda/bwd_dkdv.cu")),
+    ("bwd_dkdv_f32.cu", include_str!("../../../../cuda/bwd_dkdv_f32.cu")),
+];
+
+fn file(name: &str) -> Option<&'static str> {
+    FILES.iter().find(|(n, _)| *n == name).map(|(_, s)| *s)
+}
+
+/// The translation unit for `name` with each local header inlined once (`#pragma once` dropped).
+pub fn expand(name: &str) -> Option<String> {
+    let mut seen = Vec::new();
+    let mut out = String::new();
+    walk(name, &mut seen, &mut out)?;
+    Some(out)
+}
+
+fn walk(name: &str, seen: &mut Vec<String>, out: &mut String) -> Option<()> {
+    for line in file(name)?.lines() {
+        let t = line.trim();
+        if t == "#pragma once" {
+            continue;
+        }
+        if let Some(rest) = t.strip_prefix("#include") {
+            let inc = rest.trim();
+            if let Some(h) = inc.strip_prefix('"').and_then(|s| s.strip_suffix('"')) {
+                if !seen.iter().any(|s| s == h) {
+                    seen.push(h.to_string());
+                    walk(h, seen, out)?;
+                }
+                continue;
+            }
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    Some(())
+}
+
+/// FNV-1a, 64 bit: a stable hash (unlike std's) for the on-disk cache key.
+pub fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for p in parts {
+        for &b in *p {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x100000001b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_expands_without_local_includes() {
+        for (name, _) in FILES.iter().filter(|(n, _)| n.ends_with(".cu")) {
+            let src = expand(name).unwrap();
+            assert!(!src.contains("#include \""), "{name} still includes a local header");
+            assert!(src.contains("struct FlashParams"), "{name} lacks params.h");
+        }
+    }
+}
