@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _native
+from . import _cuda  # GPU arrays (CuPy, torch, DLPack) dispatch
 from .errors import (
     CompileError,
     DeviceError,
@@ -34,7 +35,6 @@ from .errors import (
 
 __version__ = _native.info()["version"]
 
-_DEVICES = (None, "cpu", "cuda")
 
 
 def _host_array(x, name: str) -> np.ndarray:
@@ -49,15 +49,16 @@ def _host_array(x, name: str) -> np.ndarray:
         raise OutOfMemoryError(f"cannot make a contiguous copy of {name} with shape {x.shape}") from e
 
 
-def _check_options(causal, scale, device) -> None:
+def _options(causal, scale, device) -> tuple[bool, float | None, str]:
+    """Checks the keyword options' Python types; the core checks their values."""
     if not isinstance(causal, (bool, np.bool_)):
         raise UnsupportedError(f"causal must be a bool, got {causal!r}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer))):
         raise UnsupportedError(f"scale must be a number or None, got {scale!r}")
-    if device not in _DEVICES:
-        raise UnsupportedError(f"device must be one of None, 'cpu', 'cuda'; got {device!r}")
-    if device == "cuda":
-        raise _native.cuda_unavailable("this build of flash_nif has no CUDA backend")
+    if device is not None and not isinstance(device, str):
+        raise UnsupportedError(f"device must be None, 'cpu', 'cuda' or 'auto'; got {device!r}")
+    # NumPy data runs on the CPU unless a device is asked for by name.
+    return bool(causal), None if scale is None else float(scale), device or "cpu"
 
 
 def forward_with_states(q, k, v, *, causal: bool = True, scale: float | None = None, device: str | None = None):
@@ -66,9 +67,11 @@ def forward_with_states(q, k, v, *, causal: bool = True, scale: float | None = N
     q: [B, Sq, H, D]; k, v: [B, Sk, Hkv, D]. Returns (o [B, Sq, H, D] in q's dtype,
     lse [B, H, Sq] float32). Keep both for :func:`backward`.
     """
-    _check_options(causal, scale, device)
+    opts = _options(causal, scale, device)
+    if _cuda.any_gpu(q, k, v):
+        return _cuda.forward_with_states(q, k, v, opts[0], opts[1], device)
     q, k, v = (_host_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    return _native.forward_cpu(q, k, v, bool(causal), None if scale is None else float(scale))
+    return _native.forward_host_arrays(q, k, v, *opts)
 
 
 def forward(q, k, v, *, causal: bool = True, scale: float | None = None, device: str | None = None):
@@ -83,14 +86,16 @@ def backward(do, q, k, v, o, lse, *, causal: bool = True, scale: float | None = 
     :func:`forward_with_states` returned for the same q, k, v and options.
     dk and dv sum over the query heads that share each kv head. Deterministic on CPU.
     """
-    _check_options(causal, scale, device)
+    opts = _options(causal, scale, device)
+    if _cuda.any_gpu(do, q, k, v, o, lse):
+        return _cuda.backward(do, q, k, v, o, lse, opts[0], opts[1], device)
     arrays = [_host_array(x, n) for x, n in ((do, "do"), (q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"))]
-    return _native.backward_cpu(*arrays, bool(causal), None if scale is None else float(scale))
+    return _native.backward_host_arrays(*arrays, *opts)
 
 
 def info() -> dict:
     """Version, available backends, CPU thread count and instruction set."""
-    return dict(_native.info())
+    return {**dict(_native.info()), "cuda": _cuda.info()}
 
 
 __all__ = [

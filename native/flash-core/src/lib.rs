@@ -2,7 +2,7 @@
 //!
 //! Bindings (PyO3, Rustler) describe their tensors as [`TensorSpec`]s, get a validated
 //! [`Problem`] from [`Problem::forward`] / [`Problem::backward`], allocate the outputs it implies,
-//! and call a backend ([`cpu::forward`], [`cpu::backward`]). All buffers are native-endian,
+//! and run it on a [`Device`] ([`forward_host`], [`backward_host`]). All buffers are native-endian,
 //! row-major, contiguous bytes:
 //!
 //! | tensor              | shape              | dtype           |
@@ -12,12 +12,14 @@
 //! | lse                 | [B, H, Sq]         | f32 (natural log) |
 
 pub mod cpu;
+pub mod device;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dtype;
 pub mod error;
 pub mod problem;
 
+pub use device::{backward_host, cuda_available, forward_host, Device};
 pub use dtype::DType;
 pub use error::{FlashError, Result};
 pub use problem::{Dims, Options, Problem, TensorSpec, MAX_HEAD_DIM};

@@ -1,14 +1,13 @@
 //! The CUDA half of `flash_nif._native`: device-pointer entry points for CuPy / DLPack arrays
 //! (the Python layer in `flash_nif/_cuda.py` allocates outputs and passes raw pointers, the
-//! device ordinal and the caller's stream), host-memory entry points for NumPy with
-//! `device="cuda"`, and `cuda_info`. Validation is the core's `Problem`; errors map like the CPU's.
+//! device ordinal and the caller's stream), and `cuda_info`. NumPy with `device="cuda"` goes
+//! through the core's `forward_host` / `backward_host`. Validation is the core's `Problem`; errors map like the CPU's.
 
 use flash_core::cuda::{self, BackwardPtrs, ForwardPtrs};
 use flash_core::{DType, FlashError, Options, Problem, TensorSpec};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::arrays::{empty_f32, empty_like_dtype, HostArray};
 use crate::errors::to_pyerr;
 
 fn spec<'a>(dtype: DType, shape: &'a [usize]) -> TensorSpec<'a> {
@@ -16,30 +15,35 @@ fn spec<'a>(dtype: DType, shape: &'a [usize]) -> TensorSpec<'a> {
     TensorSpec { dtype, shape, nbytes }
 }
 
-/// Forward on device pointers: fills o (like q) and lse ([B, H, Sq] f32), both preallocated.
+/// A GPU tensor as the Python layer describes it: (device pointer, shape, dtype name).
+type DevTensor = (u64, Vec<usize>, String);
+
+fn dev_spec<'a>(t: &'a DevTensor, name: &str) -> Result<TensorSpec<'a>, FlashError> {
+    Ok(spec(DType::parse(&t.2, name)?, &t.1))
+}
+
+/// Forward on device pointers. `inputs` = [q, k, v]; fills o (like q) and lse ([B, H, Sq] f32),
+/// both preallocated by the caller on the same device.
 #[pyfunction]
-#[pyo3(signature = (q, k, v, o, lse, q_shape, kv_shape, dtype, causal, scale, device, stream))]
+#[pyo3(signature = (inputs, o, lse, causal, scale, device, stream))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_forward_device(
     py: Python<'_>,
-    q: u64,
-    k: u64,
-    v: u64,
+    inputs: Vec<DevTensor>,
     o: u64,
     lse: u64,
-    q_shape: Vec<usize>,
-    kv_shape: Vec<usize>,
-    dtype: &str,
     causal: bool,
     scale: Option<f64>,
     device: usize,
     stream: usize,
 ) -> PyResult<()> {
     let run = || -> Result<(), FlashError> {
-        let dt = DType::parse(dtype, "q")?;
+        let [q, k, v] = inputs.as_slice() else {
+            return Err(FlashError::Internal("cuda_forward_device takes [q, k, v]".into()));
+        };
         let opts = Options { causal, scale };
-        let p = Problem::forward(&spec(dt, &q_shape), &spec(dt, &kv_shape), &spec(dt, &kv_shape), &opts)?;
-        let ptrs = ForwardPtrs { q, k, v, o, lse };
+        let p = Problem::forward(&dev_spec(q, "q")?, &dev_spec(k, "k")?, &dev_spec(v, "v")?, &opts)?;
+        let ptrs = ForwardPtrs { q: q.0, k: k.0, v: v.0, o, lse };
         // SAFETY: the Python layer passes pointers of contiguous arrays of these shapes on `device`,
         // kept alive by the caller until the stream has run.
         py.detach(|| unsafe { cuda::forward_device(&p, device, stream, ptrs) })
@@ -47,102 +51,41 @@ fn cuda_forward_device(
     run().map_err(|e| to_pyerr(py, e))
 }
 
-/// Backward on device pointers: fills dq (like q), dk and dv (like k), preallocated.
+/// Backward on device pointers. `inputs` = [d_out, q, k, v, o, lse]; fills dq (like q), dk and dv
+/// (like k), preallocated by the caller on the same device.
 #[pyfunction]
-#[pyo3(signature = (d_out, q, k, v, o, lse, dq, dk, dv, q_shape, kv_shape, dtype, causal, scale, device, stream))]
+#[pyo3(signature = (inputs, dq, dk, dv, causal, scale, device, stream))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_backward_device(
     py: Python<'_>,
-    d_out: u64,
-    q: u64,
-    k: u64,
-    v: u64,
-    o: u64,
-    lse: u64,
+    inputs: Vec<DevTensor>,
     dq: u64,
     dk: u64,
     dv: u64,
-    q_shape: Vec<usize>,
-    kv_shape: Vec<usize>,
-    dtype: &str,
     causal: bool,
     scale: Option<f64>,
     device: usize,
     stream: usize,
 ) -> PyResult<()> {
     let run = || -> Result<(), FlashError> {
-        let dt = DType::parse(dtype, "q")?;
-        let opts = Options { causal, scale };
-        let lse_shape: Vec<usize> = match q_shape.as_slice() {
-            [b, sq, h, _] => vec![*b, *h, *sq],
-            _ => vec![],
+        let [d_out, q, k, v, o, lse] = inputs.as_slice() else {
+            return Err(FlashError::Internal("cuda_backward_device takes [d_out, q, k, v, o, lse]".into()));
         };
-        let (qs, kvs) = (spec(dt, &q_shape), spec(dt, &kv_shape));
-        let p = Problem::backward(&qs, &qs, &kvs, &kvs, &qs, &spec(DType::F32, &lse_shape), &opts)?;
-        let ptrs = BackwardPtrs { d_out, q, k, v, o, lse, dq, dk, dv };
+        let opts = Options { causal, scale };
+        let p = Problem::backward(
+            &dev_spec(d_out, "d_out")?,
+            &dev_spec(q, "q")?,
+            &dev_spec(k, "k")?,
+            &dev_spec(v, "v")?,
+            &dev_spec(o, "o")?,
+            &dev_spec(lse, "lse")?,
+            &opts,
+        )?;
+        let ptrs = BackwardPtrs { d_out: d_out.0, q: q.0, k: k.0, v: v.0, o: o.0, lse: lse.0, dq, dk, dv };
         // SAFETY: as cuda_forward_device.
         py.detach(|| unsafe { cuda::backward_device(&p, device, stream, ptrs) })
     };
     run().map_err(|e| to_pyerr(py, e))
-}
-
-fn inputs<'py, const N: usize>(py: Python<'py>, args: [(&Bound<'py, PyAny>, &str); N]) -> PyResult<Vec<HostArray<'py>>> {
-    args.iter()
-        .map(|(obj, name)| HostArray::extract(obj, name).map_err(|e| to_pyerr(py, e)))
-        .collect()
-}
-
-/// (o, lse) for NumPy q, k, v computed on GPU `device` (copied there and back).
-#[pyfunction]
-#[pyo3(signature = (q, k, v, causal, scale, device))]
-fn cuda_forward_host<'py>(
-    py: Python<'py>,
-    q: &Bound<'py, PyAny>,
-    k: &Bound<'py, PyAny>,
-    v: &Bound<'py, PyAny>,
-    causal: bool,
-    scale: Option<f64>,
-    device: usize,
-) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
-    let a = inputs(py, [(q, "q"), (k, "k"), (v, "v")])?;
-    let opts = Options { causal, scale };
-    let p = Problem::forward(&a[0].spec(), &a[1].spec(), &a[2].spec(), &opts).map_err(|e| to_pyerr(py, e))?;
-    let o = empty_like_dtype(py, &p.dims.q_shape(), &a[0])?;
-    let lse = empty_f32(py, &p.dims.lse_shape())?;
-    let (qb, kb, vb) = (a[0].bytes(), a[1].bytes(), a[2].bytes());
-    let (ob, lb) = (o.bytes_mut(), lse.bytes_mut());
-    py.detach(|| cuda::forward_host(&p, device, qb, kb, vb, ob, lb)).map_err(|e| to_pyerr(py, e))?;
-    Ok((o.array.into_any(), lse.array.into_any()))
-}
-
-/// (dq, dk, dv) for NumPy inputs computed on GPU `device`.
-#[pyfunction]
-#[pyo3(signature = (d_out, q, k, v, o, lse, causal, scale, device))]
-#[allow(clippy::too_many_arguments)]
-fn cuda_backward_host<'py>(
-    py: Python<'py>,
-    d_out: &Bound<'py, PyAny>,
-    q: &Bound<'py, PyAny>,
-    k: &Bound<'py, PyAny>,
-    v: &Bound<'py, PyAny>,
-    o: &Bound<'py, PyAny>,
-    lse: &Bound<'py, PyAny>,
-    causal: bool,
-    scale: Option<f64>,
-    device: usize,
-) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)> {
-    let a = inputs(py, [(d_out, "d_out"), (q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse")])?;
-    let opts = Options { causal, scale };
-    let p = Problem::backward(&a[0].spec(), &a[1].spec(), &a[2].spec(), &a[3].spec(), &a[4].spec(), &a[5].spec(), &opts)
-        .map_err(|e| to_pyerr(py, e))?;
-    let dq = empty_like_dtype(py, &p.dims.q_shape(), &a[1])?;
-    let dk = empty_like_dtype(py, &p.dims.kv_shape(), &a[2])?;
-    let dv = empty_like_dtype(py, &p.dims.kv_shape(), &a[3])?;
-    let ins: Vec<&[u8]> = a.iter().map(|x| x.bytes()).collect();
-    let (dqb, dkb, dvb) = (dq.bytes_mut(), dk.bytes_mut(), dv.bytes_mut());
-    py.detach(|| cuda::backward_host(&p, device, ins[0], ins[1], ins[2], ins[3], ins[4], ins[5], dqb, dkb, dvb))
-        .map_err(|e| to_pyerr(py, e))?;
-    Ok((dq.array.into_any(), dk.array.into_any(), dv.array.into_any()))
 }
 
 /// Registers directories (Python's sys.path) where pip's `nvidia/*/lib` NVRTC may be found.
@@ -185,8 +128,6 @@ fn cuda_kernel_variants(head_dims: Vec<usize>) -> Vec<(String, String, Vec<(Stri
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_forward_device, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_backward_device, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_forward_host, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_backward_host, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_set_search_roots, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_info, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_kernel_variants, m)?)?;

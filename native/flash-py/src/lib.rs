@@ -7,7 +7,7 @@ mod errors;
 
 use arrays::{empty_f32, empty_like_dtype, HostArray};
 use errors::to_pyerr;
-use flash_core::{cpu, FlashError, Options, Problem};
+use flash_core::{backward_host, cpu, forward_host, Device, Options, Problem};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -17,17 +17,19 @@ fn inputs<'py, const N: usize>(py: Python<'py>, args: [(&Bound<'py, PyAny>, &str
         .collect()
 }
 
-/// (o, lse) for NumPy q, k, v on the CPU.
+/// (o, lse) for NumPy q, k, v, computed on `device` ("cpu", "cuda" or "auto").
 #[pyfunction]
-#[pyo3(signature = (q, k, v, causal, scale))]
-fn forward_cpu<'py>(
+#[pyo3(signature = (q, k, v, causal, scale, device))]
+fn forward_host_arrays<'py>(
     py: Python<'py>,
     q: &Bound<'py, PyAny>,
     k: &Bound<'py, PyAny>,
     v: &Bound<'py, PyAny>,
     causal: bool,
     scale: Option<f64>,
+    device: &str,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let device = Device::parse(device).map_err(|e| to_pyerr(py, e))?;
     let a = inputs(py, [(q, "q"), (k, "k"), (v, "v")])?;
     let opts = Options { causal, scale };
     let p = Problem::forward(&a[0].spec(), &a[1].spec(), &a[2].spec(), &opts).map_err(|e| to_pyerr(py, e))?;
@@ -35,15 +37,15 @@ fn forward_cpu<'py>(
     let lse = empty_f32(py, &p.dims.lse_shape())?;
     let (qb, kb, vb) = (a[0].bytes(), a[1].bytes(), a[2].bytes());
     let (ob, lb) = (o.bytes_mut(), lse.bytes_mut());
-    py.detach(|| cpu::forward(&p, qb, kb, vb, ob, lb)).map_err(|e| to_pyerr(py, e))?;
+    py.detach(|| forward_host(device, &p, qb, kb, vb, ob, lb)).map_err(|e| to_pyerr(py, e))?;
     Ok((o.array.into_any(), lse.array.into_any()))
 }
 
-/// (dq, dk, dv) for NumPy inputs on the CPU.
+/// (dq, dk, dv) for NumPy inputs, computed on `device` ("cpu", "cuda" or "auto").
 #[pyfunction]
-#[pyo3(signature = (d_out, q, k, v, o, lse, causal, scale))]
+#[pyo3(signature = (d_out, q, k, v, o, lse, causal, scale, device))]
 #[allow(clippy::too_many_arguments)]
-fn backward_cpu<'py>(
+fn backward_host_arrays<'py>(
     py: Python<'py>,
     d_out: &Bound<'py, PyAny>,
     q: &Bound<'py, PyAny>,
@@ -53,7 +55,9 @@ fn backward_cpu<'py>(
     lse: &Bound<'py, PyAny>,
     causal: bool,
     scale: Option<f64>,
+    device: &str,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let device = Device::parse(device).map_err(|e| to_pyerr(py, e))?;
     let a = inputs(py, [(d_out, "d_out"), (q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse")])?;
     let opts = Options { causal, scale };
     let p = Problem::backward(&a[0].spec(), &a[1].spec(), &a[2].spec(), &a[3].spec(), &a[4].spec(), &a[5].spec(), &opts)
@@ -63,15 +67,9 @@ fn backward_cpu<'py>(
     let dv = empty_like_dtype(py, &p.dims.kv_shape(), &a[3])?;
     let ins: Vec<&[u8]> = a.iter().map(|x| x.bytes()).collect();
     let (dqb, dkb, dvb) = (dq.bytes_mut(), dk.bytes_mut(), dv.bytes_mut());
-    py.detach(|| cpu::backward(&p, ins[0], ins[1], ins[2], ins[3], ins[4], ins[5], dqb, dkb, dvb))
+    py.detach(|| backward_host(device, &p, ins[0], ins[1], ins[2], ins[3], ins[4], ins[5], dqb, dkb, dvb))
         .map_err(|e| to_pyerr(py, e))?;
     Ok((dq.array.into_any(), dk.array.into_any(), dv.array.into_any()))
-}
-
-/// Raises the error the core gives for an unavailable device (used by the Python layer).
-#[pyfunction]
-fn cuda_unavailable(py: Python<'_>, reason: &str) -> PyErr {
-    to_pyerr(py, FlashError::CudaUnavailable(reason.to_string()))
 }
 
 /// Version, backends, thread count and CPU instruction set.
@@ -79,7 +77,11 @@ fn cuda_unavailable(py: Python<'_>, reason: &str) -> PyErr {
 fn info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("version", flash_core::VERSION)?;
-    d.set_item("backends", vec!["cpu"])?;
+    let mut backends = vec!["cpu"];
+    if flash_core::cuda_available() {
+        backends.push("cuda");
+    }
+    d.set_item("backends", backends)?;
     d.set_item("threads", cpu::threads())?;
     d.set_item("cpu_isa", format!("{:?}", cpu::simd::isa()).to_lowercase())?;
     Ok(d)
@@ -87,9 +89,8 @@ fn info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(forward_cpu, m)?)?;
-    m.add_function(wrap_pyfunction!(backward_cpu, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_unavailable, m)?)?;
+    m.add_function(wrap_pyfunction!(forward_host_arrays, m)?)?;
+    m.add_function(wrap_pyfunction!(backward_host_arrays, m)?)?;
     m.add_function(wrap_pyfunction!(info, m)?)?;
     cuda::register(m)?;
     Ok(())

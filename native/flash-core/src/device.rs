@@ -1,0 +1,81 @@
+//! Which backend runs a call on host buffers. Every binding parses and resolves devices here,
+//! so Python and Elixir agree on names, on `auto`, and on the error for a missing GPU.
+
+use crate::error::{FlashError, Result};
+use crate::problem::Problem;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
+
+impl Device {
+    /// "cpu", "cuda", or "auto" (the GPU when the CUDA backend and a GPU are present, else the
+    /// CPU). An explicit "cuda" is never replaced by the CPU.
+    pub fn parse(name: &str) -> Result<Device> {
+        match name {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda),
+            "auto" => Ok(if cuda_available() { Device::Cuda } else { Device::Cpu }),
+            other => Err(FlashError::Unsupported(format!(
+                "unknown device {other:?}; expected \"cpu\", \"cuda\" or \"auto\""
+            ))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
+        }
+    }
+}
+
+/// Whether a CUDA device can run the kernels in this process.
+pub fn cuda_available() -> bool {
+    cuda_unavailable_reason().is_none()
+}
+
+/// Why the CUDA backend cannot run here, if it cannot.
+pub fn cuda_unavailable_reason() -> Option<String> {
+    #[cfg(feature = "cuda")]
+    return crate::cuda::available().err().map(|e| e.to_string());
+    #[cfg(not(feature = "cuda"))]
+    Some("this build of flash_nif has no CUDA backend".into())
+}
+
+/// Forward on host buffers (see [`crate::cpu::forward`] for the layout) on `device`.
+pub fn forward_host(device: Device, p: &Problem, q: &[u8], k: &[u8], v: &[u8], o: &mut [u8], lse: &mut [u8]) -> Result<()> {
+    match device {
+        Device::Cpu => crate::cpu::forward(p, q, k, v, o, lse),
+        #[cfg(feature = "cuda")]
+        Device::Cuda => crate::cuda::forward_host(p, 0, q, k, v, o, lse),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda => Err(FlashError::CudaUnavailable(cuda_unavailable_reason().unwrap_or_default())),
+    }
+}
+
+/// Backward on host buffers (see [`crate::cpu::backward`] for the layout) on `device`.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_host(
+    device: Device,
+    p: &Problem,
+    d_out: &[u8],
+    q: &[u8],
+    k: &[u8],
+    v: &[u8],
+    o: &[u8],
+    lse: &[u8],
+    dq: &mut [u8],
+    dk: &mut [u8],
+    dv: &mut [u8],
+) -> Result<()> {
+    match device {
+        Device::Cpu => crate::cpu::backward(p, d_out, q, k, v, o, lse, dq, dk, dv),
+        #[cfg(feature = "cuda")]
+        Device::Cuda => crate::cuda::backward_host(p, 0, d_out, q, k, v, o, lse, dq, dk, dv),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda => Err(FlashError::CudaUnavailable(cuda_unavailable_reason().unwrap_or_default())),
+    }
+}

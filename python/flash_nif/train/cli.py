@@ -1,0 +1,288 @@
+"""`python -m flash_nif.train`: gradient check, training with a progress bar, eval, checkpoints,
+summary.json and loss.png. See `python -m flash_nif.train --help`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+from . import checkpoint
+from .backend import SetupError, get_attention, get_device
+from .gradcheck import DEFAULT_TOL, grad_check, tiny_config
+from .plot import plot_curves
+from .trainer import TrainConfig, Trainer
+
+PROG = "python -m flash_nif.train"
+
+# Model/task/optimiser defaults. They default to None on the parser so that --resume can tell an
+# explicit value (checked against the checkpoint) from an omitted one (taken from the checkpoint).
+DEFAULTS = dict(steps=600, layers=2, heads=4, kv_heads=2, dim=64, seq=64, batch=32, lr=3e-3, seed=0,
+                weight_decay=0.1, clip=1.0, warmup=50, num_keys=32, num_values=32,
+                eval_every=50, eval_batches=8, ckpt_every=100)
+
+
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo:
+            what = "a positive integer" if lo == 1 else f"an integer >= {lo}"
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        return value
+    return parse
+
+
+def _float_range(lo: float, *, inclusive: bool):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not np.isfinite(value) or value < lo or (not inclusive and value == lo):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {lo}, got {text}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = DEFAULTS
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Train a small decoder-only transformer on associative recall with a hand-written "
+                    "backward pass stitched to flash_nif's attention forward_with_states/backward. "
+                    "A whole-model gradient check runs first.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        argument_default=None,
+    )
+    pos, nonneg = _int_at_least(1), _int_at_least(0)
+    g = p.add_argument_group("run")
+    g.add_argument("--steps", type=pos, help=f"total optimiser steps (with --resume: the new total) "
+                                             f"[{d['steps']}]")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: NumPy arrays; cuda: CuPy arrays and flash_nif's GPU backend (no fallback)")
+    g.add_argument("--seed", type=nonneg, help=f"seeds the parameters, the data and the eval set [{d['seed']}]")
+    g.add_argument("--out", default="runs/train", metavar="DIR",
+                   help="checkpoint.npz, summary.json and loss.png go here")
+    g.add_argument("--resume", action="store_true",
+                   help="continue DIR/checkpoint.npz exactly (config comes from the checkpoint)")
+    g = p.add_argument_group("model")
+    g.add_argument("--layers", type=pos, help=f"transformer blocks [{d['layers']}]")
+    g.add_argument("--heads", type=pos, help=f"query heads [{d['heads']}]")
+    g.add_argument("--kv-heads", type=pos, help=f"key/value heads; heads %% kv-heads == 0 (GQA) [{d['kv_heads']}]")
+    g.add_argument("--dim", type=pos, help=f"model width; dim/heads is the head dim [{d['dim']}]")
+    g = p.add_argument_group("task and optimiser")
+    g.add_argument("--seq", type=pos, help=f"sequence length, a multiple of 4: seq/4 key-value pairs, "
+                                           f"then seq/4 queries [{d['seq']}]")
+    g.add_argument("--batch", type=pos, help=f"sequences per step [{d['batch']}]")
+    g.add_argument("--lr", type=_float_range(0.0, inclusive=False), help=f"AdamW learning rate [{d['lr']}]")
+    g.add_argument("--weight-decay", type=_float_range(0.0, inclusive=True),
+                   help=f"AdamW decoupled weight decay on projection matrices [{d['weight_decay']}]")
+    g.add_argument("--clip", type=_float_range(0.0, inclusive=True),
+                   help=f"global gradient-norm clip, 0 = off [{d['clip']}]")
+    g.add_argument("--warmup", type=nonneg, help=f"linear learning-rate warmup steps [{d['warmup']}]")
+    g.add_argument("--num-keys", type=pos, help=f"key tokens in the vocabulary [{d['num_keys']}]")
+    g.add_argument("--num-values", type=pos, help=f"value tokens in the vocabulary [{d['num_values']}]")
+    g = p.add_argument_group("evaluation, checkpoints, checks")
+    g.add_argument("--eval-every", type=pos, help=f"steps between held-out evaluations [{d['eval_every']}]")
+    g.add_argument("--eval-batches", type=pos, help=f"held-out batches of --batch sequences [{d['eval_batches']}]")
+    g.add_argument("--ckpt-every", type=pos, help=f"steps between checkpoints [{d['ckpt_every']}]")
+    g.add_argument("--attention", choices=("flash_nif", "reference"), default="flash_nif",
+                   help="attention kernels for training: flash_nif's, or the float64 NumPy oracle "
+                        "(CPU, slow; for development)")
+    g.add_argument("--grad-check-tol", type=_float_range(0.0, inclusive=False), default=DEFAULT_TOL,
+                   help="maximum relative error allowed in the gradient check")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def resolve_config(args, parser, ckpt_meta: dict | None) -> TrainConfig:
+    """Defaults, or the checkpoint's values with --resume; explicit conflicting values are errors."""
+    values = {}
+    for key in DEFAULTS:
+        given = getattr(args, key)
+        if ckpt_meta is not None and key in TrainConfig.FIXED:
+            stored = ckpt_meta["config"][key]
+            if given is not None and given != stored:
+                parser.error(f"--{key.replace('_', '-')} {given} conflicts with the checkpoint's "
+                             f"{stored} (omit it with --resume)")
+            values[key] = stored
+        elif given is not None:
+            values[key] = given
+        elif ckpt_meta is not None and key in ckpt_meta["config"] and key != "steps":
+            values[key] = ckpt_meta["config"][key]
+        else:
+            values[key] = DEFAULTS[key]
+    if args.steps is None and ckpt_meta is not None:
+        values["steps"] = max(DEFAULTS["steps"], int(ckpt_meta["config"]["steps"]))
+    cfg = TrainConfig(**values)
+
+    if cfg.heads % cfg.kv_heads:
+        parser.error(f"--heads {cfg.heads} must be divisible by --kv-heads {cfg.kv_heads}")
+    if cfg.dim % cfg.heads:
+        parser.error(f"--dim {cfg.dim} must be divisible by --heads {cfg.heads}")
+    if (cfg.dim // cfg.heads) % 2:
+        parser.error(f"head dim --dim/--heads = {cfg.dim // cfg.heads} must be even (rotary positions)")
+    if cfg.seq % 4:
+        parser.error(f"--seq {cfg.seq} must be a multiple of 4 (seq/4 pairs, then seq/4 queries)")
+    if cfg.seq // 4 > cfg.num_keys:
+        parser.error(f"--seq {cfg.seq} needs {cfg.seq // 4} distinct keys per sequence, more than "
+                     f"--num-keys {cfg.num_keys}")
+    if ckpt_meta is not None and cfg.steps < ckpt_meta["step"]:
+        parser.error(f"--steps {cfg.steps} is below the checkpoint's step {ckpt_meta['step']}")
+    return cfg
+
+
+def fail(message: str, code: int = 1) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    out = args.out
+
+    ckpt = None
+    if args.resume:
+        if not os.path.exists(checkpoint.path_in(out)):
+            parser.error(f"--resume: no checkpoint at {checkpoint.path_in(out)}")
+        try:
+            ckpt = checkpoint.load(out)
+        except Exception as exc:  # a damaged or foreign file
+            parser.error(f"--resume: cannot read {checkpoint.path_in(out)}: {exc}")
+    cfg = resolve_config(args, parser, ckpt["meta"] if ckpt else None)
+
+    try:
+        device = get_device(args.device)
+        attention = get_attention(args.attention, device)
+    except SetupError as exc:
+        parser.error(str(exc))
+
+    trainer = Trainer(cfg, device, attention)
+    if ckpt is not None:
+        try:
+            trainer.load(ckpt)
+        except (ValueError, KeyError) as exc:
+            return fail(f"--resume: {exc}")
+    mcfg, task = trainer.model_cfg, trainer.task
+    say = print
+    say(f"flash_nif.train: device {device.name}, attention {attention.name}; "
+        f"{mcfg.layers} layers, {mcfg.heads} heads / {mcfg.kv_heads} kv heads, dim {mcfg.dim} "
+        f"(head dim {mcfg.head_dim}), {trainer.num_params():,} parameters")
+    say(f"task: associative recall, seq {task.seq} = {task.num_pairs} key-value pairs + "
+        f"{task.num_pairs} queries, {task.num_keys} keys, {task.num_values} values "
+        f"(chance accuracy {task.chance_accuracy:.3f}); batch {cfg.batch}, lr {cfg.lr:g}")
+
+    # ---- whole-model gradient check (every run, on the device and kernels that train)
+    small, small_task = tiny_config(mcfg)
+    try:
+        gc = grad_check(small, small_task, attention, device, seed=cfg.seed)
+    except Exception as exc:
+        return fail(f"gradient check could not run: {type(exc).__name__}: {exc}")
+    ok = gc.passed(args.grad_check_tol)
+    say(f"gradient check ({gc.attention} {gc.dtype} vs float64 finite differences, "
+        f"{small.layers} layers, dim {small.dim}, {gc.coords} coordinates of {len(gc.per_param)} "
+        f"tensors): max rel err {gc.max_rel_err:.2e} in {gc.worst} (tol {args.grad_check_tol:g}) "
+        f"{'ok' if ok else 'FAILED'}")
+    if not ok:
+        worst = sorted(gc.per_param.items(), key=lambda kv: -kv[1])[:5]
+        return fail("gradient check failed: " + ", ".join(f"{k} {v:.2e}" for k, v in worst))
+
+    if ckpt is not None:
+        say(f"resumed {checkpoint.path_in(out)} at step {trainer.step}")
+    elif os.path.exists(checkpoint.path_in(out)):
+        say(f"note: starting afresh; {checkpoint.path_in(out)} will be overwritten (use --resume to continue it)")
+    os.makedirs(out, exist_ok=True)
+
+    # ---- training
+    stop = {"flag": False}
+
+    def on_sigint(signum, frame):
+        if stop["flag"]:
+            raise KeyboardInterrupt
+        stop["flag"] = True
+
+    old_handler = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        if trainer.step == 0:
+            trainer.evaluate()  # the untrained model, for the curve
+        bar = None
+        if not args.no_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=trainer.step, desc="train", unit="step",
+                       dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+        run_time, run_tokens = 0.0, 0
+        while trainer.step < cfg.steps and not stop["flag"]:
+            t0 = trainer.train_time
+            loss, acc, gnorm = trainer.train_step()
+            run_time += trainer.train_time - t0
+            run_tokens += trainer.tokens_per_step
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.3f}",
+                                tok_s=f"{run_tokens / max(run_time, 1e-9):,.0f}", refresh=False)
+                bar.update(1)
+            if not np.isfinite(loss):
+                if bar is not None:
+                    bar.close()
+                return fail(f"loss became {loss} at step {trainer.step}; try a lower --lr")
+            if trainer.step % cfg.eval_every == 0 or trainer.step == cfg.steps:
+                eloss, eacc = trainer.evaluate()
+                msg = f"step {trainer.step:5d}: eval loss {eloss:.4f}  eval acc {eacc:.3f}  (train loss {loss:.4f})"
+                (bar.write if bar is not None else say)(msg)
+            if trainer.step % cfg.ckpt_every == 0:
+                trainer.save(out)
+        if bar is not None:
+            bar.close()
+    finally:
+        signal.signal(signal.SIGINT, old_handler)
+
+    if not trainer.history["eval_step"] or trainer.history["eval_step"][-1] != trainer.step:
+        trainer.evaluate()
+    trainer.save(out)
+    if stop["flag"]:
+        say(f"interrupted: checkpoint at step {trainer.step} in {checkpoint.path_in(out)}; "
+            f"continue with --resume --out {out}")
+        return 130
+
+    # ---- summary and plot
+    h = trainer.history
+    summary = {
+        "loss_first": h["train_loss"][0] if h["train_loss"] else None,
+        "loss_last": h["train_loss"][-1] if h["train_loss"] else None,
+        "eval_loss": h["eval_loss"][-1],
+        "eval_accuracy": h["eval_acc"][-1],
+        "eval_accuracy_first": h["eval_acc"][0],
+        "chance_accuracy": task.chance_accuracy,
+        "grad_check_max_rel_err": gc.max_rel_err,
+        "grad_check": {"worst": gc.worst, "tol": args.grad_check_tol, "coordinates": gc.coords,
+                       "attention": gc.attention, "dtype": gc.dtype, "model": gc.config},
+        "steps": trainer.step,
+        "tokens_per_s": trainer.tokens / trainer.train_time if trainer.train_time > 0 else None,
+        "train_time_s": trainer.train_time,
+        "wall_time_s": time.perf_counter() - started,
+        "device": device.name,
+        "attention": attention.name,
+        "config": trainer.config_dict(),
+    }
+    summary_path = os.path.join(out, "summary.json")
+    with open(summary_path, "w") as f:
+        json.dump(summary, f, indent=2)
+        f.write("\n")
+    png = plot_curves(h, os.path.join(out, "loss.png"), chance=task.chance_accuracy,
+                      title=f"flash_nif.train: {mcfg.layers} layers, {mcfg.heads}/{mcfg.kv_heads} heads, "
+                            f"dim {mcfg.dim}, seq {task.seq}, {trainer.step} steps ({device.name})")
+    say(f"done: {trainer.step} steps, loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f}, "
+        f"held-out accuracy {summary['eval_accuracy']:.3f} (chance {task.chance_accuracy:.3f}), "
+        f"{summary['tokens_per_s']:,.0f} tokens/s")
+    say(f"wrote {summary_path}, {png}, {checkpoint.path_in(out)}")
+    return 0
