@@ -1,0 +1,45 @@
+"""Type stubs for the compiled module ``flash_nif._native`` (private: use ``flash_nif``).
+
+tests/test_stubs.py checks that this file and the module define the same functions.
+"""
+
+from typing import Any, Sequence
+
+import numpy as np
+
+# --- host (NumPy) arrays, any device ------------------------------------------------------------
+
+def forward_host_arrays(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale: float | None, device: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """(o [B, Sq, H, D] like q, lse [B, H, Sq] float32); inputs C-contiguous, native byte order."""
+
+def backward_host_arrays(
+    d_out: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    o: np.ndarray,
+    lse: np.ndarray,
+    causal: bool,
+    scale: float | None,
+    device: str,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dq like q, dk like k, dv like v)."""
+
+def info() -> dict[str, Any]:
+    """version, backends, threads, cpu_isa."""
+
+# --- device pointers (CuPy / DLPack arrays); see flash_nif/_cuda.py ----------------------------
+
+DevTensor = tuple[int, Sequence[int], str]  # (pointer, shape, dtype name)
+
+def cuda_forward_device(
+    inputs: list[DevTensor], o: int, lse: int, causal: bool, scale: float | None, device: int, stream: int
+) -> None: ...
+def cuda_backward_device(
+    inputs: list[DevTensor], dq: int, dk: int, dv: int, causal: bool, scale: float | None, device: int, stream: int
+) -> None: ...
+def cuda_set_search_roots(paths: list[str]) -> None: ...
+def cuda_info(device: int = 0) -> dict[str, Any]: ...
+def cuda_kernel_variants(head_dims: list[int]) -> list[tuple[str, str, list[tuple[str, int]]]]: ...
