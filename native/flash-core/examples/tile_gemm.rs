@@ -12,18 +12,27 @@ fn cpu_seconds() -> f64 {
 
 fn main() {
     // (m, n, k, A transposed): S = Q·Kᵀ, O += P·V, dK += dSᵀ·Q, D = 128 variants.
-    for &(m, n, k, ta) in &[(64usize, 128usize, 64usize, false), (64, 64, 128, false), (128, 64, 64, true), (64, 128, 128, false), (64, 128, 128, false)] {
+    // (m, n, k, A transposed, leading dimension of B): ldb = 2048 and 2064 are the transposed K
+    // of S = 2048 without and with padding against L1 set conflicts.
+    for &(m, n, k, ta, ldb) in &[
+        (64usize, 128usize, 64usize, false, 128usize),
+        (64, 128, 64, false, 2048),
+        (64, 128, 64, false, 2064),
+        (64, 64, 128, false, 64),
+        (128, 64, 64, true, 64),
+        (64, 128, 128, false, 128),
+    ] {
         let a = vec![0.5f32; 256 * 256];
-        let b = vec![0.25f32; 256 * 256];
+        let b = vec![0.25f32; 256 * ldb];
         let mut c = vec![0f32; 256 * 256];
         let am = if ta { Mat::transposed(&a, m) } else { Mat::rows(&a, k) };
         let iters = 20000;
         let t0 = cpu_seconds();
         for _ in 0..iters {
-            matmul(m, n, k, &mut c, n, true, am, &b, n);
+            matmul(m, n, k, &mut c, n, true, am, &b, ldb);
         }
         let dt = (cpu_seconds() - t0) / iters as f64;
-        println!("m{m} n{n} k{k} transA={ta}: {:.2} us, {:.1} GF/s", dt * 1e6, 2.0 * (m * n * k) as f64 / dt / 1e9);
+        println!("m{m} n{n} k{k} transA={ta} ldb={ldb}: {:.2} us, {:.1} GF/s", dt * 1e6, 2.0 * (m * n * k) as f64 / dt / 1e9);
     }
     // The elementwise step of one forward tile and one backward tile (64 x 128).
     let (rows, cols) = (64usize, 128usize);
