@@ -7,7 +7,7 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 
 PY_PACKAGES := maturin numpy ml_dtypes pytest tqdm matplotlib
 
-.PHONY: setup build test test-rust test-python demo bench-cpu clean
+.PHONY: setup build test test-rust test-python test-elixir elixir-setup demo bench-cpu clean
 
 $(VENV)/.ready:
 	python3 -m venv $(VENV)
@@ -26,7 +26,18 @@ test-rust:
 test-python: build
 	$(PY) -m pytest -q
 
-test: setup test-rust test-python
+# Elixir: Debian's elixir and erlang-dev when mix is missing (as root, else through sudo).
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+elixir-setup:
+	@command -v mix >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq elixir erlang-dev; }
+
+# `mix test` compiles first: cargo build --release -p flash-nif, library copied to elixir/priv/.
+test-elixir: elixir-setup
+	cd elixir && mix test
+
+test: setup test-rust test-python test-elixir
 
 demo: build
 	$(PY) -m flash_nif.train --out runs/demo
@@ -35,4 +46,4 @@ bench-cpu: build
 	$(PY) bench/cpu.py
 
 clean:
-	rm -rf target dist $(VENV) runs
+	rm -rf target dist $(VENV) runs elixir/_build elixir/priv/*.so

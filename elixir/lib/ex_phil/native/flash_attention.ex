@@ -1,0 +1,282 @@
+defmodule ExPhil.Native.FlashAttention do
+  @moduledoc """
+  Exact FlashAttention forward and backward passes, computed natively (Rust, flash-core) through
+  a NIF on a dirty CPU scheduler, for training loops written by hand: Nx autodiff cannot cross a
+  NIF, so the forward saves the row log-sum-exp and `backward/7` turns an output gradient into
+  gradients for q, k and v.
+
+  ## Tensors
+
+  | tensor               | shape                         | type                              |
+  |----------------------|-------------------------------|-----------------------------------|
+  | `q`, `output`, `d_out`, `dq` | `{batch, seq_q, heads, head_dim}` | `{:f, 32}`, `{:f, 16}` or `{:bf, 16}` |
+  | `k`, `v`, `dk`, `dv` | `{batch, seq_k, kv_heads, head_dim}` | same as `q`                |
+  | `logsumexp`          | `{batch, heads, seq_q}`       | always `{:f, 32}`                 |
+
+  A tensor is an `ExPhil.Native.FlashAttention.Tensor` (a binary, native-endian and row-major,
+  with a shape and a type) or, when Nx is loaded, an `Nx.Tensor`; results take the form of `q`
+  (Nx tensors when `q` is one, on Nx's default backend). `heads` must be a multiple of `kv_heads`
+  (grouped-query / multi-query attention); `dk` and `dv` sum over each group. Arithmetic is f32
+  whatever the storage type; gradients come back in the input type.
+
+  ## Options
+
+    * `:causal` — mask future keys (default `true`). With `seq_q != seq_k` the mask is aligned
+      bottom-right: query `i` sees keys `j <= i + seq_k - seq_q`. A row that sees no key gives
+      output 0, logsumexp `:neg_infinity` and zero gradients, never NaN.
+    * `:scale` — softmax scale, a positive number (default `1 / sqrt(head_dim)`).
+    * `:device` — `:cpu` (default, like NumPy arrays in the Python API), `:cuda` (an error when
+      no GPU backend is available; never a silent CPU run) or `:auto` (the GPU when the library
+      has its CUDA backend and a GPU is present, else the CPU).
+
+  Pass the same options to the forward and the backward of one step.
+
+  ## Errors
+
+  Every function returns `{:error, {kind, message}}` on failure, and the process that called it
+  lives on (a panic in native code comes back as an `:internal` error). `message` is readable;
+  `kind` is one of:
+
+    * `:argument` — an argument is not a tensor (or its `data` is not a binary);
+    * `:shape` — wrong rank, mismatched sizes, a binary whose size does not match its shape and
+      type, or a shape that is not a tuple of non-negative integers;
+    * `:dtype` — an unsupported type, or tensors that should share a type do not;
+    * `:unsupported` — a bad option (unknown key, wrong value type, non-positive scale);
+    * `:out_of_memory` — the outputs cannot be allocated;
+    * `:cuda_unavailable`, `:cuda`, `:nvrtc` — GPU backend problems;
+    * `:internal` — a bug (including a caught panic);
+    * `:nif_not_loaded` — the native library is missing, cannot be loaded, or is stale
+      (the message says which; `mix compile` rebuilds it).
+
+  The `!` variants return the bare result and raise `ExPhil.Native.FlashAttention.Error`.
+
+  ## Example
+
+      iex> alias ExPhil.Native.FlashAttention.Tensor
+      iex> q = Tensor.from_list([1.0, 0.0], {1, 1, 1, 2}, {:f, 32})
+      iex> kv = Tensor.from_list([1.0, 2.0, 3.0, 4.0], {1, 2, 1, 2}, {:f, 32})
+      iex> {:ok, out} = ExPhil.Native.FlashAttention.forward(q, kv, kv, causal: false, scale: 1.0e-9)
+      iex> out.shape
+      {1, 1, 1, 2}
+      iex> Tensor.to_list(out) |> Enum.map(&Float.round(&1, 4))
+      [2.0, 3.0]
+  """
+
+  alias ExPhil.Native.FlashAttention.{Error, Nif, Tensor}
+
+  # Nx is optional and never a compile-time dependency: an Nx.Tensor is recognised by its struct
+  # name and converted through Nx's public functions, which exist whenever one was built.
+  @compile {:no_warn_undefined, Nx}
+
+  @type tensor :: Tensor.t() | struct
+  @type kind ::
+          :argument
+          | :shape
+          | :dtype
+          | :unsupported
+          | :out_of_memory
+          | :cuda_unavailable
+          | :cuda
+          | :nvrtc
+          | :internal
+          | :nif_not_loaded
+  @type reason :: {kind, String.t()}
+  @type option :: {:causal, boolean} | {:scale, number | nil} | {:device, :auto | :cpu | :cuda}
+
+  @doc """
+  Attention output for `q` `{b, seq_q, heads, d}`, `k` and `v` `{b, seq_k, kv_heads, d}`:
+  `{:ok, output}` with output `{b, seq_q, heads, d}` in `q`'s type.
+  """
+  @spec forward(tensor, tensor, tensor, [option]) :: {:ok, tensor} | {:error, reason}
+  def forward(q, k, v, opts \\ []) do
+    with {:ok, output, _logsumexp} <- forward_with_states(q, k, v, opts), do: {:ok, output}
+  end
+
+  @doc """
+  Attention output and the row log-sum-exp the backward needs: `{:ok, output, logsumexp}`,
+  output `{b, seq_q, heads, d}` in `q`'s type and logsumexp `{b, heads, seq_q}` in `{:f, 32}`
+  (natural log of each row's sum of `exp(scale * q·k)`).
+  """
+  @spec forward_with_states(tensor, tensor, tensor, [option]) ::
+          {:ok, tensor, tensor} | {:error, reason}
+  def forward_with_states(q, k, v, opts \\ []) do
+    with {:ok, {causal, scale, device}} <- options(opts),
+         {:ok, [qw, kw, vw]} <- wire(q: q, k: k, v: v),
+         :ok <- loaded(),
+         {:ok, {o, o_shape}, {lse, lse_shape}} <- Nif.forward(qw, kw, vw, causal, scale, device) do
+      {:ok, result(q, o, o_shape, type_of(q)), result(q, lse, lse_shape, {:f, 32})}
+    end
+  end
+
+  @doc """
+  Gradients of a loss with respect to `q`, `k` and `v`, given `d_out` (its gradient with respect
+  to `output`, shaped like `q`) and the `output` and `logsumexp` that `forward_with_states/4`
+  returned for the same inputs and options: `{:ok, dq, dk, dv}` with `dq` shaped like `q` and
+  `dk`, `dv` like `k`, in `q`'s type. Error messages call `output` and `logsumexp` `o` and `lse`.
+  """
+  @spec backward(tensor, tensor, tensor, tensor, tensor, tensor, [option]) ::
+          {:ok, tensor, tensor, tensor} | {:error, reason}
+  def backward(d_out, q, k, v, output, logsumexp, opts \\ []) do
+    # Named as the core names them, so every message about these arguments uses one name.
+    args = [d_out: d_out, q: q, k: k, v: v, o: output, lse: logsumexp]
+
+    with {:ok, {causal, scale, device}} <- options(opts),
+         {:ok, [dow, qw, kw, vw, ow, lw]} <- wire(args),
+         :ok <- loaded(),
+         {:ok, {dq, q_shape}, {dk, kv_shape}, {dv, _}} <-
+           Nif.backward(dow, qw, kw, vw, ow, lw, causal, scale, device) do
+      type = type_of(q)
+      {:ok, result(q, dq, q_shape, type), result(q, dk, kv_shape, type), result(q, dv, kv_shape, type)}
+    end
+  end
+
+  @doc "Like `forward/4`, but returns the output and raises `ExPhil.Native.FlashAttention.Error`."
+  @spec forward!(tensor, tensor, tensor, [option]) :: tensor
+  def forward!(q, k, v, opts \\ []), do: q |> forward(k, v, opts) |> unwrap!()
+
+  @doc "Like `forward_with_states/4`, but returns `{output, logsumexp}` and raises on error."
+  @spec forward_with_states!(tensor, tensor, tensor, [option]) :: {tensor, tensor}
+  def forward_with_states!(q, k, v, opts \\ []), do: q |> forward_with_states(k, v, opts) |> unwrap!()
+
+  @doc "Like `backward/7`, but returns `{dq, dk, dv}` and raises on error."
+  @spec backward!(tensor, tensor, tensor, tensor, tensor, tensor, [option]) :: {tensor, tensor, tensor}
+  def backward!(d_out, q, k, v, output, logsumexp, opts \\ []),
+    do: d_out |> backward(q, k, v, output, logsumexp, opts) |> unwrap!()
+
+  @doc """
+  What the native library offers: `{:ok, %{version: String.t, backends: [:cpu | :cuda]}}`.
+  """
+  @spec info() :: {:ok, %{version: String.t(), backends: [atom]}} | {:error, reason}
+  def info do
+    with :ok <- loaded(), {:ok, version, backends} <- Nif.info() do
+      {:ok, %{version: version, backends: Enum.map(backends, &String.to_atom/1)}}
+    end
+  end
+
+  defp unwrap!({:ok, one}), do: one
+  defp unwrap!({:ok, a, b}), do: {a, b}
+  defp unwrap!({:ok, a, b, c}), do: {a, b, c}
+  defp unwrap!({:error, {kind, message}}), do: raise(Error, kind: kind, message: message)
+
+  defp loaded do
+    case Nif.status() do
+      :ok -> :ok
+      {:error, message} -> {:error, {:nif_not_loaded, message}}
+    end
+  end
+
+  ## Options
+
+  @option_keys [:causal, :scale, :device]
+  @devices [:auto, :cpu, :cuda]
+
+  # {:ok, {causal, scale_or_nil, device}}: types are checked here, values (scale > 0) in the core.
+  defp options(opts) when is_list(opts) do
+    Enum.reduce_while(opts, {:ok, {true, nil, :cpu}}, fn
+      {:causal, c}, {:ok, {_, s, d}} when is_boolean(c) ->
+        {:cont, {:ok, {c, s, d}}}
+
+      {:scale, s}, {:ok, {c, _, d}} when is_float(s) ->
+        {:cont, {:ok, {c, s, d}}}
+
+      {:scale, s}, {:ok, {c, _, d}} when is_integer(s) and abs(s) < 1.0e300 ->
+        {:cont, {:ok, {c, s * 1.0, d}}}
+
+      {:scale, nil}, {:ok, {c, _, d}} ->
+        {:cont, {:ok, {c, nil, d}}}
+
+      {:device, d}, {:ok, {c, s, _}} when d in @devices ->
+        {:cont, {:ok, {c, s, d}}}
+
+      {:causal, c}, _ ->
+        {:halt, unsupported("the :causal option must be true or false, got: #{inspect(c)}")}
+
+      {:scale, s}, _ ->
+        {:halt, unsupported("the :scale option must be a positive number or nil, got: #{inspect(s)}")}
+
+      {:device, d}, _ ->
+        {:halt, unsupported("the :device option must be :auto, :cpu or :cuda, got: #{inspect(d)}")}
+
+      {key, _}, _ when is_atom(key) ->
+        {:halt, unsupported("unknown option #{inspect(key)}; the options are #{inspect(@option_keys)}")}
+
+      other, _ ->
+        {:halt, unsupported("options must be a keyword list, got the element #{inspect(other)}")}
+    end)
+  end
+
+  defp options(opts), do: unsupported("options must be a keyword list, got: #{inspect(opts)}")
+
+  defp unsupported(message), do: {:error, {:unsupported, message}}
+
+  ## Tensors in and out
+
+  # Each named argument as the NIF's {data, [dims], dtype_name}, or the first problem found.
+  defp wire(named) do
+    Enum.reduce_while(named, {:ok, []}, fn {name, t}, {:ok, acc} ->
+      case wire(t, name) do
+        {:ok, w} -> {:cont, {:ok, [w | acc]}}
+        error -> {:halt, error}
+      end
+    end)
+    |> case do
+      {:ok, acc} -> {:ok, Enum.reverse(acc)}
+      error -> error
+    end
+  end
+
+  defp wire(%Tensor{data: data, shape: shape, type: type}, name) when is_binary(data) do
+    if shape?(shape) do
+      {:ok, {data, Tuple.to_list(shape), type_name(type)}}
+    else
+      {:error,
+       {:shape, "#{name} has shape #{inspect(shape)}; a shape must be a tuple of non-negative integers"}}
+    end
+  end
+
+  defp wire(%Tensor{data: data}, name),
+    do: {:error, {:argument, "#{name}.data must be a binary, got: #{short(data)}"}}
+
+  defp wire(%{__struct__: Nx.Tensor} = t, name) do
+    if Code.ensure_loaded?(Nx) do
+      try do
+        %Tensor{data: Nx.to_binary(t), shape: Nx.shape(t), type: Nx.type(t)}
+      rescue
+        e -> {:error, {:argument, "cannot read #{name} with Nx.to_binary/1: #{Exception.message(e)}"}}
+      else
+        host -> wire(host, name)
+      end
+    else
+      {:error, {:argument, "#{name} is an Nx.Tensor but the Nx module is not available"}}
+    end
+  end
+
+  defp wire(other, name) do
+    {:error,
+     {:argument,
+      "#{name} must be an ExPhil.Native.FlashAttention.Tensor or an Nx.Tensor, got: #{short(other)}"}}
+  end
+
+  defp shape?(shape) when is_tuple(shape),
+    do: shape |> Tuple.to_list() |> Enum.all?(&(is_integer(&1) and &1 >= 0))
+
+  defp shape?(_), do: false
+
+  # The core parses these names; any other type reaches it as its inspect() and is rejected there
+  # with a :dtype error naming the accepted types.
+  defp type_name({:f, 32}), do: "float32"
+  defp type_name({:f, 16}), do: "float16"
+  defp type_name({:bf, 16}), do: "bfloat16"
+  defp type_name(other), do: inspect(other)
+
+  defp type_of(%Tensor{type: type}), do: type
+  defp type_of(%{__struct__: Nx.Tensor} = t), do: Nx.type(t)
+
+  # Results take the form of q: Nx tensors when q is one, Tensor structs otherwise.
+  defp result(%{__struct__: Nx.Tensor}, data, shape, type),
+    do: data |> Nx.from_binary(type) |> Nx.reshape(shape)
+
+  defp result(_q, data, shape, type), do: %Tensor{data: data, shape: shape, type: type}
+
+  defp short(term), do: inspect(term, limit: 5, printable_limit: 40)
+end

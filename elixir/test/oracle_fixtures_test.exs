@@ -1,0 +1,98 @@
+defmodule FlashNif.OracleFixturesTest do
+  # The NIF against the float64 oracle's numbers in tests/fixtures/attention (the same fixtures
+  # the Python side can use): forward output and logsumexp, and the backward's gradients given
+  # the oracle's saved states, within the per-dtype tolerances of tests/conftest.py.
+  use ExUnit.Case, async: true
+
+  alias ExPhil.Native.FlashAttention, as: FA
+  alias FlashNif.{Fixtures, Numeric}
+
+  @cases Fixtures.cases()
+
+  setup_all do
+    results = Map.new(@cases, fn c -> {c.name, run(c)} end)
+    report(results)
+    {:ok, results: results}
+  end
+
+  test "the fixtures cover GQA, MQA, causal Sq != Sk both ways, rows with no key, and every dtype" do
+    assert Enum.any?(@cases, &(&1.heads > &1.kv_heads and &1.kv_heads > 1))
+    assert Enum.any?(@cases, &(&1.kv_heads == 1 and &1.heads > 1))
+    assert Enum.any?(@cases, &(&1.causal and &1.seq_q < &1.seq_k))
+    assert Enum.any?(@cases, &(&1.causal and &1.seq_q > &1.seq_k))
+    assert Enum.sort(Enum.uniq(Enum.map(@cases, & &1.dtype))) == ["bfloat16", "float16", "float32"]
+  end
+
+  for c <- @cases do
+    @tag fixture: c.name
+    test "#{c.name}: forward and backward match the oracle", %{results: results} do
+      c = Enum.find(@cases, &(&1.name == unquote(c.name)))
+
+      for {output, err} <- results[c.name] do
+        tol = c.tol[output |> Atom.to_string() |> String.trim_trailing("_own") |> String.to_atom()]
+
+        assert err <= tol,
+               "#{c.name} #{output}: relative error #{inspect(err)} > tolerance #{tol} (#{c.dtype})"
+      end
+    end
+  end
+
+  # Relative errors of every output: forward (o, lse), backward from the oracle's saved states
+  # (dq, dk, dv), and backward from this library's own forward states (dq_own, dk_own, dv_own),
+  # as a training loop would call it.
+  defp run(c) do
+    t = c.tensors
+    {:ok, o, lse} = FA.forward_with_states(t.q, t.k, t.v, c.opts)
+    assert o.type == t.q.type and o.shape == t.q.shape
+    assert lse.type == {:f, 32} and lse.shape == {c.batch, c.heads, c.seq_q}
+
+    {:ok, dq, dk, dv} = FA.backward(t.d_out, t.q, t.k, t.v, t.o_in, t.lse_in, c.opts)
+    {:ok, dq2, dk2, dv2} = FA.backward(t.d_out, t.q, t.k, t.v, o, lse, c.opts)
+    assert dk.shape == t.k.shape and dv.type == t.q.type
+
+    [
+      o: Numeric.rel_err(o, t.o),
+      lse: Numeric.rel_err(lse, t.lse),
+      dq: Numeric.rel_err(dq, t.dq),
+      dk: Numeric.rel_err(dk, t.dk),
+      dv: Numeric.rel_err(dv, t.dv),
+      dq_own: Numeric.rel_err(dq2, t.dq),
+      dk_own: Numeric.rel_err(dk2, t.dk),
+      dv_own: Numeric.rel_err(dv2, t.dv)
+    ]
+  end
+
+  defp report(results) do
+    lines =
+      for c <- @cases do
+        errs = results[c.name]
+        cells = Enum.map_join([:o, :lse, :dq, :dk, :dv], "  ", &"#{&1}=#{fmt(errs[&1])}")
+        "  #{String.pad_trailing(c.name, 26)} #{cells}"
+      end
+
+    worst =
+      for dtype <- ["float32", "float16", "bfloat16"] do
+        errs = for c <- @cases, c.dtype == dtype, {_, e} <- results[c.name], do: e
+        "#{dtype} #{fmt(Enum.max(errs, fn -> 0.0 end))}"
+      end
+
+    # For f16/bf16 the tolerance is 2 * baseline + 1e-5, baseline being the error of the oracle's
+    # own result rounded to the dtype; this ratio is the one FlashAttention's tests bound by 2.
+    ratios =
+      for c <- @cases, c.dtype != "float32", {out, e} <- results[c.name], out != :lse do
+        key = out |> Atom.to_string() |> String.trim_trailing("_own") |> String.to_atom()
+        e / ((c.tol[key] - 1.0e-5) / 2)
+      end
+
+    IO.puts(
+      "\nrelative error vs the float64 oracle (tolerances: f32 1e-5, f16/bf16 2x rounding + 1e-5):\n" <>
+        Enum.join(lines, "\n") <>
+        "\n  worst: " <>
+        Enum.join(worst, ", ") <>
+        "\n  worst f16/bf16 error / rounding baseline: #{fmt(Enum.max(ratios))} (bound 2)"
+    )
+  end
+
+  defp fmt(x) when is_float(x), do: :erlang.float_to_binary(x, [{:scientific, 2}])
+  defp fmt(x), do: inspect(x)
+end

@@ -1,0 +1,83 @@
+defmodule FlashNif.Fixtures do
+  @moduledoc false
+  # Reads tests/fixtures/attention/ (written by tests/fixtures/generate.py from the float64
+  # oracle): every case with its tensors as ExPhil.Native.FlashAttention.Tensor structs.
+
+  alias ExPhil.Native.FlashAttention.Tensor
+
+  @dir Path.expand("../../../tests/fixtures/attention", __DIR__)
+
+  def dir, do: @dir
+
+  @doc "All cases: maps with :name, :dtype, :causal, :scale, :tol (a map) and :tensors (a map)."
+  def cases do
+    {:ok, terms} = :file.consult(String.to_charlist(Path.join(@dir, "manifest.eterm")))
+    {:header, %{byte_order: "little"}} = hd(terms)
+    for {:fixture, c} <- terms, do: load(c)
+  end
+
+  defp load(c) do
+    blob = File.read!(Path.join(@dir, c.file))
+
+    tensors =
+      Map.new(c.tensors, fn t ->
+        type = type(t.dtype)
+        data = blob |> binary_part(t.offset, t.nbytes) |> little_to_native(Tensor.byte_size(type))
+        {String.to_atom(t.name), %Tensor{data: data, shape: List.to_tuple(t.shape), type: type}}
+      end)
+
+    %{c | tensors: tensors} |> Map.put(:opts, causal: c.causal, scale: c.scale)
+  end
+
+  def type("float32"), do: {:f, 32}
+  def type("float16"), do: {:f, 16}
+  def type("bfloat16"), do: {:bf, 16}
+
+  defp little_to_native(bin, size) do
+    case :erlang.system_info(:endian) do
+      :little -> bin
+      :big -> for <<x::little-size(size * 8) <- bin>>, into: <<>>, do: <<x::big-size(size * 8)>>
+    end
+  end
+end
+
+defmodule FlashNif.Numeric do
+  @moduledoc false
+  # Error measures shared by the tests (the convention of tests/conftest.py).
+
+  alias ExPhil.Native.FlashAttention.Tensor
+
+  @doc """
+  ||got - want|| / ||want|| over the finite entries of `want`; non-finite entries must sit at the
+  same places with the same values, else the error is :infinity.
+  """
+  def rel_err(%Tensor{} = got, %Tensor{} = want) do
+    unless got.shape == want.shape, do: raise("shape #{inspect(got.shape)} != #{inspect(want.shape)}")
+    rel_err(Tensor.to_list(got), Tensor.to_list(want))
+  end
+
+  def rel_err(got, want) when is_list(got) and is_list(want) do
+    pairs = Enum.zip(got, want)
+
+    if Enum.all?(pairs, fn {g, w} -> is_float(w) == is_float(g) and (is_float(w) or g == w) end) do
+      {num, den} =
+        Enum.reduce(pairs, {0.0, 0.0}, fn
+          {g, w}, {n, d} when is_float(w) -> {n + (g - w) * (g - w), d + w * w}
+          _, acc -> acc
+        end)
+
+      if den == 0.0, do: :math.sqrt(num), else: :math.sqrt(num / den)
+    else
+      :infinity
+    end
+  end
+
+  @doc "A tensor of `type` with standard-normal entries from a seeded generator."
+  def random(shape, type, seed) do
+    state = :rand.seed_s(:exsss, {seed, 17, 29})
+
+    n = Tensor.size(shape)
+    {values, _} = Enum.map_reduce(List.duplicate(nil, n), state, fn _, s -> :rand.normal_s(s) end)
+    Tensor.from_list(values, shape, type)
+  end
+end

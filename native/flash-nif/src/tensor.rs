@@ -1,0 +1,99 @@
+//! Tensors crossing the NIF boundary.
+//!
+//! In: `{data, [d0, d1, ...], dtype_name}` where `data` is a native-endian, row-major binary
+//! (any alignment; sub-binaries are fine) and `dtype_name` is "float32", "float16" or "bfloat16"
+//! (anything else reaches `DType::parse`, which names the accepted types).
+//! Out: `{data, {d0, d1, ...}}`, `data` a fresh binary written in place by the core.
+
+use crate::reply::Reason;
+use flash_core::{DType, FlashError, TensorSpec};
+use rustler::sys::{enif_alloc_binary, ErlNifBinary};
+use rustler::types::tuple::make_tuple;
+use rustler::{Binary, Encoder, Env, OwnedBinary, Term};
+use std::mem::MaybeUninit;
+
+/// An input tensor, borrowing the caller's binary (no copy).
+pub struct HostTensor<'a> {
+    data: Binary<'a>,
+    shape: Vec<usize>,
+    dtype: DType,
+}
+
+impl<'a> HostTensor<'a> {
+    /// Decodes argument `name`; a malformed term is an `:argument` error naming it.
+    pub fn decode(term: Term<'a>, name: &str) -> Result<HostTensor<'a>, Reason> {
+        let malformed = || {
+            Reason::argument(format!(
+                "{name} must be {{data :: binary, shape :: [non_neg_integer], dtype_name :: String.t}}"
+            ))
+        };
+        let (data, shape, dtype): (Term<'a>, Term<'a>, Term<'a>) =
+            term.decode().map_err(|_| malformed())?;
+        let data: Binary<'a> = data.decode().map_err(|_| malformed())?;
+        let shape: Vec<usize> = shape.decode().map_err(|_| malformed())?;
+        let dtype: String = dtype.decode().map_err(|_| malformed())?;
+        let dtype = DType::parse(&dtype, name)?;
+        Ok(HostTensor { data, shape, dtype })
+    }
+
+    pub fn spec(&self) -> TensorSpec<'_> {
+        TensorSpec {
+            dtype: self.dtype,
+            shape: &self.shape,
+            nbytes: self.data.len(),
+        }
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        self.data.as_slice()
+    }
+}
+
+/// An output tensor: a binary of exactly the size its shape and dtype need.
+pub struct Output {
+    data: OwnedBinary,
+    shape: Vec<usize>,
+}
+
+impl Output {
+    /// Allocates the (uninitialised) binary for output `name`. Unlike `OwnedBinary::new`, which
+    /// aborts the whole VM when the allocation fails, a failure is an `:out_of_memory` error.
+    pub fn alloc(name: &str, shape: &[usize], dtype: DType) -> Result<Output, Reason> {
+        let nbytes = shape
+            .iter()
+            .try_fold(dtype.size_bytes(), |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| {
+                FlashError::OutOfMemory(format!(
+                    "{name} with shape {shape:?} is too large to address"
+                ))
+            })?;
+        let mut raw = MaybeUninit::<ErlNifBinary>::uninit();
+        // SAFETY: enif_alloc_binary initialises `raw` when it returns non-zero; OwnedBinary then
+        // owns it and releases it on drop (or hands it to the VM in `encode`).
+        let data = unsafe {
+            if enif_alloc_binary(nbytes, raw.as_mut_ptr()) == 0 {
+                return Err(FlashError::OutOfMemory(format!(
+                    "cannot allocate {nbytes} bytes for {name} with shape {shape:?}"
+                ))
+                .into());
+            }
+            OwnedBinary::from_raw(raw.assume_init())
+        };
+        Ok(Output {
+            data,
+            shape: shape.to_vec(),
+        })
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        self.data.as_mut_slice()
+    }
+
+    /// `{binary, shape_tuple}`; the binary is handed to the VM without a copy.
+    pub fn encode<'a>(self, env: Env<'a>) -> Term<'a> {
+        let dims: Vec<Term<'a>> = self.shape.iter().map(|d| d.encode(env)).collect();
+        let shape = make_tuple(env, &dims);
+        let data = self.data.release(env).encode(env);
+        make_tuple(env, &[data, shape])
+    }
+}

@@ -1,0 +1,270 @@
+"""The float64 oracle itself, checked so the other tests can trust it.
+
+* against a naive scalar-loop implementation written independently (per row:
+  softmax over the visible keys, then the softmax Jacobian for gradients);
+* against central finite differences of ``L = sum(do * o(q, k, v))``;
+* structural properties: GQA equals MHA with repeated k/v, bottom-right
+  causal alignment, rows that see no key, dtype upcasting.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+# (B, Sq, Sk, H, Hkv, D, causal, scale)
+TINY = [
+    pytest.param(1, 3, 4, 2, 1, 3, True, None, id="sq<sk-gqa-causal"),
+    pytest.param(2, 5, 3, 2, 2, 4, True, 0.7, id="sq>sk-causal-empty-rows-scale"),
+    pytest.param(1, 4, 4, 3, 1, 2, False, None, id="mqa-noncausal"),
+    pytest.param(1, 1, 5, 2, 1, 3, True, None, id="decode-sq1"),
+    pytest.param(1, 4, 6, 4, 2, 3, False, 1.9, id="gqa-noncausal-scale"),
+]
+
+
+def naive_forward(q, k, v, causal, scale):
+    """Scalar loops: returns ``(o [B,Sq,H,D], lse [B,H,Sq])`` float64."""
+    b_, sq, h_, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    group = h_ // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    o = np.zeros((b_, sq, h_, d))
+    lse = np.full((b_, h_, sq), -np.inf)
+    for b in range(b_):
+        for h in range(h_):
+            g = h // group
+            for i in range(sq):
+                keys = [j for j in range(sk) if not causal or j - i <= sk - sq]
+                if not keys:
+                    continue
+                s = [scale * sum(float(q[b, i, h, x]) * float(k[b, j, g, x]) for x in range(d)) for j in keys]
+                m = max(s)
+                e = [math.exp(t - m) for t in s]
+                tot = sum(e)
+                lse[b, h, i] = m + math.log(tot)
+                for x in range(d):
+                    o[b, i, h, x] = sum(e[n] * float(v[b, j, g, x]) for n, j in enumerate(keys)) / tot
+    return o, lse
+
+
+def naive_backward(do, q, k, v, causal, scale):
+    """Scalar loops through the softmax Jacobian (recomputes P itself)."""
+    b_, sq, h_, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    group = h_ // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    dq = np.zeros(q.shape)
+    dk = np.zeros(k.shape)
+    dv = np.zeros(v.shape)
+    for b in range(b_):
+        for h in range(h_):
+            g = h // group
+            for i in range(sq):
+                keys = [j for j in range(sk) if not causal or j - i <= sk - sq]
+                if not keys:
+                    continue
+                s = [scale * sum(q[b, i, h, x] * k[b, j, g, x] for x in range(d)) for j in keys]
+                m = max(s)
+                e = [math.exp(t - m) for t in s]
+                p = [t / sum(e) for t in e]
+                dp = [sum(do[b, i, h, x] * v[b, j, g, x] for x in range(d)) for j in keys]
+                mean = sum(pn * dpn for pn, dpn in zip(p, dp))
+                for n, j in enumerate(keys):
+                    ds = p[n] * (dp[n] - mean)
+                    for x in range(d):
+                        dv[b, j, g, x] += p[n] * do[b, i, h, x]
+                        dq[b, i, h, x] += scale * ds * k[b, j, g, x]
+                        dk[b, j, g, x] += scale * ds * q[b, i, h, x]
+    return dq, dk, dv
+
+
+def _inputs(seed, b, sq, sk, h, hkv, d):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, sq, h, d))
+    k = rng.standard_normal((b, sk, hkv, d))
+    v = rng.standard_normal((b, sk, hkv, d))
+    do = rng.standard_normal((b, sq, h, d))
+    return q, k, v, do
+
+
+@pytest.mark.parametrize("b,sq,sk,h,hkv,d,causal,scale", TINY)
+def test_forward_matches_naive_loops(ref, b, sq, sk, h, hkv, d, causal, scale):
+    q, k, v, _ = _inputs(1, b, sq, sk, h, hkv, d)
+    o, lse = ref.forward_with_states(q, k, v, causal=causal, scale=scale)
+    o_n, lse_n = naive_forward(q, k, v, causal, scale)
+    assert o.dtype == np.float64 and lse.dtype == np.float64
+    assert o.shape == (b, sq, h, d) and lse.shape == (b, h, sq)
+    np.testing.assert_allclose(o, o_n, rtol=1e-12, atol=1e-13)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_n))
+    np.testing.assert_allclose(lse, lse_n, rtol=1e-12, atol=1e-13)
+    np.testing.assert_array_equal(ref.forward(q, k, v, causal=causal, scale=scale), o)
+
+
+@pytest.mark.parametrize("b,sq,sk,h,hkv,d,causal,scale", TINY)
+def test_backward_matches_naive_loops(ref, b, sq, sk, h, hkv, d, causal, scale):
+    q, k, v, do = _inputs(2, b, sq, sk, h, hkv, d)
+    o, lse = ref.forward_with_states(q, k, v, causal=causal, scale=scale)
+    got = ref.backward(do, q, k, v, o, lse, causal=causal, scale=scale)
+    want = naive_backward(do, q, k, v, causal, scale)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert g.dtype == np.float64 and g.shape == w.shape, name
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize("b,sq,sk,h,hkv,d,causal,scale", TINY)
+def test_backward_matches_finite_differences(ref, b, sq, sk, h, hkv, d, causal, scale):
+    q, k, v, do = _inputs(3, b, sq, sk, h, hkv, d)
+    o, lse = ref.forward_with_states(q, k, v, causal=causal, scale=scale)
+    grads = ref.backward(do, q, k, v, o, lse, causal=causal, scale=scale)
+
+    def loss(qq, kk, vv):
+        return float(np.sum(do * ref.forward(qq, kk, vv, causal=causal, scale=scale)))
+
+    eps = 1e-6
+    args = [q, k, v]
+    for which, (name, grad) in enumerate(zip(("dq", "dk", "dv"), grads)):
+        fd = np.zeros_like(args[which])
+        for idx in np.ndindex(fd.shape):
+            plus = [a.copy() for a in args]
+            minus = [a.copy() for a in args]
+            plus[which][idx] += eps
+            minus[which][idx] -= eps
+            fd[idx] = (loss(*plus) - loss(*minus)) / (2 * eps)
+        np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8, err_msg=name)
+
+
+def test_gqa_equals_mha_with_repeated_kv(ref):
+    b, sq, sk, h, hkv, d = 2, 7, 9, 6, 2, 5
+    q, k, v, do = _inputs(4, b, sq, sk, h, hkv, d)
+    group = h // hkv
+    k_rep = np.repeat(k, group, axis=2)  # head h -> kv head h // group
+    v_rep = np.repeat(v, group, axis=2)
+    for causal in (True, False):
+        o, lse = ref.forward_with_states(q, k, v, causal=causal)
+        o_m, lse_m = ref.forward_with_states(q, k_rep, v_rep, causal=causal)
+        np.testing.assert_allclose(o, o_m, rtol=1e-13, atol=1e-14)
+        np.testing.assert_allclose(lse, lse_m, rtol=1e-13)
+        dq, dk, dv = ref.backward(do, q, k, v, o, lse, causal=causal)
+        dq_m, dk_m, dv_m = ref.backward(do, q, k_rep, v_rep, o_m, lse_m, causal=causal)
+        np.testing.assert_allclose(dq, dq_m, rtol=1e-12, atol=1e-13)
+        np.testing.assert_allclose(dk, dk_m.reshape(b, sk, hkv, group, d).sum(3), rtol=1e-12, atol=1e-13)
+        np.testing.assert_allclose(dv, dv_m.reshape(b, sk, hkv, group, d).sum(3), rtol=1e-12, atol=1e-13)
+
+
+def test_causal_alignment_is_bottom_right(ref):
+    mask = ref.visible_mask(3, 5, True)
+    want = np.array(
+        [
+            [1, 1, 1, 0, 0],
+            [1, 1, 1, 1, 0],
+            [1, 1, 1, 1, 1],
+        ],
+        dtype=bool,
+    )
+    np.testing.assert_array_equal(mask, want)
+    np.testing.assert_array_equal(ref.visible_mask(4, 4, True), np.tri(4, dtype=bool))
+    # Sq > Sk: the first Sq - Sk rows see nothing
+    np.testing.assert_array_equal(ref.visible_mask(5, 2, True).sum(1), [0, 0, 0, 1, 2])
+    # the last query row always sees every key, so it equals non-causal there
+    q, k, v, _ = _inputs(5, 1, 4, 9, 2, 2, 3)
+    oc = ref.forward(q, k, v, causal=True)
+    on = ref.forward(q, k, v, causal=False)
+    np.testing.assert_allclose(oc[:, -1], on[:, -1], rtol=1e-14)
+    assert not np.allclose(oc[:, 0], on[:, 0])
+
+
+def test_rows_without_keys_are_exact_zero_and_never_nan(ref):
+    b, sq, sk, h, hkv, d = 1, 6, 2, 2, 1, 4
+    q, k, v, do = _inputs(6, b, sq, sk, h, hkv, d)
+    with np.errstate(all="raise"):  # no overflow / invalid / divide on the way
+        o, lse = ref.forward_with_states(q, k, v, causal=True)
+        dq, dk, dv = ref.backward(do, q, k, v, o, lse, causal=True)
+    empty = sq - sk  # rows 0 .. 3 see no key
+    assert np.all(o[:, :empty] == 0.0)
+    assert np.all(np.isneginf(lse[:, :, :empty]))
+    assert np.all(dq[:, :empty] == 0.0)
+    assert np.all(np.isfinite(lse[:, :, empty:]))
+    for t in (o, dq, dk, dv):
+        assert not np.isnan(t).any()
+
+
+def test_zero_keys(ref):
+    q, k, v, do = _inputs(7, 2, 3, 0, 2, 1, 4)
+    for causal in (True, False):
+        with np.errstate(all="raise"):
+            o, lse = ref.forward_with_states(q, k, v, causal=causal)
+            dq, dk, dv = ref.backward(do, q, k, v, o, lse, causal=causal)
+        assert o.shape == q.shape and np.all(o == 0.0)
+        assert lse.shape == (2, 2, 3) and np.all(np.isneginf(lse))
+        assert np.all(dq == 0.0) and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_zero_batch_and_zero_queries(ref):
+    for b, sq in ((0, 4), (2, 0)):
+        q, k, v, do = _inputs(8, b, sq, 5, 2, 2, 3)
+        o, lse = ref.forward_with_states(q, k, v)
+        dq, dk, dv = ref.backward(do, q, k, v, o, lse)
+        assert o.shape == q.shape and lse.shape == (b, 2, sq)
+        assert dk.shape == k.shape and np.all(dk == 0.0) and np.all(dv == 0.0)
+
+
+def test_default_scale_is_inverse_sqrt_d(ref):
+    q, k, v, _ = _inputs(9, 1, 5, 5, 2, 2, 7)
+    np.testing.assert_array_equal(ref.forward(q, k, v), ref.forward(q, k, v, scale=1 / math.sqrt(7)))
+    np.testing.assert_array_equal(ref.forward(q, k, v), ref.forward(q, k, v, causal=True))
+    assert not np.allclose(ref.forward(q, k, v, scale=0.1), ref.forward(q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.float64])
+def test_accepts_storage_dtypes_and_returns_float64(ref, dtype):
+    q, k, v, do = (t.astype(dtype) for t in _inputs(10, 1, 6, 8, 4, 2, 8))
+    o, lse = ref.forward_with_states(q, k, v)
+    dq, dk, dv = ref.backward(do, q, k, v, o.astype(dtype), lse.astype(np.float32))
+    for t in (o, lse, dq, dk, dv):
+        assert t.dtype == np.float64
+    up = [t.astype(np.float64) for t in (q, k, v)]
+    np.testing.assert_array_equal(o, ref.forward(*up))
+
+
+def test_backward_uses_the_given_o(ref):
+    """delta = rowsum(do * o) comes from the o passed in, like the kernel."""
+    q, k, v, do = _inputs(11, 1, 5, 5, 2, 1, 3)
+    o, lse = ref.forward_with_states(q, k, v, causal=False)
+    dq, dk, dv = ref.backward(do, q, k, v, o, lse, causal=False)
+    dq2, dk2, dv2 = ref.backward(do, q, k, v, 2.0 * o, lse, causal=False)
+    np.testing.assert_array_equal(dv, dv2)  # dV = P^T dO does not involve o
+    assert not np.allclose(dq, dq2)
+
+
+def test_nan_propagates(ref):
+    q, k, v, _ = _inputs(12, 1, 4, 4, 1, 1, 3)
+    q[0, 2, 0, 1] = np.nan
+    o, lse = ref.forward_with_states(q, k, v, causal=False)
+    assert np.isnan(o[0, 2]).all() and np.isnan(lse[0, 0, 2])
+    assert np.isfinite(np.delete(o, 2, axis=1)).all()
+
+
+def test_rejects_bad_shapes(ref):
+    q, k, v, do = _inputs(13, 1, 4, 4, 4, 2, 3)
+    with pytest.raises(ValueError):
+        ref.forward(q[0], k, v)
+    with pytest.raises(ValueError):
+        ref.forward(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2))  # 4 % 3
+    with pytest.raises(ValueError):
+        ref.forward(q, k[..., :2], v[..., :2])
+    o, lse = ref.forward_with_states(q, k, v)
+    with pytest.raises(ValueError):
+        ref.backward(do[:, :3], q, k, v, o, lse)
+    with pytest.raises(ValueError):
+        ref.backward(do, q, k, v, o, lse[:, :2])
+
+
+def test_handles_s2048_one_head_at_a_time(ref):
+    """Memory is O(Sq * Sk) per head, so a 2048-long test case is cheap."""
+    q, k, v, do = _inputs(14, 1, 2048, 2048, 2, 1, 16)
+    o, lse = ref.forward_with_states(q, k, v)
+    dq, dk, dv = ref.backward(do, q, k, v, o, lse)
+    assert np.isfinite(o).all() and np.isfinite(dq).all() and np.isfinite(dk).all()
