@@ -23,9 +23,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-# cuda/ sits beside python/ in a checkout; an installed wheel carries a copy in flash_nif/cuda.
+# Kernel sources: $FLASH_NIF_CUDA_DIR, flash_nif/cuda, cuda/ beside python/ in a checkout, ./cuda.
 _HERE = pathlib.Path(__file__).resolve().parent
-CUDA_DIRS = [_HERE / "cuda", _HERE.parents[1] / "cuda"]
+CUDA_DIRS = [_HERE / "cuda", _HERE.parents[1] / "cuda", pathlib.Path.cwd() / "cuda"]
+if os.environ.get("FLASH_NIF_CUDA_DIR"):
+    CUDA_DIRS.insert(0, pathlib.Path(os.environ["FLASH_NIF_CUDA_DIR"]))
 
 DTYPES = {"f16": 0, "bf16": 1, "f32": 2}
 KERNELS = ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv")
@@ -37,6 +39,9 @@ ENTRY = {
 }
 MAIN_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv")  # a spill in one of these fails the check
 HEAD_DIMS = tuple(range(8, 257, 8))
+# Default for the check: every tile class and both sides of each boundary, odd DPAD paddings
+# (D % 16 == 8) and the largest D. `--head-dims all` compiles all 32 (about 9x longer).
+CHECK_HEAD_DIMS = (8, 16, 40, 64, 72, 96, 128, 136, 160, 192, 248, 256)
 
 
 @dataclass(frozen=True)
@@ -74,27 +79,30 @@ class Variant:
         return smem_bytes(self.kernel, self.dtype, self.head_dim, self.block_m, self.block_n, self.d_split)
 
 
-def tiles(kernel: str, dtype: str, head_dim: int) -> tuple[int, int, int, int]:
-    """(block_m, block_n, num_warps, d_split) for a kernel. Mirrors config.rs."""
+def tiles(kernel: str, dtype: str, head_dim: int) -> tuple[int, int, int, int, int]:
+    """(block_m, block_n, num_warps, d_split, min_blocks) for a kernel. Mirrors config.rs."""
     d = head_dim
     if kernel == "bwd_preprocess":
-        return 8, 1, 8, 1
+        return 8, 1, 8, 1, 1
     if dtype == "f32":
         if kernel == "fwd":
-            bm, bn = (64, 64) if d <= 64 else (64, 32) if d <= 128 else (32, 16)
+            bm, bn = (128, 64) if d <= 64 else (64, 64) if d <= 128 else (32, 16)
+        elif kernel == "bwd_dq":
+            bm, bn = (64, 64) if d <= 64 else (64, 32) if d <= 128 else (16, 16)
         else:
-            bm, bn = (64, 64) if d <= 64 else (32, 32) if d <= 128 else (16, 16)
-        return bm, bn, 8, 1
+            bm, bn = (64, 64) if d <= 128 else (16, 16)
+        return bm, bn, 8, 1, 1
     if kernel == "fwd":
-        return (128, 64, 8, 1) if d <= 128 else (64, 32, 4, 1)
+        # 4th value for the forward: M_TILES (16-row tiles per warp)
+        return (128, 64, 4, 2, 1) if d <= 64 else (128, 32, 4, 2, 1) if d <= 128 else (64, 32, 4, 1, 1)
     if kernel == "bwd_dq":
-        return (64, 64, 4, 1) if d <= 128 else (64, 32, 4, 1)
+        return (64, 128, 4, 1, 1) if d <= 64 else (64, 64, 4, 1, 1) if d <= 128 else (64, 32, 4, 1, 1)
     # bwd_dkdv: block_n keys (16 per warp / d_split), block_m queries per step
     if d <= 64:
-        return 64, 128, 8, 1
+        return 128, 64, 4, 1, 1
     if d <= 128:
-        return 32, 128, 8, 1
-    return 32, 64, 8, 2
+        return 64, 64, 4, 1, 1
+    return 32, 64, 8, 2, 1
 
 
 def smem_bytes(kernel: str, dtype: str, d: int, bm: int, bn: int, d_split: int = 1) -> int:
@@ -108,7 +116,7 @@ def smem_bytes(kernel: str, dtype: str, d: int, bm: int, bn: int, d_split: int =
         if kernel == "bwd_dq":
             return 4 * ((2 * bm + 2 * bn) * fs + bm * (bn + 1))
         return 4 * ((2 * bn + 2 * bm) * fs + 2 * bn * (bm + 1) + 2 * bm)
-    unit = 16 * d_split
+    unit = 16 * d_split if kernel == "bwd_dkdv" else 16
     dpad = (d + unit - 1) // unit * unit
     srow = dpad + 8
     if kernel == "fwd":
@@ -125,7 +133,7 @@ def source_file(kernel: str, dtype: str) -> str:
 
 
 def variant(kernel, dtype, head_dim, causal=False, group=1, even_m=False, even_n=False) -> Variant:
-    bm, bn, nw, ds = tiles(kernel, dtype, head_dim)
+    bm, bn, nw, ds, min_blocks = tiles(kernel, dtype, head_dim)
     defines = [("FLASH_DTYPE", DTYPES[dtype]), ("HEAD_DIM", head_dim), ("NUM_WARPS", nw)]
     if kernel != "bwd_preprocess":
         defines += [
@@ -138,6 +146,9 @@ def variant(kernel, dtype, head_dim, causal=False, group=1, even_m=False, even_n
         ]
         if kernel == "bwd_dkdv" and dtype != "f32":
             defines.append(("D_SPLIT", ds))
+        if kernel == "fwd" and dtype != "f32":
+            defines.append(("M_TILES", ds))
+        defines.append(("MIN_BLOCKS", min_blocks))
     return Variant(kernel, dtype, head_dim, source_file(kernel, dtype), bm, bn, nw, ds, tuple(defines))
 
 
@@ -262,12 +273,18 @@ def compile_variant(lib, v: Variant, arch: str, source: str | None = None) -> di
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flash_nif.kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", action="append", help="target, e.g. sm_80 or sm_90a (repeatable)")
-    ap.add_argument("--head-dims", default="all", help="'all' (every multiple of 8 to 256) or a comma list")
+    ap.add_argument("--head-dims", default="check",
+                    help="'check' (a representative set, the default), 'all' (every multiple of 8 to 256) or a comma list")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("-v", "--verbose", action="store_true", help="print NVRTC logs")
     args = ap.parse_args(argv)
     archs = args.arch or ["sm_80", "sm_90a"]
-    dims = HEAD_DIMS if args.head_dims == "all" else tuple(int(x) for x in args.head_dims.split(","))
+    if args.head_dims == "all":
+        dims = HEAD_DIMS
+    elif args.head_dims == "check":
+        dims = CHECK_HEAD_DIMS
+    else:
+        dims = tuple(int(x) for x in args.head_dims.split(","))
     lib, path = load_nvrtc()
     major, minor = nvrtc_version(lib)
     print(f"NVRTC {major}.{minor} ({path}); sources {cuda_dir()}")

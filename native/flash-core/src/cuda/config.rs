@@ -57,6 +57,7 @@ pub struct Variant {
     pub block_m: usize,
     pub block_n: usize,
     pub num_warps: usize,
+    /// bwd_dkdv: warps sharing a key slice (D_SPLIT); fwd: 16-row tiles per warp (M_TILES).
     pub d_split: usize,
     pub defines: Vec<(&'static str, i64)>,
 }
@@ -98,7 +99,7 @@ impl Variant {
                 }
             }
             (k, _) => {
-                let unit = 16 * self.d_split;
+                let unit = if k == Kernel::BwdDkdv { 16 * self.d_split } else { 16 };
                 let srow = d.div_ceil(unit) * unit + 8;
                 match k {
                     Kernel::Fwd => 2 * (bm + 4 * bn) * srow,
@@ -110,30 +111,37 @@ impl Variant {
     }
 }
 
-/// (block_m, block_n, num_warps, d_split) per kernel, dtype and head dim.
-pub fn tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, usize) {
+/// (block_m, block_n, num_warps, d_split, min_blocks) per kernel, dtype and head dim. Chosen by
+/// cuda/sweep.py on an H100 (bench/RESULTS.md has the numbers); min_blocks = 2 caps the forward at
+/// 128 registers so that two 8-warp blocks share an SM.
+pub fn tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, usize, usize) {
     if kernel == Kernel::BwdPreprocess {
-        return (8, 1, 8, 1);
+        return (8, 1, 8, 1, 1);
     }
     if dtype == DType::F32 {
         let (bm, bn) = match kernel {
-            Kernel::Fwd if d <= 64 => (64, 64),
-            Kernel::Fwd if d <= 128 => (64, 32),
+            Kernel::Fwd if d <= 64 => (128, 64),
+            Kernel::Fwd if d <= 128 => (64, 64),
             Kernel::Fwd => (32, 16),
-            _ if d <= 64 => (64, 64),
-            _ if d <= 128 => (32, 32),
+            Kernel::BwdDq if d <= 64 => (64, 64),
+            Kernel::BwdDq if d <= 128 => (64, 32),
+            Kernel::BwdDkdv if d <= 128 => (64, 64),
             _ => (16, 16),
         };
-        return (bm, bn, 8, 1);
+        return (bm, bn, 8, 1, 1);
     }
     match kernel {
-        Kernel::Fwd if d <= 128 => (128, 64, 8, 1),
-        Kernel::Fwd => (64, 32, 4, 1),
-        Kernel::BwdDq if d <= 128 => (64, 64, 4, 1),
-        Kernel::BwdDq => (64, 32, 4, 1),
-        _ if d <= 64 => (64, 128, 8, 1),
-        _ if d <= 128 => (32, 128, 8, 1),
-        _ => (32, 64, 8, 2),
+        // The forward's 4th value is M_TILES: 16-row tiles per warp (2 = each K/V fragment read
+        // from shared memory feeds two mma's).
+        Kernel::Fwd if d <= 64 => (128, 64, 4, 2, 1),
+        Kernel::Fwd if d <= 128 => (128, 32, 4, 2, 1),
+        Kernel::Fwd => (64, 32, 4, 1, 1),
+        Kernel::BwdDq if d <= 64 => (64, 128, 4, 1, 1),
+        Kernel::BwdDq if d <= 128 => (64, 64, 4, 1, 1),
+        Kernel::BwdDq => (64, 32, 4, 1, 1),
+        _ if d <= 64 => (128, 64, 4, 1, 1),
+        _ if d <= 128 => (64, 64, 4, 1, 1),
+        _ => (32, 64, 8, 2, 1),
     }
 }
 
@@ -151,7 +159,7 @@ fn source(kernel: Kernel, dtype: DType) -> &'static str {
 
 /// The variant launched for a kernel of a problem. `even_m` / `even_n`: Sq / Sk divide the tiles.
 pub fn variant(kernel: Kernel, dtype: DType, head_dim: usize, causal: bool, group: usize, seq_q: usize, seq_k: usize) -> Variant {
-    let (bm, bn, nw, ds) = tiles(kernel, dtype, head_dim);
+    let (bm, bn, nw, ds, min_blocks) = tiles(kernel, dtype, head_dim);
     let mut defines: Vec<(&'static str, i64)> =
         vec![("FLASH_DTYPE", dtype_code(dtype) as i64), ("HEAD_DIM", head_dim as i64), ("NUM_WARPS", nw as i64)];
     if kernel != Kernel::BwdPreprocess {
@@ -166,6 +174,10 @@ pub fn variant(kernel: Kernel, dtype: DType, head_dim: usize, causal: bool, grou
         if kernel == Kernel::BwdDkdv && dtype != DType::F32 {
             defines.push(("D_SPLIT", ds as i64));
         }
+        if kernel == Kernel::Fwd && dtype != DType::F32 {
+            defines.push(("M_TILES", ds as i64));
+        }
+        defines.push(("MIN_BLOCKS", min_blocks as i64));
     }
     Variant { kernel, dtype, head_dim, source: source(kernel, dtype), block_m: bm, block_n: bn, num_warps: nw, d_split: ds, defines }
 }
@@ -194,10 +206,12 @@ mod tests {
     #[test]
     fn tiles_fit_an_ampere_block_and_warps_cover_the_tile() {
         for v in all_variants(&(8..=256).step_by(8).collect::<Vec<_>>()) {
+            // The largest opt-in block on an A100 is 163 KiB (H100: 227 KiB).
             assert!(v.smem_bytes() <= 163 * 1024, "{} needs {} bytes", v.name(), v.smem_bytes());
             if v.dtype != DType::F32 {
                 match v.kernel {
-                    Kernel::Fwd | Kernel::BwdDq => assert_eq!(v.block_m, 16 * v.num_warps),
+                    Kernel::Fwd => assert_eq!(v.block_m, 16 * v.num_warps * v.d_split),
+                    Kernel::BwdDq => assert_eq!(v.block_m, 16 * v.num_warps),
                     Kernel::BwdDkdv => assert_eq!(v.block_n * v.d_split, 16 * v.num_warps),
                     Kernel::BwdPreprocess => {}
                 }

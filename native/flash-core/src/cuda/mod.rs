@@ -199,8 +199,8 @@ fn kernel_variant(p: &Problem, k: Kernel) -> Variant {
 pub unsafe fn forward_device(p: &Problem, device: usize, stream: usize, ptrs: ForwardPtrs) -> Result<()> {
     guarded(|| {
         check_supported(p)?;
-        libs::ensure_nvrtc()?;
         let dev = device::device(device)?;
+        libs::ensure_nvrtc()?;
         let _ctx = ContextGuard::new(&dev)?;
         let s = stream as cu::CUstream;
         let d = &p.dims;
@@ -224,8 +224,8 @@ pub unsafe fn forward_device(p: &Problem, device: usize, stream: usize, ptrs: Fo
 pub unsafe fn backward_device(p: &Problem, device: usize, stream: usize, ptrs: BackwardPtrs) -> Result<()> {
     guarded(|| {
         check_supported(p)?;
-        libs::ensure_nvrtc()?;
         let dev = device::device(device)?;
+        libs::ensure_nvrtc()?;
         let _ctx = ContextGuard::new(&dev)?;
         let s = stream as cu::CUstream;
         let d = &p.dims;
@@ -323,8 +323,8 @@ pub fn forward_host(p: &Problem, device: usize, q: &[u8], k: &[u8], v: &[u8], o:
     check_lens(&[("q", q.len(), qb), ("k", k.len(), kvb), ("v", v.len(), kvb), ("o", o.len(), qb), ("lse", lse.len(), lb)])?;
     guarded(|| {
         check_supported(p)?;
-        libs::ensure_nvrtc()?;
         let dev = device::device(device)?;
+        libs::ensure_nvrtc()?;
         let _ctx = ContextGuard::new(&dev)?;
         let s = Stream::new()?;
         let bufs = [qb, kvb, kvb, qb, lb].map(|n| DeviceBuffer::alloc(n, s.0));
@@ -371,8 +371,8 @@ pub fn backward_host(
     ])?;
     guarded(|| {
         check_supported(p)?;
-        libs::ensure_nvrtc()?;
         let dev = device::device(device)?;
+        libs::ensure_nvrtc()?;
         let _ctx = ContextGuard::new(&dev)?;
         let s = Stream::new()?;
         let sizes = [qb, qb, kvb, kvb, qb, lb, qb, kvb, kvb];

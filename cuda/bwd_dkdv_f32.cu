@@ -1,0 +1,92 @@
+// bwd_dkdv_f32.cu — dK and dV in exact fp32 (SIMT). Deterministic: no atomics.
+//
+// Grid (ceil(Sk / BLOCK_N), Hkv, B), 256 threads. One block owns BLOCK_N keys of one kv head and
+// loops over the GQA_GROUP query heads sharing it and every query tile that sees its keys:
+//   S^T = K Q^T, P^T = exp2(S^T * scale_log2 - lse_log2), dP^T = V dO^T, dS^T = P^T * (dP^T - delta)
+//   dV += P^T dO, dK += dS^T Q;   finally dK *= scale.
+#include "tile_f32.h"
+#include "mask.h"
+
+#define MR (BLOCK_N / 16)  // key rows per thread
+#define MC (BLOCK_M / 16)  // query columns per thread
+#define PSTRIDE (BLOCK_M + 1)
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
+flash_bwd_dkdv(const FlashParams p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* sK = reinterpret_cast<float*>(smem_raw);  // [BLOCK_N][FSTRIDE]
+    float* sV = sK + BLOCK_N * FSTRIDE;               // [BLOCK_N][FSTRIDE]
+    float* sQ = sV + BLOCK_N * FSTRIDE;               // [BLOCK_M][FSTRIDE]
+    float* sdO = sQ + BLOCK_M * FSTRIDE;              // [BLOCK_M][FSTRIDE]
+    float* sP = sdO + BLOCK_M * FSTRIDE;              // [BLOCK_N][PSTRIDE]
+    float* sdS = sP + BLOCK_N * PSTRIDE;              // [BLOCK_N][PSTRIDE]
+    float* sLse = sdS + BLOCK_N * PSTRIDE;            // [BLOCK_M]
+    float* sDelta = sLse + BLOCK_M;                   // [BLOCK_M]
+
+    const int n0 = blockIdx.x * BLOCK_N, hkv = blockIdx.y, b = blockIdx.z;
+    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
+
+    int m_start = 0;
+#if IS_CAUSAL
+    {
+        const int first_query = n0 - (Sk - Sq);
+        m_start = first_query > 0 ? first_query / BLOCK_M * BLOCK_M : 0;
+    }
+#endif
+    load_tile_f32<BLOCK_N>(sK, p.k + kv_row_offset(p, b, 0, hkv), n0, Sk, kv_stride);
+    load_tile_f32<BLOCK_N>(sV, p.v + kv_row_offset(p, b, 0, hkv), n0, Sk, kv_stride);
+
+    float dk[MR][DCOLS], dv[MR][DCOLS];
+#pragma unroll
+    for (int i = 0; i < MR; ++i)
+#pragma unroll
+        for (int jd = 0; jd < DCOLS; ++jd) dk[i][jd] = dv[i][jd] = 0.f;
+
+    for (int g = 0; g < GQA_GROUP; ++g) {
+        const int h = hkv * GQA_GROUP + g;
+        const i64 so = stat_offset(p, b, h);
+        for (int m0 = m_start; m0 < Sq; m0 += BLOCK_M) {
+            __syncthreads();
+            load_tile_f32<BLOCK_M>(sQ, p.q + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
+            load_tile_f32<BLOCK_M>(sdO, p.dout + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
+            for (int i = threadIdx.x; i < BLOCK_M; i += NUM_THREADS) {
+                const bool ok = m0 + i < Sq;
+                sLse[i] = ok ? p.lse_log2[so + m0 + i] : POS_INF;
+                sDelta[i] = ok ? p.delta[so + m0 + i] : 0.f;
+            }
+            __syncthreads();
+            float s[MR][MC], dp[MR][MC];
+#pragma unroll
+            for (int i = 0; i < MR; ++i)
+#pragma unroll
+                for (int j = 0; j < MC; ++j) s[i][j] = dp[i][j] = 0.f;
+            mm_abt_f32<MR, MC>(s, sK, sQ);
+            mm_abt_f32<MR, MC>(dp, sV, sdO);
+#pragma unroll
+            for (int i = 0; i < MR; ++i) {
+                const int key = n0 + ty + 16 * i;
+#pragma unroll
+                for (int j = 0; j < MC; ++j) {
+                    const int qc = tx + 16 * j;
+                    float x = s[i][j] * p.scale_log2;
+#if IS_CAUSAL
+                    if (key > m0 + qc + Sk - Sq) x = NEG_INF;
+#endif
+                    const float pr = fast_exp2(x - sLse[qc]);
+                    sP[(ty + 16 * i) * PSTRIDE + qc] = pr;
+                    sdS[(ty + 16 * i) * PSTRIDE + qc] = pr * (dp[i][j] - sDelta[qc]);
+                }
+            }
+            __syncthreads();
+            mm_pb_f32<MR, BLOCK_M>(dv, sP, PSTRIDE, sdO);
+            mm_pb_f32<MR, BLOCK_M>(dk, sdS, PSTRIDE, sQ);
+        }
+    }
+    float one[MR], sc[MR];
+#pragma unroll
+    for (int i = 0; i < MR; ++i) { one[i] = 1.f; sc[i] = p.scale; }
+    store_rows_f32<MR>(p.dk + kv_row_offset(p, b, 0, hkv), dk, sc, n0, Sk, kv_stride);
+    store_rows_f32<MR>(p.dv + kv_row_offset(p, b, 0, hkv), dv, one, n0, Sk, kv_stride);
+}

@@ -1,0 +1,99 @@
+// bwd_dq.cu — dQ on tensor cores (fp16 / bf16). Deterministic: no atomics, one block owns its rows.
+//
+// Grid (ceil(Sq / BLOCK_M), H, B); each warp owns 16 query rows. K/V tiles stream through two
+// shared-memory buffers. Per tile, with P recomputed from the saved logsumexp:
+//   S = Q K^T, P = exp2(S * scale_log2 - lse_log2), dP = dO V^T, dS = P * (dP - delta), dQ += dS K
+// and finally dQ *= scale.
+#include "tile.h"
+#include "mask.h"
+
+#if BLOCK_M != 16 * NUM_WARPS
+#error "dq: BLOCK_M must be 16 * NUM_WARPS"
+#endif
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
+flash_bwd_dq(const FlashParams p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    elem_t* sQ = reinterpret_cast<elem_t*>(smem_raw);  // [BLOCK_M][SROW]
+    elem_t* sdO = sQ + BLOCK_M * SROW;                   // [BLOCK_M][SROW]
+    elem_t* sK = sdO + BLOCK_M * SROW;                   // [2][BLOCK_N][SROW]
+    elem_t* sV = sK + 2 * BLOCK_N * SROW;                // [2][BLOCK_N][SROW]
+
+    const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, hkv = h / GQA_GROUP;
+    const int m0 = m_block * BLOCK_M;
+    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4;
+
+    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
+    const elem_t* k = p.k + kv_row_offset(p, b, 0, hkv);
+    const elem_t* v = p.v + kv_row_offset(p, b, 0, hkv);
+
+    const int n_end = key_end(m0, BLOCK_M, Sq, Sk);
+    const int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
+
+    // Commit groups: (Q, dO, K_0), V_0, then K_{j+1} and V_{j+1} per tile, so that S = Q K^T
+    // starts while V is in flight. In flight at the top of iteration j: K_j, V_j.
+    load_tile_async<BLOCK_M>(sQ, p.q + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
+    load_tile_async<BLOCK_M>(sdO, p.dout + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
+    if (n_tiles > 0) load_tile_async<BLOCK_N>(sK, k, 0, Sk, kv_stride);
+    cp_async_commit();
+    if (n_tiles > 0) load_tile_async<BLOCK_N>(sV, v, 0, Sk, kv_stride);
+    cp_async_commit();
+
+    // Row statistics of this lane's two rows (rows past Sq: lse +inf gives P = 0).
+    const int row0 = m0 + warp * 16;
+    float lse2[2], dlt[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + g + 8 * r;
+        const i64 idx = stat_offset(p, b, h) + row;
+        lse2[r] = row < Sq ? p.lse_log2[idx] : POS_INF;
+        dlt[r] = row < Sq ? p.delta[idx] : 0.f;
+    }
+
+    float dq[DPAD / 8][4];
+#pragma unroll
+    for (int i = 0; i < DPAD / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+    const elem_t* sQw = sQ + warp * 16 * SROW;
+    const elem_t* sdOw = sdO + warp * 16 * SROW;
+
+    for (int j = 0; j < n_tiles; ++j) {
+        const int nb = (j + 1) & 1;
+        cp_async_wait<1>();
+        __syncthreads();  // K_j landed; every warp is done with K_{j-1}'s buffer
+        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(sK + nb * BLOCK_N * SROW, k, (j + 1) * BLOCK_N, Sk, kv_stride);
+        cp_async_commit();
+        const elem_t* sKj = sK + (j & 1) * BLOCK_N * SROW;
+        const elem_t* sVj = sV + (j & 1) * BLOCK_N * SROW;
+        const int n0 = j * BLOCK_N;
+
+        float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[i][e] = dp[i][e] = 0.f;
+        gemm_abt<BLOCK_N / 8>(s, sQw, sKj);
+
+        cp_async_wait<1>();
+        __syncthreads();  // V_j landed; every warp is done with V_{j-1}'s buffer
+        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(sV + nb * BLOCK_N * SROW, v, (j + 1) * BLOCK_N, Sk, kv_stride);
+        cp_async_commit();
+        gemm_abt<BLOCK_N / 8>(dp, sdOw, sVj);
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[i][e] *= p.scale_log2;
+        if (tile_needs_mask(m0, n0, BLOCK_N, Sq, Sk)) mask_tile<BLOCK_N / 8>(s, row0, n0, Sq, Sk);
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float pr = fast_exp2(s[i][e] - lse2[e / 2]);
+                s[i][e] = pr * (dp[i][e] - dlt[e / 2]);  // dS
+            }
+        gemm_pb<BLOCK_N / 16, DPAD / 8>(dq, s, sKj, 0);
+    }
+    store_tile<DPAD / 8>(p.dq + q_row_offset(p, b, 0, h), dq, p.scale, p.scale, row0, Sq, 0, q_stride);
+}

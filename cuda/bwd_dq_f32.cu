@@ -1,0 +1,77 @@
+// bwd_dq_f32.cu — dQ in exact fp32 (SIMT). Deterministic: no atomics.
+//
+// Grid (ceil(Sq / BLOCK_M), H, B), 256 threads. Per key tile:
+//   S = Q K^T, P = exp2(S * scale_log2 - lse_log2), dP = dO V^T, dS = P * (dP - delta) (to shared
+//   memory), dQ += dS K;   finally dQ *= scale.
+#include "tile_f32.h"
+#include "mask.h"
+
+#define MR (BLOCK_M / 16)
+#define MC (BLOCK_N / 16)
+#define PSTRIDE (BLOCK_N + 1)
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
+flash_bwd_dq(const FlashParams p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* sQ = reinterpret_cast<float*>(smem_raw);  // [BLOCK_M][FSTRIDE]
+    float* sdO = sQ + BLOCK_M * FSTRIDE;              // [BLOCK_M][FSTRIDE]
+    float* sK = sdO + BLOCK_M * FSTRIDE;              // [BLOCK_N][FSTRIDE]
+    float* sV = sK + BLOCK_N * FSTRIDE;               // [BLOCK_N][FSTRIDE]
+    float* sdS = sV + BLOCK_N * FSTRIDE;              // [BLOCK_M][PSTRIDE]
+
+    const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, hkv = h / GQA_GROUP;
+    const int m0 = m_block * BLOCK_M;
+    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
+    const float* k = p.k + kv_row_offset(p, b, 0, hkv);
+    const float* v = p.v + kv_row_offset(p, b, 0, hkv);
+
+    const int n_end = key_end(m0, BLOCK_M, Sq, Sk);
+    load_tile_f32<BLOCK_M>(sQ, p.q + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
+    load_tile_f32<BLOCK_M>(sdO, p.dout + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
+
+    float lse2[MR], dlt[MR], acc[MR][DCOLS];
+#pragma unroll
+    for (int i = 0; i < MR; ++i) {
+        const int row = m0 + ty + 16 * i;
+        const i64 idx = stat_offset(p, b, h) + row;
+        lse2[i] = row < Sq ? p.lse_log2[idx] : POS_INF;
+        dlt[i] = row < Sq ? p.delta[idx] : 0.f;
+#pragma unroll
+        for (int jd = 0; jd < DCOLS; ++jd) acc[i][jd] = 0.f;
+    }
+
+    for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
+        __syncthreads();
+        load_tile_f32<BLOCK_N>(sK, k, n0, Sk, kv_stride);
+        load_tile_f32<BLOCK_N>(sV, v, n0, Sk, kv_stride);
+        __syncthreads();
+        float s[MR][MC], dp[MR][MC];
+#pragma unroll
+        for (int i = 0; i < MR; ++i)
+#pragma unroll
+            for (int j = 0; j < MC; ++j) s[i][j] = dp[i][j] = 0.f;
+        mm_abt_f32<MR, MC>(s, sQ, sK);
+        mm_abt_f32<MR, MC>(dp, sdO, sV);
+        const bool need_mask = tile_needs_mask(m0, n0, BLOCK_N, Sq, Sk);
+#pragma unroll
+        for (int i = 0; i < MR; ++i) {
+            const int row = m0 + ty + 16 * i;
+#pragma unroll
+            for (int j = 0; j < MC; ++j) {
+                float x = s[i][j] * p.scale_log2;
+                if (need_mask && !visible(row, n0 + tx + 16 * j, Sq, Sk)) x = NEG_INF;
+                const float pr = fast_exp2(x - lse2[i]);
+                sdS[(ty + 16 * i) * PSTRIDE + tx + 16 * j] = pr * (dp[i][j] - dlt[i]);
+            }
+        }
+        __syncthreads();
+        mm_pb_f32<MR, BLOCK_N>(acc, sdS, PSTRIDE, sK);
+    }
+    float mul[MR];
+#pragma unroll
+    for (int i = 0; i < MR; ++i) mul[i] = p.scale;
+    store_rows_f32<MR>(p.dq + q_row_offset(p, b, 0, h), acc, mul, m0, Sq, q_stride);
+}

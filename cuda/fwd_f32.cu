@@ -1,0 +1,96 @@
+// fwd_f32.cu — attention forward in exact fp32 (SIMT FMAs, no TF32).
+//
+// Grid (ceil(Sq / BLOCK_M), H, B), 256 threads. Per key tile: S = Q K^T (register micro-tiles),
+// mask, online softmax in the exp2 domain (rows reduced over half-warps), P to shared memory,
+// O += P V. O and LSE are written once.
+#include "tile_f32.h"
+#include "mask.h"
+
+#define MR (BLOCK_M / 16)
+#define MC (BLOCK_N / 16)
+#define PSTRIDE (BLOCK_N + 1)
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
+flash_fwd(const FlashParams p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* sQ = reinterpret_cast<float*>(smem_raw);  // [BLOCK_M][FSTRIDE]
+    float* sK = sQ + BLOCK_M * FSTRIDE;               // [BLOCK_N][FSTRIDE]
+    float* sV = sK + BLOCK_N * FSTRIDE;               // [BLOCK_N][FSTRIDE]
+    float* sP = sV + BLOCK_N * FSTRIDE;               // [BLOCK_M][PSTRIDE]
+
+    const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, hkv = h / GQA_GROUP;
+    const int m0 = m_block * BLOCK_M;
+    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
+    const float* k = p.k + kv_row_offset(p, b, 0, hkv);
+    const float* v = p.v + kv_row_offset(p, b, 0, hkv);
+
+    const int n_end = key_end(m0, BLOCK_M, Sq, Sk);
+    load_tile_f32<BLOCK_M>(sQ, p.q + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
+
+    float acc[MR][DCOLS];
+    float m_i[MR], l_i[MR];
+#pragma unroll
+    for (int i = 0; i < MR; ++i) {
+        m_i[i] = NEG_INF;
+        l_i[i] = 0.f;
+#pragma unroll
+        for (int jd = 0; jd < DCOLS; ++jd) acc[i][jd] = 0.f;
+    }
+
+    for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
+        __syncthreads();  // previous tile's K, V, P no longer read
+        load_tile_f32<BLOCK_N>(sK, k, n0, Sk, kv_stride);
+        load_tile_f32<BLOCK_N>(sV, v, n0, Sk, kv_stride);
+        __syncthreads();
+        float s[MR][MC];
+#pragma unroll
+        for (int i = 0; i < MR; ++i)
+#pragma unroll
+            for (int j = 0; j < MC; ++j) s[i][j] = 0.f;
+        mm_abt_f32<MR, MC>(s, sQ, sK);
+        const bool need_mask = tile_needs_mask(m0, n0, BLOCK_N, Sq, Sk);
+#pragma unroll
+        for (int i = 0; i < MR; ++i) {
+            const int row = m0 + ty + 16 * i;
+            float mx = m_i[i];
+#pragma unroll
+            for (int j = 0; j < MC; ++j) {
+                float x = s[i][j] * p.scale_log2;
+                if (need_mask && !visible(row, n0 + tx + 16 * j, Sq, Sk)) x = NEG_INF;
+                s[i][j] = x;
+                mx = fmaxf(mx, x);
+            }
+            mx = row16_max(mx);
+            const float base = (mx == NEG_INF) ? 0.f : mx;
+            const float alpha = fast_exp2(m_i[i] - base);
+            m_i[i] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < MC; ++j) {
+                const float e = fast_exp2(s[i][j] - base);
+                sum += e;
+                sP[(ty + 16 * i) * PSTRIDE + tx + 16 * j] = e;
+            }
+            l_i[i] = l_i[i] * alpha + sum;
+#pragma unroll
+            for (int jd = 0; jd < DCOLS; ++jd) acc[i][jd] *= alpha;
+        }
+        __syncthreads();
+        mm_pb_f32<MR, BLOCK_N>(acc, sP, PSTRIDE, sV);
+    }
+
+    float inv[MR];
+#pragma unroll
+    for (int i = 0; i < MR; ++i) {
+        const float sum = row16_sum(l_i[i]);
+        const bool empty = !(sum > 0.f);
+        inv[i] = empty ? 0.f : 1.f / sum;
+        const int row = m0 + ty + 16 * i;
+        if (tx == 0 && row < Sq)
+            p.lse[stat_offset(p, b, h) + row] = empty ? NEG_INF : (m_i[i] + log2f(sum)) * LN2;
+    }
+    store_rows_f32<MR>(p.o + q_row_offset(p, b, 0, h), acc, inv, m0, Sq, q_stride);
+}

@@ -1,0 +1,74 @@
+// mask.h — which (query, key) pairs are visible, and the masking of an mma accumulator tile.
+#pragma once
+#include "params.h"
+
+// Causal alignment is bottom-right: query i sees key j iff j <= i + (Sk - Sq).
+__device__ __forceinline__ bool visible(int row, int col, int seqlen_q, int seqlen_k) {
+    bool ok = col < seqlen_k;
+#if IS_CAUSAL
+    ok = ok && col <= row + seqlen_k - seqlen_q;
+#endif
+    return ok;
+}
+
+// Sets invisible entries of a warp's 16 x (8*NT) accumulator tile to -inf. row0 is the tile's first
+// query row, col0 its first key; lane (g, t) holds rows g, g+8 and columns 8*nt + 2t, 2t+1.
+template <int NT>
+__device__ __forceinline__ void mask_tile(float (&s)[NT][4], int row0, int col0, int seqlen_q,
+                                          int seqlen_k) {
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int row = row0 + g + (e / 2) * 8;
+            int col = col0 + nt * 8 + 2 * t + (e % 2);
+            if (!visible(row, col, seqlen_q, seqlen_k)) s[nt][e] = NEG_INF;
+        }
+    }
+}
+
+// Transposed tile (rows = keys, columns = queries), used by the dK/dV kernel. Only causality is
+// masked here: queries past Sq carry lse = +inf, so their probabilities are already zero.
+template <int NT>
+__device__ __forceinline__ void mask_tile_t(float (&s)[NT][4], int key0, int query0, int seqlen_q,
+                                            int seqlen_k) {
+#if IS_CAUSAL
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int key = key0 + g + (e / 2) * 8;
+            int query = query0 + nt * 8 + 2 * t + (e % 2);
+            if (key > query + seqlen_k - seqlen_q) s[nt][e] = NEG_INF;
+        }
+    }
+#endif
+}
+
+// First key tile after which no key is visible to any row of the query block [m0, m0 + BLOCK_M).
+__device__ __forceinline__ int key_end(int m0, int block_m, int seqlen_q, int seqlen_k) {
+#if IS_CAUSAL
+    int e = m0 + block_m + seqlen_k - seqlen_q;
+    return e < 0 ? 0 : (e < seqlen_k ? e : seqlen_k);
+#else
+    return seqlen_k;
+#endif
+}
+
+// Does key tile [n0, n0 + block_n) need masking for query block [m0, ...)? Only the diagonal tiles
+// (causal) and the ragged last tile (when Sk is not a multiple of block_n).
+__device__ __forceinline__ bool tile_needs_mask(int m0, int n0, int block_n, int seqlen_q,
+                                                int seqlen_k) {
+    bool need = false;
+#if !EVEN_N
+    need = n0 + block_n > seqlen_k;
+#endif
+#if IS_CAUSAL
+    need = need || (n0 + block_n - 1 > m0 + seqlen_k - seqlen_q);
+#endif
+    return need;
+}

@@ -1,0 +1,98 @@
+// params.h — the one parameter struct shared by every kernel, and the compile-time configuration.
+//
+// Every kernel is compiled by NVRTC with its configuration baked in as -D defines (no CUDA headers are
+// needed, so NVRTC runs with no include path):
+//   FLASH_DTYPE   0 = fp16, 1 = bf16, 2 = fp32 (storage type of q, k, v, o, do, dq, dk, dv)
+//   HEAD_DIM      D, a multiple of 8, at most 256
+//   IS_CAUSAL     1: query i sees keys j <= i + (Sk - Sq) (bottom-right alignment)
+//   GQA_GROUP     H / Hkv, query heads per key/value head
+//   BLOCK_M       query rows per tile, BLOCK_N key rows per tile
+//   NUM_WARPS     warps per block
+//   EVEN_M/EVEN_N 1 when Sq (resp. Sk) is a multiple of BLOCK_M (resp. BLOCK_N): bounds checks vanish
+//   MIN_BLOCKS    blocks per SM the register allocation must allow (default 1)
+//   D_SPLIT       (dK/dV kernel only) warps that share one 16-row key slice, each owning HEAD_DIM/D_SPLIT
+//                 columns of dK and dV — keeps the accumulators in registers for D > 128
+#pragma once
+
+#ifndef FLASH_DTYPE
+#error "FLASH_DTYPE must be defined (0 = fp16, 1 = bf16, 2 = fp32)"
+#endif
+#ifndef HEAD_DIM
+#error "HEAD_DIM must be defined"
+#endif
+#ifndef IS_CAUSAL
+#define IS_CAUSAL 0
+#endif
+#ifndef GQA_GROUP
+#define GQA_GROUP 1
+#endif
+#ifndef EVEN_M
+#define EVEN_M 0
+#endif
+#ifndef EVEN_N
+#define EVEN_N 0
+#endif
+#ifndef D_SPLIT
+#define D_SPLIT 1
+#endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1  // __launch_bounds__ minimum resident blocks per SM (caps registers)
+#endif
+
+#if HEAD_DIM % 8 != 0 || HEAD_DIM > 256 || HEAD_DIM <= 0
+#error "HEAD_DIM must be a multiple of 8 in [8, 256]"
+#endif
+
+#define NUM_THREADS (NUM_WARPS * 32)
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#if FLASH_DTYPE == 2
+typedef float elem_t;
+#else
+typedef u16 elem_t;  // raw fp16 / bf16 bits
+#endif
+
+// All tensors are contiguous, row-major:
+//   q, o, do, dq  [B, Sq, H, D]      k, v, dk, dv  [B, Sk, Hkv, D]      lse, delta  [B, H, Sq]
+// The struct is passed by value; the host mirrors it field for field (#[repr(C)]).
+struct FlashParams {
+    const elem_t* q;       // [B, Sq, H, D]
+    const elem_t* k;       // [B, Sk, Hkv, D]
+    const elem_t* v;       // [B, Sk, Hkv, D]
+    elem_t* o;             // [B, Sq, H, D]   forward output; backward input
+    float* lse;            // [B, H, Sq]      natural-log logsumexp of scale * q.k, -inf for empty rows
+    const elem_t* dout;    // [B, Sq, H, D]   backward: gradient of o
+    elem_t* dq;            // [B, Sq, H, D]   backward outputs, in the input dtype
+    elem_t* dk;            // [B, Sk, Hkv, D]
+    elem_t* dv;            // [B, Sk, Hkv, D]
+    float* delta;          // [B, H, Sq]      workspace: rowsum(do * o)
+    float* lse_log2;       // [B, H, Sq]      workspace: lse * log2(e), +inf for rows that see no key
+    int batch;             // B
+    int seqlen_q;          // Sq
+    int seqlen_k;          // Sk
+    int heads;             // H
+    int heads_kv;          // Hkv
+    float scale;           // softmax scale applied to q.k
+    float scale_log2;      // scale * log2(e): scores go to the exp2 domain with one multiply
+    int _pad;              // keeps sizeof a multiple of 8 on every compiler
+};
+
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+#define NEG_INF (__int_as_float(0xff800000))
+#define POS_INF (__int_as_float(0x7f800000))
+
+// Element offsets of (b, s, h) rows; 64-bit so that B*S*H*D may exceed 2^31.
+__device__ __forceinline__ i64 q_row_offset(const FlashParams& p, int b, int s, int h) {
+    return (((i64)b * p.seqlen_q + s) * p.heads + h) * HEAD_DIM;
+}
+__device__ __forceinline__ i64 kv_row_offset(const FlashParams& p, int b, int s, int hkv) {
+    return (((i64)b * p.seqlen_k + s) * p.heads_kv + hkv) * HEAD_DIM;
+}
+__device__ __forceinline__ i64 stat_offset(const FlashParams& p, int b, int h) {
+    return ((i64)b * p.heads + h) * p.seqlen_q;
+}
