@@ -5,11 +5,13 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-PY_PACKAGES := maturin numpy ml_dtypes pytest tqdm matplotlib
+# nvidia-cuda-nvrtc: NVRTC for the kernel compile check (needs no GPU).
+PY_PACKAGES := maturin numpy ml_dtypes pytest tqdm matplotlib threadpoolctl nvidia-cuda-nvrtc
 
-.PHONY: setup build test test-rust test-python test-elixir elixir-setup demo bench-cpu clean
+.PHONY: setup build test test-rust test-python test-kernels test-elixir elixir-setup demo bench-cpu bench-gpu clean
 
-$(VENV)/.ready:
+# Re-run when this file changes, so a new package reaches existing environments too.
+$(VENV)/.ready: Makefile
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(PY_PACKAGES)
@@ -26,6 +28,10 @@ test-rust:
 test-python: build
 	$(PY) -m pytest -q
 
+# Compiles every CUDA kernel variant with NVRTC for Ampere and Hopper; fails on an error or a spill.
+test-kernels: build
+	$(PY) -m flash_nif.kernels --arch sm_80 --arch sm_90a
+
 # Elixir: Debian's elixir and erlang-dev when mix is missing (as root, else through sudo).
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
@@ -37,13 +43,16 @@ elixir-setup:
 test-elixir: elixir-setup
 	cd elixir && mix test
 
-test: setup test-rust test-python test-elixir
+test: setup test-rust test-python test-kernels test-elixir
 
 demo: build
 	$(PY) -m flash_nif.train --out runs/demo
 
 bench-cpu: build
 	$(PY) bench/cpu.py
+
+bench-gpu: build
+	$(PY) bench/gpu.py
 
 clean:
 	rm -rf target dist $(VENV) runs elixir/_build elixir/priv/*.so

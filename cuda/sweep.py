@@ -26,6 +26,8 @@ def make(kernel, dt, d, causal, bm, bn, nw, ds=1, minb=1):
     if kernel == "bwd_dkdv" and dt != "f32":
         defines.append(("D_SPLIT", ds))
     defines.append(("MIN_BLOCKS", minb))
+    if kernel == "fwd" and dt != "f32":
+        defines.append(("M_TILES", 1))
     return K.Variant(kernel, dt, d, K.source_file(kernel, dt), bm, bn, nw, ds, tuple(defines))
 
 
@@ -70,7 +72,10 @@ CANDIDATES = {
 
 def main():
     s_len = 4096
-    for (dt, d), per_kernel in CANDIDATES.items():
+    cands = CANDIDATES
+    if len(sys.argv) > 1 and sys.argv[1] == "dkdv64":  # the D <= 64 dK/dV choice (register edge)
+        cands = {("bf16", 64): {"bwd_dkdv": [(128, 64, 4), (96, 64, 4), (64, 64, 4)]}}
+    for (dt, d), per_kernel in cands.items():
         for causal in (False, True):
             b, h = 16384 // s_len, 2048 // d
             tdt = C.T_DT[dt]

@@ -39,9 +39,9 @@ ENTRY = {
 }
 MAIN_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv")  # a spill in one of these fails the check
 HEAD_DIMS = tuple(range(8, 257, 8))
-# Default for the check: every tile class and both sides of each boundary, odd DPAD paddings
-# (D % 16 == 8) and the largest D. `--head-dims all` compiles all 32 (about 9x longer).
-CHECK_HEAD_DIMS = (8, 16, 40, 64, 72, 96, 128, 136, 160, 192, 248, 256)
+# Default for the check: the smallest D, every tile-class boundary (64 | 72, 128 | 136), padded
+# head dims (D % 16 == 8: 40, 72, 136) and the largest. `--head-dims all` compiles all 32 (~5x longer).
+CHECK_HEAD_DIMS = (8, 40, 64, 72, 128, 136, 256)
 
 
 @dataclass(frozen=True)
@@ -99,10 +99,28 @@ def tiles(kernel: str, dtype: str, head_dim: int) -> tuple[int, int, int, int, i
         return (64, 128, 4, 1, 1) if d <= 64 else (64, 64, 4, 1, 1) if d <= 128 else (64, 32, 4, 1, 1)
     # bwd_dkdv: block_n keys (16 per warp / d_split), block_m queries per step
     if d <= 64:
-        return 128, 64, 4, 1, 1
+        return 96, 64, 4, 1, 1
     if d <= 128:
         return 64, 64, 4, 1, 1
     return 32, 64, 8, 2, 1
+
+
+def small_tiles(kernel: str, dtype: str, head_dim: int) -> tuple[int, int, int, int, int]:
+    """Tiles for GPUs with 99 KiB blocks (sm_86/89), used when tiles() needs more. Mirrors config.rs."""
+    d = head_dim
+    if kernel == "bwd_preprocess":
+        return tiles(kernel, dtype, d)
+    if dtype == "f32":
+        if kernel == "fwd":
+            bm, bn = (64, 64) if d <= 64 else (64, 32) if d <= 128 else (32, 16)
+        else:
+            bm, bn = (64, 64) if d <= 64 else (32, 32) if d <= 128 else (16, 16)
+        return bm, bn, 8, 1, 1
+    if kernel == "fwd":
+        return tiles(kernel, dtype, d) if d <= 128 else (32, 32, 2, 1, 1)
+    if kernel == "bwd_dq":
+        return tiles(kernel, dtype, d) if d <= 64 else (64, 32, 4, 1, 1) if d <= 128 else (32, 32, 2, 1, 1)
+    return tiles(kernel, dtype, d) if d <= 64 else (32, 64, 4, 1, 1) if d <= 128 else (16, 32, 4, 2, 1)
 
 
 def smem_bytes(kernel: str, dtype: str, d: int, bm: int, bn: int, d_split: int = 1) -> int:
@@ -132,8 +150,9 @@ def source_file(kernel: str, dtype: str) -> str:
     return f"{kernel}.cu"
 
 
-def variant(kernel, dtype, head_dim, causal=False, group=1, even_m=False, even_n=False) -> Variant:
-    bm, bn, nw, ds, min_blocks = tiles(kernel, dtype, head_dim)
+def variant(kernel, dtype, head_dim, causal=False, group=1, even_m=False, even_n=False, small=False) -> Variant:
+    """The variant launched for these settings; small=True: the 99 KiB-shared-memory fallback."""
+    bm, bn, nw, ds, min_blocks = (small_tiles if small else tiles)(kernel, dtype, head_dim)
     defines = [("FLASH_DTYPE", DTYPES[dtype]), ("HEAD_DIM", head_dim), ("NUM_WARPS", nw)]
     if kernel != "bwd_preprocess":
         defines += [
@@ -153,15 +172,20 @@ def variant(kernel, dtype, head_dim, causal=False, group=1, even_m=False, even_n
 
 
 def all_variants(head_dims=HEAD_DIMS) -> list[Variant]:
-    """Every (kernel, dtype, head dim, causal) the library launches. GQA group and EVEN_* change
-    no code shape (a loop bound, a folded branch), so the check compiles them at group 1, ragged."""
+    """Every (kernel, dtype, head dim, causal) the library launches, default and small-shared-memory
+    tiles. GQA group and EVEN_* change no code shape (a loop bound, a folded branch), so the check
+    compiles them at group 1, ragged."""
     out = []
     for dtype in DTYPES:
         for d in head_dims:
             out.append(variant("bwd_preprocess", dtype, d))
             for kernel in MAIN_KERNELS:
                 for causal in (False, True):
-                    out.append(variant(kernel, dtype, d, causal))
+                    v = variant(kernel, dtype, d, causal)
+                    out.append(v)
+                    small = variant(kernel, dtype, d, causal, small=True)
+                    if small != v:
+                        out.append(small)
     return out
 
 

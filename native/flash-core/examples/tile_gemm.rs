@@ -18,12 +18,14 @@ fn main() {
         (64usize, 128usize, 64usize, false, 128usize),
         (64, 128, 64, false, 2048),
         (64, 128, 64, false, 2064),
+        (64, 128, 128, false, 8192),
+        (64, 128, 128, false, 8208),
         (64, 64, 128, false, 64),
         (128, 64, 64, true, 64),
         (64, 128, 128, false, 128),
     ] {
         let a = vec![0.5f32; 256 * 256];
-        let b = vec![0.25f32; 256 * ldb];
+        let b = vec![0.25f32; 128 * ldb + 256];
         let mut c = vec![0f32; 256 * 256];
         let am = if ta { Mat::transposed(&a, m) } else { Mat::rows(&a, k) };
         let iters = 20000;

@@ -96,12 +96,14 @@ def native_attention(device: Device) -> Attention:
             "built (run `make build`), or use --attention reference on the CPU"
         )
     if device.name == "cuda":
-        info = getattr(flash_nif, "info", None)
-        backends = info().get("backends", []) if callable(info) else []
+        info = flash_nif.info() if callable(getattr(flash_nif, "info", None)) else {}
+        backends = list(info.get("backends", []))
         if "cuda" not in backends:
+            cuda = info.get("cuda")
+            why = f": {cuda['reason']}" if isinstance(cuda, dict) and cuda.get("reason") else ""
             raise SetupError(
                 "--device cuda: this flash_nif build has no CUDA backend "
-                f"(flash_nif.info()['backends'] = {list(backends)!r}); refusing to fall back to cpu"
+                f"(flash_nif.info()['backends'] = {backends!r}){why}; refusing to fall back to cpu"
             )
 
     def forward(q, k, v):

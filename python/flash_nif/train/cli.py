@@ -22,8 +22,8 @@ PROG = "python -m flash_nif.train"
 
 # Model/task/optimiser defaults. They default to None on the parser so that --resume can tell an
 # explicit value (checked against the checkpoint) from an omitted one (taken from the checkpoint).
-DEFAULTS = dict(steps=600, layers=2, heads=4, kv_heads=2, dim=64, seq=64, batch=32, lr=3e-3, seed=0,
-                weight_decay=0.1, clip=1.0, warmup=50, num_keys=32, num_values=32,
+DEFAULTS = dict(steps=1000, layers=2, heads=4, kv_heads=2, dim=64, seq=32, batch=64, lr=1e-3, seed=0,
+                weight_decay=0.1, clip=1.0, warmup=50, num_keys=16, num_values=16,
                 eval_every=50, eval_batches=8, ckpt_every=100)
 
 
@@ -52,6 +52,16 @@ def _float_range(lo: float, *, inclusive: bool):
     return parse
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows parser-level defaults; the None defaults spell out DEFAULTS in their help text."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = DEFAULTS
     p = argparse.ArgumentParser(
@@ -59,46 +69,48 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a small decoder-only transformer on associative recall with a hand-written "
                     "backward pass stitched to flash_nif's attention forward_with_states/backward. "
                     "A whole-model gradient check runs first.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        argument_default=None,
+        formatter_class=_HelpFormatter,
     )
     pos, nonneg = _int_at_least(1), _int_at_least(0)
     g = p.add_argument_group("run")
     g.add_argument("--steps", type=pos, help=f"total optimiser steps (with --resume: the new total) "
-                                             f"[{d['steps']}]")
+                                             f"(default: {d['steps']})")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: NumPy arrays; cuda: CuPy arrays and flash_nif's GPU backend (no fallback)")
-    g.add_argument("--seed", type=nonneg, help=f"seeds the parameters, the data and the eval set [{d['seed']}]")
+    g.add_argument("--seed", type=nonneg, help=f"seeds the parameters, the data and the eval set (default: {d['seed']})")
     g.add_argument("--out", default="runs/train", metavar="DIR",
                    help="checkpoint.npz, summary.json and loss.png go here")
     g.add_argument("--resume", action="store_true",
                    help="continue DIR/checkpoint.npz exactly (config comes from the checkpoint)")
     g = p.add_argument_group("model")
-    g.add_argument("--layers", type=pos, help=f"transformer blocks [{d['layers']}]")
-    g.add_argument("--heads", type=pos, help=f"query heads [{d['heads']}]")
-    g.add_argument("--kv-heads", type=pos, help=f"key/value heads; heads %% kv-heads == 0 (GQA) [{d['kv_heads']}]")
-    g.add_argument("--dim", type=pos, help=f"model width; dim/heads is the head dim [{d['dim']}]")
+    g.add_argument("--layers", type=pos, help=f"transformer blocks (default: {d['layers']})")
+    g.add_argument("--heads", type=pos, help=f"query heads (default: {d['heads']})")
+    g.add_argument("--kv-heads", type=pos, help=f"key/value heads; heads %% kv-heads == 0 (GQA) (default: {d['kv_heads']})")
+    g.add_argument("--dim", type=pos, help=f"model width; dim/heads is the head dim (default: {d['dim']})")
     g = p.add_argument_group("task and optimiser")
     g.add_argument("--seq", type=pos, help=f"sequence length, a multiple of 4: seq/4 key-value pairs, "
-                                           f"then seq/4 queries [{d['seq']}]")
-    g.add_argument("--batch", type=pos, help=f"sequences per step [{d['batch']}]")
-    g.add_argument("--lr", type=_float_range(0.0, inclusive=False), help=f"AdamW learning rate [{d['lr']}]")
+                                           f"then seq/4 queries (default: {d['seq']})")
+    g.add_argument("--batch", type=pos, help=f"sequences per step (default: {d['batch']})")
+    g.add_argument("--lr", type=_float_range(0.0, inclusive=False), help=f"AdamW learning rate (default: {d['lr']})")
     g.add_argument("--weight-decay", type=_float_range(0.0, inclusive=True),
-                   help=f"AdamW decoupled weight decay on projection matrices [{d['weight_decay']}]")
+                   help=f"AdamW decoupled weight decay on projection matrices (default: {d['weight_decay']})")
     g.add_argument("--clip", type=_float_range(0.0, inclusive=True),
-                   help=f"global gradient-norm clip, 0 = off [{d['clip']}]")
-    g.add_argument("--warmup", type=nonneg, help=f"linear learning-rate warmup steps [{d['warmup']}]")
-    g.add_argument("--num-keys", type=pos, help=f"key tokens in the vocabulary [{d['num_keys']}]")
-    g.add_argument("--num-values", type=pos, help=f"value tokens in the vocabulary [{d['num_values']}]")
+                   help=f"global gradient-norm clip, 0 = off (default: {d['clip']})")
+    g.add_argument("--warmup", type=nonneg, help=f"linear learning-rate warmup steps (default: {d['warmup']})")
+    g.add_argument("--num-keys", type=pos, help=f"key tokens in the vocabulary (default: {d['num_keys']})")
+    g.add_argument("--num-values", type=pos, help=f"value tokens in the vocabulary (default: {d['num_values']})")
     g = p.add_argument_group("evaluation, checkpoints, checks")
-    g.add_argument("--eval-every", type=pos, help=f"steps between held-out evaluations [{d['eval_every']}]")
-    g.add_argument("--eval-batches", type=pos, help=f"held-out batches of --batch sequences [{d['eval_batches']}]")
-    g.add_argument("--ckpt-every", type=pos, help=f"steps between checkpoints [{d['ckpt_every']}]")
+    g.add_argument("--eval-every", type=pos, help=f"steps between held-out evaluations (default: {d['eval_every']})")
+    g.add_argument("--eval-batches", type=pos, help=f"held-out batches of --batch sequences (default: {d['eval_batches']})")
+    g.add_argument("--ckpt-every", type=pos, help=f"steps between checkpoints (default: {d['ckpt_every']})")
     g.add_argument("--attention", choices=("flash_nif", "reference"), default="flash_nif",
                    help="attention kernels for training: flash_nif's, or the float64 NumPy oracle "
                         "(CPU, slow; for development)")
     g.add_argument("--grad-check-tol", type=_float_range(0.0, inclusive=False), default=DEFAULT_TOL,
                    help="maximum relative error allowed in the gradient check")
+    g.add_argument("--blas-threads", type=_int_at_least(0), default=1,
+                   help="BLAS threads for the NumPy matmuls (needs threadpoolctl; 0 = leave as is). "
+                        "One is fastest for these small matrices on a busy 2-core machine")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -116,12 +128,10 @@ def resolve_config(args, parser, ckpt_meta: dict | None) -> TrainConfig:
             values[key] = stored
         elif given is not None:
             values[key] = given
-        elif ckpt_meta is not None and key in ckpt_meta["config"] and key != "steps":
-            values[key] = ckpt_meta["config"][key]
+        elif ckpt_meta is not None and key in ckpt_meta["config"]:
+            values[key] = ckpt_meta["config"][key]  # e.g. the planned --steps of an interrupted run
         else:
             values[key] = DEFAULTS[key]
-    if args.steps is None and ckpt_meta is not None:
-        values["steps"] = max(DEFAULTS["steps"], int(ckpt_meta["config"]["steps"]))
     cfg = TrainConfig(**values)
 
     if cfg.heads % cfg.kv_heads:
@@ -138,6 +148,20 @@ def resolve_config(args, parser, ckpt_meta: dict | None) -> TrainConfig:
     if ckpt_meta is not None and cfg.steps < ckpt_meta["step"]:
         parser.error(f"--steps {cfg.steps} is below the checkpoint's step {ckpt_meta['step']}")
     return cfg
+
+
+def limit_blas_threads(n: int):
+    """Cap the BLAS thread pool (small matmuls lose badly to thread hand-offs on a loaded CPU)."""
+    if n <= 0:
+        return None
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        print("note: threadpoolctl is not installed (pip install threadpoolctl), so BLAS keeps its default "
+              "threads; on a busy 2-core CPU the small matmuls then run several times slower "
+              "(OPENBLAS_NUM_THREADS=1 in the environment does the same job)", file=sys.stderr)
+        return None
+    return threadpool_limits(limits=n, user_api="blas")
 
 
 def fail(message: str, code: int = 1) -> int:
@@ -159,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
             ckpt = checkpoint.load(out)
         except Exception as exc:  # a damaged or foreign file
             parser.error(f"--resume: cannot read {checkpoint.path_in(out)}: {exc}")
+        meta = ckpt.get("meta")
+        needed = {"step", "adam_step", "data_rng", "config", "train_time", "tokens"}
+        if not isinstance(meta, dict) or not needed <= meta.keys() or not isinstance(meta["config"], dict) \
+                or not set(TrainConfig.FIXED) <= meta["config"].keys():
+            parser.error(f"--resume: {checkpoint.path_in(out)} is not a flash_nif.train checkpoint")
     cfg = resolve_config(args, parser, ckpt["meta"] if ckpt else None)
 
     try:
@@ -167,6 +196,17 @@ def main(argv: list[str] | None = None) -> int:
     except SetupError as exc:
         parser.error(str(exc))
 
+    limiter = limit_blas_threads(args.blas_threads if device.name == "cpu" else 0)
+    try:
+        return run(args, cfg, device, attention, ckpt, started)
+    finally:
+        if limiter is not None:
+            limiter.restore_original_limits()
+
+
+def run(args, cfg: TrainConfig, device, attention, ckpt: dict | None, started: float) -> int:
+    """Gradient check, training loop, summary.json and loss.png (after the command line is valid)."""
+    out = args.out
     trainer = Trainer(cfg, device, attention)
     if ckpt is not None:
         try:
@@ -216,9 +256,13 @@ def main(argv: list[str] | None = None) -> int:
         if trainer.step == 0:
             trainer.evaluate()  # the untrained model, for the curve
         bar = None
+        tqdm = None
         if not args.no_progress:
-            from tqdm import tqdm
-
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                say("note: tqdm is not installed (pip install tqdm); no progress bar")
+        if tqdm is not None:
             bar = tqdm(total=cfg.steps, initial=trainer.step, desc="train", unit="step",
                        dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
         run_time, run_tokens = 0.0, 0
@@ -228,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             run_time += trainer.train_time - t0
             run_tokens += trainer.tokens_per_step
             if bar is not None:
-                bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.3f}",
-                                tok_s=f"{run_tokens / max(run_time, 1e-9):,.0f}", refresh=False)
+                bar.set_postfix({"loss": f"{loss:.3f}", "acc": f"{acc:.3f}",
+                                 "tok/s": f"{run_tokens / max(run_time, 1e-9):,.0f}"}, refresh=False)
                 bar.update(1)
             if not np.isfinite(loss):
                 if bar is not None:
@@ -278,11 +322,18 @@ def main(argv: list[str] | None = None) -> int:
     with open(summary_path, "w") as f:
         json.dump(summary, f, indent=2)
         f.write("\n")
-    png = plot_curves(h, os.path.join(out, "loss.png"), chance=task.chance_accuracy,
-                      title=f"flash_nif.train: {mcfg.layers} layers, {mcfg.heads}/{mcfg.kv_heads} heads, "
-                            f"dim {mcfg.dim}, seq {task.seq}, {trainer.step} steps ({device.name})")
-    say(f"done: {trainer.step} steps, loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f}, "
-        f"held-out accuracy {summary['eval_accuracy']:.3f} (chance {task.chance_accuracy:.3f}), "
-        f"{summary['tokens_per_s']:,.0f} tokens/s")
-    say(f"wrote {summary_path}, {png}, {checkpoint.path_in(out)}")
+    try:
+        png = plot_curves(h, os.path.join(out, "loss.png"), chance=task.chance_accuracy,
+                          title=f"flash_nif.train: {mcfg.layers} layers, {mcfg.heads}/{mcfg.kv_heads} "
+                                f"heads, dim {mcfg.dim}, seq {task.seq}, {trainer.step} steps ({device.name})")
+    except ImportError as exc:
+        say(f"note: no loss.png, matplotlib is not available (pip install matplotlib): {exc}")
+        png = None
+    def num(x, spec):
+        return "n/a" if x is None else format(x, spec)
+
+    say(f"done: {trainer.step} steps, loss {num(summary['loss_first'], '.4f')} -> "
+        f"{num(summary['loss_last'], '.4f')}, held-out accuracy {summary['eval_accuracy']:.3f} "
+        f"(chance {task.chance_accuracy:.3f}), {num(summary['tokens_per_s'], ',.0f')} tokens/s")
+    say(f"wrote {', '.join(p for p in (summary_path, png, checkpoint.path_in(out)) if p)}")
     return 0

@@ -139,9 +139,38 @@ pub fn tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, us
         Kernel::BwdDq if d <= 64 => (64, 128, 4, 1, 1),
         Kernel::BwdDq if d <= 128 => (64, 64, 4, 1, 1),
         Kernel::BwdDq => (64, 32, 4, 1, 1),
-        _ if d <= 64 => (128, 64, 4, 1, 1),
+        _ if d <= 64 => (96, 64, 4, 1, 1), // 128 x 64 needs 255 regs and spills on sm_80 (NVRTC 13.5)
         _ if d <= 128 => (64, 64, 4, 1, 1),
         _ => (32, 64, 8, 2, 1),
+    }
+}
+
+/// Tiles for GPUs whose blocks get less shared memory than [`tiles`] asks for (sm_86 / sm_89:
+/// 99 KiB): every variant here needs at most 99 KiB (101376 bytes).
+pub fn small_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, usize, usize) {
+    if kernel == Kernel::BwdPreprocess {
+        return tiles(kernel, dtype, d);
+    }
+    if dtype == DType::F32 {
+        let (bm, bn) = match kernel {
+            Kernel::Fwd if d <= 64 => (64, 64),
+            Kernel::Fwd if d <= 128 => (64, 32),
+            Kernel::Fwd => (32, 16),
+            _ if d <= 64 => (64, 64),
+            _ if d <= 128 => (32, 32),
+            _ => (16, 16),
+        };
+        return (bm, bn, 8, 1, 1);
+    }
+    match kernel {
+        Kernel::Fwd if d <= 128 => tiles(kernel, dtype, d),
+        Kernel::Fwd => (32, 32, 2, 1, 1),
+        Kernel::BwdDq if d <= 64 => tiles(kernel, dtype, d),
+        Kernel::BwdDq if d <= 128 => (64, 32, 4, 1, 1),
+        Kernel::BwdDq => (32, 32, 2, 1, 1),
+        _ if d <= 64 => tiles(kernel, dtype, d),
+        _ if d <= 128 => (32, 64, 4, 1, 1),
+        _ => (16, 32, 4, 2, 1),
     }
 }
 
@@ -159,7 +188,41 @@ fn source(kernel: Kernel, dtype: DType) -> &'static str {
 
 /// The variant launched for a kernel of a problem. `even_m` / `even_n`: Sq / Sk divide the tiles.
 pub fn variant(kernel: Kernel, dtype: DType, head_dim: usize, causal: bool, group: usize, seq_q: usize, seq_k: usize) -> Variant {
-    let (bm, bn, nw, ds, min_blocks) = tiles(kernel, dtype, head_dim);
+    make_variant(tiles(kernel, dtype, head_dim), kernel, dtype, head_dim, causal, group, seq_q, seq_k)
+}
+
+/// [`variant`], falling back to [`small_tiles`] when the default needs more than `max_smem`
+/// bytes of shared memory per block.
+#[allow(clippy::too_many_arguments)]
+pub fn variant_for(
+    max_smem: usize,
+    kernel: Kernel,
+    dtype: DType,
+    head_dim: usize,
+    causal: bool,
+    group: usize,
+    seq_q: usize,
+    seq_k: usize,
+) -> Variant {
+    let v = variant(kernel, dtype, head_dim, causal, group, seq_q, seq_k);
+    if v.smem_bytes() <= max_smem {
+        return v;
+    }
+    make_variant(small_tiles(kernel, dtype, head_dim), kernel, dtype, head_dim, causal, group, seq_q, seq_k)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn make_variant(
+    t: (usize, usize, usize, usize, usize),
+    kernel: Kernel,
+    dtype: DType,
+    head_dim: usize,
+    causal: bool,
+    group: usize,
+    seq_q: usize,
+    seq_k: usize,
+) -> Variant {
+    let (bm, bn, nw, ds, min_blocks) = t;
     let mut defines: Vec<(&'static str, i64)> =
         vec![("FLASH_DTYPE", dtype_code(dtype) as i64), ("HEAD_DIM", head_dim as i64), ("NUM_WARPS", nw as i64)];
     if kernel != Kernel::BwdPreprocess {
@@ -182,8 +245,9 @@ pub fn variant(kernel: Kernel, dtype: DType, head_dim: usize, causal: bool, grou
     Variant { kernel, dtype, head_dim, source: source(kernel, dtype), block_m: bm, block_n: bn, num_warps: nw, d_split: ds, defines }
 }
 
-/// Every (kernel, dtype, head dim, causal) the library launches, at GQA group 1 with ragged sizes
-/// (the group and EVEN_* flags change a loop bound or fold a branch, not the code's shape).
+/// Every (kernel, dtype, head dim, causal) the library launches, default and small-shared-memory
+/// tiles, at GQA group 1 with ragged sizes (the group and EVEN_* flags change a loop bound or fold
+/// a branch, not the code's shape).
 pub fn all_variants(head_dims: &[usize]) -> Vec<Variant> {
     let mut out = Vec::new();
     for dtype in [DType::F16, DType::BF16, DType::F32] {
@@ -191,7 +255,12 @@ pub fn all_variants(head_dims: &[usize]) -> Vec<Variant> {
             out.push(variant(Kernel::BwdPreprocess, dtype, d, false, 1, 1, 1));
             for k in [Kernel::Fwd, Kernel::BwdDq, Kernel::BwdDkdv] {
                 for causal in [false, true] {
-                    out.push(variant(k, dtype, d, causal, 1, 1, 1));
+                    let v = variant(k, dtype, d, causal, 1, 1, 1);
+                    let small = make_variant(small_tiles(k, dtype, d), k, dtype, d, causal, 1, 1, 1);
+                    out.push(v.clone());
+                    if small != v {
+                        out.push(small);
+                    }
                 }
             }
         }
@@ -214,6 +283,18 @@ mod tests {
                     Kernel::BwdDq => assert_eq!(v.block_m, 16 * v.num_warps),
                     Kernel::BwdDkdv => assert_eq!(v.block_n * v.d_split, 16 * v.num_warps),
                     Kernel::BwdPreprocess => {}
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn small_tiles_fit_99_kib() {
+        for d in (8..=256).step_by(8) {
+            for dtype in [DType::F16, DType::BF16, DType::F32] {
+                for k in [Kernel::Fwd, Kernel::BwdDq, Kernel::BwdDkdv] {
+                    let v = variant_for(101376, k, dtype, d, true, 1, 1, 1);
+                    assert!(v.smem_bytes() <= 101376, "{} needs {}", v.name(), v.smem_bytes());
                 }
             }
         }

@@ -108,7 +108,11 @@ pub fn device(ordinal: usize) -> Result<Arc<Device>> {
     let major = attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
     let minor = attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
     let sm_count = attribute(dev, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-    let max_smem_optin = attribute(dev, A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+    let mut max_smem_optin = attribute(dev, A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+    // Testing aid: FLASH_NIF_MAX_SMEM=<bytes> makes a big GPU pick the tiles of a smaller one.
+    if let Some(cap) = std::env::var("FLASH_NIF_MAX_SMEM").ok().and_then(|v| v.parse::<i32>().ok()) {
+        max_smem_optin = max_smem_optin.min(cap);
+    }
     let mut ctx: cu::CUcontext = std::ptr::null_mut();
     check("cuDevicePrimaryCtxRetain", unsafe { cu::cuDevicePrimaryCtxRetain(&mut ctx, dev) })?;
     let arch = if major == 9 && minor == 0 { "sm_90a".to_string() } else { format!("sm_{major}{minor}") };

@@ -184,9 +184,10 @@ fn grid_over(n: usize, block: usize) -> u32 {
     n.div_ceil(block) as u32
 }
 
-fn kernel_variant(p: &Problem, k: Kernel) -> Variant {
+fn kernel_variant(dev: &device::Device, p: &Problem, k: Kernel) -> Variant {
     let d = &p.dims;
-    variant(k, p.dtype, d.head_dim, p.causal, d.group(), d.seq_q, d.seq_k)
+    let max_smem = dev.max_smem_optin.max(0) as usize;
+    config::variant_for(max_smem, k, p.dtype, d.head_dim, p.causal, d.group(), d.seq_q, d.seq_k)
 }
 
 /// Forward on device memory: o = softmax(scale q k^T) v, lse = its logsumexp.
@@ -209,7 +210,7 @@ pub unsafe fn forward_device(p: &Problem, device: usize, stream: usize, ptrs: Fo
         }
         let mut prm = params(p);
         (prm.q, prm.k, prm.v, prm.o, prm.lse) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse);
-        let v = kernel_variant(p, Kernel::Fwd);
+        let v = kernel_variant(&dev, p, Kernel::Fwd);
         let f = device::function(&dev, &v)?;
         // SAFETY: the caller guarantees the pointers; prm mirrors FlashParams.
         unsafe { launch("flash_fwd", f, (grid_over(d.seq_q, v.block_m), d.heads as u32, d.batch as u32), s, &prm) }
@@ -236,9 +237,9 @@ pub unsafe fn backward_device(p: &Problem, device: usize, stream: usize, ptrs: B
         let mut prm = params(p);
         (prm.q, prm.k, prm.v, prm.o, prm.lse, prm.dout) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse, ptrs.d_out);
         (prm.dq, prm.dk, prm.dv) = (ptrs.dq, ptrs.dk, ptrs.dv);
-        let vp = kernel_variant(p, Kernel::BwdPreprocess);
-        let vq = kernel_variant(p, Kernel::BwdDq);
-        let vk = kernel_variant(p, Kernel::BwdDkdv);
+        let vp = kernel_variant(&dev, p, Kernel::BwdPreprocess);
+        let vq = kernel_variant(&dev, p, Kernel::BwdDq);
+        let vk = kernel_variant(&dev, p, Kernel::BwdDkdv);
         let (fp, fq, fk) = (device::function(&dev, &vp)?, device::function(&dev, &vq)?, device::function(&dev, &vk)?);
         let work = DeviceBuffer::alloc(2 * stats * 4, s)?;
         prm.delta = work.ptr;

@@ -1,0 +1,144 @@
+"""GPU benchmark: flash_nif's CUDA kernels vs torch SDPA (flash, cuDNN, efficient, math) in one run.
+
+Method (as ../shared/docs/ANCHORS.md): B*S = 16384 tokens, H*D = 2048; forward FLOPs =
+4*B*H*S^2*D (halved when causal), backward = 2.5 x forward; backward time = (forward+backward)
+- forward; median of --reps after --warmup runs, CUDA events; extra peak memory = torch's peak
+allocation during one forward+backward minus what was allocated before (flash_nif's backward
+workspace, 8*B*H*S bytes from the driver's stream-ordered pool, is not seen by torch and is
+added by hand). Inputs are random. Every implementation sees the same tensors.
+
+    python bench/gpu.py [--quick] [--md bench/gpu_results.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flash_nif
+
+
+def timed(fn, warmup, reps):
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def peak_extra(fn, add=0):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base + add) / 2**20
+
+
+def run_ours(q, k, v, do, causal):
+    def fwd():
+        return flash_nif.forward_with_states(q, k, v, causal=causal)
+
+    def fwd_bwd():
+        o, lse = fwd()
+        return flash_nif.backward(do, q, k, v, o, lse, causal=causal)
+
+    return fwd, fwd_bwd
+
+
+def run_torch(backend, q, k, v, do, causal):
+    # SDPA wants [B, H, S, D]; transposed views of the same data (FA2/cuDNN accept the strides).
+    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+    dot = do.transpose(1, 2)
+
+    def fwd():
+        with sdpa_kernel(backend), torch.no_grad():
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    def fwd_bwd():
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            return torch.autograd.grad(out, (qt, kt, vt), dot)
+
+    return fwd, fwd_bwd
+
+
+def bench_one(name, make, q, k, v, do, causal, flops, warmup, reps, extra_mem=0):
+    try:
+        fwd, fwd_bwd = make(q, k, v, do, causal)
+        tf = timed(fwd, warmup, reps)
+        tfb = timed(fwd_bwd, warmup, reps)
+        mem = peak_extra(fwd_bwd, extra_mem)
+        return name, flops / tf / 1e9, 2.5 * flops / max(tfb - tf, 1e-6) / 1e9, mem, tf, tfb - tf
+    except Exception as e:  # noqa: BLE001 - a backend that refuses (dtype, memory) is reported
+        torch.cuda.empty_cache()
+        return name, None, None, None, f"{type(e).__name__}", str(e)[:60]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="S in {2048, 8192} only")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--md", help="write the markdown table here too")
+    args = ap.parse_args()
+    dev = torch.cuda.get_device_name()
+    info = flash_nif.info()["cuda"]
+    head = (f"{datetime.date.today()} · {dev} · torch {torch.__version__} · cuDNN {torch.backends.cudnn.version()} · "
+            f"flash_nif {flash_nif.__version__} ({info.get('arch')}, NVRTC {info.get('nvrtc_version')})")
+    print(head)
+    lines = [head, "", "TFLOPS forward / backward, extra peak MiB of one forward+backward", "",
+             "| dtype | D | causal | S | B·H | ours | torch flash (FA2) | torch cuDNN | torch efficient | materialized |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    seqs = [2048, 8192] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
+    configs = [("bf16", d, c, s) for d in (64, 128) for c in (False, True) for s in seqs]
+    configs += [("f32", d, c, s) for d in (64, 128) for c in (False, True) for s in (2048, 8192)]
+    for dtype_name, d, causal, s in configs:
+        dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+        b, h = 16384 // s, 2048 // d
+        g = torch.Generator(device="cuda").manual_seed(s + d)
+        q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=g) for _ in range(4))
+        flops = 4 * b * h * s * s * d / (2 if causal else 1)
+        impls = [("ours", run_ours, 8 * b * h * s)]
+        if dtype_name == "bf16":
+            impls += [("flash", lambda *a: run_torch(SDPBackend.FLASH_ATTENTION, *a), 0),
+                      ("cudnn", lambda *a: run_torch(SDPBackend.CUDNN_ATTENTION, *a), 0)]
+        impls += [("efficient", lambda *a: run_torch(SDPBackend.EFFICIENT_ATTENTION, *a), 0)]
+        if s <= 2048:
+            impls += [("math", lambda *a: run_torch(SDPBackend.MATH, *a), 0)]
+        res = {}
+        for name, make, extra in impls:
+            res[name] = bench_one(name, make, q, k, v, do, causal, flops, args.warmup, args.reps, extra)
+        cells = []
+        for name in ("ours", "flash", "cudnn", "efficient", "math"):
+            r = res.get(name)
+            if r is None:
+                cells.append("—")
+            elif r[1] is None:
+                cells.append(f"({r[4]})")
+            else:
+                cells.append(f"{r[1]:.0f} / {r[2]:.0f} ({r[3]:.0f} MiB)")
+        row = f"| {dtype_name} | {d} | {'yes' if causal else 'no'} | {s} | {b}·{h} | " + " | ".join(cells) + " |"
+        print(row, flush=True)
+        lines.append(row)
+        del q, k, v, do
+        torch.cuda.empty_cache()
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
