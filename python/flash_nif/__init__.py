@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _native
 from . import _cuda  # GPU arrays (CuPy, torch, DLPack) dispatch
+from . import _native
+from . import reference  # the float64 oracle: flash_nif.reference.forward(...)
 from .errors import (
     CompileError,
     DeviceError,
@@ -34,7 +35,6 @@ from .errors import (
 )
 
 __version__ = _native.info()["version"]
-
 
 
 def _host_array(x, name: str) -> np.ndarray:
@@ -84,7 +84,8 @@ def backward(do, q, k, v, o, lse, *, causal: bool = True, scale: float | None = 
 
     do is the gradient of the loss with respect to o; o and lse are what
     :func:`forward_with_states` returned for the same q, k, v and options.
-    dk and dv sum over the query heads that share each kv head. Deterministic on CPU.
+    dk and dv sum over the query heads that share each kv head. Deterministic (bit-identical
+    run to run) on every backend: no atomics.
     """
     opts = _options(causal, scale, device)
     if _cuda.any_gpu(do, q, k, v, o, lse):
@@ -94,7 +95,7 @@ def backward(do, q, k, v, o, lse, *, causal: bool = True, scale: float | None = 
 
 
 def info() -> dict:
-    """Version, available backends, CPU thread count and instruction set."""
+    """Version, available backends, CPU thread count and instruction set, and the GPU (if any)."""
     return {**dict(_native.info()), "cuda": _cuda.info()}
 
 
@@ -103,6 +104,7 @@ __all__ = [
     "forward_with_states",
     "backward",
     "info",
+    "reference",
     "FlashAttentionError",
     "ShapeError",
     "DTypeError",
