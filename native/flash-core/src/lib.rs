@@ -17,6 +17,7 @@ pub mod device;
 pub mod cuda;
 pub mod dtype;
 pub mod error;
+mod guard;
 pub mod problem;
 
 pub use device::{backward_host, cuda_available, forward_host, Device};

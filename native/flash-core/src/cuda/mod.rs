@@ -28,6 +28,7 @@ pub use libs::add_search_roots;
 
 use crate::dtype::DType;
 use crate::error::{FlashError, Result};
+use crate::guard::{catch_panics, check_backward_buffers, check_forward_buffers};
 use crate::problem::Problem;
 use device::{launch, ContextGuard, DeviceBuffer};
 
@@ -94,26 +95,15 @@ pub struct DeviceInfo {
     pub cache_dir: std::path::PathBuf,
 }
 
-/// Runs `f`, turning a panic into an Internal error (a panic must never reach Python or the BEAM).
-fn guarded<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|e| {
-        let msg = e
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "unknown panic".into());
-        Err(FlashError::Internal(format!("panic in the CUDA backend: {msg}")))
-    })
-}
 
 /// Number of visible CUDA devices; an error says why there are none usable.
 pub fn device_count() -> Result<usize> {
-    guarded(device::device_count)
+    catch_panics("CUDA", device::device_count)
 }
 
 /// Is a GPU usable (driver, a device, and NVRTC)? Err explains why not.
 pub fn available() -> Result<()> {
-    guarded(|| {
+    catch_panics("CUDA", || {
         if device::device_count()? == 0 {
             return Err(FlashError::CudaUnavailable("the CUDA driver reports no device".into()));
         }
@@ -124,7 +114,7 @@ pub fn available() -> Result<()> {
 
 /// GPU name, arch, NVRTC version and cache directory.
 pub fn info(ordinal: usize) -> Result<DeviceInfo> {
-    guarded(|| {
+    catch_panics("CUDA", || {
         let d = device::device(ordinal)?;
         let src = libs::ensure_nvrtc()?;
         Ok(DeviceInfo {
@@ -198,7 +188,7 @@ fn kernel_variant(dev: &device::Device, p: &Problem, k: Kernel) -> Variant {
 /// work; `stream` (a CUstream as an integer, 0 = legacy default) must belong to that device's
 /// primary context.
 pub unsafe fn forward_device(p: &Problem, device: usize, stream: usize, ptrs: ForwardPtrs) -> Result<()> {
-    guarded(|| {
+    catch_panics("CUDA", || {
         check_supported(p)?;
         let dev = device::device(device)?;
         libs::ensure_nvrtc()?;
@@ -223,7 +213,7 @@ pub unsafe fn forward_device(p: &Problem, device: usize, stream: usize, ptrs: Fo
 /// # Safety
 /// As [`forward_device`], for every pointer in `ptrs`.
 pub unsafe fn backward_device(p: &Problem, device: usize, stream: usize, ptrs: BackwardPtrs) -> Result<()> {
-    guarded(|| {
+    catch_panics("CUDA", || {
         check_supported(p)?;
         let dev = device::device(device)?;
         libs::ensure_nvrtc()?;
@@ -304,31 +294,16 @@ fn download(dst: &mut [u8], buf: &DeviceBuffer, s: &Stream) -> Result<()> {
     })
 }
 
-fn byte_sizes(p: &Problem) -> (usize, usize, usize) {
-    let e = p.dtype.size_bytes();
-    (p.dims.q_len() * e, p.dims.kv_len() * e, p.dims.lse_len() * 4)
-}
-
-fn check_lens(items: &[(&str, usize, usize)]) -> Result<()> {
-    for (name, got, want) in items {
-        if got != want {
-            return Err(FlashError::Shape(format!("{name} buffer holds {got} bytes; the problem needs {want}")));
-        }
-    }
-    Ok(())
-}
-
 /// Forward on host memory through GPU `device` (copy in, compute, copy out; synchronous).
 pub fn forward_host(p: &Problem, device: usize, q: &[u8], k: &[u8], v: &[u8], o: &mut [u8], lse: &mut [u8]) -> Result<()> {
-    let (qb, kvb, lb) = byte_sizes(p);
-    check_lens(&[("q", q.len(), qb), ("k", k.len(), kvb), ("v", v.len(), kvb), ("o", o.len(), qb), ("lse", lse.len(), lb)])?;
-    guarded(|| {
+    check_forward_buffers(p, q, k, v, o, lse)?;
+    catch_panics("CUDA", || {
         check_supported(p)?;
         let dev = device::device(device)?;
         libs::ensure_nvrtc()?;
         let _ctx = ContextGuard::new(&dev)?;
         let s = Stream::new()?;
-        let bufs = [qb, kvb, kvb, qb, lb].map(|n| DeviceBuffer::alloc(n, s.0));
+        let bufs = [q.len(), k.len(), v.len(), o.len(), lse.len()].map(|n| DeviceBuffer::alloc(n, s.0));
         let [bq, bk, bv, bo, bl] = bufs;
         let (bq, bk, bv, bo, bl) = (bq?, bk?, bv?, bo?, bl?);
         upload(&bq, q, &s)?;
@@ -358,25 +333,14 @@ pub fn backward_host(
     dk: &mut [u8],
     dv: &mut [u8],
 ) -> Result<()> {
-    let (qb, kvb, lb) = byte_sizes(p);
-    check_lens(&[
-        ("d_out", d_out.len(), qb),
-        ("q", q.len(), qb),
-        ("k", k.len(), kvb),
-        ("v", v.len(), kvb),
-        ("o", o.len(), qb),
-        ("lse", lse.len(), lb),
-        ("dq", dq.len(), qb),
-        ("dk", dk.len(), kvb),
-        ("dv", dv.len(), kvb),
-    ])?;
-    guarded(|| {
+    check_backward_buffers(p, d_out, q, k, v, o, lse, dq, dk, dv)?;
+    catch_panics("CUDA", || {
         check_supported(p)?;
         let dev = device::device(device)?;
         libs::ensure_nvrtc()?;
         let _ctx = ContextGuard::new(&dev)?;
         let s = Stream::new()?;
-        let sizes = [qb, qb, kvb, kvb, qb, lb, qb, kvb, kvb];
+        let sizes = [d_out.len(), q.len(), k.len(), v.len(), o.len(), lse.len(), dq.len(), dk.len(), dv.len()];
         let mut bufs = Vec::with_capacity(sizes.len());
         for n in sizes {
             bufs.push(DeviceBuffer::alloc(n, s.0)?);
@@ -408,7 +372,7 @@ pub fn backward_host(
 /// Compile report of one variant for `arch` with no GPU: (registers, spill bytes, stack bytes,
 /// shared memory bytes). Bypasses the caches.
 pub fn compile_report(v: &Variant, arch: &str) -> Result<(i64, i64, i64, usize)> {
-    guarded(|| {
+    catch_panics("CUDA", || {
         let c = compile::compile_with(v, arch, true)?;
         let (regs, spill, stack) = compile::parse_ptxas(&c.log);
         Ok((regs, spill, stack, v.smem_bytes()))
