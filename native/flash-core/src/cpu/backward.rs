@@ -16,7 +16,7 @@ use super::forward::mask_causal;
 use super::layout::{load_f32, pack_rows, pack_transposed, padded_dim, unpack_rows};
 use super::matmul::{matmul, round_up, Mat, COL_PAD};
 use super::simd;
-use super::workspace::{zeroed, BLOCK_K, BLOCK_Q};
+use super::workspace::{zeroed, Buffer, BLOCK_K, BLOCK_Q};
 use crate::error::Result;
 use crate::problem::Problem;
 use rayon::prelude::*;
@@ -24,13 +24,13 @@ use std::f32::consts::{LN_2, LOG2_E};
 
 /// Inputs of one backward call in the working layout.
 struct Packed {
-    qs: Vec<f32>,    // [B·H, Sq, Dp], times scale·log2(e)
-    d_out: Vec<f32>, // [B·H, Sq, Dp]
-    k: Vec<f32>,     // [B·Hkv, Sk, Dp]
-    kt: Vec<f32>,    // [B·Hkv, D, Skp]
-    vt: Vec<f32>,    // [B·Hkv, D, Skp]
-    lse2: Vec<f32>,  // [B·H, Sq], log2 units; +inf for rows that see no key
-    delta: Vec<f32>, // [B·H, Sq]
+    qs: Buffer,    // [B·H, Sq, Dp], times scale·log2(e)
+    d_out: Buffer, // [B·H, Sq, Dp]
+    k: Buffer,     // [B·Hkv, Sk, Dp]
+    kt: Buffer,    // [B·Hkv, D, Skp]
+    vt: Buffer,    // [B·Hkv, D, Skp]
+    lse2: Buffer,  // [B·H, Sq], log2 units; +inf for rows that see no key
+    delta: Buffer, // [B·H, Sq]
 }
 
 /// Writes dq ([B, Sq, H, D]), dk and dv ([B, Sk, Hkv, D]) in p.dtype.
@@ -81,16 +81,16 @@ pub fn run(
 }
 
 /// lse (natural log) -> log2 units; -inf (no visible key) -> +inf so that P = exp2(s - lse2) = 0.
-fn lse_log2(lse: &[u8]) -> Result<Vec<f32>> {
+fn lse_log2(lse: &[u8]) -> Result<Buffer> {
     let mut out = load_f32(lse, "lse")?;
-    for x in &mut out {
+    for x in out.iter_mut() {
         *x = if *x == f32::NEG_INFINITY { f32::INFINITY } else { *x * LOG2_E };
     }
     Ok(out)
 }
 
 /// delta[b, h, i] = Σ_d dO[b, i, h, d] · O[b, i, h, d], in f32. Returns [B, H, Sq].
-fn row_dots(p: &Problem, d_out: &[u8], o: &[u8]) -> Result<Vec<f32>> {
+fn row_dots(p: &Problem, d_out: &[u8], o: &[u8]) -> Result<Buffer> {
     let dims = p.dims;
     let (sq, h, d) = (dims.seq_q, dims.heads, dims.head_dim);
     let mut delta = zeroed(dims.lse_len(), "delta")?;

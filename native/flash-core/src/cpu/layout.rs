@@ -4,7 +4,7 @@
 //! * transposed: [B·H, D, Sp], Sp = S rounded up to COL_PAD (zero padding).
 
 use super::matmul::{round_up, COL_PAD};
-use super::workspace::zeroed;
+use super::workspace::{zeroed, Buffer};
 use crate::dtype::DType;
 use crate::error::Result;
 use rayon::prelude::*;
@@ -15,7 +15,7 @@ pub fn padded_dim(d: usize) -> usize {
 }
 
 /// [B, S, H, D] elements of `dtype` -> rows layout [B·H, S, Dp], each element times `scale`.
-pub fn pack_rows(src: &[u8], dtype: DType, shape: [usize; 4], scale: f32, what: &str) -> Result<Vec<f32>> {
+pub fn pack_rows(src: &[u8], dtype: DType, shape: [usize; 4], scale: f32, what: &str) -> Result<Buffer> {
     let [b, s, h, d] = shape;
     let dp = padded_dim(d);
     let mut out = zeroed(b * h * s * dp, what)?;
@@ -36,7 +36,7 @@ pub fn pack_rows(src: &[u8], dtype: DType, shape: [usize; 4], scale: f32, what: 
 }
 
 /// [B, S, H, D] elements of `dtype` -> transposed layout [B·H, D, Sp].
-pub fn pack_transposed(src: &[u8], dtype: DType, shape: [usize; 4], what: &str) -> Result<Vec<f32>> {
+pub fn pack_transposed(src: &[u8], dtype: DType, shape: [usize; 4], what: &str) -> Result<Buffer> {
     let [b, s, h, d] = shape;
     let sp = round_up(s, COL_PAD);
     let mut out = zeroed(b * h * d * sp, what)?;
@@ -76,7 +76,7 @@ pub fn unpack_rows(src: &[f32], dst: &mut [u8], dtype: DType, shape: [usize; 4],
 }
 
 /// Decodes a float32 byte buffer.
-pub fn load_f32(src: &[u8], what: &str) -> Result<Vec<f32>> {
+pub fn load_f32(src: &[u8], what: &str) -> Result<Buffer> {
     let mut out = zeroed(src.len() / 4, what)?;
     DType::F32.load(src, 0, &mut out);
     Ok(out)
