@@ -13,8 +13,8 @@
 //!   enough tasks to fill every thread when batch × kv heads is small.
 
 use super::forward::mask_causal;
-use super::layout::{load_f32, pack_rows, pack_transposed, padded_dim, unpack_rows};
-use super::matmul::{matmul, round_up, Mat, COL_PAD};
+use super::layout::{load_f32, pack_rows, pack_transposed, padded_dim, transposed_ld, unpack_rows};
+use super::matmul::{matmul, Mat};
 use super::simd;
 use super::workspace::{zeroed, Buffer, BLOCK_K, BLOCK_Q};
 use crate::error::Result;
@@ -178,7 +178,7 @@ impl TileRef<'_> {
 fn tile_ref<'a>(p: &Problem, x: &'a Packed, bh: usize, bkv: usize, r0: usize, c0: usize) -> TileRef<'a> {
     let dims = p.dims;
     let (d, dp) = (dims.head_dim, padded_dim(dims.head_dim));
-    let skp = round_up(dims.seq_k, COL_PAD);
+    let skp = transposed_ld(dims.seq_k);
     let br = BLOCK_Q.min(dims.seq_q - r0);
     let row = bh * dims.seq_q + r0;
     let (k_head, kt_head) = ((bkv * dims.seq_k + c0) * dp, bkv * d * skp);

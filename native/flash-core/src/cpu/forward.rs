@@ -1,8 +1,8 @@
 //! Forward: for each (batch, head, block of query rows), a pass over key blocks with an online
 //! softmax in the exp2 domain; O and LSE are written once per row block.
 
-use super::layout::{pack_rows, pack_transposed, padded_dim, unpack_rows};
-use super::matmul::{matmul, round_up, Mat, COL_PAD};
+use super::layout::{pack_rows, pack_transposed, padded_dim, transposed_ld, unpack_rows};
+use super::matmul::{matmul, Mat};
 use super::simd;
 use super::workspace::{filled, zeroed, BLOCK_K, BLOCK_Q};
 use crate::dtype::DType;
@@ -16,7 +16,7 @@ use std::f32::consts::{LN_2, LOG2_E};
 pub fn run(p: &Problem, q: &[u8], k: &[u8], v: &[u8], o: &mut [u8], lse: &mut [u8]) -> Result<()> {
     let dims = p.dims;
     let (sq, sk, dp) = (dims.seq_q, dims.seq_k, padded_dim(dims.head_dim));
-    let skp = round_up(sk, COL_PAD);
+    let skp = transposed_ld(sk);
     // Q is pre-multiplied by scale * log2(e) so that Q·Kᵀ is already in exp2 units.
     let qs = pack_rows(q, p.dtype, dims.q_shape(), p.scale * LOG2_E, "packed q")?; // [B·H, Sq, Dp]
     let kt = pack_transposed(k, p.dtype, dims.kv_shape(), "packed k")?; // [B·Hkv, D, Skp]

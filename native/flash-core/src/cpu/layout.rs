@@ -1,7 +1,7 @@
 //! Conversions between the public layout ([B, S, H, D] in the storage dtype, bytes) and the
 //! kernels' working layouts, all f32 with one contiguous matrix per head:
 //! * rows:       [B·H, S, Dp], Dp = D rounded up to COL_PAD (zero padding);
-//! * transposed: [B·H, D, Sp], Sp = S rounded up to COL_PAD (zero padding).
+//! * transposed: [B·H, D, Sp], Sp = [`transposed_ld`]`(S)` (zero padding).
 
 use super::matmul::{round_up, COL_PAD};
 use super::workspace::{zeroed, Buffer};
@@ -12,6 +12,13 @@ use rayon::prelude::*;
 /// Padded head dimension of the row layout.
 pub fn padded_dim(d: usize) -> usize {
     round_up(d, COL_PAD)
+}
+
+/// Leading dimension of the transposed layout: S rounded up to COL_PAD, plus one cache line so
+/// that consecutive rows (one per head-dim index, walked by the tile product) do not all fall in
+/// the same L1 set when S is a power of two.
+pub fn transposed_ld(s: usize) -> usize {
+    round_up(s, COL_PAD) + COL_PAD
 }
 
 /// [B, S, H, D] elements of `dtype` -> rows layout [B·H, S, Dp], each element times `scale`.
@@ -38,9 +45,9 @@ pub fn pack_rows(src: &[u8], dtype: DType, shape: [usize; 4], scale: f32, what: 
 /// [B, S, H, D] elements of `dtype` -> transposed layout [B·H, D, Sp].
 pub fn pack_transposed(src: &[u8], dtype: DType, shape: [usize; 4], what: &str) -> Result<Buffer> {
     let [b, s, h, d] = shape;
-    let sp = round_up(s, COL_PAD);
+    let sp = transposed_ld(s);
     let mut out = zeroed(b * h * d * sp, what)?;
-    if sp == 0 {
+    if d == 0 {
         return Ok(out);
     }
     out.par_chunks_mut(d * sp).enumerate().for_each(|(bh, head)| {
