@@ -115,43 +115,35 @@ def native_attention(device: Device) -> Attention:
     return Attention("flash_nif", forward, backward)
 
 
+def _oracle_attention(name: str, out_dtype, lse_dtype) -> Attention:
+    """The float64 oracle `flash_nif.reference`, its results cast to `out_dtype` (None: each
+    input's dtype) and `lse_dtype`."""
+    from flash_nif import reference  # imported with the package; pure NumPy
+
+    def cast(t, like):
+        return np.asarray(t, dtype=like.dtype if out_dtype is None else out_dtype)
+
+    def forward(q, k, v):
+        o, lse = reference.forward_with_states(q, k, v, causal=True)
+        return cast(o, q), np.asarray(lse, dtype=lse_dtype)
+
+    def backward(do, q, k, v, o, lse):
+        dq, dk, dv = reference.backward(do, q, k, v, o, lse, causal=True)
+        return cast(dq, q), cast(dk, k), cast(dv, v)
+
+    return Attention(name, forward, backward)
+
+
 def reference_attention(device: Device | None = None) -> Attention:
     """The float64 NumPy oracle `flash_nif.reference`; results come back in the input dtype."""
     if device is not None and device.name != "cpu":
         raise SetupError("--attention reference runs on the CPU only (it is a NumPy oracle)")
-    try:
-        from flash_nif import reference
-    except ImportError as exc:
-        raise SetupError(f"cannot import the float64 oracle flash_nif.reference: {exc}") from None
-
-    def forward(q, k, v):
-        o, lse = reference.forward_with_states(q, k, v, causal=True)
-        return np.asarray(o, dtype=q.dtype), np.asarray(lse, dtype=np.float32)
-
-    def backward(do, q, k, v, o, lse):
-        dq, dk, dv = reference.backward(do, q, k, v, o, lse, causal=True)
-        return (np.asarray(dq, dtype=q.dtype), np.asarray(dk, dtype=k.dtype),
-                np.asarray(dv, dtype=v.dtype))
-
-    return Attention("reference", forward, backward)
+    return _oracle_attention("reference", None, np.float32)
 
 
 def float64_reference_attention() -> Attention:
     """The oracle with float64 in and out: the attention of the float64 model in the grad check."""
-    try:
-        from flash_nif import reference
-    except ImportError as exc:
-        raise SetupError(f"cannot import the float64 oracle flash_nif.reference: {exc}") from None
-
-    def forward(q, k, v):
-        o, lse = reference.forward_with_states(q, k, v, causal=True)
-        return np.asarray(o, dtype=np.float64), np.asarray(lse, dtype=np.float64)
-
-    def backward(do, q, k, v, o, lse):
-        dq, dk, dv = reference.backward(do, q, k, v, o, lse, causal=True)
-        return tuple(np.asarray(t, dtype=np.float64) for t in (dq, dk, dv))
-
-    return Attention("reference-float64", forward, backward)
+    return _oracle_attention("reference-float64", np.float64, np.float64)
 
 
 def get_attention(name: str, device: Device) -> Attention:
