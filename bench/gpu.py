@@ -93,6 +93,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--md", help="write the markdown table here too")
+    ap.add_argument("--dtypes", default="bf16,f32", help="comma list of bf16, f32")
+    ap.add_argument("--dims", default="64,128", help="comma list of head dims")
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
     info = flash_nif.info()["cuda"]
@@ -103,8 +105,11 @@ def main():
              "| dtype | D | causal | S | B·H | ours | torch flash (FA2) | torch cuDNN | torch efficient | materialized |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     seqs = [2048, 8192] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
-    configs = [("bf16", d, c, s) for d in (64, 128) for c in (False, True) for s in seqs]
-    configs += [("f32", d, c, s) for d in (64, 128) for c in (False, True) for s in (2048, 8192)]
+    dims = [int(x) for x in args.dims.split(",")]
+    dts = args.dtypes.split(",")
+    configs = [("bf16", d, c, s) for d in dims for c in (False, True) for s in seqs] if "bf16" in dts else []
+    if "f32" in dts:
+        configs += [("f32", d, c, s) for d in dims for c in (False, True) for s in (2048, 8192)]
     for dtype_name, d, causal, s in configs:
         dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
         b, h = 16384 // s, 2048 // d

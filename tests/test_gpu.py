@@ -144,6 +144,16 @@ def test_every_head_dim(gpu, ref, make_inputs, assert_close_to_oracle, record_er
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(1, 300, 260, 4, 2, 64), (1, 260, 300, 2, 1, 128), (2, 256, 256, 2, 2, 128),
+                                   (1, 130, 70, 2, 2, 64)], ids=str)
+def test_f32_several_tiles(gpu, ref, make_inputs, assert_close_to_oracle, record_error, shape, causal):
+    """fp32 SIMT kernels (D 64, 128) over several query and key tiles, ragged and even, Sq != Sk."""
+    lib = "torch" if HAVE_TORCH_GPU else "cupy"
+    check_case(gpu, ref, make_inputs, assert_close_to_oracle, record_error, lib, shape, "f32", causal, seed=sum(shape))
+
+
+@pytest.mark.gpu
 def test_custom_scale_and_peaky_softmax(gpu, ref, make_inputs, assert_close_to_oracle, record_error):
     lib = "torch" if HAVE_TORCH_GPU else "cupy"
     check_case(gpu, ref, make_inputs, assert_close_to_oracle, record_error, lib, (1, 100, 100, 2, 2, 64), "f32",

@@ -86,7 +86,7 @@ def tiles(kernel: str, dtype: str, head_dim: int) -> tuple[int, int, int, int, i
         return 8, 1, 8, 1, 1
     if dtype == "f32":
         if kernel == "fwd":
-            bm, bn = (128, 64) if d <= 64 else (64, 64) if d <= 128 else (32, 16)
+            bm, bn = (128, 64) if simt_f32(d) or d <= 64 else (64, 64) if d <= 128 else (32, 16)
         elif kernel == "bwd_dq":
             bm, bn = (64, 64) if d <= 64 else (64, 32) if d <= 128 else (16, 16)
         else:
@@ -128,6 +128,8 @@ def smem_bytes(kernel: str, dtype: str, d: int, bm: int, bn: int, d_split: int =
     if kernel == "bwd_preprocess":
         return 0
     if dtype == "f32":
+        if kernel == "fwd" and simt_f32(d):
+            return 4 * (bm * (d + 4) + bn * (d + 4) + bn * d + bm * (bn + 16))
         fs = d + 1
         if kernel == "fwd":
             return 4 * ((bm + 2 * bn) * fs + bm * (bn + 1))
@@ -144,7 +146,14 @@ def smem_bytes(kernel: str, dtype: str, d: int, bm: int, bn: int, d_split: int =
     return 2 * (2 * bn + 4 * bm) * srow + 4 * 4 * bm
 
 
-def source_file(kernel: str, dtype: str) -> str:
+def simt_f32(d: int) -> bool:
+    """Head dims with the fast fp32 SIMT kernels (cuda/simt_f32.h). Mirrors config.rs."""
+    return d % 64 == 0 and d <= 128
+
+
+def source_file(kernel: str, dtype: str, d: int) -> str:
+    if dtype == "f32" and kernel == "fwd" and simt_f32(d):
+        return "fwd_f32_simt.cu"
     if dtype == "f32" and kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
         return f"{kernel}_f32.cu"
     return f"{kernel}.cu"
@@ -168,7 +177,7 @@ def variant(kernel, dtype, head_dim, causal=False, group=1, even_m=False, even_n
         if kernel == "fwd" and dtype != "f32":
             defines.append(("M_TILES", ds))
         defines.append(("MIN_BLOCKS", min_blocks))
-    return Variant(kernel, dtype, head_dim, source_file(kernel, dtype), bm, bn, nw, ds, tuple(defines))
+    return Variant(kernel, dtype, head_dim, source_file(kernel, dtype, head_dim), bm, bn, nw, ds, tuple(defines))
 
 
 def all_variants(head_dims=HEAD_DIMS) -> list[Variant]:

@@ -1,0 +1,111 @@
+// fwd_f32_simt.cu — attention forward in exact fp32 (SIMT FMAs, no TF32) for HEAD_DIM 64 and 128.
+//
+// Grid (ceil(Sq / BLOCK_M), H, B), 256 threads (16 x 16). Thread (ty, tx) owns query rows ty + 16 i
+// (i < BLOCK_M / 16), keys tx + 16 j of each key tile and the float4 column groups tx + 16 jj of O.
+// Per key tile: S = Q K^T from LDS.128 reads along D (simt_f32.h), mask, online softmax in the exp2
+// domain (rows reduced over the half-warp), P to shared memory, O += P V. K and V are loaded with
+// cp.async, each while the other product runs:
+//   wait K_j | load V_j | S = Q K_j^T, softmax, P | wait V_j | load K_{j+1} | O += P V_j
+#include "simt_f32.h"
+#include "mask.h"
+
+#define MR (BLOCK_M / 16)
+#define MC (BLOCK_N / 16)
+#define QS RSTRIDE
+#define VS HEAD_DIM
+#define PS (BLOCK_N + 16)  // rows ty and ty + 1 of one warp's scalar P stores land 16 banks apart
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
+flash_fwd(const FlashParams p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* sQ = reinterpret_cast<float*>(smem_raw);  // [BLOCK_M][QS]
+    float* sK = sQ + BLOCK_M * QS;                    // [BLOCK_N][RSTRIDE]
+    float* sV = sK + BLOCK_N * RSTRIDE;               // [BLOCK_N][VS]
+    float* sP = sV + BLOCK_N * VS;                    // [BLOCK_M][PS]
+
+    const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, hkv = h / GQA_GROUP;
+    const int m0 = m_block * BLOCK_M;
+    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
+    const float* k = p.k + kv_row_offset(p, b, 0, hkv);
+    const float* v = p.v + kv_row_offset(p, b, 0, hkv);
+
+    const int n_end = key_end(m0, BLOCK_M, Sq, Sk);
+    cp_rows_f32<BLOCK_M, QS>(sQ, p.q + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
+    if (n_end > 0) cp_rows_f32<BLOCK_N, RSTRIDE>(sK, k, 0, Sk, kv_stride);
+    cp_async_commit();
+
+    float4 acc[MR][DV4];
+    float m_i[MR], l_i[MR];
+#pragma unroll
+    for (int i = 0; i < MR; ++i) {
+        m_i[i] = NEG_INF;
+        l_i[i] = 0.f;
+#pragma unroll
+        for (int jj = 0; jj < DV4; ++jj) acc[i][jj] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+
+    for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
+        cp_async_wait<0>();
+        __syncthreads();  // K_j landed; every thread is done with V_{j-1} and P
+        cp_rows_f32<BLOCK_N, VS>(sV, v, n0, Sk, kv_stride);
+        cp_async_commit();
+
+        float s[MR][MC];
+#pragma unroll
+        for (int i = 0; i < MR; ++i)
+#pragma unroll
+            for (int j = 0; j < MC; ++j) s[i][j] = 0.f;
+        mm_rows_f32<MR, MC, QS>(s, sQ, sK);
+
+        const bool need_mask = tile_needs_mask(m0, n0, BLOCK_N, Sq, Sk);
+#pragma unroll
+        for (int i = 0; i < MR; ++i) {
+            const int row = m0 + ty + 16 * i;
+            float mx = m_i[i];
+#pragma unroll
+            for (int j = 0; j < MC; ++j) {
+                float x = s[i][j] * p.scale_log2;
+                if (need_mask && !visible(row, n0 + tx + 16 * j, Sq, Sk)) x = NEG_INF;
+                s[i][j] = x;
+                mx = fmaxf(mx, x);
+            }
+            mx = half_max(mx);
+            const float base = (mx == NEG_INF) ? 0.f : mx;
+            const float alpha = fast_exp2(m_i[i] - base);
+            m_i[i] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < MC; ++j) {
+                const float e = fast_exp2(s[i][j] - base);
+                sum += e;
+                sP[(ty + 16 * i) * PS + tx + 16 * j] = e;
+            }
+            l_i[i] = l_i[i] * alpha + sum;
+#pragma unroll
+            for (int jj = 0; jj < DV4; ++jj) {
+                acc[i][jj].x *= alpha; acc[i][jj].y *= alpha; acc[i][jj].z *= alpha; acc[i][jj].w *= alpha;
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // V_j landed, P visible, every thread is done with K_j
+        if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(sK, k, n0 + BLOCK_N, Sk, kv_stride);
+        cp_async_commit();
+        mm_pv_f32<MR, BLOCK_N, PS, VS>(acc, sP, sV);
+    }
+    cp_async_wait<0>();
+
+    float inv[MR];
+#pragma unroll
+    for (int i = 0; i < MR; ++i) {
+        const float sum = half_sum(l_i[i]);
+        const bool empty = !(sum > 0.f);
+        inv[i] = empty ? 0.f : 1.f / sum;
+        const int row = m0 + ty + 16 * i;
+        if (tx == 0 && row < Sq)
+            p.lse[stat_offset(p, b, h) + row] = empty ? NEG_INF : (m_i[i] + log2f(sum)) * LN2;
+    }
+    store_rows4_f32<MR>(p.o + q_row_offset(p, b, 0, h), acc, inv, m0, Sq, q_stride);
+}
