@@ -134,3 +134,16 @@ __device__ __forceinline__ float half_sum(float x) {
     for (int o = 8; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
     return x;
 }
+
+// dst[0..3] += v with one fire-and-forget reduction (.v4 on sm_90, four scalar ones before).
+__device__ __forceinline__ void red_add4(float* dst, const float4& v) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v4.f32 [%0], {%1,%2,%3,%4};" ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+                 : "memory");
+#else
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst), "f"(v.x) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst + 1), "f"(v.y) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst + 2), "f"(v.z) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst + 3), "f"(v.w) : "memory");
+#endif
+}

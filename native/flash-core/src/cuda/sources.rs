@@ -18,6 +18,7 @@ pub const FILES: &[(&str, &str)] = &[
     ("bwd_dq_f32.cu", include_str!("../../../../cuda/bwd_dq_f32.cu")),
     ("bwd_dkdv.cu", include_str!("../../../../cuda/bwd_dkdv.cu")),
     ("bwd_dkdv_f32.cu", include_str!("../../../../cuda/bwd_dkdv_f32.cu")),
+    ("bwd_dkdv_f32_simt.cu", include_str!("../../../../cuda/bwd_dkdv_f32_simt.cu")),
 ];
 
 fn file(name: &str) -> Option<&'static str> {

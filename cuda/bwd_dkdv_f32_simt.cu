@@ -1,0 +1,196 @@
+// bwd_dkdv_f32_simt.cu — dK and dV (and with ATOMIC_DQ also dQ) in exact fp32 (SIMT) for HEAD_DIM 64, 128.
+//
+// Grid (ceil(Sk / BLOCK_N), Hkv, B), 256 threads (16 x 16). One block owns BLOCK_N keys of one kv
+// head and loops over the GQA_GROUP query heads sharing it and every query tile that sees its keys:
+//   S^T = K Q^T, dP^T = V dO^T            thread (ty, tx): keys ty + 16 i, queries tx + 16 j
+//   P^T = exp2(S^T * scale_log2 - lse_log2), dS^T = P^T * (dP^T - delta)   -> shared memory
+//   dV += P^T dO, dK += dS^T Q            thread: keys ty + 16 i, float4 column groups tx + 16 jj
+//   ATOMIC_DQ: dq_accum[q] += sum_keys dS^T K (unscaled)   thread: queries 4 ty .. 4 ty + 3
+// finally dK *= scale. dK, dV are deterministic (one block owns them); dQ by red.global.add.v4.f32.
+// Q, dO (cp.async) and lse, delta of the next query tile load while the dQ product runs.
+#include "simt_f32.h"
+#include "mask.h"
+
+#define MR (BLOCK_N / 16)  // key rows per thread
+#define MC (BLOCK_M / 16)  // query columns per thread
+#define PS (BLOCK_M + 16)  // rows ty, ty + 1 of one warp's scalar stores land 16 banks apart
+
+#if ATOMIC_DQ && BLOCK_M != 64
+#error "the dQ product maps 4 queries to each of 16 half-warps: BLOCK_M must be 64"
+#endif
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
+flash_bwd_dkdv(const FlashParams p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* sK = reinterpret_cast<float*>(smem_raw);  // [BLOCK_N][RSTRIDE]
+    float* sV = sK + BLOCK_N * RSTRIDE;               // [BLOCK_N][RSTRIDE]
+    float* sQ = sV + BLOCK_N * RSTRIDE;               // [BLOCK_M][RSTRIDE]
+    float* sdO = sQ + BLOCK_M * RSTRIDE;              // [BLOCK_M][RSTRIDE]
+    float* sP = sdO + BLOCK_M * RSTRIDE;              // [BLOCK_N][PS]
+    float* sdS = sP + BLOCK_N * PS;                   // [BLOCK_N][PS]
+    float* sLse = sdS + BLOCK_N * PS;                 // [BLOCK_M]
+    float* sDelta = sLse + BLOCK_M;                   // [BLOCK_M]
+
+    const int n0 = blockIdx.x * BLOCK_N, hkv = blockIdx.y, b = blockIdx.z;
+    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
+
+    int m_start = 0;
+#if IS_CAUSAL
+    {
+        const int first_query = n0 - (Sk - Sq);
+        m_start = first_query > 0 ? first_query / BLOCK_M * BLOCK_M : 0;
+    }
+#endif
+    const int n_m = m_start < Sq ? (Sq - m_start + BLOCK_M - 1) / BLOCK_M : 0;
+    const int n_iter = n_m * GQA_GROUP;
+
+    cp_rows_f32<BLOCK_N, RSTRIDE>(sK, p.k + kv_row_offset(p, b, 0, hkv), n0, Sk, kv_stride);
+    cp_rows_f32<BLOCK_N, RSTRIDE>(sV, p.v + kv_row_offset(p, b, 0, hkv), n0, Sk, kv_stride);
+    if (n_iter > 0) {
+        const int h = hkv * GQA_GROUP;
+        cp_rows_f32<BLOCK_M, RSTRIDE>(sQ, p.q + q_row_offset(p, b, 0, h), m_start, Sq, q_stride);
+        cp_rows_f32<BLOCK_M, RSTRIDE>(sdO, p.dout + q_row_offset(p, b, 0, h), m_start, Sq, q_stride);
+        if (threadIdx.x < BLOCK_M) {
+            const int q = m_start + threadIdx.x;
+            const i64 so = stat_offset(p, b, h);
+            sLse[threadIdx.x] = q < Sq ? p.lse_log2[so + q] : POS_INF;
+            sDelta[threadIdx.x] = q < Sq ? p.delta[so + q] : 0.f;
+        }
+    }
+    cp_async_commit();
+
+    float4 dk[MR][DV4], dv[MR][DV4];
+#pragma unroll
+    for (int i = 0; i < MR; ++i)
+#pragma unroll
+        for (int jj = 0; jj < DV4; ++jj) dk[i][jj] = dv[i][jj] = make_float4(0.f, 0.f, 0.f, 0.f);
+
+    for (int it = 0; it < n_iter; ++it) {
+        const int g = it / n_m;
+        const int m0 = m_start + (it - g * n_m) * BLOCK_M;
+        cp_async_wait<0>();
+        __syncthreads();  // (A) Q, dO, lse, delta of this tile in place; last tile's dS^T reads done
+
+        float s[MR][MC], dp[MR][MC];
+#pragma unroll
+        for (int i = 0; i < MR; ++i)
+#pragma unroll
+            for (int j = 0; j < MC; ++j) s[i][j] = dp[i][j] = 0.f;
+        mm_rows_f32<MR, MC, RSTRIDE>(s, sK, sQ);
+        mm_rows_f32<MR, MC, RSTRIDE>(dp, sV, sdO);
+
+        float lse2[MC], dlt[MC];
+#pragma unroll
+        for (int j = 0; j < MC; ++j) {
+            lse2[j] = sLse[tx + 16 * j];
+            dlt[j] = sDelta[tx + 16 * j];
+        }
+#if IS_CAUSAL || (ATOMIC_DQ && !EVEN_N)
+        bool need_mask = false;
+#if IS_CAUSAL
+        need_mask = n0 + BLOCK_N - 1 > m0 + Sk - Sq;
+#endif
+#if ATOMIC_DQ && !EVEN_N
+        need_mask = need_mask || n0 + BLOCK_N > Sk;  // zero-filled keys must add nothing to dQ
+#endif
+#else
+        const bool need_mask = false;
+#endif
+#pragma unroll
+        for (int i = 0; i < MR; ++i) {
+            const int key = n0 + ty + 16 * i;
+#pragma unroll
+            for (int j = 0; j < MC; ++j) {
+                float x = s[i][j] * p.scale_log2;
+                if (need_mask && !visible(m0 + tx + 16 * j, key, Sq, Sk)) x = NEG_INF;
+                const float pr = fast_exp2(x - lse2[j]);
+                sP[(ty + 16 * i) * PS + tx + 16 * j] = pr;
+                sdS[(ty + 16 * i) * PS + tx + 16 * j] = pr * (dp[i][j] - dlt[j]);
+            }
+        }
+        __syncthreads();  // (B) P^T, dS^T visible
+        mm_pv_f32<MR, BLOCK_M, PS, RSTRIDE>(dv, sP, sdO);
+        mm_pv_f32<MR, BLOCK_M, PS, RSTRIDE>(dk, sdS, sQ);
+
+#if ATOMIC_DQ
+        __syncthreads();  // (C) every thread is done with Q, dO, lse, delta: load the next tile's
+        float nl = POS_INF, nd = 0.f;
+        if (it + 1 < n_iter) {
+            const int g1 = (it + 1) / n_m;
+            const int m1 = m_start + (it + 1 - g1 * n_m) * BLOCK_M;
+            const int h1 = hkv * GQA_GROUP + g1;
+            cp_rows_f32<BLOCK_M, RSTRIDE>(sQ, p.q + q_row_offset(p, b, 0, h1), m1, Sq, q_stride);
+            cp_rows_f32<BLOCK_M, RSTRIDE>(sdO, p.dout + q_row_offset(p, b, 0, h1), m1, Sq, q_stride);
+            if (threadIdx.x < BLOCK_M && m1 + (int)threadIdx.x < Sq) {
+                const i64 idx = stat_offset(p, b, h1) + m1 + threadIdx.x;
+                nl = p.lse_log2[idx];
+                nd = p.delta[idx];
+            }
+        }
+        cp_async_commit();
+        {
+            // dQ rows m0 + 4 ty + r, float4 column groups tx + 16 jj: sum over keys of dS^T[key][q] K[key][:]
+            float4 dq[4][DV4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int jj = 0; jj < DV4; ++jj) dq[r][jj] = make_float4(0.f, 0.f, 0.f, 0.f);
+            const float* a = sdS + 4 * ty;
+            const float* kb = sK + 4 * tx;
+#pragma unroll 4
+            for (int c = 0; c < BLOCK_N; ++c) {
+                const float4 av = lds4(a + c * PS);
+                float4 bv[DV4];
+#pragma unroll
+                for (int jj = 0; jj < DV4; ++jj) bv[jj] = lds4(kb + c * RSTRIDE + 64 * jj);
+#pragma unroll
+                for (int jj = 0; jj < DV4; ++jj) {
+                    fma4(dq[0][jj], av.x, bv[jj]);
+                    fma4(dq[1][jj], av.y, bv[jj]);
+                    fma4(dq[2][jj], av.z, bv[jj]);
+                    fma4(dq[3][jj], av.w, bv[jj]);
+                }
+            }
+            const int h = hkv * GQA_GROUP + g;
+            float* dqa = p.dq_accum + q_row_offset(p, b, 0, h);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int q = m0 + 4 * ty + r;
+                if (q < Sq) {
+#pragma unroll
+                    for (int jj = 0; jj < DV4; ++jj) red_add4(dqa + (i64)q * q_stride + 4 * (tx + 16 * jj), dq[r][jj]);
+                }
+            }
+        }
+        if (threadIdx.x < BLOCK_M) {
+            sLse[threadIdx.x] = nl;
+            sDelta[threadIdx.x] = nd;
+        }
+#else
+        if (it + 1 < n_iter) {
+            __syncthreads();  // (C) every thread is done with Q, dO, lse, delta
+            const int g1 = (it + 1) / n_m;
+            const int m1 = m_start + (it + 1 - g1 * n_m) * BLOCK_M;
+            const int h1 = hkv * GQA_GROUP + g1;
+            cp_rows_f32<BLOCK_M, RSTRIDE>(sQ, p.q + q_row_offset(p, b, 0, h1), m1, Sq, q_stride);
+            cp_rows_f32<BLOCK_M, RSTRIDE>(sdO, p.dout + q_row_offset(p, b, 0, h1), m1, Sq, q_stride);
+            if (threadIdx.x < BLOCK_M) {
+                const bool ok = m1 + (int)threadIdx.x < Sq;
+                const i64 idx = stat_offset(p, b, h1) + m1 + threadIdx.x;
+                sLse[threadIdx.x] = ok ? p.lse_log2[idx] : POS_INF;
+                sDelta[threadIdx.x] = ok ? p.delta[idx] : 0.f;
+            }
+            cp_async_commit();
+        }
+#endif
+    }
+    cp_async_wait<0>();
+
+    float one[MR], sc[MR];
+#pragma unroll
+    for (int i = 0; i < MR; ++i) { one[i] = 1.f; sc[i] = p.scale; }
+    store_rows4_f32<MR>(p.dk + kv_row_offset(p, b, 0, hkv), dk, sc, n0, Sk, kv_stride);
+    store_rows4_f32<MR>(p.dv + kv_row_offset(p, b, 0, hkv), dv, one, n0, Sk, kv_stride);
+}
