@@ -1,4 +1,5 @@
-// bwd_dkdv_f32.cu — dK and dV in exact fp32 (SIMT). Deterministic: no atomics.
+// bwd_dkdv_f32.cu — dK and dV (and with ATOMIC_DQ also dQ) in exact fp32 (SIMT), any head dim.
+// dK, dV are deterministic; with ATOMIC_DQ the unscaled dS K is added into p.dq_accum by f32 atomics.
 //
 // Grid (ceil(Sk / BLOCK_N), Hkv, B), 256 threads. One block owns BLOCK_N keys of one kv head and
 // loops over the GQA_GROUP query heads sharing it and every query tile that sees its keys:
@@ -74,6 +75,9 @@ flash_bwd_dkdv(const FlashParams p) {
 #if IS_CAUSAL
                     if (key > m0 + qc + Sk - Sq) x = NEG_INF;
 #endif
+#if ATOMIC_DQ && !EVEN_N
+                    if (key >= Sk) x = NEG_INF;  // zero-filled keys must add nothing to dQ
+#endif
                     const float pr = fast_exp2(x - sLse[qc]);
                     sP[(ty + 16 * i) * PSTRIDE + qc] = pr;
                     sdS[(ty + 16 * i) * PSTRIDE + qc] = pr * (dp[i][j] - sDelta[qc]);
@@ -82,6 +86,42 @@ flash_bwd_dkdv(const FlashParams p) {
             __syncthreads();
             mm_pb_f32<MR, BLOCK_M>(dv, sP, PSTRIDE, sdO);
             mm_pb_f32<MR, BLOCK_M>(dk, sdS, PSTRIDE, sQ);
+#if ATOMIC_DQ
+            {
+                // dQ rows m0 + ty + 16 i, columns tx + 16 jd: sum over keys c of dS^T[c][q] K[c][:]
+                float dq[MC][DCOLS];
+#pragma unroll
+                for (int i = 0; i < MC; ++i)
+#pragma unroll
+                    for (int jd = 0; jd < DCOLS; ++jd) dq[i][jd] = 0.f;
+#pragma unroll 4
+                for (int c = 0; c < BLOCK_N; ++c) {
+                    float av[MC];
+#pragma unroll
+                    for (int i = 0; i < MC; ++i) av[i] = sdS[c * PSTRIDE + ty + 16 * i];
+#pragma unroll
+                    for (int jd = 0; jd < DCOLS; ++jd) {
+                        const int col = tx + 16 * jd;
+                        if (HEAD_DIM % 16 == 0 || col < HEAD_DIM) {
+                            const float bv = sK[c * FSTRIDE + col];
+#pragma unroll
+                            for (int i = 0; i < MC; ++i) dq[i][jd] = fmaf(av[i], bv, dq[i][jd]);
+                        }
+                    }
+                }
+                float* dqa = p.dq_accum + q_row_offset(p, b, 0, h);
+#pragma unroll
+                for (int i = 0; i < MC; ++i) {
+                    const int q = m0 + ty + 16 * i;
+                    if (q >= Sq) continue;
+#pragma unroll
+                    for (int jd = 0; jd < DCOLS; ++jd) {
+                        const int col = tx + 16 * jd;
+                        if (col < HEAD_DIM) atomicAdd(dqa + (i64)q * q_stride + col, dq[i][jd]);
+                    }
+                }
+            }
+#endif
         }
     }
     float one[MR], sc[MR];
