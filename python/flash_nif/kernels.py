@@ -88,7 +88,7 @@ def tiles(kernel: str, dtype: str, head_dim: int) -> tuple[int, int, int, int, i
         if kernel == "fwd":
             bm, bn = (128, 64) if simt_f32(d) or d <= 64 else (64, 64) if d <= 128 else (32, 16)
         elif kernel == "bwd_dq":
-            bm, bn = (64, 64) if d <= 64 else (64, 32) if d <= 128 else (16, 16)
+            bm, bn = (64, 64) if simt_f32(d) or d <= 64 else (64, 32) if d <= 128 else (16, 16)
         else:
             bm, bn = (64, 64) if d <= 128 else (16, 16)
         return bm, bn, 8, 1, 1
@@ -115,6 +115,8 @@ def small_tiles(kernel: str, dtype: str, head_dim: int) -> tuple[int, int, int, 
             bm, bn = (64, 64) if d <= 64 else (64, 32) if d <= 128 else (32, 16)
         elif kernel == "bwd_dkdv" and simt_f32(d):
             bm, bn = 64, 32 if d <= 64 else 16
+        elif kernel == "bwd_dq" and simt_f32(d):
+            bm, bn = (64, 32) if d <= 64 else (32, 32)
         else:
             bm, bn = (64, 64) if d <= 64 else (32, 32) if d <= 128 else (16, 16)
         return bm, bn, 8, 1, 1
@@ -134,6 +136,8 @@ def smem_bytes(kernel: str, dtype: str, d: int, bm: int, bn: int, d_split: int =
             return 4 * (bm * (d + 4) + bn * (d + 4) + bn * d + bm * (bn + 16))
         if kernel == "bwd_dkdv" and simt_f32(d):
             return 4 * (2 * (bn + bm) * (d + 4) + 2 * bn * (bm + 16) + 2 * bm)
+        if kernel == "bwd_dq" and simt_f32(d):
+            return 4 * ((2 * bm + 3 * bn) * (d + 4) + bm * (bn + 16))
         fs = d + 1
         if kernel == "fwd":
             return 4 * ((bm + 2 * bn) * fs + bm * (bn + 1))
@@ -156,7 +160,7 @@ def simt_f32(d: int) -> bool:
 
 
 def source_file(kernel: str, dtype: str, d: int) -> str:
-    if dtype == "f32" and kernel in ("fwd", "bwd_dkdv") and simt_f32(d):
+    if dtype == "f32" and kernel in ("fwd", "bwd_dq", "bwd_dkdv") and simt_f32(d):
         return f"{kernel}_f32_simt.cu"
     if dtype == "f32" and kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
         return f"{kernel}_f32.cu"

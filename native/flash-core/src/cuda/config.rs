@@ -91,6 +91,7 @@ impl Variant {
         match (self.kernel, self.dtype) {
             (Kernel::BwdPreprocess, _) => 0,
             (Kernel::Fwd, DType::F32) if simt_f32(d) => 4 * (bm * (d + 4) + bn * (d + 4) + bn * d + bm * (bn + 16)),
+            (Kernel::BwdDq, DType::F32) if simt_f32(d) => 4 * ((2 * bm + 3 * bn) * (d + 4) + bm * (bn + 16)),
             (Kernel::BwdDkdv, DType::F32) if simt_f32(d) => 4 * (2 * (bn + bm) * (d + 4) + 2 * bn * (bm + 16) + 2 * bm),
             (k, DType::F32) => {
                 let fs = d + 1;
@@ -126,6 +127,7 @@ pub fn tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, us
             Kernel::Fwd if d <= 64 => (128, 64),
             Kernel::Fwd if d <= 128 => (64, 64),
             Kernel::Fwd => (32, 16),
+            Kernel::BwdDq if simt_f32(d) => (64, 64),
             Kernel::BwdDq if d <= 64 => (64, 64),
             Kernel::BwdDq if d <= 128 => (64, 32),
             Kernel::BwdDkdv if d <= 128 => (64, 64),
@@ -160,6 +162,7 @@ pub fn small_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usi
             Kernel::Fwd if d <= 128 => (64, 32),
             Kernel::Fwd => (32, 16),
             Kernel::BwdDkdv if simt_f32(d) => (64, if d <= 64 { 32 } else { 16 }),
+            Kernel::BwdDq if simt_f32(d) => if d <= 64 { (64, 32) } else { (32, 32) },
             _ if d <= 64 => (64, 64),
             _ if d <= 128 => (32, 32),
             _ => (16, 16),
@@ -188,6 +191,7 @@ fn source(kernel: Kernel, dtype: DType, d: usize) -> &'static str {
         (Kernel::Fwd, DType::F32) if simt_f32(d) => "fwd_f32_simt.cu",
         (Kernel::Fwd, DType::F32) => "fwd_f32.cu",
         (Kernel::BwdDkdv, DType::F32) if simt_f32(d) => "bwd_dkdv_f32_simt.cu",
+        (Kernel::BwdDq, DType::F32) if simt_f32(d) => "bwd_dq_f32_simt.cu",
         (Kernel::BwdDq, DType::F32) => "bwd_dq_f32.cu",
         (Kernel::BwdDkdv, DType::F32) => "bwd_dkdv_f32.cu",
         (Kernel::Fwd, _) => "fwd.cu",

@@ -16,6 +16,7 @@ pub const FILES: &[(&str, &str)] = &[
     ("bwd_preprocess.cu", include_str!("../../../../cuda/bwd_preprocess.cu")),
     ("bwd_dq.cu", include_str!("../../../../cuda/bwd_dq.cu")),
     ("bwd_dq_f32.cu", include_str!("../../../../cuda/bwd_dq_f32.cu")),
+    ("bwd_dq_f32_simt.cu", include_str!("../../../../cuda/bwd_dq_f32_simt.cu")),
     ("bwd_dkdv.cu", include_str!("../../../../cuda/bwd_dkdv.cu")),
     ("bwd_dkdv_f32.cu", include_str!("../../../../cuda/bwd_dkdv_f32.cu")),
     ("bwd_dkdv_f32_simt.cu", include_str!("../../../../cuda/bwd_dkdv_f32_simt.cu")),

@@ -1,0 +1,91 @@
+// bwd_dq_f32_simt.cu — dQ in exact fp32 (SIMT) for HEAD_DIM 64 and 128. Deterministic: no atomics.
+//
+// Grid (ceil(Sq / BLOCK_M), H, B), 256 threads (16 x 16). Per key tile (simt_f32.h products):
+//   S = Q K^T, dP = dO V^T      thread (ty, tx): queries ty + 16 i, keys tx + 16 j
+//   P = exp2(S * scale_log2 - lse_log2), dS = P * (dP - delta) -> shared memory
+//   dQ += dS K                  thread: queries ty + 16 i, float4 column groups tx + 16 jj
+// finally dQ *= scale. K is double-buffered (cp.async), V loads while dQ += dS K runs.
+#include "simt_f32.h"
+#include "mask.h"
+
+#define MR (BLOCK_M / 16)
+#define MC (BLOCK_N / 16)
+#define PS (BLOCK_N + 16)
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
+flash_bwd_dq(const FlashParams p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* sQ = reinterpret_cast<float*>(smem_raw);  // [BLOCK_M][RSTRIDE]
+    float* sdO = sQ + BLOCK_M * RSTRIDE;              // [BLOCK_M][RSTRIDE]
+    float* sK0 = sdO + BLOCK_M * RSTRIDE;             // 2 x [BLOCK_N][RSTRIDE]
+    float* sV = sK0 + 2 * BLOCK_N * RSTRIDE;          // [BLOCK_N][RSTRIDE]
+    float* sdS = sV + BLOCK_N * RSTRIDE;              // [BLOCK_M][PS]
+
+    const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z, hkv = h / GQA_GROUP;
+    const int m0 = m_block * BLOCK_M;
+    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
+    const float* k = p.k + kv_row_offset(p, b, 0, hkv);
+    const float* v = p.v + kv_row_offset(p, b, 0, hkv);
+
+    const int n_end = key_end(m0, BLOCK_M, Sq, Sk);
+    cp_rows_f32<BLOCK_M, RSTRIDE>(sQ, p.q + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
+    cp_rows_f32<BLOCK_M, RSTRIDE>(sdO, p.dout + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
+    if (n_end > 0) {
+        cp_rows_f32<BLOCK_N, RSTRIDE>(sK0, k, 0, Sk, kv_stride);
+        cp_rows_f32<BLOCK_N, RSTRIDE>(sV, v, 0, Sk, kv_stride);
+    }
+    cp_async_commit();
+
+    float lse2[MR], dlt[MR];
+    float4 acc[MR][DV4];
+#pragma unroll
+    for (int i = 0; i < MR; ++i) {
+        const int row = m0 + ty + 16 * i;
+        const i64 idx = stat_offset(p, b, h) + row;
+        lse2[i] = row < Sq ? p.lse_log2[idx] : POS_INF;
+        dlt[i] = row < Sq ? p.delta[idx] : 0.f;
+#pragma unroll
+        for (int jj = 0; jj < DV4; ++jj) acc[i][jj] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+
+    int buf = 0;
+    for (int n0 = 0; n0 < n_end; n0 += BLOCK_N, buf ^= 1) {
+        float* sK = sK0 + buf * BLOCK_N * RSTRIDE;
+        cp_async_wait<0>();
+        __syncthreads();  // (A) K_j, V_j in place; every thread is done with dS and K_{j-1}
+        if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(sK0 + (buf ^ 1) * BLOCK_N * RSTRIDE, k, n0 + BLOCK_N, Sk, kv_stride);
+        cp_async_commit();
+
+        float s[MR][MC], dp[MR][MC];
+#pragma unroll
+        for (int i = 0; i < MR; ++i)
+#pragma unroll
+            for (int j = 0; j < MC; ++j) s[i][j] = dp[i][j] = 0.f;
+        mm_rows_f32<MR, MC, RSTRIDE>(s, sQ, sK);
+        mm_rows_f32<MR, MC, RSTRIDE>(dp, sdO, sV);
+        const bool need_mask = tile_needs_mask(m0, n0, BLOCK_N, Sq, Sk);
+#pragma unroll
+        for (int i = 0; i < MR; ++i) {
+            const int row = m0 + ty + 16 * i;
+#pragma unroll
+            for (int j = 0; j < MC; ++j) {
+                float x = s[i][j] * p.scale_log2;
+                if (need_mask && !visible(row, n0 + tx + 16 * j, Sq, Sk)) x = NEG_INF;
+                const float pr = fast_exp2(x - lse2[i]);
+                sdS[(ty + 16 * i) * PS + tx + 16 * j] = pr * (dp[i][j] - dlt[i]);
+            }
+        }
+        __syncthreads();  // (B) dS visible; every thread is done with V_j
+        if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(sV, v, n0 + BLOCK_N, Sk, kv_stride);
+        cp_async_commit();
+        mm_pv_f32<MR, BLOCK_N, PS, RSTRIDE>(acc, sdS, sK);
+    }
+    cp_async_wait<0>();
+    float mul[MR];
+#pragma unroll
+    for (int i = 0; i < MR; ++i) mul[i] = p.scale;
+    store_rows4_f32<MR>(p.dq + q_row_offset(p, b, 0, h), acc, mul, m0, Sq, q_stride);
+}
