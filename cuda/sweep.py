@@ -28,7 +28,7 @@ def make(kernel, dt, d, causal, bm, bn, nw, ds=1, minb=1):
     defines.append(("MIN_BLOCKS", minb))
     if kernel == "fwd" and dt != "f32":
         defines.append(("M_TILES", 1))
-    return K.Variant(kernel, dt, d, K.source_file(kernel, dt), bm, bn, nw, ds, tuple(defines))
+    return K.Variant(kernel, dt, d, K.source_file(kernel, dt, d), bm, bn, nw, ds, tuple(defines))
 
 
 def time_launch(fn, reps=10, warm=3):

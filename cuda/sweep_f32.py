@@ -1,0 +1,75 @@
+"""fp32 SIMT kernels alone (CuPy harness, development tool): for candidate tiles / MIN_BLOCKS of
+fwd, bwd_dq and bwd_dkdv (ATOMIC_DQ=0) at D 64 and 128, the error against the default variant and
+the kernel time (median of 10 after 3 warm-ups) on B*S = 16384, H*D = 2048, S = 4096.
+Usage: python3 cuda/sweep_f32.py [fwd,bwd_dq,bwd_dkdv]"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import check_cupy as C  # noqa: E402
+from sweep import time_launch  # noqa: E402
+
+K = C.K
+
+
+def make(kernel, d, causal, bm, bn, minb=1):
+    defines = [("FLASH_DTYPE", 2), ("HEAD_DIM", d), ("NUM_WARPS", 8), ("IS_CAUSAL", int(causal)),
+               ("GQA_GROUP", 1), ("BLOCK_M", bm), ("BLOCK_N", bn), ("EVEN_M", 0), ("EVEN_N", 0), ("MIN_BLOCKS", minb)]
+    return K.Variant(kernel, "f32", d, K.source_file(kernel, "f32", d), bm, bn, 8, 1, tuple(defines))
+
+
+CANDS = {
+    ("fwd", 64): [(128, 64, 1), (64, 64, 1), (64, 64, 2), (128, 32, 1), (128, 128, 1)],
+    ("fwd", 128): [(128, 64, 1), (128, 32, 1), (64, 64, 1), (64, 32, 2)],
+    ("bwd_dq", 64): [(64, 64, 1), (64, 32, 2), (128, 64, 1)],
+    ("bwd_dq", 128): [(64, 64, 1), (64, 32, 1), (32, 32, 2)],
+    ("bwd_dkdv", 64): [(64, 64, 1), (64, 32, 2), (64, 128, 1)],
+    ("bwd_dkdv", 128): [(64, 64, 1), (64, 32, 1), (64, 32, 2)],
+}
+
+kernels = sys.argv[1].split(",") if len(sys.argv) > 1 else ["fwd", "bwd_dq", "bwd_dkdv"]
+s_len = 4096
+for (kernel, d), cands in CANDS.items():
+    if kernel not in kernels:
+        continue
+    b, h = 16384 // s_len, 2048 // d
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(b, s_len, h, d, device="cuda") for _ in range(4))
+    scale = 1 / math.sqrt(d)
+    for causal in (False, True):
+        o, lse = C.run_ours("f32", q, k, v, do, causal, scale, want_bwd=False)
+        delta = (o * do).sum(-1).permute(0, 2, 1).contiguous()
+        l2 = (lse * math.log2(math.e)).contiguous()
+        flops = 4 * b * h * s_len * s_len * d / (2 if causal else 1) * (1 if kernel == "fwd" else 1.25)
+        ref = None
+        for bm, bn, minb in cands:
+            var = make(kernel, d, causal, bm, bn, minb)
+            outs = [torch.full_like(x, float("nan")) for x in ((q,) if kernel == "fwd" else (q, k, v))]
+            if kernel == "fwd":
+                l_out = torch.full_like(lse, float("nan"))
+                p = C.Params(C.ptr(q), C.ptr(k), C.ptr(v), C.ptr(outs[0]), C.ptr(l_out), 0, 0, 0, 0, 0, 0,
+                             b, s_len, s_len, h, h, scale, scale * math.log2(math.e), 0)
+                grid = (-(-s_len // bm), h, b)
+            else:
+                p = C.Params(C.ptr(q), C.ptr(k), C.ptr(v), C.ptr(o), C.ptr(lse), C.ptr(do), C.ptr(outs[0]),
+                             C.ptr(outs[1]), C.ptr(outs[2]), C.ptr(delta), C.ptr(l2),
+                             b, s_len, s_len, h, h, scale, scale * math.log2(math.e), 0)
+                grid = (-(-s_len // bm), h, b) if kernel == "bwd_dq" else (-(-s_len // bn), h, b)
+            try:
+                t = time_launch(lambda: C.launch(var, grid, p))
+            except Exception as e:  # noqa: BLE001
+                print(f"{kernel} d={d} causal={causal} {bm}x{bn} mb{minb}: {type(e).__name__} {str(e)[:80]}")
+                continue
+            torch.cuda.synchronize()
+            got = outs[0] if kernel != "bwd_dkdv" else torch.cat([outs[1], outs[2]])
+            if ref is None:
+                ref = got.clone()
+            err = C.rel_err(got, ref)
+            print(f"{kernel:8s} d={d:3d} causal={int(causal)} {bm:3d}x{bn:3d} mb{minb}: {t:7.3f} ms "
+                  f"{flops / t / 1e9:6.1f} TF  err_vs_first {err:.1e}  nan={bool(torch.isnan(got).any())}", flush=True)
