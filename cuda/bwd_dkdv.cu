@@ -34,35 +34,43 @@ constexpr int DQ_ITEMS = DQ_MGROUPS * (DQ_NT_ALL / DQ_NT);
 #endif
 
 #if ATOMIC_DQ
-// dq_accum[b, m0 + i, h, :] += sum_j dS[i][j] K[j][:] for the block's BLOCK_M x BLOCK_N tile of dS
-// (stored transposed in sdS) and its keys (sK).
-__device__ __forceinline__ void add_dq_tile(const FlashParams& p, const elem_t* sdS, const elem_t* sK,
-                                            int b, int h, int m0) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+// dq_accum[b, m0 + i, h, :] += sum_j dS[i][j] K[j][:] for one work item (DQ_MT query tiles x DQ_NT
+// column tiles) of the block's BLOCK_M x BLOCK_N tile of dS (stored transposed in sdS) and its keys.
+__device__ __forceinline__ void add_dq_item(const FlashParams& p, const elem_t* sdS, const elem_t* sK,
+                                            int b, int h, int m0, int item) {
+    const int lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
+    const int mg = item % DQ_MGROUPS, ng = item / DQ_MGROUPS;
+    float acc[DQ_MT][DQ_NT][4];
+#pragma unroll
+    for (int mt = 0; mt < DQ_MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < DQ_NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+    gemm_atb<DQ_MT, DQ_NT, BLOCK_N / 16>(acc, sdS, DS_ROW, mg * DQ_MT * 16, sK, ng * DQ_NT * 8);
     const i64 q_stride = (i64)p.heads * HEAD_DIM;
     float* dq = p.dq_accum + q_row_offset(p, b, 0, h);
-#pragma unroll 1
-    for (int item = warp; item < DQ_ITEMS; item += NUM_WARPS) {
-        const int mg = item % DQ_MGROUPS, ng = item / DQ_MGROUPS;
-        float acc[DQ_MT][DQ_NT][4];
 #pragma unroll
-        for (int mt = 0; mt < DQ_MT; ++mt)
+    for (int mt = 0; mt < DQ_MT; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < DQ_NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
-        gemm_atb<DQ_MT, DQ_NT, BLOCK_N / 16>(acc, sdS, DS_ROW, mg * DQ_MT * 16, sK, ng * DQ_NT * 8);
+        for (int r = 0; r < 2; ++r) {
+            const int row = m0 + (mg * DQ_MT + mt) * 16 + g + 8 * r;
+            if (row >= p.seqlen_q) continue;
 #pragma unroll
-        for (int mt = 0; mt < DQ_MT; ++mt)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = m0 + (mg * DQ_MT + mt) * 16 + g + 8 * r;
-                if (row >= p.seqlen_q) continue;
-#pragma unroll
-                for (int nt = 0; nt < DQ_NT; ++nt) {
-                    const int col = (ng * DQ_NT + nt) * 8 + 2 * t;
-                    if (col < HEAD_DIM) red_add_f32x2(dq + row * q_stride + col, acc[mt][nt][2 * r], acc[mt][nt][2 * r + 1]);
-                }
+            for (int nt = 0; nt < DQ_NT; ++nt) {
+                const int col = (ng * DQ_NT + nt) * 8 + 2 * t;
+                if (col < HEAD_DIM) red_add_f32x2(dq + row * q_stride + col, acc[mt][nt][2 * r], acc[mt][nt][2 * r + 1]);
             }
+        }
+}
+
+__device__ __forceinline__ void add_dq_tile(const FlashParams& p, const elem_t* sdS, const elem_t* sK,
+                                            int b, int h, int m0) {
+    const int warp = threadIdx.x / 32;
+    if constexpr (DQ_ITEMS == NUM_WARPS) {  // the usual tiles: one item per warp, no loop
+        add_dq_item(p, sdS, sK, b, h, m0, warp);
+    } else {
+#pragma unroll 1
+        for (int item = warp; item < DQ_ITEMS; item += NUM_WARPS) add_dq_item(p, sdS, sK, b, h, m0, item);
     }
 }
 #endif

@@ -92,6 +92,8 @@ def tiles(kernel: str, dtype: str, head_dim: int) -> tuple[int, int, int, int, i
     d = head_dim
     if kernel in ELEMENTWISE:
         return 8, 1, 8, 1, 1
+    if kernel == "bwd_dkdv_dq" and dtype != "f32" and d <= 128:  # 128 keys on 8 warps (config.rs says why)
+        return (96, 128, 8, 1, 1) if d <= 64 else (64, 128, 8, 1, 1)
     kernel = "bwd_dkdv" if kernel == "bwd_dkdv_dq" else kernel
     if dtype == "f32":
         if kernel == "fwd":

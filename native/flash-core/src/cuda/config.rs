@@ -127,6 +127,12 @@ pub fn tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, us
     if kernel == Kernel::BwdPreprocess || kernel == Kernel::BwdDqConvert {
         return (8, 1, 8, 1, 1);
     }
+    // The atomic-dQ dK/dV kernel takes 128 keys per block on 8 warps (the deterministic one: 64 on
+    // 4): half the dQ atomics per query, and 8 warps per SM at D = 128 where 4-warp blocks of
+    // 115 KiB fit only once. Measured +4-10 % backward on an H100 (bench/RESULTS.md).
+    if kernel == Kernel::BwdDkdvDq && dtype != DType::F32 && d <= 128 {
+        return if d <= 64 { (96, 128, 8, 1, 1) } else { (64, 128, 8, 1, 1) };
+    }
     let kernel = if kernel == Kernel::BwdDkdvDq { Kernel::BwdDkdv } else { kernel };
     if dtype == DType::F32 {
         let (bm, bn) = match kernel {
