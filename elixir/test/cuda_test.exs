@@ -117,6 +117,19 @@ defmodule FlashNif.CudaTest do
     assert :cuda in backends
   end
 
+  test "deterministic: true repeats the GPU backward bit for bit; the default is within rounding" do
+    for type <- [{:bf, 16}, {:f, 32}] do
+      {q, k, v, d_out} = inputs(type, {2, 200, 200, 8, 2, 128}, 7)
+      {:ok, o, lse} = FA.forward_with_states(q, k, v, device: :cuda)
+      det = fn -> FA.backward(d_out, q, k, v, o, lse, device: :cuda, deterministic: true) end
+      {:ok, dq, dk, dv} = det.()
+      for _ <- 1..2, do: assert({:ok, ^dq, ^dk, ^dv} = det.())
+      {:ok, adq, adk, adv} = FA.backward(d_out, q, k, v, o, lse, device: :cuda)
+      # The default path (other tiles, dq summed by atomics) agrees to within rounding.
+      for {a, g} <- [{adq, dq}, {adk, dk}, {adv, dv}], do: assert(Numeric.rel_err(a, g) <= 1.0e-2)
+    end
+  end
+
   test "head_dim not a multiple of 8 on :cuda is an :unsupported error, never a crash" do
     {q, k, v, d_out} = inputs({:f, 32}, {1, 16, 16, 2, 2, 12}, 200)
     {:ok, o, lse} = FA.forward_with_states(q, k, v, device: :cpu)
