@@ -5,9 +5,11 @@ Method (as ../shared/docs/ANCHORS.md): B*S = 16384 tokens, H*D = 2048; forward F
 - forward; median of --reps after --warmup runs, CUDA events; extra peak memory = torch's peak
 allocation during one forward+backward minus what was allocated before (flash_nif's backward
 workspace, 8*B*H*S bytes from the driver's stream-ordered pool, is not seen by torch and is
-added by hand). Inputs are random. Every implementation sees the same tensors.
+added by hand, as is the default backward's f32 dQ accumulator, 4*B*S*H*D bytes). "ours" is the
+default backward (dQ by f32 atomics), "ours det." is deterministic=True. Inputs are random. Every
+implementation sees the same tensors.
 
-    python bench/gpu.py [--quick] [--md bench/gpu_results.md]
+    python bench/gpu.py [--quick] [--dtype bf16|f32] [--md bench/gpu_results.md]
 """
 
 from __future__ import annotations
@@ -47,13 +49,13 @@ def peak_extra(fn, add=0):
     return (torch.cuda.max_memory_allocated() - base + add) / 2**20
 
 
-def run_ours(q, k, v, do, causal):
+def run_ours(q, k, v, do, causal, deterministic=False):
     def fwd():
         return flash_nif.forward_with_states(q, k, v, causal=causal)
 
     def fwd_bwd():
         o, lse = fwd()
-        return flash_nif.backward(do, q, k, v, o, lse, causal=causal)
+        return flash_nif.backward(do, q, k, v, o, lse, causal=causal, deterministic=deterministic)
 
     return fwd, fwd_bwd
 
@@ -92,6 +94,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="S in {2048, 8192} only")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--dtype", choices=("bf16", "f32"), help="only this dtype's rows")
     ap.add_argument("--md", help="write the markdown table here too")
     ap.add_argument("--dtypes", default="bf16,f32", help="comma list of bf16, f32")
     ap.add_argument("--dims", default="64,128", help="comma list of head dims")
@@ -102,21 +105,26 @@ def main():
             f"flash_nif {flash_nif.__version__} ({info.get('arch')}, NVRTC {info.get('nvrtc_version')})")
     print(head)
     lines = [head, "", "TFLOPS forward / backward, extra peak MiB of one forward+backward", "",
-             "| dtype | D | causal | S | B·H | ours | torch flash (FA2) | torch cuDNN | torch efficient | materialized |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| dtype | D | causal | S | B·H | ours | ours det. | torch flash (FA2) | torch cuDNN | torch efficient | materialized |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     seqs = [2048, 8192] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
     dims = [int(x) for x in args.dims.split(",")]
     dts = args.dtypes.split(",")
     configs = [("bf16", d, c, s) for d in dims for c in (False, True) for s in seqs] if "bf16" in dts else []
     if "f32" in dts:
         configs += [("f32", d, c, s) for d in dims for c in (False, True) for s in (2048, 8192)]
+    configs = [c for c in configs if args.dtype in (None, c[0])]
     for dtype_name, d, causal, s in configs:
         dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
         b, h = 16384 // s, 2048 // d
         g = torch.Generator(device="cuda").manual_seed(s + d)
         q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=g) for _ in range(4))
         flops = 4 * b * h * s * s * d / (2 if causal else 1)
-        impls = [("ours", run_ours, 8 * b * h * s)]
+        workspace = 8 * b * h * s
+        atomic_dq = dtype_name != "f32"  # kernels.atomic_dq_supported
+        impls = [("ours", run_ours, workspace + (4 * b * s * h * d if atomic_dq else 0))]
+        if atomic_dq:
+            impls += [("ours_det", lambda *a: run_ours(*a, deterministic=True), workspace)]
         if dtype_name == "bf16":
             impls += [("flash", lambda *a: run_torch(SDPBackend.FLASH_ATTENTION, *a), 0),
                       ("cudnn", lambda *a: run_torch(SDPBackend.CUDNN_ATTENTION, *a), 0)]
@@ -127,7 +135,7 @@ def main():
         for name, make, extra in impls:
             res[name] = bench_one(name, make, q, k, v, do, causal, flops, args.warmup, args.reps, extra)
         cells = []
-        for name in ("ours", "flash", "cudnn", "efficient", "math"):
+        for name in ("ours", "ours_det", "flash", "cudnn", "efficient", "math"):
             r = res.get(name)
             if r is None:
                 cells.append("—")

@@ -1,4 +1,4 @@
-// bwd_dkdv.cu — dK and dV on tensor cores (fp16 / bf16). Deterministic: no atomics.
+// bwd_dkdv.cu — dK and dV on tensor cores (fp16 / bf16), and with ATOMIC_DQ also dQ.
 //
 // Grid (ceil(Sk / BLOCK_N), Hkv, B). One block owns BLOCK_N key rows of one kv head and loops over
 // the GQA_GROUP query heads that share it and over every query tile that can see its keys, so GQA
@@ -7,6 +7,10 @@
 // part (w % D_SPLIT) of dK/dV. Everything is computed transposed, so P and dS never leave registers:
 //   S^T = K Q^T, P^T = exp2(S^T * scale_log2 - lse_log2), dP^T = V dO^T, dS^T = P^T * (dP^T - delta)
 //   dV += P^T dO, dK += dS^T Q;   finally dK *= scale.
+// dK and dV are deterministic (one block owns them, no atomics). With ATOMIC_DQ = 1 the block also
+// writes dS^T to shared memory and all warps add dS K (BLOCK_M x D, unscaled) into p.dq_accum with
+// f32 atomics — 5 tile GEMMs per (query, key) tile pair instead of the 7 of separate dQ and dK/dV
+// kernels, at the price of a run-to-run order of the additions (bwd_dq_convert finishes dQ).
 #include "tile.h"
 #include "mask.h"
 
@@ -14,6 +18,62 @@
 #error "dkdv: BLOCK_N * D_SPLIT must be 16 * NUM_WARPS"
 #endif
 #define DPART (DPAD / D_SPLIT)  // dK/dV columns per warp, a multiple of 16
+
+#if ATOMIC_DQ
+// dQ work split: items of DQ_MT 16-row query tiles x DQ_NT 8-column slices of D, dealt to the
+// warps round-robin; with the usual tiles every warp gets exactly one item.
+#define DS_ROW (BLOCK_M + 8)  // sdS row stride: an odd number of 16-byte units, conflict-free ldmatrix
+constexpr int DQ_MT = (BLOCK_M / 16) % 3 == 0 ? 3 : (BLOCK_M / 16) % 2 == 0 ? 2 : 1;
+constexpr int DQ_MGROUPS = BLOCK_M / 16 / DQ_MT;
+constexpr int DQ_NSPLIT = NUM_WARPS / DQ_MGROUPS > 0 ? NUM_WARPS / DQ_MGROUPS : 1;
+constexpr int DQ_NT_ALL = DPAD / 8;
+constexpr int DQ_NT = (DQ_NT_ALL % DQ_NSPLIT == 0 && (DQ_NT_ALL / DQ_NSPLIT) % 2 == 0)
+                          ? DQ_NT_ALL / DQ_NSPLIT
+                          : (DQ_NT_ALL % 4 == 0 ? 4 : 2);
+constexpr int DQ_ITEMS = DQ_MGROUPS * (DQ_NT_ALL / DQ_NT);
+#endif
+
+#if ATOMIC_DQ
+// dq_accum[b, m0 + i, h, :] += sum_j dS[i][j] K[j][:] for one work item (DQ_MT query tiles x DQ_NT
+// column tiles) of the block's BLOCK_M x BLOCK_N tile of dS (stored transposed in sdS) and its keys.
+__device__ __forceinline__ void add_dq_item(const FlashParams& p, const elem_t* sdS, const elem_t* sK,
+                                            int b, int h, int m0, int item) {
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int mg = item % DQ_MGROUPS, ng = item / DQ_MGROUPS;
+    float acc[DQ_MT][DQ_NT][4];
+#pragma unroll
+    for (int mt = 0; mt < DQ_MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < DQ_NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+    gemm_atb<DQ_MT, DQ_NT, BLOCK_N / 16>(acc, sdS, DS_ROW, mg * DQ_MT * 16, sK, ng * DQ_NT * 8);
+    const i64 q_stride = (i64)p.heads * HEAD_DIM;
+    float* dq = p.dq_accum + q_row_offset(p, b, 0, h);
+#pragma unroll
+    for (int mt = 0; mt < DQ_MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = m0 + (mg * DQ_MT + mt) * 16 + g + 8 * r;
+            if (row >= p.seqlen_q) continue;
+#pragma unroll
+            for (int nt = 0; nt < DQ_NT; ++nt) {
+                const int col = (ng * DQ_NT + nt) * 8 + 2 * t;
+                if (col < HEAD_DIM) red_add_f32x2(dq + row * q_stride + col, acc[mt][nt][2 * r], acc[mt][nt][2 * r + 1]);
+            }
+        }
+}
+
+__device__ __forceinline__ void add_dq_tile(const FlashParams& p, const elem_t* sdS, const elem_t* sK,
+                                            int b, int h, int m0) {
+    const int warp = threadIdx.x / 32;
+    if constexpr (DQ_ITEMS == NUM_WARPS) {  // the usual tiles: one item per warp, no loop
+        add_dq_item(p, sdS, sK, b, h, m0, warp);
+    } else {
+#pragma unroll 1
+        for (int item = warp; item < DQ_ITEMS; item += NUM_WARPS) add_dq_item(p, sdS, sK, b, h, m0, item);
+    }
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dkdv(const FlashParams p) {
@@ -24,6 +84,9 @@ flash_bwd_dkdv(const FlashParams p) {
     elem_t* sdO = sQ + 2 * BLOCK_M * SROW;               // [2][BLOCK_M][SROW]
     float* sLse = reinterpret_cast<float*>(sdO + 2 * BLOCK_M * SROW);  // [2][BLOCK_M]
     float* sDelta = sLse + 2 * BLOCK_M;                                 // [2][BLOCK_M]
+#if ATOMIC_DQ
+    elem_t* sdS = reinterpret_cast<elem_t*>(sDelta + 2 * BLOCK_M);      // [BLOCK_N][DS_ROW]: dS^T
+#endif
 
     const int n_block = blockIdx.x, hkv = blockIdx.y, b = blockIdx.z;
     const int n0 = n_block * BLOCK_N;
@@ -81,7 +144,7 @@ flash_bwd_dkdv(const FlashParams p) {
     const elem_t* sVw = sV + slice * 16 * SROW;
     const int key0 = n0 + slice * 16;
     const int col0 = part * DPART;
-    const int t = lane % 4;
+    const int g = lane / 4, t = lane % 4;
 
     for (int it = 0; it < n_iters; ++it) {
         const int buf = it & 1;
@@ -111,9 +174,7 @@ flash_bwd_dkdv(const FlashParams p) {
         for (int i = 0; i < BLOCK_M / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[i][e] *= p.scale_log2;
-#if IS_CAUSAL
-        if (key0 + 15 > m0 + Sk - Sq) mask_tile_t<BLOCK_M / 8>(s, key0, m0, Sq, Sk);
-#endif
+        if (key_slice_needs_mask(key0, m0, Sq, Sk)) mask_tile_t<BLOCK_M / 8>(s, key0, m0, Sq, Sk);
 #pragma unroll
         for (int i = 0; i < BLOCK_M / 8; ++i)
 #pragma unroll
@@ -125,6 +186,18 @@ flash_bwd_dkdv(const FlashParams p) {
             }
         gemm_pb<BLOCK_M / 16, DPART / 8>(dv, s, sdOi, col0);
         gemm_pb<BLOCK_M / 16, DPART / 8>(dk, dp, sQi, col0);
+#if ATOMIC_DQ
+        if (part == 0) {  // the D_SPLIT warps of a slice hold the same dS^T
+#pragma unroll
+            for (int i = 0; i < BLOCK_M / 8; ++i)
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+                    *reinterpret_cast<u32*>(sdS + (slice * 16 + g + 8 * r) * DS_ROW + i * 8 + 2 * t) =
+                        pack2(dp[i][2 * r], dp[i][2 * r + 1]);
+        }
+        __syncthreads();  // dS^T complete (the next write follows the next iteration's first barrier)
+        add_dq_tile(p, sdS, sK, b, hkv * GQA_GROUP + it / per_head, m0);
+#endif
     }
     elem_t* out_dk = p.dk + kv_row_offset(p, b, 0, hkv);
     elem_t* out_dv = p.dv + kv_row_offset(p, b, 0, hkv);

@@ -28,11 +28,16 @@ spec.loader.exec_module(K)
 
 
 class Params(ctypes.Structure):
+    """FlashParams (cuda/params.h). Positional: the 11 pointers q .. lse_log2, then the scalars;
+    dq_accum (the atomic-dQ workspace) only by keyword."""
     _fields_ = [(n, ctypes.c_void_p) for n in
-                ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "delta", "lse_log2")] + [
+                ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "delta", "lse_log2", "dq_accum")] + [
         ("batch", ctypes.c_int), ("seqlen_q", ctypes.c_int), ("seqlen_k", ctypes.c_int),
         ("heads", ctypes.c_int), ("heads_kv", ctypes.c_int), ("scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float), ("_pad", ctypes.c_int)]
+
+    def __init__(self, *args, dq_accum=0):
+        super().__init__(*args[:11], dq_accum, *args[11:])
 
 
 _mods = {}

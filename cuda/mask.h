@@ -29,12 +29,12 @@ __device__ __forceinline__ void mask_tile(float (&s)[NT][4], int row0, int col0,
     }
 }
 
-// Transposed tile (rows = keys, columns = queries), used by the dK/dV kernel. Only causality is
-// masked here: queries past Sq carry lse = +inf, so their probabilities are already zero.
+// Transposed tile (rows = keys, columns = queries), used by the dK/dV kernel: a warp's 16 key rows
+// from key0. Queries past Sq need no mask (their lse is +inf, so their probabilities are zero);
+// keys past Sk only matter to the atomic dQ, whose dS K must not see exp2(0 - lse) there.
 template <int NT>
 __device__ __forceinline__ void mask_tile_t(float (&s)[NT][4], int key0, int query0, int seqlen_q,
                                             int seqlen_k) {
-#if IS_CAUSAL
     const int lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
@@ -43,10 +43,21 @@ __device__ __forceinline__ void mask_tile_t(float (&s)[NT][4], int key0, int que
         for (int e = 0; e < 4; ++e) {
             int key = key0 + g + (e / 2) * 8;
             int query = query0 + nt * 8 + 2 * t + (e % 2);
-            if (key > query + seqlen_k - seqlen_q) s[nt][e] = NEG_INF;
+            if (!visible(query, key, seqlen_q, seqlen_k)) s[nt][e] = NEG_INF;
         }
     }
+}
+
+// Do a warp's 16 key rows from key0 need mask_tile_t against query tile m0?
+__device__ __forceinline__ bool key_slice_needs_mask(int key0, int m0, int seqlen_q, int seqlen_k) {
+    bool need = false;
+#if ATOMIC_DQ && !EVEN_N
+    need = key0 + 16 > seqlen_k;
 #endif
+#if IS_CAUSAL
+    need = need || (key0 + 15 > m0 + seqlen_k - seqlen_q);
+#endif
+    return need;
 }
 
 // First key tile after which no key is visible to any row of the query block [m0, m0 + BLOCK_M).

@@ -15,6 +15,8 @@
 //   M_TILES       (forward only) 16-row query tiles per warp, 1 or 2 (default 1)
 //   D_SPLIT       (dK/dV kernel only) warps that share one 16-row key slice, each owning HEAD_DIM/D_SPLIT
 //                 columns of dK and dV — keeps the accumulators in registers for D > 128
+//   ATOMIC_DQ     (dK/dV kernel only) 1: also add dS K into dq_accum with f32 atomics (the default,
+//                 non-deterministic backward); 0: dQ comes from the separate bwd_dq kernel
 #pragma once
 
 #ifndef FLASH_DTYPE
@@ -37,6 +39,9 @@
 #endif
 #ifndef D_SPLIT
 #define D_SPLIT 1
+#endif
+#ifndef ATOMIC_DQ
+#define ATOMIC_DQ 0
 #endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1  // __launch_bounds__ minimum resident blocks per SM (caps registers)
@@ -74,6 +79,8 @@ struct FlashParams {
     elem_t* dv;            // [B, Sk, Hkv, D]
     float* delta;          // [B, H, Sq]      workspace: rowsum(do * o)
     float* lse_log2;       // [B, H, Sq]      workspace: lse * log2(e), +inf for rows that see no key
+    float* dq_accum;       // [B, Sq, H, D]   workspace (atomic dQ): sum of dS K without the scale, f32,
+                           //                 zeroed by the host before bwd_dkdv
     int batch;             // B
     int seqlen_q;          // Sq
     int seqlen_k;          // Sk

@@ -95,6 +95,18 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b
 #endif
 }
 
+// ---- global reductions ---------------------------------------------------------------------------
+// dst[0] += a, dst[1] += b (relaxed f32 atomics; dst 8-byte aligned). One vector reduction on
+// sm_90, two scalar ones before.
+__device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst), "f"(a) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst + 1), "f"(b) : "memory");
+#endif
+}
+
 // ---- math ---------------------------------------------------------------------------------------
 __device__ __forceinline__ float fast_exp2(float x) {
     float r;

@@ -21,6 +21,8 @@ K = C.K
 def make(kernel, d, causal, bm, bn, minb=1):
     defines = [("FLASH_DTYPE", 2), ("HEAD_DIM", d), ("NUM_WARPS", 8), ("IS_CAUSAL", int(causal)),
                ("GQA_GROUP", 1), ("BLOCK_M", bm), ("BLOCK_N", bn), ("EVEN_M", 0), ("EVEN_N", 0), ("MIN_BLOCKS", minb)]
+    if kernel == "bwd_dkdv_dq":
+        defines.append(("ATOMIC_DQ", 1))
     return K.Variant(kernel, "f32", d, K.source_file(kernel, "f32", d), bm, bn, 8, 1, tuple(defines))
 
 
@@ -31,9 +33,11 @@ CANDS = {
     ("bwd_dq", 128): [(64, 64, 1), (64, 32, 1), (32, 32, 2)],
     ("bwd_dkdv", 64): [(64, 64, 1), (64, 32, 2), (64, 128, 1)],
     ("bwd_dkdv", 128): [(64, 64, 1), (64, 32, 1), (64, 32, 2)],
+    ("bwd_dkdv_dq", 64): [(64, 64, 1), (64, 32, 2), (64, 128, 1)],
+    ("bwd_dkdv_dq", 128): [(64, 64, 1), (64, 32, 1), (64, 32, 2)],
 }
 
-kernels = sys.argv[1].split(",") if len(sys.argv) > 1 else ["fwd", "bwd_dq", "bwd_dkdv"]
+kernels = sys.argv[1].split(",") if len(sys.argv) > 1 else ["fwd", "bwd_dq", "bwd_dkdv", "bwd_dkdv_dq"]
 s_len = 4096
 for (kernel, d), cands in CANDS.items():
     if kernel not in kernels:
@@ -46,7 +50,10 @@ for (kernel, d), cands in CANDS.items():
         o, lse = C.run_ours("f32", q, k, v, do, causal, scale, want_bwd=False)
         delta = (o * do).sum(-1).permute(0, 2, 1).contiguous()
         l2 = (lse * math.log2(math.e)).contiguous()
-        flops = 4 * b * h * s_len * s_len * d / (2 if causal else 1) * (1 if kernel == "fwd" else 1.25)
+        # fwd: 2 products of the 5-product backward's 2.5x; dq / dkdv alone: 3 / 4 products (1.5x, 2x),
+        # dkdv with the atomic dQ: all 5 (2.5x)
+        flops = 4 * b * h * s_len * s_len * d / (2 if causal else 1) * {"fwd": 1, "bwd_dq": 1.5, "bwd_dkdv": 2,
+                                                                         "bwd_dkdv_dq": 2.5}[kernel]
         ref = None
         for bm, bn, minb in cands:
             var = make(kernel, d, causal, bm, bn, minb)
@@ -57,9 +64,10 @@ for (kernel, d), cands in CANDS.items():
                              b, s_len, s_len, h, h, scale, scale * math.log2(math.e), 0)
                 grid = (-(-s_len // bm), h, b)
             else:
+                acc = torch.zeros_like(q)
                 p = C.Params(C.ptr(q), C.ptr(k), C.ptr(v), C.ptr(o), C.ptr(lse), C.ptr(do), C.ptr(outs[0]),
                              C.ptr(outs[1]), C.ptr(outs[2]), C.ptr(delta), C.ptr(l2),
-                             b, s_len, s_len, h, h, scale, scale * math.log2(math.e), 0)
+                             b, s_len, s_len, h, h, scale, scale * math.log2(math.e), 0, dq_accum=C.ptr(acc))
                 grid = (-(-s_len // bm), h, b) if kernel == "bwd_dq" else (-(-s_len // bn), h, b)
             try:
                 t = time_launch(lambda: C.launch(var, grid, p))
@@ -67,7 +75,7 @@ for (kernel, d), cands in CANDS.items():
                 print(f"{kernel} d={d} causal={causal} {bm}x{bn} mb{minb}: {type(e).__name__} {str(e)[:80]}")
                 continue
             torch.cuda.synchronize()
-            got = outs[0] if kernel != "bwd_dkdv" else torch.cat([outs[1], outs[2]])
+            got = outs[0] if kernel in ("fwd", "bwd_dq") else torch.cat([outs[1], outs[2]])
             if ref is None:
                 ref = got.clone()
             err = C.rel_err(got, ref)

@@ -129,6 +129,35 @@ __device__ __forceinline__ void gemm_pb_mt(float (&acc)[MT][NO][4], const float 
     }
 }
 
+// acc[MT][NT] += A[16*MT x K] * B[K x 8*NT] for K = 16*KT, with A stored TRANSPOSED in shared
+// memory (at[k][m], row stride at_stride, first column m_off) and B row-major (b[k][n], row stride
+// SROW, first column n_off). This is dQ += dS K with dS^T written by the dK/dV warps.
+template <int MT, int NT, int KT>
+__device__ __forceinline__ void gemm_atb(float (&acc)[MT][NT][4], const elem_t* at, int at_stride,
+                                         int m_off, const elem_t* b_tile, int n_off) {
+    const int lane = threadIdx.x % 32, mi = lane / 8;
+    // Matrix mi of an A fragment: k rows 8*(mi/2).., m columns 8*(mi%2).. (loaded transposed).
+    const u32 a_base = smem_addr(at + ((lane % 8) + (mi / 2) * 8) * at_stride + m_off + (mi % 2) * 8);
+    const u32 b_base =
+        smem_addr(b_tile + ((lane % 8) + ((lane / 8) % 2) * 8) * SROW + n_off + (lane / 16) * 8);
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) {
+        u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4_trans(a[mt], a_base + (kk * 16 * at_stride + mt * 16) * 2);
+#pragma unroll
+        for (int nn = 0; nn < NT / 2; ++nn) {
+            u32 b[4];
+            ldmatrix_x4_trans(b, b_base + (kk * 16 * SROW + nn * 16) * 2);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma16816(acc[mt][2 * nn], a[mt], b[0], b[1]);
+                mma16816(acc[mt][2 * nn + 1], a[mt], b[2], b[3]);
+            }
+        }
+    }
+}
+
 // Stores a warp's 16 x 8*NO f32 tile (times `mul`) to rows row0.. of a [*, row_stride] tensor,
 // columns col0.., skipping rows >= nrows and columns >= HEAD_DIM.
 template <int NO>

@@ -81,6 +81,16 @@ def test_deterministic(fa, make_inputs, dtype_name):
         grads2 = fa.backward(do, q, k, v, o, lse, causal=False)
         for g, g2 in zip(grads, grads2):
             assert g2.tobytes() == g.tobytes()
+    # deterministic=True names what the CPU always does: the same bytes again.
+    for g, g3 in zip(grads, fa.backward(do, q, k, v, o, lse, causal=False, deterministic=True)):
+        assert g3.tobytes() == g.tobytes()
+
+
+def test_deterministic_must_be_a_bool(fa, make_inputs):
+    q, k, v, do = make_inputs(25, 1, 8, 8, 2, 2, 16)
+    o, lse = fa.forward_with_states(q, k, v)
+    with pytest.raises(fa.UnsupportedError, match="deterministic"):
+        fa.backward(do, q, k, v, o, lse, deterministic="yes")
 
 
 def _strided_inputs(rng, dtype):

@@ -106,7 +106,7 @@ SHAPES = [
 
 
 def check_case(fa, ref, make_inputs, assert_close_to_oracle, record_error, lib, shape, dtype_name, causal,
-               scale=None, seed=0):
+               scale=None, seed=0, deterministic=False):
     b, sq, sk, h, hkv, d = shape
     dtype = DTYPES[dtype_name]
     q, k, v, do = make_inputs(seed, b, sq, sk, h, hkv, d, dtype)
@@ -115,10 +115,10 @@ def check_case(fa, ref, make_inputs, assert_close_to_oracle, record_error, lib, 
     same_kind(o, lib)
     same_kind(lse, lib)
     ro, rlse = ref.forward_with_states(q, k, v, causal=causal, scale=scale)
-    ctx = f"lib={lib} shape={shape} causal={causal}"
+    ctx = f"lib={lib} shape={shape} causal={causal} deterministic={deterministic}"
     record_error(dtype_name, "o", assert_close_to_oracle("o", to_host(o), ro, dtype, ctx))
     record_error(dtype_name, "lse", assert_close_to_oracle("lse", to_host(lse), rlse, np.float32, ctx))
-    dq, dk, dv = fa.backward(gdo, gq, gk, gv, o, lse, causal=causal, scale=scale)
+    dq, dk, dv = fa.backward(gdo, gq, gk, gv, o, lse, causal=causal, scale=scale, deterministic=deterministic)
     for x in (dq, dk, dv):
         same_kind(x, lib)
     rdq, rdk, rdv = ref.backward(do, q, k, v, to_host(o), to_host(lse), causal=causal, scale=scale)
@@ -136,21 +136,46 @@ def test_against_oracle(gpu, ref, make_inputs, assert_close_to_oracle, record_er
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", list(range(8, 257, 8)))
-def test_every_head_dim(gpu, ref, make_inputs, assert_close_to_oracle, record_error, d):
+@pytest.mark.parametrize("dtype_name", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_deterministic_path_against_oracle(gpu, ref, make_inputs, assert_close_to_oracle, record_error, shape,
+                                           dtype_name, causal):
+    """deterministic=True: the separate dQ kernel instead of the default atomic dQ."""
     lib = "torch" if HAVE_TORCH_GPU else "cupy"
-    check_case(gpu, ref, make_inputs, assert_close_to_oracle, record_error, lib, (1, 70, 90, 2, 1, d), "bf16",
-               causal=bool(d % 16), seed=d)
+    check_case(gpu, ref, make_inputs, assert_close_to_oracle, record_error, lib, shape, dtype_name, causal,
+               deterministic=True)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
+@pytest.mark.parametrize("d", list(range(8, 257, 8)))
+def test_every_head_dim(gpu, ref, make_inputs, assert_close_to_oracle, record_error, d, deterministic):
+    lib = "torch" if HAVE_TORCH_GPU else "cupy"
+    check_case(gpu, ref, make_inputs, assert_close_to_oracle, record_error, lib, (1, 70, 90, 2, 1, d), "bf16",
+               causal=bool(d % 16), seed=d, deterministic=deterministic)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", [(1, 300, 260, 4, 2, 64), (1, 260, 300, 2, 1, 128), (2, 256, 256, 2, 2, 128),
-                                   (1, 130, 70, 2, 2, 64)], ids=str)
-def test_f32_several_tiles(gpu, ref, make_inputs, assert_close_to_oracle, record_error, shape, causal):
-    """fp32 SIMT kernels (D 64, 128) over several query and key tiles, ragged and even, Sq != Sk."""
+                                   (1, 130, 70, 2, 2, 64), (1, 64, 200, 3, 1, 128)], ids=str)
+def test_f32_several_tiles(gpu, ref, make_inputs, assert_close_to_oracle, record_error, shape, causal, deterministic):
+    """fp32 SIMT kernels (D 64, 128) over several query and key tiles, ragged and even, Sq != Sk, GQA."""
     lib = "torch" if HAVE_TORCH_GPU else "cupy"
-    check_case(gpu, ref, make_inputs, assert_close_to_oracle, record_error, lib, shape, "f32", causal, seed=sum(shape))
+    check_case(gpu, ref, make_inputs, assert_close_to_oracle, record_error, lib, shape, "f32", causal, seed=sum(shape),
+               deterministic=deterministic)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
+@pytest.mark.parametrize("d", [8, 40, 64, 72, 128, 136, 192, 256])
+def test_f32_head_dims(gpu, ref, make_inputs, assert_close_to_oracle, record_error, d, deterministic):
+    """fp32: the SIMT kernels (D 64, 128) and the generic ones (every other multiple of 8)."""
+    lib = "torch" if HAVE_TORCH_GPU else "cupy"
+    check_case(gpu, ref, make_inputs, assert_close_to_oracle, record_error, lib, (1, 70, 90, 2, 1, d), "f32",
+               causal=bool(d % 16), seed=d, deterministic=deterministic)
 
 
 @pytest.mark.gpu
@@ -185,33 +210,43 @@ def test_every_output_element_is_written(gpu, make_inputs):
         desc = [(x.data.ptr, list(x.shape), name) for x in (q, k, v)]
         stream = cupy.cuda.get_current_stream().ptr
         native.cuda_forward_device(desc, o.data.ptr, lse.data.ptr, causal, None, 0, stream)
-        grads = [to_gpu("cupy", np.full(x.shape, np.nan, DTYPES[dtype_name])) for x in (q, k, v)]
         desc = [(x.data.ptr, list(x.shape), name) for x in (do, q, k, v, o)] + [(lse.data.ptr, [b, h, sq], "float32")]
-        native.cuda_backward_device(desc, *(g.data.ptr for g in grads), causal, None, 0, stream)
-        cupy.cuda.get_current_stream().synchronize()
-        for label, x in zip(("o", "dq", "dk", "dv"), (o, *grads)):
-            assert not np.isnan(to_host(x).astype(np.float32)).any(), f"{label} not fully written ({dtype_name})"
-        lse_h = cupy.asnumpy(lse)
-        assert not np.isnan(lse_h).any()
-        if causal and sq > sk:  # rows that see no key: o = 0, lse = -inf, dq = 0
-            empty = sq - sk
-            assert np.isneginf(lse_h[:, :, :empty]).all()
-            assert (to_host(o)[:, :empty].astype(np.float32) == 0).all()
-            assert (to_host(grads[0])[:, :empty].astype(np.float32) == 0).all()
+        for deterministic in (False, True):
+            grads = [to_gpu("cupy", np.full(x.shape, np.nan, DTYPES[dtype_name])) for x in (q, k, v)]
+            native.cuda_backward_device(desc, *(g.data.ptr for g in grads), causal, None, 0, stream, deterministic)
+            cupy.cuda.get_current_stream().synchronize()
+            for label, x in zip(("o", "dq", "dk", "dv"), (o, *grads)):
+                assert not np.isnan(to_host(x).astype(np.float32)).any(), f"{label} not fully written ({dtype_name})"
+            lse_h = cupy.asnumpy(lse)
+            assert not np.isnan(lse_h).any()
+            if causal and sq > sk:  # rows that see no key: o = 0, lse = -inf, dq = 0
+                empty = sq - sk
+                assert np.isneginf(lse_h[:, :, :empty]).all()
+                assert (to_host(o)[:, :empty].astype(np.float32) == 0).all()
+                assert (to_host(grads[0])[:, :empty].astype(np.float32) == 0).all()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype_name", ["bf16", "f32"])
 def test_deterministic(gpu, make_inputs, dtype_name):
+    """deterministic=True: every output bit-identical over runs. The default: o, lse, dk and dv
+    bit-identical, dq (summed by atomics) within a few units of the last bit."""
     lib = "torch" if HAVE_TORCH_GPU else "cupy"
     q, k, v, do = (to_gpu(lib, x) for x in make_inputs(3, 2, 300, 300, 8, 2, 128, DTYPES[dtype_name]))
-    runs = []
-    for _ in range(3):
-        o, lse = gpu.forward_with_states(q, k, v, causal=True)
-        runs.append([to_host(x) for x in (o, lse, *gpu.backward(do, q, k, v, o, lse, causal=True))])
-    for other in runs[1:]:
-        for a, b in zip(runs[0], other):
-            assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    for deterministic in (True, False):
+        runs = []
+        for _ in range(3):
+            o, lse = gpu.forward_with_states(q, k, v, causal=True)
+            grads = gpu.backward(do, q, k, v, o, lse, causal=True, deterministic=deterministic)
+            runs.append([to_host(x) for x in (o, lse, *grads)])
+        for other in runs[1:]:
+            for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), runs[0], other):
+                if deterministic or name != "dq":
+                    assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), (name, deterministic)
+                else:
+                    a32, b32 = a.astype(np.float32), b.astype(np.float32)
+                    ulp = 2.0 ** -7 if dtype_name == "bf16" else 2.0 ** -20
+                    assert np.abs(a32 - b32).max() <= 2 * ulp * np.abs(a32).max(), name
 
 
 @pytest.mark.gpu

@@ -105,6 +105,8 @@ defmodule FlashNif.ErrorsTest do
       assert msg =~ ":scale option"
       assert {:unsupported, msg} = error_of(fn -> FA.forward(q, k, v, device: :tpu) end)
       assert msg =~ ":device option must be :auto, :cpu or :cuda"
+      assert {:unsupported, msg} = error_of(fn -> FA.forward(q, k, v, deterministic: :yes) end)
+      assert msg =~ ":deterministic option must be true or false"
       assert {:unsupported, _} = error_of(fn -> FA.forward(q, k, v, %{causal: true}) end)
       assert {:unsupported, _} = error_of(fn -> FA.forward(q, k, v, [:causal]) end)
       assert {:unsupported, _} = error_of(fn -> FA.forward(q, k, v, scale: 10 ** 400) end)

@@ -79,19 +79,36 @@ def forward(q, k, v, *, causal: bool = True, scale: float | None = None, device:
     return forward_with_states(q, k, v, causal=causal, scale=scale, device=device)[0]
 
 
-def backward(do, q, k, v, o, lse, *, causal: bool = True, scale: float | None = None, device: str | None = None):
+def backward(
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    device: str | None = None,
+    deterministic: bool = False,
+):
     """Gradients (dq [B, Sq, H, D], dk [B, Sk, Hkv, D], dv [B, Sk, Hkv, D]) in q's dtype.
 
     do is the gradient of the loss with respect to o; o and lse are what
     :func:`forward_with_states` returned for the same q, k, v and options.
-    dk and dv sum over the query heads that share each kv head. Deterministic (bit-identical
-    run to run) on every backend: no atomics.
+    dk and dv sum over the query heads that share each kv head.
+
+    The CPU backward is always bit-identical run to run (and across thread counts). On a GPU the
+    default sums dQ with float32 atomics (faster; dq may differ in its last bits from run to run,
+    dk and dv never do); ``deterministic=True`` takes the atomic-free path instead.
     """
     opts = _options(causal, scale, device)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise UnsupportedError(f"deterministic must be a bool, got {deterministic!r}")
     if _cuda.any_gpu(do, q, k, v, o, lse):
-        return _cuda.backward(do, q, k, v, o, lse, opts[0], opts[1], device)
+        return _cuda.backward(do, q, k, v, o, lse, opts[0], opts[1], device, bool(deterministic))
     arrays = [_host_array(x, n) for x, n in ((do, "do"), (q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"))]
-    return _native.backward_host_arrays(*arrays, *opts)
+    return _native.backward_host_arrays(*arrays, *opts, bool(deterministic))
 
 
 def info() -> dict:

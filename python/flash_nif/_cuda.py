@@ -144,7 +144,7 @@ def forward_with_states(q, k, v, causal, scale, device):
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, causal, scale, device):
+def backward(do, q, k, v, o, lse, causal, scale, device, deterministic=False):
     """(dq, dk, dv) on a GPU; see flash_nif.backward."""
     if device not in (None, "cuda", "auto"):
         raise DeviceError(f"device={device!r} was requested but the inputs live on a GPU; copy them to NumPy first")
@@ -156,7 +156,7 @@ def backward(do, q, k, v, o, lse, causal, scale, device):
     dq = t.empty(q.shape) if ok else None
     dk = t.empty(k.shape, like=k) if ok else None
     dv = t.empty(k.shape, like=k) if ok else None
-    _native.cuda_backward_device(desc, t.ptr(dq), t.ptr(dk), t.ptr(dv), causal, scale, t.device, t.stream)
+    _native.cuda_backward_device(desc, t.ptr(dq), t.ptr(dk), t.ptr(dv), causal, scale, t.device, t.stream, deterministic)
     return dq, dk, dv
 
 

@@ -24,6 +24,7 @@ def backward_host_arrays(
     causal: bool,
     scale: float | None,
     device: str,
+    deterministic: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dq like q, dk like k, dv like v)."""
 
@@ -38,7 +39,15 @@ def cuda_forward_device(
     inputs: list[DevTensor], o: int, lse: int, causal: bool, scale: float | None, device: int, stream: int
 ) -> None: ...
 def cuda_backward_device(
-    inputs: list[DevTensor], dq: int, dk: int, dv: int, causal: bool, scale: float | None, device: int, stream: int
+    inputs: list[DevTensor],
+    dq: int,
+    dk: int,
+    dv: int,
+    causal: bool,
+    scale: float | None,
+    device: int,
+    stream: int,
+    deterministic: bool = False,
 ) -> None: ...
 def cuda_set_search_roots(paths: list[str]) -> None: ...
 def cuda_info(device: int = 0) -> dict[str, Any]: ...

@@ -30,14 +30,22 @@ if os.environ.get("FLASH_NIF_CUDA_DIR"):
     CUDA_DIRS.insert(0, pathlib.Path(os.environ["FLASH_NIF_CUDA_DIR"]))
 
 DTYPES = {"f16": 0, "bf16": 1, "f32": 2}
-KERNELS = ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv")
+KERNELS = ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv", "bwd_dkdv_dq", "bwd_dq_convert")
 ENTRY = {
     "fwd": "flash_fwd",
     "bwd_preprocess": "flash_bwd_preprocess",
     "bwd_dq": "flash_bwd_dq",
     "bwd_dkdv": "flash_bwd_dkdv",
+    "bwd_dkdv_dq": "flash_bwd_dkdv",  # bwd_dkdv.cu with ATOMIC_DQ=1: the default backward
+    "bwd_dq_convert": "flash_bwd_dq_convert",
 }
-MAIN_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv")  # a spill in one of these fails the check
+MAIN_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv", "bwd_dkdv_dq")  # a spill in one of these fails the check
+ELEMENTWISE = ("bwd_preprocess", "bwd_dq_convert")
+
+
+def atomic_dq_supported(dtype: str) -> bool:
+    """Does this dtype's dK/dV kernel implement ATOMIC_DQ? Mirrors config.rs."""
+    return True
 HEAD_DIMS = tuple(range(8, 257, 8))
 # Default for the check: the smallest D, every tile-class boundary (64 | 72, 128 | 136), padded
 # head dims (D % 16 == 8: 40, 72, 136) and the largest. `--head-dims all` compiles all 32 (~5x longer).
@@ -82,8 +90,11 @@ class Variant:
 def tiles(kernel: str, dtype: str, head_dim: int) -> tuple[int, int, int, int, int]:
     """(block_m, block_n, num_warps, d_split, min_blocks) for a kernel. Mirrors config.rs."""
     d = head_dim
-    if kernel == "bwd_preprocess":
+    if kernel in ELEMENTWISE:
         return 8, 1, 8, 1, 1
+    if kernel == "bwd_dkdv_dq" and dtype != "f32" and d <= 128:  # 128 keys on 8 warps (config.rs says why)
+        return (96, 128, 8, 1, 1) if d <= 64 else (64, 128, 8, 1, 1)
+    kernel = "bwd_dkdv" if kernel == "bwd_dkdv_dq" else kernel
     if dtype == "f32":
         if kernel == "fwd":
             bm, bn = (128, 64) if simt_f32(d) or d <= 64 else (64, 64) if d <= 128 else (32, 16)
@@ -108,8 +119,9 @@ def tiles(kernel: str, dtype: str, head_dim: int) -> tuple[int, int, int, int, i
 def small_tiles(kernel: str, dtype: str, head_dim: int) -> tuple[int, int, int, int, int]:
     """Tiles for GPUs with 99 KiB blocks (sm_86/89), used when tiles() needs more. Mirrors config.rs."""
     d = head_dim
-    if kernel == "bwd_preprocess":
+    if kernel in ELEMENTWISE:
         return tiles(kernel, dtype, d)
+    kernel = "bwd_dkdv" if kernel == "bwd_dkdv_dq" else kernel
     if dtype == "f32":
         if kernel == "fwd":
             bm, bn = (64, 64) if d <= 64 else (64, 32) if d <= 128 else (32, 16)
@@ -129,9 +141,10 @@ def small_tiles(kernel: str, dtype: str, head_dim: int) -> tuple[int, int, int, 
 
 def smem_bytes(kernel: str, dtype: str, d: int, bm: int, bn: int, d_split: int = 1) -> int:
     """Dynamic shared memory of a variant, in bytes (mirrors the layouts in cuda/*.cu)."""
-    if kernel == "bwd_preprocess":
+    if kernel in ELEMENTWISE:
         return 0
     if dtype == "f32":
+        kernel = "bwd_dkdv" if kernel == "bwd_dkdv_dq" else kernel
         if kernel == "fwd" and simt_f32(d):
             return 4 * (bm * (d + 4) + bn * (d + 4) + bn * d + bm * (bn + 16))
         if kernel == "bwd_dkdv" and simt_f32(d):
@@ -144,14 +157,15 @@ def smem_bytes(kernel: str, dtype: str, d: int, bm: int, bn: int, d_split: int =
         if kernel == "bwd_dq":
             return 4 * ((2 * bm + 2 * bn) * fs + bm * (bn + 1))
         return 4 * ((2 * bn + 2 * bm) * fs + 2 * bn * (bm + 1) + 2 * bm)
-    unit = 16 * d_split if kernel == "bwd_dkdv" else 16
+    unit = 16 if kernel in ("fwd", "bwd_dq") else 16 * d_split
     dpad = (d + unit - 1) // unit * unit
     srow = dpad + 8
     if kernel == "fwd":
         return 2 * (bm + 4 * bn) * srow
     if kernel == "bwd_dq":
         return 2 * (2 * bm + 4 * bn) * srow
-    return 2 * (2 * bn + 4 * bm) * srow + 4 * 4 * bm
+    dkdv = 2 * (2 * bn + 4 * bm) * srow + 4 * 4 * bm
+    return dkdv + (2 * bn * (bm + 8) if kernel == "bwd_dkdv_dq" else 0)  # + dS^T [bn][bm + 8]
 
 
 def simt_f32(d: int) -> bool:
@@ -160,6 +174,8 @@ def simt_f32(d: int) -> bool:
 
 
 def source_file(kernel: str, dtype: str, d: int) -> str:
+    if kernel == "bwd_dkdv_dq":
+        kernel = "bwd_dkdv"
     if dtype == "f32" and kernel in ("fwd", "bwd_dq", "bwd_dkdv") and simt_f32(d):
         return f"{kernel}_f32_simt.cu"
     if dtype == "f32" and kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
@@ -171,7 +187,7 @@ def variant(kernel, dtype, head_dim, causal=False, group=1, even_m=False, even_n
     """The variant launched for these settings; small=True: the 99 KiB-shared-memory fallback."""
     bm, bn, nw, ds, min_blocks = (small_tiles if small else tiles)(kernel, dtype, head_dim)
     defines = [("FLASH_DTYPE", DTYPES[dtype]), ("HEAD_DIM", head_dim), ("NUM_WARPS", nw)]
-    if kernel != "bwd_preprocess":
+    if kernel not in ELEMENTWISE:
         defines += [
             ("IS_CAUSAL", int(causal)),
             ("GQA_GROUP", group),
@@ -180,8 +196,10 @@ def variant(kernel, dtype, head_dim, causal=False, group=1, even_m=False, even_n
             ("EVEN_M", int(even_m)),
             ("EVEN_N", int(even_n)),
         ]
-        if kernel == "bwd_dkdv" and dtype != "f32":
+        if kernel in ("bwd_dkdv", "bwd_dkdv_dq") and dtype != "f32":
             defines.append(("D_SPLIT", ds))
+        if kernel == "bwd_dkdv_dq":
+            defines.append(("ATOMIC_DQ", 1))
         if kernel == "fwd" and dtype != "f32":
             defines.append(("M_TILES", ds))
         defines.append(("MIN_BLOCKS", min_blocks))
@@ -196,7 +214,9 @@ def all_variants(head_dims=HEAD_DIMS) -> list[Variant]:
     for dtype in DTYPES:
         for d in head_dims:
             out.append(variant("bwd_preprocess", dtype, d))
-            for kernel in MAIN_KERNELS:
+            out.append(variant("bwd_dq_convert", dtype, d))
+            kernels = MAIN_KERNELS if atomic_dq_supported(dtype) else ("fwd", "bwd_dq", "bwd_dkdv")
+            for kernel in kernels:
                 for causal in (False, True):
                     v = variant(kernel, dtype, d, causal)
                     out.append(v)

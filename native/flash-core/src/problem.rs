@@ -22,11 +22,14 @@ pub struct Options {
     pub causal: bool,
     /// Softmax scale; `None` means 1/sqrt(head_dim).
     pub scale: Option<f64>,
+    /// Backward only: bit-identical gradients run to run. The CPU backward always is; on the GPU
+    /// `false` (the default) lets dQ be summed with f32 atomics, which is faster.
+    pub deterministic: bool,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { causal: true, scale: None }
+        Options { causal: true, scale: None, deterministic: false }
     }
 }
 
@@ -79,6 +82,8 @@ pub struct Problem {
     pub causal: bool,
     /// The resolved softmax scale.
     pub scale: f32,
+    /// See [`Options::deterministic`].
+    pub deterministic: bool,
 }
 
 impl Problem {
@@ -144,7 +149,7 @@ impl Problem {
                 )))
             }
         };
-        Ok(Problem { dims, dtype, causal: opts.causal, scale: scale as f32 })
+        Ok(Problem { dims, dtype, causal: opts.causal, scale: scale as f32, deterministic: opts.deterministic })
     }
 
     /// Number of keys query row `row` may see (causal: a prefix; 0 when it sees none).

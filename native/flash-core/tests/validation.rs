@@ -52,10 +52,10 @@ fn overflowing_sizes_are_out_of_memory() {
 fn scale_must_be_finite_and_positive() {
     let s = spec(DType::F32, &[1, 4, 2, 8]);
     for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
-        let err = Problem::forward(&s, &s, &s, &Options { causal: true, scale: Some(bad) }).unwrap_err();
+        let err = Problem::forward(&s, &s, &s, &Options { causal: true, scale: Some(bad), deterministic: false }).unwrap_err();
         assert_eq!(err.kind(), "unsupported");
     }
-    let p = Problem::forward(&s, &s, &s, &Options { causal: false, scale: None }).unwrap();
+    let p = Problem::forward(&s, &s, &s, &Options { causal: false, scale: None, deterministic: false }).unwrap();
     assert!((p.scale - 8f32.sqrt().recip()).abs() < 1e-7);
 }
 

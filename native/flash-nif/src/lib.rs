@@ -17,12 +17,13 @@ use tensor::{HostTensor, Output};
 /// The contract between this library and the Elixir stubs (function set and term formats).
 /// Bump it on any change: the Elixir side refuses a library that reports another number,
 /// which is how a stale build in `priv/` is detected.
-const NIF_API: u32 = 1;
+const NIF_API: u32 = 2;
 
 rustler::init!("Elixir.ExPhil.Native.FlashAttention.Nif");
 
 /// Decodes `causal` (boolean), `scale` (`nil` or a float) and `device` (`:auto | :cpu | :cuda`).
 /// The Elixir wrapper validates these first with friendlier messages; this is the backstop.
+/// `deterministic` is set by the backward alone.
 fn options(causal: Term, scale: Term, device: Term) -> Result<(Options, Device), Reason> {
     let causal: bool = causal
         .decode()
@@ -33,7 +34,7 @@ fn options(causal: Term, scale: Term, device: Term) -> Result<(Options, Device),
     let device = device
         .atom_to_string()
         .map_err(|_| Reason::argument("device must be :auto, :cpu or :cuda".into()))?;
-    Ok((Options { causal, scale }, Device::parse(&device)?))
+    Ok((Options { causal, scale, deterministic: false }, Device::parse(&device)?))
 }
 
 /// `{nif_api, version}`: checked by the Elixir side right after loading (cheap, normal scheduler).
@@ -101,9 +102,13 @@ fn backward<'a>(
     causal: Term<'a>,
     scale: Term<'a>,
     device: Term<'a>,
+    deterministic: Term<'a>,
 ) -> Term<'a> {
     guard(env, || {
-        let (opts, device) = options(causal, scale, device)?;
+        let (mut opts, device) = options(causal, scale, device)?;
+        opts.deterministic = deterministic
+            .decode()
+            .map_err(|_| Reason::argument("deterministic must be a boolean".into()))?;
         let d_out = HostTensor::decode(d_out, "d_out")?;
         let q = HostTensor::decode(q, "q")?;
         let k = HostTensor::decode(k, "k")?;

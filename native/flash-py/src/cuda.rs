@@ -41,7 +41,7 @@ fn cuda_forward_device(
         let [q, k, v] = inputs.as_slice() else {
             return Err(FlashError::Internal("cuda_forward_device takes [q, k, v]".into()));
         };
-        let opts = Options { causal, scale };
+        let opts = Options { causal, scale, deterministic: false };
         let p = Problem::forward(&dev_spec(q, "q")?, &dev_spec(k, "k")?, &dev_spec(v, "v")?, &opts)?;
         let ptrs = ForwardPtrs { q: q.0, k: k.0, v: v.0, o, lse };
         // SAFETY: the Python layer passes pointers of contiguous arrays of these shapes on `device`,
@@ -54,7 +54,7 @@ fn cuda_forward_device(
 /// Backward on device pointers. `inputs` = [d_out, q, k, v, o, lse]; fills dq (like q), dk and dv
 /// (like k), preallocated by the caller on the same device.
 #[pyfunction]
-#[pyo3(signature = (inputs, dq, dk, dv, causal, scale, device, stream))]
+#[pyo3(signature = (inputs, dq, dk, dv, causal, scale, device, stream, deterministic = false))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_backward_device(
     py: Python<'_>,
@@ -66,12 +66,13 @@ fn cuda_backward_device(
     scale: Option<f64>,
     device: usize,
     stream: usize,
+    deterministic: bool,
 ) -> PyResult<()> {
     let run = || -> Result<(), FlashError> {
         let [d_out, q, k, v, o, lse] = inputs.as_slice() else {
             return Err(FlashError::Internal("cuda_backward_device takes [d_out, q, k, v, o, lse]".into()));
         };
-        let opts = Options { causal, scale };
+        let opts = Options { causal, scale, deterministic };
         let p = Problem::backward(
             &dev_spec(d_out, "d_out")?,
             &dev_spec(q, "q")?,

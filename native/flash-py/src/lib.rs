@@ -31,7 +31,7 @@ fn forward_host_arrays<'py>(
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
     let device = Device::parse(device).map_err(|e| to_pyerr(py, e))?;
     let a = inputs(py, [(q, "q"), (k, "k"), (v, "v")])?;
-    let opts = Options { causal, scale };
+    let opts = Options { causal, scale, deterministic: false };
     let p = Problem::forward(&a[0].spec(), &a[1].spec(), &a[2].spec(), &opts).map_err(|e| to_pyerr(py, e))?;
     let o = empty_like_dtype(py, &p.dims.q_shape(), &a[0])?;
     let lse = empty_f32(py, &p.dims.lse_shape())?;
@@ -43,7 +43,7 @@ fn forward_host_arrays<'py>(
 
 /// (dq, dk, dv) for NumPy inputs, computed on `device` ("cpu", "cuda" or "auto").
 #[pyfunction]
-#[pyo3(signature = (d_out, q, k, v, o, lse, causal, scale, device))]
+#[pyo3(signature = (d_out, q, k, v, o, lse, causal, scale, device, deterministic = false))]
 #[allow(clippy::too_many_arguments)]
 fn backward_host_arrays<'py>(
     py: Python<'py>,
@@ -56,10 +56,11 @@ fn backward_host_arrays<'py>(
     causal: bool,
     scale: Option<f64>,
     device: &str,
+    deterministic: bool,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)> {
     let device = Device::parse(device).map_err(|e| to_pyerr(py, e))?;
     let a = inputs(py, [(d_out, "d_out"), (q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse")])?;
-    let opts = Options { causal, scale };
+    let opts = Options { causal, scale, deterministic };
     let p = Problem::backward(&a[0].spec(), &a[1].spec(), &a[2].spec(), &a[3].spec(), &a[4].spec(), &a[5].spec(), &opts)
         .map_err(|e| to_pyerr(py, e))?;
     let dq = empty_like_dtype(py, &p.dims.q_shape(), &a[1])?;

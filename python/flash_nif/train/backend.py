@@ -110,7 +110,9 @@ def native_attention(device: Device) -> Attention:
         return fwd(q, k, v, causal=True)
 
     def backward(do, q, k, v, o, lse):
-        return bwd(do, q, k, v, o, lse, causal=True)
+        # deterministic: a resumed run must repeat a straight one bit for bit (the GPU's default
+        # atomic dQ would not).
+        return bwd(do, q, k, v, o, lse, causal=True, deterministic=True)
 
     return Attention("flash_nif", forward, backward)
 

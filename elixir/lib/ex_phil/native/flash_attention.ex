@@ -28,6 +28,10 @@ defmodule ExPhil.Native.FlashAttention do
     * `:device` — `:cpu` (default, like NumPy arrays in the Python API), `:cuda` (an error when
       no GPU backend is available; never a silent CPU run) or `:auto` (the GPU when the library
       has its CUDA backend and a GPU is present, else the CPU).
+    * `:deterministic` — backward only (the forward accepts and ignores it); default `false`. The
+      CPU backward is always bit-identical run to run. On the GPU the default sums `dq` with f32
+      atomics (faster; `dq` may differ in its last bits between runs, `dk` and `dv` never do);
+      `true` takes the atomic-free path.
 
   Pass the same options to the forward and the backward of one step.
 
@@ -81,7 +85,11 @@ defmodule ExPhil.Native.FlashAttention do
           | :internal
           | :nif_not_loaded
   @type reason :: {kind, String.t()}
-  @type option :: {:causal, boolean} | {:scale, number | nil} | {:device, :auto | :cpu | :cuda}
+  @type option ::
+          {:causal, boolean}
+          | {:scale, number | nil}
+          | {:device, :auto | :cpu | :cuda}
+          | {:deterministic, boolean}
 
   @doc """
   Attention output for `q` `{b, seq_q, heads, d}`, `k` and `v` `{b, seq_k, kv_heads, d}`:
@@ -100,7 +108,7 @@ defmodule ExPhil.Native.FlashAttention do
   @spec forward_with_states(tensor, tensor, tensor, [option]) ::
           {:ok, tensor, tensor} | {:error, reason}
   def forward_with_states(q, k, v, opts \\ []) do
-    with {:ok, {causal, scale, device}} <- options(opts),
+    with {:ok, {causal, scale, device, _deterministic}} <- options(opts),
          {:ok, [qw, kw, vw]} <- wire(q: q, k: k, v: v),
          :ok <- loaded(),
          {:ok, {o, o_shape}, {lse, lse_shape}} <- Nif.forward(qw, kw, vw, causal, scale, device) do
@@ -120,11 +128,11 @@ defmodule ExPhil.Native.FlashAttention do
     # Named as the core names them, so every message about these arguments uses one name.
     args = [d_out: d_out, q: q, k: k, v: v, o: output, lse: logsumexp]
 
-    with {:ok, {causal, scale, device}} <- options(opts),
+    with {:ok, {causal, scale, device, deterministic}} <- options(opts),
          {:ok, [dow, qw, kw, vw, ow, lw]} <- wire(args),
          :ok <- loaded(),
          {:ok, {dq, q_shape}, {dk, kv_shape}, {dv, _}} <-
-           Nif.backward(dow, qw, kw, vw, ow, lw, causal, scale, device) do
+           Nif.backward(dow, qw, kw, vw, ow, lw, causal, scale, device, deterministic) do
       type = type_of(q)
       {:ok, result(q, dq, q_shape, type), result(q, dk, kv_shape, type), result(q, dv, kv_shape, type)}
     end
@@ -167,26 +175,30 @@ defmodule ExPhil.Native.FlashAttention do
 
   ## Options
 
-  @option_keys [:causal, :scale, :device]
+  @option_keys [:causal, :scale, :device, :deterministic]
   @devices [:auto, :cpu, :cuda]
 
-  # {:ok, {causal, scale_or_nil, device}}: types are checked here, values (scale > 0) in the core.
+  # {:ok, {causal, scale_or_nil, device, deterministic}}: types are checked here, values
+  # (scale > 0) in the core.
   defp options(opts) when is_list(opts) do
-    Enum.reduce_while(opts, {:ok, {true, nil, :cpu}}, fn
-      {:causal, c}, {:ok, {_, s, d}} when is_boolean(c) ->
-        {:cont, {:ok, {c, s, d}}}
+    Enum.reduce_while(opts, {:ok, {true, nil, :cpu, false}}, fn
+      {:causal, c}, {:ok, {_, s, d, x}} when is_boolean(c) ->
+        {:cont, {:ok, {c, s, d, x}}}
 
-      {:scale, s}, {:ok, {c, _, d}} when is_float(s) ->
-        {:cont, {:ok, {c, s, d}}}
+      {:scale, s}, {:ok, {c, _, d, x}} when is_float(s) ->
+        {:cont, {:ok, {c, s, d, x}}}
 
-      {:scale, s}, {:ok, {c, _, d}} when is_integer(s) and abs(s) < 1.0e300 ->
-        {:cont, {:ok, {c, s * 1.0, d}}}
+      {:scale, s}, {:ok, {c, _, d, x}} when is_integer(s) and abs(s) < 1.0e300 ->
+        {:cont, {:ok, {c, s * 1.0, d, x}}}
 
-      {:scale, nil}, {:ok, {c, _, d}} ->
-        {:cont, {:ok, {c, nil, d}}}
+      {:scale, nil}, {:ok, {c, _, d, x}} ->
+        {:cont, {:ok, {c, nil, d, x}}}
 
-      {:device, d}, {:ok, {c, s, _}} when d in @devices ->
-        {:cont, {:ok, {c, s, d}}}
+      {:device, d}, {:ok, {c, s, _, x}} when d in @devices ->
+        {:cont, {:ok, {c, s, d, x}}}
+
+      {:deterministic, x}, {:ok, {c, s, d, _}} when is_boolean(x) ->
+        {:cont, {:ok, {c, s, d, x}}}
 
       {:causal, c}, _ ->
         {:halt, unsupported("the :causal option must be true or false, got: #{inspect(c)}")}
@@ -196,6 +208,9 @@ defmodule ExPhil.Native.FlashAttention do
 
       {:device, d}, _ ->
         {:halt, unsupported("the :device option must be :auto, :cpu or :cuda, got: #{inspect(d)}")}
+
+      {:deterministic, x}, _ ->
+        {:halt, unsupported("the :deterministic option must be true or false, got: #{inspect(x)}")}
 
       {key, _}, _ when is_atom(key) ->
         {:halt, unsupported("unknown option #{inspect(key)}; the options are #{inspect(@option_keys)}")}

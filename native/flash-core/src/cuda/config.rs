@@ -3,13 +3,17 @@
 
 use crate::dtype::DType;
 
-/// The four kernels of a forward + backward.
+/// The kernels of a forward + backward. The default backward is BwdPreprocess, BwdDkdvDq (dK, dV and
+/// dQ by f32 atomics), BwdDqConvert; the deterministic one is BwdPreprocess, BwdDq, BwdDkdv.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kernel {
     Fwd,
     BwdPreprocess,
     BwdDq,
     BwdDkdv,
+    /// bwd_dkdv with ATOMIC_DQ=1.
+    BwdDkdvDq,
+    BwdDqConvert,
 }
 
 impl Kernel {
@@ -19,6 +23,8 @@ impl Kernel {
             Kernel::BwdPreprocess => "bwd_preprocess",
             Kernel::BwdDq => "bwd_dq",
             Kernel::BwdDkdv => "bwd_dkdv",
+            Kernel::BwdDkdvDq => "bwd_dkdv_dq",
+            Kernel::BwdDqConvert => "bwd_dq_convert",
         }
     }
     pub fn entry(self) -> &'static str {
@@ -26,7 +32,8 @@ impl Kernel {
             Kernel::Fwd => "flash_fwd",
             Kernel::BwdPreprocess => "flash_bwd_preprocess",
             Kernel::BwdDq => "flash_bwd_dq",
-            Kernel::BwdDkdv => "flash_bwd_dkdv",
+            Kernel::BwdDkdv | Kernel::BwdDkdvDq => "flash_bwd_dkdv",
+            Kernel::BwdDqConvert => "flash_bwd_dq_convert",
         }
     }
 }
@@ -89,10 +96,10 @@ impl Variant {
     pub fn smem_bytes(&self) -> usize {
         let (d, bm, bn) = (self.head_dim, self.block_m, self.block_n);
         match (self.kernel, self.dtype) {
-            (Kernel::BwdPreprocess, _) => 0,
+            (Kernel::BwdPreprocess | Kernel::BwdDqConvert, _) => 0,
             (Kernel::Fwd, DType::F32) if simt_f32(d) => 4 * (bm * (d + 4) + bn * (d + 4) + bn * d + bm * (bn + 16)),
             (Kernel::BwdDq, DType::F32) if simt_f32(d) => 4 * ((2 * bm + 3 * bn) * (d + 4) + bm * (bn + 16)),
-            (Kernel::BwdDkdv, DType::F32) if simt_f32(d) => 4 * (2 * (bn + bm) * (d + 4) + 2 * bn * (bm + 16) + 2 * bm),
+            (Kernel::BwdDkdv | Kernel::BwdDkdvDq, DType::F32) if simt_f32(d) => 4 * (2 * (bn + bm) * (d + 4) + 2 * bn * (bm + 16) + 2 * bm),
             (k, DType::F32) => {
                 let fs = d + 1;
                 4 * match k {
@@ -102,12 +109,14 @@ impl Variant {
                 }
             }
             (k, _) => {
-                let unit = if k == Kernel::BwdDkdv { 16 * self.d_split } else { 16 };
+                let unit = if k == Kernel::BwdDq || k == Kernel::Fwd { 16 } else { 16 * self.d_split };
                 let srow = d.div_ceil(unit) * unit + 8;
                 match k {
                     Kernel::Fwd => 2 * (bm + 4 * bn) * srow,
                     Kernel::BwdDq => 2 * (2 * bm + 4 * bn) * srow,
-                    _ => 2 * (2 * bn + 4 * bm) * srow + 16 * bm,
+                    Kernel::BwdDkdv => 2 * (2 * bn + 4 * bm) * srow + 16 * bm,
+                    // + dS^T [bn][bm + 8]
+                    _ => 2 * (2 * bn + 4 * bm) * srow + 16 * bm + 2 * bn * (bm + 8),
                 }
             }
         }
@@ -118,9 +127,16 @@ impl Variant {
 /// cuda/sweep.py on an H100 (bench/RESULTS.md has the numbers); min_blocks = 2 caps the forward at
 /// 128 registers so that two 8-warp blocks share an SM.
 pub fn tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, usize, usize) {
-    if kernel == Kernel::BwdPreprocess {
+    if kernel == Kernel::BwdPreprocess || kernel == Kernel::BwdDqConvert {
         return (8, 1, 8, 1, 1);
     }
+    // The atomic-dQ dK/dV kernel takes 128 keys per block on 8 warps (the deterministic one: 64 on
+    // 4): half the dQ atomics per query, and 8 warps per SM at D = 128 where 4-warp blocks of
+    // 115 KiB fit only once. Measured +4-10 % backward on an H100 (bench/RESULTS.md).
+    if kernel == Kernel::BwdDkdvDq && dtype != DType::F32 && d <= 128 {
+        return if d <= 64 { (96, 128, 8, 1, 1) } else { (64, 128, 8, 1, 1) };
+    }
+    let kernel = if kernel == Kernel::BwdDkdvDq { Kernel::BwdDkdv } else { kernel };
     if dtype == DType::F32 {
         let (bm, bn) = match kernel {
             Kernel::Fwd if simt_f32(d) => (128, 64),
@@ -153,9 +169,10 @@ pub fn tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, us
 /// Tiles for GPUs whose blocks get less shared memory than [`tiles`] asks for (sm_86 / sm_89:
 /// 99 KiB): every variant here needs at most 99 KiB (101376 bytes).
 pub fn small_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, usize, usize) {
-    if kernel == Kernel::BwdPreprocess {
+    if kernel == Kernel::BwdPreprocess || kernel == Kernel::BwdDqConvert {
         return tiles(kernel, dtype, d);
     }
+    let kernel = if kernel == Kernel::BwdDkdvDq { Kernel::BwdDkdv } else { kernel };
     if dtype == DType::F32 {
         let (bm, bn) = match kernel {
             Kernel::Fwd if d <= 64 => (64, 64),
@@ -190,15 +207,22 @@ fn source(kernel: Kernel, dtype: DType, d: usize) -> &'static str {
     match (kernel, dtype) {
         (Kernel::Fwd, DType::F32) if simt_f32(d) => "fwd_f32_simt.cu",
         (Kernel::Fwd, DType::F32) => "fwd_f32.cu",
-        (Kernel::BwdDkdv, DType::F32) if simt_f32(d) => "bwd_dkdv_f32_simt.cu",
+        (Kernel::BwdDkdv | Kernel::BwdDkdvDq, DType::F32) if simt_f32(d) => "bwd_dkdv_f32_simt.cu",
         (Kernel::BwdDq, DType::F32) if simt_f32(d) => "bwd_dq_f32_simt.cu",
         (Kernel::BwdDq, DType::F32) => "bwd_dq_f32.cu",
-        (Kernel::BwdDkdv, DType::F32) => "bwd_dkdv_f32.cu",
+        (Kernel::BwdDkdv | Kernel::BwdDkdvDq, DType::F32) => "bwd_dkdv_f32.cu",
         (Kernel::Fwd, _) => "fwd.cu",
         (Kernel::BwdDq, _) => "bwd_dq.cu",
-        (Kernel::BwdDkdv, _) => "bwd_dkdv.cu",
+        (Kernel::BwdDkdv | Kernel::BwdDkdvDq, _) => "bwd_dkdv.cu",
         (Kernel::BwdPreprocess, _) => "bwd_preprocess.cu",
+        (Kernel::BwdDqConvert, _) => "bwd_dq_convert.cu",
     }
+}
+
+/// Does this dtype's dK/dV kernel implement ATOMIC_DQ (the default, non-deterministic backward)?
+/// Where it does not, every backward takes the deterministic path.
+pub fn atomic_dq_supported(_dtype: DType) -> bool {
+    true
 }
 
 /// The variant launched for a kernel of a problem. `even_m` / `even_n`: Sq / Sk divide the tiles.
@@ -240,7 +264,7 @@ fn make_variant(
     let (bm, bn, nw, ds, min_blocks) = t;
     let mut defines: Vec<(&'static str, i64)> =
         vec![("FLASH_DTYPE", dtype_code(dtype) as i64), ("HEAD_DIM", head_dim as i64), ("NUM_WARPS", nw as i64)];
-    if kernel != Kernel::BwdPreprocess {
+    if kernel != Kernel::BwdPreprocess && kernel != Kernel::BwdDqConvert {
         defines.extend([
             ("IS_CAUSAL", causal as i64),
             ("GQA_GROUP", group as i64),
@@ -249,8 +273,11 @@ fn make_variant(
             ("EVEN_M", (seq_q % bm == 0) as i64),
             ("EVEN_N", (seq_k % bn == 0) as i64),
         ]);
-        if kernel == Kernel::BwdDkdv && dtype != DType::F32 {
+        if (kernel == Kernel::BwdDkdv || kernel == Kernel::BwdDkdvDq) && dtype != DType::F32 {
             defines.push(("D_SPLIT", ds as i64));
+        }
+        if kernel == Kernel::BwdDkdvDq {
+            defines.push(("ATOMIC_DQ", 1));
         }
         if kernel == Kernel::Fwd && dtype != DType::F32 {
             defines.push(("M_TILES", ds as i64));
@@ -268,7 +295,12 @@ pub fn all_variants(head_dims: &[usize]) -> Vec<Variant> {
     for dtype in [DType::F16, DType::BF16, DType::F32] {
         for &d in head_dims {
             out.push(variant(Kernel::BwdPreprocess, dtype, d, false, 1, 1, 1));
-            for k in [Kernel::Fwd, Kernel::BwdDq, Kernel::BwdDkdv] {
+            out.push(variant(Kernel::BwdDqConvert, dtype, d, false, 1, 1, 1));
+            let mut kernels = vec![Kernel::Fwd, Kernel::BwdDq, Kernel::BwdDkdv];
+            if atomic_dq_supported(dtype) {
+                kernels.push(Kernel::BwdDkdvDq);
+            }
+            for k in kernels {
                 for causal in [false, true] {
                     let v = variant(k, dtype, d, causal, 1, 1, 1);
                     let small = make_variant(small_tiles(k, dtype, d), k, dtype, d, causal, 1, 1, 1);
@@ -297,8 +329,8 @@ mod tests {
                 match v.kernel {
                     Kernel::Fwd => assert_eq!(v.block_m, 16 * v.num_warps * v.d_split),
                     Kernel::BwdDq => assert_eq!(v.block_m, 16 * v.num_warps),
-                    Kernel::BwdDkdv => assert_eq!(v.block_n * v.d_split, 16 * v.num_warps),
-                    Kernel::BwdPreprocess => {}
+                    Kernel::BwdDkdv | Kernel::BwdDkdvDq => assert_eq!(v.block_n * v.d_split, 16 * v.num_warps),
+                    Kernel::BwdPreprocess | Kernel::BwdDqConvert => {}
                 }
             }
         }
@@ -308,7 +340,7 @@ mod tests {
     fn small_tiles_fit_99_kib() {
         for d in (8..=256).step_by(8) {
             for dtype in [DType::F16, DType::BF16, DType::F32] {
-                for k in [Kernel::Fwd, Kernel::BwdDq, Kernel::BwdDkdv] {
+                for k in [Kernel::Fwd, Kernel::BwdDq, Kernel::BwdDkdv, Kernel::BwdDkdvDq] {
                     let v = variant_for(101376, k, dtype, d, true, 1, 1, 1);
                     assert!(v.smem_bytes() <= 101376, "{} needs {}", v.name(), v.smem_bytes());
                 }

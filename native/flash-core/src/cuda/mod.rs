@@ -9,8 +9,11 @@
 //! - host memory ([`forward_host`], [`backward_host`]): bytes are copied to the GPU, computed, and
 //!   copied back (the Elixir NIF's `device: :cuda`, NumPy with `device="cuda"`).
 //!
-//! Every kernel is deterministic: dQ and dK/dV are separate kernels, each output element owned by
-//! one block, no atomics — the default and `deterministic=True` are the same path.
+//! The backward has two paths. The default (fp16 / bf16): one dK/dV kernel per key block that also
+//! adds dS K into an f32 dQ workspace with atomics (5 tile GEMMs per tile pair), then a conversion
+//! kernel — dK and dV are bit-identical run to run, dQ may differ in the last bits because the
+//! order of the atomic additions varies. `deterministic` (and every fp32 backward for now): separate
+//! dQ and dK/dV kernels, each output element owned by one block, no atomics (7 tile GEMMs).
 
 mod compile;
 pub mod config;
@@ -47,6 +50,7 @@ struct FlashParams {
     dv: u64,
     delta: u64,
     lse_log2: u64,
+    dq_accum: u64,
     batch: i32,
     seqlen_q: i32,
     seqlen_k: i32,
@@ -159,6 +163,7 @@ fn params(p: &Problem) -> FlashParams {
         dv: 0,
         delta: 0,
         lse_log2: 0,
+        dq_accum: 0,
         batch: d.batch as i32,
         seqlen_q: d.seq_q as i32,
         seqlen_k: d.seq_k as i32,
@@ -208,7 +213,8 @@ pub unsafe fn forward_device(p: &Problem, device: usize, stream: usize, ptrs: Fo
 }
 
 /// Backward on device memory: dq, dk, dv from dO, q, k, v, o and lse. Allocates 2·B·H·Sq floats
-/// of workspace (stream-ordered) for delta and the log2-domain lse.
+/// of workspace (stream-ordered) for delta and the log2-domain lse, and on the atomic-dQ path
+/// B·Sq·H·D more for the f32 dQ sums.
 ///
 /// # Safety
 /// As [`forward_device`], for every pointer in `ptrs`.
@@ -227,19 +233,36 @@ pub unsafe fn backward_device(p: &Problem, device: usize, stream: usize, ptrs: B
         let mut prm = params(p);
         (prm.q, prm.k, prm.v, prm.o, prm.lse, prm.dout) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse, ptrs.d_out);
         (prm.dq, prm.dk, prm.dv) = (ptrs.dq, ptrs.dk, ptrs.dv);
+        let atomic_dq = !p.deterministic && config::atomic_dq_supported(p.dtype);
         let vp = kernel_variant(&dev, p, Kernel::BwdPreprocess);
-        let vq = kernel_variant(&dev, p, Kernel::BwdDq);
-        let vk = kernel_variant(&dev, p, Kernel::BwdDkdv);
-        let (fp, fq, fk) = (device::function(&dev, &vp)?, device::function(&dev, &vq)?, device::function(&dev, &vk)?);
-        let work = DeviceBuffer::alloc(2 * stats * 4, s)?;
+        let fp = device::function(&dev, &vp)?;
+        let dq_len = if atomic_dq { d.q_len() } else { 0 };
+        let work = DeviceBuffer::alloc((2 * stats + dq_len) * 4, s)?;
         prm.delta = work.ptr;
         prm.lse_log2 = work.ptr + (stats * 4) as u64;
-        // SAFETY: caller-guaranteed pointers; workspace sized 2·B·H·Sq floats; one stream orders
-        // the preprocess before the two gradient kernels and the workspace free after them.
+        prm.dq_accum = work.ptr + (2 * stats * 4) as u64;
+        let kv_grid = |v: &Variant| (grid_over(d.seq_k, v.block_n), d.kv_heads as u32, d.batch as u32);
+        // SAFETY: caller-guaranteed pointers; workspace sized above; one stream orders the
+        // preprocess (and the zeroing of dq_accum) before the gradient kernels, the conversion
+        // after them and the workspace free after everything.
         unsafe {
             launch("flash_bwd_preprocess", fp, (grid_over(d.batch * d.seq_q * d.heads, vp.num_warps), 1, 1), s, &prm)?;
-            launch("flash_bwd_dq", fq, (grid_over(d.seq_q, vq.block_m), d.heads as u32, d.batch as u32), s, &prm)?;
-            launch("flash_bwd_dkdv", fk, (grid_over(d.seq_k, vk.block_n), d.kv_heads as u32, d.batch as u32), s, &prm)?;
+            if atomic_dq {
+                let vk = kernel_variant(&dev, p, Kernel::BwdDkdvDq);
+                let vc = kernel_variant(&dev, p, Kernel::BwdDqConvert);
+                let (fk, fc) = (device::function(&dev, &vk)?, device::function(&dev, &vc)?);
+                device::check("cuMemsetD32Async", cu::cuMemsetD32Async(prm.dq_accum, 0, dq_len, s))?;
+                launch("flash_bwd_dkdv(atomic dQ)", fk, kv_grid(&vk), s, &prm)?;
+                let pairs = dq_len / 2;
+                let blocks = grid_over(pairs, vc.threads() as usize).min(8 * dev.sm_count.max(1) as u32);
+                launch("flash_bwd_dq_convert", fc, (blocks, 1, 1), s, &prm)?;
+            } else {
+                let vq = kernel_variant(&dev, p, Kernel::BwdDq);
+                let vk = kernel_variant(&dev, p, Kernel::BwdDkdv);
+                let (fq, fk) = (device::function(&dev, &vq)?, device::function(&dev, &vk)?);
+                launch("flash_bwd_dq", fq, (grid_over(d.seq_q, vq.block_m), d.heads as u32, d.batch as u32), s, &prm)?;
+                launch("flash_bwd_dkdv", fk, kv_grid(&vk), s, &prm)?;
+            }
         }
         drop(work);
         Ok(())
@@ -390,8 +413,8 @@ mod tests {
 
     #[test]
     fn params_struct_matches_the_kernel_layout() {
-        // 11 pointers, 5 ints, 2 floats, 1 pad int (cuda/params.h).
-        assert_eq!(std::mem::size_of::<FlashParams>(), 11 * 8 + 8 * 4);
+        // 12 pointers, 5 ints, 2 floats, 1 pad int (cuda/params.h).
+        assert_eq!(std::mem::size_of::<FlashParams>(), 12 * 8 + 8 * 4);
     }
 
     #[test]

@@ -20,6 +20,7 @@ pub const FILES: &[(&str, &str)] = &[
     ("bwd_dkdv.cu", include_str!("../../../../cuda/bwd_dkdv.cu")),
     ("bwd_dkdv_f32.cu", include_str!("../../../../cuda/bwd_dkdv_f32.cu")),
     ("bwd_dkdv_f32_simt.cu", include_str!("../../../../cuda/bwd_dkdv_f32_simt.cu")),
+    ("bwd_dq_convert.cu", include_str!("../../../../cuda/bwd_dq_convert.cu")),
 ];
 
 fn file(name: &str) -> Option<&'static str> {
@@ -80,6 +81,17 @@ mod tests {
             let src = expand(name).unwrap();
             assert!(!src.contains("#include \""), "{name} still includes a local header");
             assert!(src.contains("struct FlashParams"), "{name} lacks params.h");
+        }
+    }
+
+    #[test]
+    fn every_file_in_cuda_dir_is_embedded() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../cuda");
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+            if name.ends_with(".cu") || name.ends_with(".h") {
+                assert!(FILES.iter().any(|(n, _)| *n == name), "cuda/{name} is not in FILES");
+            }
         }
     }
 }

@@ -128,7 +128,7 @@ pub fn case(dims: Dims, dtype: DType, causal: bool, seed: u64) -> Case {
         TensorSpec { dtype, shape: &kvs, nbytes: k.0.len() },
         TensorSpec { dtype, shape: &kvs, nbytes: v.0.len() },
     );
-    let p = Problem::forward(&q_spec, &k_spec, &v_spec, &Options { causal, scale: None }).unwrap();
+    let p = Problem::forward(&q_spec, &k_spec, &v_spec, &Options { causal, scale: None, deterministic: false }).unwrap();
     Case { p, q, k, v, d_out }
 }
 

@@ -12,7 +12,7 @@ defmodule ExPhil.Native.FlashAttention.Nif do
 
   @on_load :load
   # Must equal NIF_API in native/flash-nif/src/lib.rs; bump both together.
-  @nif_api 1
+  @nif_api 2
   @status_key {__MODULE__, :status}
   # The project's version is the Rust workspace's (see mix.exs), so it must equal the library's.
   @external_resource Path.expand("../../../../../Cargo.toml", __DIR__)
@@ -75,7 +75,7 @@ defmodule ExPhil.Native.FlashAttention.Nif do
   def info, do: :erlang.nif_error(:nif_not_loaded)
   def forward(_q, _k, _v, _causal, _scale, _device), do: :erlang.nif_error(:nif_not_loaded)
 
-  def backward(_d_out, _q, _k, _v, _o, _lse, _causal, _scale, _device),
+  def backward(_d_out, _q, _k, _v, _o, _lse, _causal, _scale, _device, _deterministic),
     do: :erlang.nif_error(:nif_not_loaded)
 
   def debug_panic, do: :erlang.nif_error(:nif_not_loaded)
