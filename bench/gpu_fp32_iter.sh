@@ -1,9 +1,10 @@
 #!/bin/bash
 # One device call of the fp32 work: install the wheel, GPU tests (f32 subset), bench (f32), kernel sweep.
 # Usage (repo root of /work/main on the device): bash .fp32/bench/gpu_fp32_iter.sh [sweep kernels]
-pip install -q --no-deps --no-index --target /tmp/site dist_fp32/*.whl || exit 1
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+rm -rf /tmp/site_fp32; pip install -q --no-deps --no-index --upgrade --target /tmp/site_fp32 dist_fp32/*.whl || exit 1
+export PYTHONPATH=/tmp/site_fp32 PYTHONUNBUFFERED=1
 cd .fp32
+python -c 'import flash_nif, sys; print(flash_nif.__file__)'
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader | tee $OUT/gpu.txt
 timeout 240 python -m pytest -q -m gpu tests/test_gpu.py -k "(f32 or small_suite or custom_scale or every_output or variant_table) and not bf16 and not f16" > $OUT/t.log 2>&1
 tail -22 $OUT/t.log

@@ -24,6 +24,13 @@
 #error "the SIMT fp32 kernels take HEAD_DIM 64 or 128"
 #endif
 
+#ifndef SIMT_UNROLL_D
+#define SIMT_UNROLL_D 4  // unroll of the D loop (4 columns each) of mm_rows_f32
+#endif
+#ifndef SIMT_UNROLL_R
+#define SIMT_UNROLL_R 2  // unroll of the row loop (4 rows each) of mm_pv_f32
+#endif
+
 #define DV4 (HEAD_DIM / 64)      // float4 column groups of D per thread
 #define RSTRIDE (HEAD_DIM + 4)   // row stride of a tile read by rows tx + 16 j
 
@@ -67,7 +74,7 @@ __device__ __forceinline__ void mm_rows_f32(float (&acc)[MR][MC], const float* a
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
     a += ty * AS;
     b += tx * RSTRIDE;
-#pragma unroll 4
+#pragma unroll SIMT_UNROLL_D
     for (int d = 0; d < HEAD_DIM; d += 4) {
         float4 av[MR], bv[MC];
 #pragma unroll
@@ -87,7 +94,7 @@ __device__ __forceinline__ void mm_pv_f32(float4 (&acc)[MR][DV4], const float* p
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
     pm += ty * PSt;
     b += tx * 4;
-#pragma unroll 2
+#pragma unroll SIMT_UNROLL_R
     for (int c = 0; c < K; c += 4) {
         float4 pv[MR];
 #pragma unroll

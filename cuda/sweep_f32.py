@@ -18,23 +18,25 @@ from sweep import time_launch  # noqa: E402
 K = C.K
 
 
-def make(kernel, d, causal, bm, bn, minb=1):
+def make(kernel, d, causal, bm, bn, minb=1, ud=4, ur=2):
     defines = [("FLASH_DTYPE", 2), ("HEAD_DIM", d), ("NUM_WARPS", 8), ("IS_CAUSAL", int(causal)),
-               ("GQA_GROUP", 1), ("BLOCK_M", bm), ("BLOCK_N", bn), ("EVEN_M", 0), ("EVEN_N", 0), ("MIN_BLOCKS", minb)]
+               ("GQA_GROUP", 1), ("BLOCK_M", bm), ("BLOCK_N", bn), ("EVEN_M", 0), ("EVEN_N", 0), ("MIN_BLOCKS", minb),
+               ("SIMT_UNROLL_D", ud), ("SIMT_UNROLL_R", ur)]
     if kernel == "bwd_dkdv_dq":
         defines.append(("ATOMIC_DQ", 1))
     return K.Variant(kernel, "f32", d, K.source_file(kernel, "f32", d), bm, bn, 8, 1, tuple(defines))
 
 
+# (block_m, block_n, min_blocks, unroll of mm_rows' D loop, unroll of mm_pv's row loop)
 CANDS = {
-    ("fwd", 64): [(128, 64, 1), (64, 64, 1), (64, 64, 2), (128, 32, 1), (128, 128, 1)],
-    ("fwd", 128): [(128, 64, 1), (128, 32, 1), (64, 64, 1), (64, 32, 2)],
-    ("bwd_dq", 64): [(64, 64, 1), (64, 32, 2), (128, 64, 1)],
-    ("bwd_dq", 128): [(64, 64, 1), (64, 32, 1), (32, 32, 2)],
-    ("bwd_dkdv", 64): [(64, 64, 1), (64, 32, 2), (64, 128, 1)],
-    ("bwd_dkdv", 128): [(64, 64, 1), (64, 32, 1), (64, 32, 2)],
-    ("bwd_dkdv_dq", 64): [(64, 64, 1), (64, 32, 2), (64, 128, 1)],
-    ("bwd_dkdv_dq", 128): [(64, 64, 1), (64, 32, 1), (64, 32, 2)],
+    ("fwd", 64): [(128, 128, 1, 4, 2), (128, 128, 1, 8, 2), (128, 128, 1, 2, 1), (128, 64, 1, 4, 2)],
+    ("fwd", 128): [(128, 64, 1, 4, 2), (128, 64, 1, 8, 2), (128, 64, 1, 2, 1), (128, 64, 1, 32, 16), (128, 64, 1, 4, 4)],
+    ("bwd_dq", 64): [(128, 64, 1, 4, 2), (128, 64, 1, 8, 4)],
+    ("bwd_dq", 128): [(64, 64, 1, 4, 2), (64, 64, 1, 8, 4), (64, 64, 1, 2, 1)],
+    ("bwd_dkdv", 64): [(64, 128, 1, 4, 2)],
+    ("bwd_dkdv", 128): [(64, 64, 1, 4, 2)],
+    ("bwd_dkdv_dq", 64): [(64, 128, 1, 4, 2), (64, 128, 1, 8, 4), (64, 128, 1, 2, 1)],
+    ("bwd_dkdv_dq", 128): [(64, 64, 1, 4, 2), (64, 64, 1, 8, 4), (64, 64, 1, 2, 1), (64, 64, 1, 16, 16)],
 }
 
 kernels = sys.argv[1].split(",") if len(sys.argv) > 1 else ["fwd", "bwd_dq", "bwd_dkdv", "bwd_dkdv_dq"]
@@ -55,8 +57,8 @@ for (kernel, d), cands in CANDS.items():
         flops = 4 * b * h * s_len * s_len * d / (2 if causal else 1) * {"fwd": 1, "bwd_dq": 1.5, "bwd_dkdv": 2,
                                                                          "bwd_dkdv_dq": 2.5}[kernel]
         ref = None
-        for bm, bn, minb in cands:
-            var = make(kernel, d, causal, bm, bn, minb)
+        for bm, bn, minb, ud, ur in cands:
+            var = make(kernel, d, causal, bm, bn, minb, ud, ur)
             outs = [torch.full_like(x, float("nan")) for x in ((q,) if kernel == "fwd" else (q, k, v))]
             if kernel == "fwd":
                 l_out = torch.full_like(lse, float("nan"))
@@ -72,12 +74,12 @@ for (kernel, d), cands in CANDS.items():
             try:
                 t = time_launch(lambda: C.launch(var, grid, p))
             except Exception as e:  # noqa: BLE001
-                print(f"{kernel} d={d} causal={causal} {bm}x{bn} mb{minb}: {type(e).__name__} {str(e)[:80]}")
+                print(f"{kernel} d={d} causal={causal} {bm}x{bn} mb{minb} u{ud},{ur}: {type(e).__name__} {str(e)[:80]}")
                 continue
             torch.cuda.synchronize()
             got = outs[0] if kernel in ("fwd", "bwd_dq") else torch.cat([outs[1], outs[2]])
             if ref is None:
                 ref = got.clone()
             err = C.rel_err(got, ref)
-            print(f"{kernel:8s} d={d:3d} causal={int(causal)} {bm:3d}x{bn:3d} mb{minb}: {t:7.3f} ms "
+            print(f"{kernel:8s} d={d:3d} causal={int(causal)} {bm:3d}x{bn:3d} mb{minb} u{ud},{ur}: {t:7.3f} ms "
                   f"{flops / t / 1e9:6.1f} TF  err_vs_first {err:.1e}  nan={bool(torch.isnan(got).any())}", flush=True)

@@ -97,9 +97,11 @@ def tiles(kernel: str, dtype: str, head_dim: int) -> tuple[int, int, int, int, i
     kernel = "bwd_dkdv" if kernel == "bwd_dkdv_dq" else kernel
     if dtype == "f32":
         if kernel == "fwd":
-            bm, bn = (128, 64) if simt_f32(d) or d <= 64 else (64, 64) if d <= 128 else (32, 16)
+            bm, bn = (128, 128 if d <= 64 else 64) if simt_f32(d) else (128, 64) if d <= 64 else (64, 64) if d <= 128 else (32, 16)
         elif kernel == "bwd_dq":
-            bm, bn = (64, 64) if simt_f32(d) or d <= 64 else (64, 32) if d <= 128 else (16, 16)
+            bm, bn = (128 if d <= 64 else 64, 64) if simt_f32(d) else (64, 64) if d <= 64 else (64, 32) if d <= 128 else (16, 16)
+        elif simt_f32(d):  # bwd_dkdv
+            bm, bn = 64, 128 if d <= 64 else 64
         else:
             bm, bn = (64, 64) if d <= 128 else (16, 16)
         return bm, bn, 8, 1, 1

@@ -139,11 +139,12 @@ pub fn tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, us
     let kernel = if kernel == Kernel::BwdDkdvDq { Kernel::BwdDkdv } else { kernel };
     if dtype == DType::F32 {
         let (bm, bn) = match kernel {
-            Kernel::Fwd if simt_f32(d) => (128, 64),
+            Kernel::Fwd if simt_f32(d) => (128, if d <= 64 { 128 } else { 64 }),
             Kernel::Fwd if d <= 64 => (128, 64),
             Kernel::Fwd if d <= 128 => (64, 64),
             Kernel::Fwd => (32, 16),
-            Kernel::BwdDq if simt_f32(d) => (64, 64),
+            Kernel::BwdDq if simt_f32(d) => (if d <= 64 { 128 } else { 64 }, 64),
+            Kernel::BwdDkdv if simt_f32(d) => (64, if d <= 64 { 128 } else { 64 }),
             Kernel::BwdDq if d <= 64 => (64, 64),
             Kernel::BwdDq if d <= 128 => (64, 32),
             Kernel::BwdDkdv if d <= 128 => (64, 64),
