@@ -9,4 +9,4 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw -
 timeout 240 python -m pytest -q -m gpu tests/test_gpu.py -k "(f32 or small_suite or custom_scale or every_output or variant_table) and not bf16 and not f16" > $OUT/t.log 2>&1
 tail -22 $OUT/t.log
 timeout 200 python bench/gpu.py --dtypes f32 --reps 10 2>&1 | tee $OUT/b.log
-if [ -n "$1" ]; then timeout 120 python cuda/sweep_f32.py "$1" 2>&1 | tee $OUT/s.log; fi
+if [ -n "$1" ]; then timeout 100 python cuda/sweep_f32.py "$1" 2>&1 | tee $OUT/s.log; fi

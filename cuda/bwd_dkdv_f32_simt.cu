@@ -8,6 +8,12 @@
 //   ATOMIC_DQ: dq_accum[q] += sum_keys dS^T K (unscaled)   thread: queries 4 ty .. 4 ty + 3
 // finally dK *= scale. dK, dV are deterministic (one block owns them); dQ by red.global.add.v4.f32.
 // Q, dO (cp.async) and lse, delta of the next query tile load while the dQ product runs.
+#ifndef SIMT_UNROLL_D
+#define SIMT_UNROLL_D 8  // H100 sweep (bench/RESULTS.md): +1-3 % over 4
+#endif
+#ifndef SIMT_UNROLL_R
+#define SIMT_UNROLL_R 4
+#endif
 #include "simt_f32.h"
 #include "mask.h"
 

@@ -5,6 +5,12 @@
 //   P = exp2(S * scale_log2 - lse_log2), dS = P * (dP - delta) -> shared memory
 //   dQ += dS K                  thread: queries ty + 16 i, float4 column groups tx + 16 jj
 // finally dQ *= scale. K is double-buffered (cp.async), V loads while dQ += dS K runs.
+#ifndef SIMT_UNROLL_D
+#define SIMT_UNROLL_D 8  // H100 sweep (bench/RESULTS.md): +1-3 % over 4
+#endif
+#ifndef SIMT_UNROLL_R
+#define SIMT_UNROLL_R 4
+#endif
 #include "simt_f32.h"
 #include "mask.h"
 

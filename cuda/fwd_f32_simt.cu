@@ -6,6 +6,12 @@
 // domain (rows reduced over the half-warp), P to shared memory, O += P V. K and V are loaded with
 // cp.async, each while the other product runs:
 //   wait K_j | load V_j | S = Q K_j^T, softmax, P | wait V_j | load K_{j+1} | O += P V_j
+#ifndef SIMT_UNROLL_D
+#define SIMT_UNROLL_D 8  // H100 sweep (bench/RESULTS.md): +1-3 % over 4
+#endif
+#ifndef SIMT_UNROLL_R
+#define SIMT_UNROLL_R 2
+#endif
 #include "simt_f32.h"
 #include "mask.h"
 
