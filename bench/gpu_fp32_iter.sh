@@ -10,3 +10,7 @@ timeout 240 python -m pytest -q -m gpu tests/test_gpu.py -k "(f32 or small_suite
 tail -22 $OUT/t.log
 timeout 200 python bench/gpu.py --dtypes f32 --reps 10 2>&1 | tee $OUT/b.log
 if [ -n "$1" ]; then timeout 100 python cuda/sweep_f32.py "$1" 2>&1 | tee $OUT/s.log; fi
+if [ -n "$RACECHECK" ]; then
+  timeout 100 compute-sanitizer --tool racecheck --print-limit 5 python -m pytest -q -m gpu tests/test_gpu.py -k "small_suite and f32" > $OUT/race.log 2>&1
+  tail -6 $OUT/race.log
+fi
