@@ -31,9 +31,7 @@ constexpr int DQ_NT = (DQ_NT_ALL % DQ_NSPLIT == 0 && (DQ_NT_ALL / DQ_NSPLIT) % 2
                           ? DQ_NT_ALL / DQ_NSPLIT
                           : (DQ_NT_ALL % 4 == 0 ? 4 : 2);
 constexpr int DQ_ITEMS = DQ_MGROUPS * (DQ_NT_ALL / DQ_NT);
-#endif
 
-#if ATOMIC_DQ
 // dq_accum[b, m0 + i, h, :] += sum_j dS[i][j] K[j][:] for one work item (DQ_MT query tiles x DQ_NT
 // column tiles) of the block's BLOCK_M x BLOCK_N tile of dS (stored transposed in sdS) and its keys.
 __device__ __forceinline__ void add_dq_item(const FlashParams& p, const elem_t* sdS, const elem_t* sK,
