@@ -42,10 +42,6 @@ ENTRY = {
 MAIN_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv", "bwd_dkdv_dq")  # a spill in one of these fails the check
 ELEMENTWISE = ("bwd_preprocess", "bwd_dq_convert")
 
-
-def atomic_dq_supported(dtype: str) -> bool:
-    """Does this dtype's dK/dV kernel implement ATOMIC_DQ? Mirrors config.rs."""
-    return True
 HEAD_DIMS = tuple(range(8, 257, 8))
 # Default for the check: the smallest D, every tile-class boundary (64 | 72, 128 | 136), padded
 # head dims (D % 16 == 8: 40, 72, 136) and the largest. `--head-dims all` compiles all 32 (~5x longer).
@@ -217,8 +213,7 @@ def all_variants(head_dims=HEAD_DIMS) -> list[Variant]:
         for d in head_dims:
             out.append(variant("bwd_preprocess", dtype, d))
             out.append(variant("bwd_dq_convert", dtype, d))
-            kernels = MAIN_KERNELS if atomic_dq_supported(dtype) else ("fwd", "bwd_dq", "bwd_dkdv")
-            for kernel in kernels:
+            for kernel in MAIN_KERNELS:
                 for causal in (False, True):
                     v = variant(kernel, dtype, d, causal)
                     out.append(v)

@@ -220,12 +220,6 @@ fn source(kernel: Kernel, dtype: DType, d: usize) -> &'static str {
     }
 }
 
-/// Does this dtype's dK/dV kernel implement ATOMIC_DQ (the default, non-deterministic backward)?
-/// Where it does not, every backward takes the deterministic path.
-pub fn atomic_dq_supported(_dtype: DType) -> bool {
-    true
-}
-
 /// The variant launched for a kernel of a problem. `even_m` / `even_n`: Sq / Sk divide the tiles.
 pub fn variant(kernel: Kernel, dtype: DType, head_dim: usize, causal: bool, group: usize, seq_q: usize, seq_k: usize) -> Variant {
     make_variant(tiles(kernel, dtype, head_dim), kernel, dtype, head_dim, causal, group, seq_q, seq_k)
@@ -297,11 +291,7 @@ pub fn all_variants(head_dims: &[usize]) -> Vec<Variant> {
         for &d in head_dims {
             out.push(variant(Kernel::BwdPreprocess, dtype, d, false, 1, 1, 1));
             out.push(variant(Kernel::BwdDqConvert, dtype, d, false, 1, 1, 1));
-            let mut kernels = vec![Kernel::Fwd, Kernel::BwdDq, Kernel::BwdDkdv];
-            if atomic_dq_supported(dtype) {
-                kernels.push(Kernel::BwdDkdvDq);
-            }
-            for k in kernels {
+            for k in [Kernel::Fwd, Kernel::BwdDq, Kernel::BwdDkdv, Kernel::BwdDkdvDq] {
                 for causal in [false, true] {
                     let v = variant(k, dtype, d, causal, 1, 1, 1);
                     let small = make_variant(small_tiles(k, dtype, d), k, dtype, d, causal, 1, 1, 1);

@@ -9,11 +9,11 @@
 //! - host memory ([`forward_host`], [`backward_host`]): bytes are copied to the GPU, computed, and
 //!   copied back (the Elixir NIF's `device: :cuda`, NumPy with `device="cuda"`).
 //!
-//! The backward has two paths. The default (fp16 / bf16): one dK/dV kernel per key block that also
+//! The backward has two paths (every dtype). The default: one dK/dV kernel per key block that also
 //! adds dS K into an f32 dQ workspace with atomics (5 tile GEMMs per tile pair), then a conversion
 //! kernel — dK and dV are bit-identical run to run, dQ may differ in the last bits because the
-//! order of the atomic additions varies. `deterministic` (and every fp32 backward for now): separate
-//! dQ and dK/dV kernels, each output element owned by one block, no atomics (7 tile GEMMs).
+//! order of the atomic additions varies. `deterministic`: separate dQ and dK/dV kernels, each
+//! output element owned by one block, no atomics (7 tile GEMMs).
 
 mod compile;
 pub mod config;
@@ -233,7 +233,7 @@ pub unsafe fn backward_device(p: &Problem, device: usize, stream: usize, ptrs: B
         let mut prm = params(p);
         (prm.q, prm.k, prm.v, prm.o, prm.lse, prm.dout) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse, ptrs.d_out);
         (prm.dq, prm.dk, prm.dv) = (ptrs.dq, ptrs.dk, ptrs.dv);
-        let atomic_dq = !p.deterministic && config::atomic_dq_supported(p.dtype);
+        let atomic_dq = !p.deterministic;
         let vp = kernel_variant(&dev, p, Kernel::BwdPreprocess);
         let fp = device::function(&dev, &vp)?;
         let dq_len = if atomic_dq { d.q_len() } else { 0 };
