@@ -95,13 +95,7 @@ flash_bwd_dkdv(const FlashParams p) {
     const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
 
     // Query tiles that can see a key of this block: causal skips those above the diagonal.
-    int m_first = 0;
-#if IS_CAUSAL
-    {
-        const int first_query = n0 - (Sk - Sq);
-        m_first = first_query > 0 ? first_query / BLOCK_M : 0;
-    }
-#endif
+    const int m_first = first_query_tile(n0, BLOCK_M, Sq, Sk) / BLOCK_M;
     const int m_tiles = (Sq + BLOCK_M - 1) / BLOCK_M;
     const int per_head = m_tiles > m_first ? m_tiles - m_first : 0;
     const int n_iters = per_head * GQA_GROUP;

@@ -42,13 +42,7 @@ flash_bwd_dkdv(const FlashParams p) {
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
     const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
 
-    int m_start = 0;
-#if IS_CAUSAL
-    {
-        const int first_query = n0 - (Sk - Sq);
-        m_start = first_query > 0 ? first_query / BLOCK_M * BLOCK_M : 0;
-    }
-#endif
+    const int m_start = first_query_tile(n0, BLOCK_M, Sq, Sk);
     const int n_m = m_start < Sq ? (Sq - m_start + BLOCK_M - 1) / BLOCK_M : 0;
     const int n_iter = n_m * GQA_GROUP;
 

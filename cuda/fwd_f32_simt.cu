@@ -14,6 +14,7 @@
 #endif
 #include "simt_f32.h"
 #include "mask.h"
+#include "softmax.h"
 
 #define MR (BLOCK_M / 16)
 #define MC (BLOCK_N / 16)
@@ -69,27 +70,8 @@ flash_fwd(const FlashParams p) {
         const bool need_mask = tile_needs_mask(m0, n0, BLOCK_N, Sq, Sk);
 #pragma unroll
         for (int i = 0; i < MR; ++i) {
-            const int row = m0 + ty + 16 * i;
-            float mx = m_i[i];
-#pragma unroll
-            for (int j = 0; j < MC; ++j) {
-                float x = s[i][j] * p.scale_log2;
-                if (need_mask && !visible(row, n0 + tx + 16 * j, Sq, Sk)) x = NEG_INF;
-                s[i][j] = x;
-                mx = fmaxf(mx, x);
-            }
-            mx = half_max(mx);
-            const float base = (mx == NEG_INF) ? 0.f : mx;
-            const float alpha = fast_exp2(m_i[i] - base);
-            m_i[i] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < MC; ++j) {
-                const float e = fast_exp2(s[i][j] - base);
-                sum += e;
-                sP[(ty + 16 * i) * PS + tx + 16 * j] = e;
-            }
-            l_i[i] = l_i[i] * alpha + sum;
+            const float alpha = softmax_row_step<MC>(s[i], m_i[i], l_i[i], sP + (ty + 16 * i) * PS, m0 + ty + 16 * i,
+                                                     n0, need_mask, p.scale_log2, Sq, Sk);
 #pragma unroll
             for (int jj = 0; jj < DV4; ++jj) {
                 acc[i][jj].x *= alpha; acc[i][jj].y *= alpha; acc[i][jj].z *= alpha; acc[i][jj].w *= alpha;

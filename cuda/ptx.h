@@ -127,3 +127,14 @@ __device__ __forceinline__ float quad_sum(float x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
+// Reductions over the 16 lanes of a half-warp (the lanes that share a row in the fp32 kernels).
+__device__ __forceinline__ float half_max(float x) {
+#pragma unroll
+    for (int o = 8; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+__device__ __forceinline__ float half_sum(float x) {
+#pragma unroll
+    for (int o = 8; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}

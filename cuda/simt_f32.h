@@ -130,17 +130,6 @@ __device__ __forceinline__ void store_rows4_f32(float* dst, const float4 (&acc)[
     }
 }
 
-// Reductions over the 16 threads (one half-warp) that share a row.
-__device__ __forceinline__ float half_max(float x) {
-#pragma unroll
-    for (int o = 8; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-    return x;
-}
-__device__ __forceinline__ float half_sum(float x) {
-#pragma unroll
-    for (int o = 8; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
 
 // dst[0..3] += v with one fire-and-forget reduction (.v4 on sm_90, four scalar ones before).
 __device__ __forceinline__ void red_add4(float* dst, const float4& v) {

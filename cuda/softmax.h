@@ -5,6 +5,7 @@
 // output accumulator, rescaled by exp2(m_old - m_new) whenever the max grows.
 #pragma once
 #include "ptx.h"
+#include "mask.h"
 
 struct OnlineSoftmax {
     float m[2];  // running max of scale_log2 * s, -inf until a visible key is seen
@@ -58,3 +59,36 @@ struct OnlineSoftmax {
         }
     }
 };
+
+// The fp32 kernels' layout (a half-warp shares a row; lane tx holds columns tx + 16 j): one online-
+// softmax step of one query row over a key tile starting at n0. Scales (and, with need_mask, masks)
+// the lane's scores s in place, writes their probabilities to p_row[tx + 16 j], updates the row's
+// running max m and this lane's part l of the sum, and returns exp2(m_old - m_new), the factor
+// the row's output accumulator must be rescaled by.
+template <int MC>
+__device__ __forceinline__ float softmax_row_step(float (&s)[MC], float& m, float& l, float* p_row, int row,
+                                                  int n0, bool need_mask, float scale_log2, int seqlen_q,
+                                                  int seqlen_k) {
+    const int tx = threadIdx.x % 16;
+    float mx = m;
+#pragma unroll
+    for (int j = 0; j < MC; ++j) {
+        float x = s[j] * scale_log2;
+        if (need_mask && !visible(row, n0 + tx + 16 * j, seqlen_q, seqlen_k)) x = NEG_INF;
+        s[j] = x;
+        mx = fmaxf(mx, x);
+    }
+    mx = half_max(mx);
+    const float base = (mx == NEG_INF) ? 0.f : mx;  // a row with no visible key yet: P = 0, no NaN
+    const float alpha = fast_exp2(m - base);
+    m = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < MC; ++j) {
+        const float e = fast_exp2(s[j] - base);
+        sum += e;
+        p_row[tx + 16 * j] = e;
+    }
+    l = l * alpha + sum;
+    return alpha;
+}

@@ -89,14 +89,3 @@ __device__ __forceinline__ void store_rows_f32(float* dst, const float (&acc)[MR
     }
 }
 
-// Reductions over the 16 threads (one half-warp) that share a score row.
-__device__ __forceinline__ float row16_max(float x) {
-#pragma unroll
-    for (int o = 8; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-    return x;
-}
-__device__ __forceinline__ float row16_sum(float x) {
-#pragma unroll
-    for (int o = 8; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
