@@ -59,20 +59,31 @@ impl<'py> HostArray<'py> {
     }
 }
 
-/// `numpy.empty(shape, dtype=like.dtype)` for an output (MemoryError becomes OutOfMemory).
-pub fn empty_like_dtype<'py>(py: Python<'py>, shape: &[usize], like: &HostArray<'py>) -> PyResult<HostArray<'py>> {
-    empty(py, shape, like.array.getattr("dtype")?)
+/// `numpy.empty(shape, dtype=like.dtype)` for an output.
+pub fn empty_like_dtype<'py>(py: Python<'py>, shape: &[usize], like: &HostArray<'py>) -> Result<HostArray<'py>, FlashError> {
+    let dtype = like.array.getattr("dtype").map_err(|e| numpy_error(py, e, shape))?;
+    empty(py, shape, dtype)
 }
 
 /// `numpy.empty(shape, dtype="float32")`.
-pub fn empty_f32<'py>(py: Python<'py>, shape: &[usize]) -> PyResult<HostArray<'py>> {
-    empty(py, shape, "float32".into_pyobject(py)?.into_any())
+pub fn empty_f32<'py>(py: Python<'py>, shape: &[usize]) -> Result<HostArray<'py>, FlashError> {
+    empty(py, shape, pyo3::types::PyString::new(py, "float32").into_any())
 }
 
-fn empty<'py>(py: Python<'py>, shape: &[usize], dtype: Bound<'py, PyAny>) -> PyResult<HostArray<'py>> {
-    let shape = PyTuple::new(py, shape)?;
-    let out = py.import("numpy")?.call_method1("empty", (shape, dtype))?;
-    HostArray::extract(&out, "output").map_err(|e| crate::errors::to_pyerr(py, e))
+fn empty<'py>(py: Python<'py>, shape: &[usize], dtype: Bound<'py, PyAny>) -> Result<HostArray<'py>, FlashError> {
+    let out = PyTuple::new(py, shape)
+        .and_then(|dims| py.import("numpy")?.call_method1("empty", (dims, dtype)))
+        .map_err(|e| numpy_error(py, e, shape))?;
+    HostArray::extract(&out, "output")
+}
+
+/// NumPy's MemoryError becomes OutOfMemory; anything else is a bug here.
+fn numpy_error(py: Python<'_>, e: PyErr, shape: &[usize]) -> FlashError {
+    if e.is_instance_of::<pyo3::exceptions::PyMemoryError>(py) {
+        FlashError::OutOfMemory(format!("cannot allocate an output of shape {shape:?}"))
+    } else {
+        FlashError::Internal(format!("numpy.empty{shape:?} failed: {e}"))
+    }
 }
 
 fn attr<'py, T: for<'a> FromPyObject<'a, 'py>>(obj: &Bound<'py, PyAny>, path: &[&str]) -> Option<T> {

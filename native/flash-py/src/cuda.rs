@@ -8,7 +8,7 @@ use flash_core::{DType, FlashError, Options, Problem, TensorSpec};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::to_pyerr;
+use crate::errors::PyFlashError;
 
 fn spec<'a>(dtype: DType, shape: &'a [usize]) -> TensorSpec<'a> {
     let nbytes = shape.iter().product::<usize>() * dtype.size_bytes();
@@ -36,19 +36,16 @@ fn cuda_forward_device(
     scale: Option<f64>,
     device: usize,
     stream: usize,
-) -> PyResult<()> {
-    let run = || -> Result<(), FlashError> {
-        let [q, k, v] = inputs.as_slice() else {
-            return Err(FlashError::Internal("cuda_forward_device takes [q, k, v]".into()));
-        };
-        let opts = Options { causal, scale, deterministic: false };
-        let p = Problem::forward(&dev_spec(q, "q")?, &dev_spec(k, "k")?, &dev_spec(v, "v")?, &opts)?;
-        let ptrs = ForwardPtrs { q: q.0, k: k.0, v: v.0, o, lse };
-        // SAFETY: the Python layer passes pointers of contiguous arrays of these shapes on `device`,
-        // kept alive by the caller until the stream has run.
-        py.detach(|| unsafe { cuda::forward_device(&p, device, stream, ptrs) })
+) -> Result<(), PyFlashError> {
+    let [q, k, v] = inputs.as_slice() else {
+        return Err(FlashError::Internal("cuda_forward_device takes [q, k, v]".into()).into());
     };
-    run().map_err(|e| to_pyerr(py, e))
+    let opts = Options { causal, scale, deterministic: false };
+    let p = Problem::forward(&dev_spec(q, "q")?, &dev_spec(k, "k")?, &dev_spec(v, "v")?, &opts)?;
+    let ptrs = ForwardPtrs { q: q.0, k: k.0, v: v.0, o, lse };
+    // SAFETY: the Python layer passes pointers of contiguous arrays of these shapes on `device`,
+    // kept alive by the caller until the stream has run.
+    Ok(py.detach(|| unsafe { cuda::forward_device(&p, device, stream, ptrs) })?)
 }
 
 /// Backward on device pointers. `inputs` = [d_out, q, k, v, o, lse]; fills dq (like q), dk and dv
@@ -67,26 +64,23 @@ fn cuda_backward_device(
     device: usize,
     stream: usize,
     deterministic: bool,
-) -> PyResult<()> {
-    let run = || -> Result<(), FlashError> {
-        let [d_out, q, k, v, o, lse] = inputs.as_slice() else {
-            return Err(FlashError::Internal("cuda_backward_device takes [d_out, q, k, v, o, lse]".into()));
-        };
-        let opts = Options { causal, scale, deterministic };
-        let p = Problem::backward(
-            &dev_spec(d_out, "d_out")?,
-            &dev_spec(q, "q")?,
-            &dev_spec(k, "k")?,
-            &dev_spec(v, "v")?,
-            &dev_spec(o, "o")?,
-            &dev_spec(lse, "lse")?,
-            &opts,
-        )?;
-        let ptrs = BackwardPtrs { d_out: d_out.0, q: q.0, k: k.0, v: v.0, o: o.0, lse: lse.0, dq, dk, dv };
-        // SAFETY: as cuda_forward_device.
-        py.detach(|| unsafe { cuda::backward_device(&p, device, stream, ptrs) })
+) -> Result<(), PyFlashError> {
+    let [d_out, q, k, v, o, lse] = inputs.as_slice() else {
+        return Err(FlashError::Internal("cuda_backward_device takes [d_out, q, k, v, o, lse]".into()).into());
     };
-    run().map_err(|e| to_pyerr(py, e))
+    let opts = Options { causal, scale, deterministic };
+    let p = Problem::backward(
+        &dev_spec(d_out, "d_out")?,
+        &dev_spec(q, "q")?,
+        &dev_spec(k, "k")?,
+        &dev_spec(v, "v")?,
+        &dev_spec(o, "o")?,
+        &dev_spec(lse, "lse")?,
+        &opts,
+    )?;
+    let ptrs = BackwardPtrs { d_out: d_out.0, q: q.0, k: k.0, v: v.0, o: o.0, lse: lse.0, dq, dk, dv };
+    // SAFETY: as cuda_forward_device.
+    Ok(py.detach(|| unsafe { cuda::backward_device(&p, device, stream, ptrs) })?)
 }
 
 /// Registers directories (Python's sys.path) where pip's `nvidia/*/lib` NVRTC may be found.
@@ -100,7 +94,7 @@ fn cuda_set_search_roots(paths: Vec<String>) {
 #[pyfunction]
 #[pyo3(signature = (device = 0))]
 fn cuda_info(py: Python<'_>, device: usize) -> PyResult<Bound<'_, PyDict>> {
-    let i = py.detach(|| cuda::info(device)).map_err(|e| to_pyerr(py, e))?;
+    let i = py.detach(|| cuda::info(device)).map_err(PyFlashError)?;
     let d = PyDict::new(py);
     d.set_item("device", i.ordinal)?;
     d.set_item("name", i.name)?;

@@ -6,15 +6,14 @@ mod cuda;
 mod errors;
 
 use arrays::{empty_f32, empty_like_dtype, HostArray};
-use errors::to_pyerr;
-use flash_core::{backward_host, cpu, forward_host, Device, Options, Problem};
+use errors::PyFlashError;
+use flash_core::{backward_host, cpu, forward_host, Device, FlashError, Options, Problem};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-fn inputs<'py, const N: usize>(py: Python<'py>, args: [(&Bound<'py, PyAny>, &str); N]) -> PyResult<Vec<HostArray<'py>>> {
-    args.iter()
-        .map(|(obj, name)| HostArray::extract(obj, name).map_err(|e| to_pyerr(py, e)))
-        .collect()
+/// The named NumPy arrays of one call.
+fn inputs<'py, const N: usize>(args: [(&Bound<'py, PyAny>, &str); N]) -> Result<Vec<HostArray<'py>>, FlashError> {
+    args.iter().map(|(obj, name)| HostArray::extract(obj, name)).collect()
 }
 
 /// (o, lse) for NumPy q, k, v, computed on `device` ("cpu", "cuda" or "auto").
@@ -28,16 +27,16 @@ fn forward_host_arrays<'py>(
     causal: bool,
     scale: Option<f64>,
     device: &str,
-) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
-    let device = Device::parse(device).map_err(|e| to_pyerr(py, e))?;
-    let a = inputs(py, [(q, "q"), (k, "k"), (v, "v")])?;
+) -> Result<(Bound<'py, PyAny>, Bound<'py, PyAny>), PyFlashError> {
+    let device = Device::parse(device)?;
+    let a = inputs([(q, "q"), (k, "k"), (v, "v")])?;
     let opts = Options { causal, scale, deterministic: false };
-    let p = Problem::forward(&a[0].spec(), &a[1].spec(), &a[2].spec(), &opts).map_err(|e| to_pyerr(py, e))?;
+    let p = Problem::forward(&a[0].spec(), &a[1].spec(), &a[2].spec(), &opts)?;
     let o = empty_like_dtype(py, &p.dims.q_shape(), &a[0])?;
     let lse = empty_f32(py, &p.dims.lse_shape())?;
     let (qb, kb, vb) = (a[0].bytes(), a[1].bytes(), a[2].bytes());
     let (ob, lb) = (o.bytes_mut(), lse.bytes_mut());
-    py.detach(|| forward_host(device, &p, qb, kb, vb, ob, lb)).map_err(|e| to_pyerr(py, e))?;
+    py.detach(|| forward_host(device, &p, qb, kb, vb, ob, lb))?;
     Ok((o.array.into_any(), lse.array.into_any()))
 }
 
@@ -57,19 +56,17 @@ fn backward_host_arrays<'py>(
     scale: Option<f64>,
     device: &str,
     deterministic: bool,
-) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)> {
-    let device = Device::parse(device).map_err(|e| to_pyerr(py, e))?;
-    let a = inputs(py, [(d_out, "d_out"), (q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse")])?;
+) -> Result<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>), PyFlashError> {
+    let device = Device::parse(device)?;
+    let a = inputs([(d_out, "d_out"), (q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse")])?;
     let opts = Options { causal, scale, deterministic };
-    let p = Problem::backward(&a[0].spec(), &a[1].spec(), &a[2].spec(), &a[3].spec(), &a[4].spec(), &a[5].spec(), &opts)
-        .map_err(|e| to_pyerr(py, e))?;
+    let p = Problem::backward(&a[0].spec(), &a[1].spec(), &a[2].spec(), &a[3].spec(), &a[4].spec(), &a[5].spec(), &opts)?;
     let dq = empty_like_dtype(py, &p.dims.q_shape(), &a[1])?;
     let dk = empty_like_dtype(py, &p.dims.kv_shape(), &a[2])?;
     let dv = empty_like_dtype(py, &p.dims.kv_shape(), &a[3])?;
     let ins: Vec<&[u8]> = a.iter().map(|x| x.bytes()).collect();
     let (dqb, dkb, dvb) = (dq.bytes_mut(), dk.bytes_mut(), dv.bytes_mut());
-    py.detach(|| backward_host(device, &p, ins[0], ins[1], ins[2], ins[3], ins[4], ins[5], dqb, dkb, dvb))
-        .map_err(|e| to_pyerr(py, e))?;
+    py.detach(|| backward_host(device, &p, ins[0], ins[1], ins[2], ins[3], ins[4], ins[5], dqb, dkb, dvb))?;
     Ok((dq.array.into_any(), dk.array.into_any(), dv.array.into_any()))
 }
 
