@@ -4,7 +4,7 @@
 //! through the core's `forward_host` / `backward_host`. Validation is the core's `Problem`; errors map like the CPU's.
 
 use flash_core::cuda::{self, BackwardPtrs, ForwardPtrs};
-use flash_core::{DType, FlashError, Options, Problem, TensorSpec};
+use flash_core::{DType, FlashError, Problem, TensorSpec};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -22,62 +22,54 @@ fn dev_spec<'a>(t: &'a DevTensor, name: &str) -> Result<TensorSpec<'a>, FlashErr
     Ok(spec(DType::parse(&t.2, name)?, &t.1))
 }
 
-/// Forward on device pointers. `inputs` = [q, k, v]; fills o (like q) and lse ([B, H, Sq] f32),
-/// both preallocated by the caller on the same device.
+/// Forward on device pointers. `inputs` = [q, k, v]; `outputs` = [o (like q), lse ([B, H, Sq] f32)],
+/// preallocated by the caller on the same device.
 #[pyfunction]
-#[pyo3(signature = (inputs, o, lse, causal, scale, device, stream))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (inputs, outputs, device, stream, **options))]
 fn cuda_forward_device(
     py: Python<'_>,
     inputs: Vec<DevTensor>,
-    o: u64,
-    lse: u64,
-    causal: bool,
-    scale: Option<f64>,
+    outputs: [u64; 2],
     device: usize,
     stream: usize,
+    options: Option<&Bound<'_, PyDict>>,
 ) -> Result<(), PyFlashError> {
     let [q, k, v] = inputs.as_slice() else {
         return Err(FlashError::Internal("cuda_forward_device takes [q, k, v]".into()).into());
     };
-    let opts = Options { causal, scale, deterministic: false };
-    let p = Problem::forward(&dev_spec(q, "q")?, &dev_spec(k, "k")?, &dev_spec(v, "v")?, &opts)?;
+    let p = Problem::forward(&dev_spec(q, "q")?, &dev_spec(k, "k")?, &dev_spec(v, "v")?, &crate::options(options)?)?;
+    let [o, lse] = outputs;
     let ptrs = ForwardPtrs { q: q.0, k: k.0, v: v.0, o, lse };
     // SAFETY: the Python layer passes pointers of contiguous arrays of these shapes on `device`,
     // kept alive by the caller until the stream has run.
     Ok(py.detach(|| unsafe { cuda::forward_device(&p, device, stream, ptrs) })?)
 }
 
-/// Backward on device pointers. `inputs` = [d_out, q, k, v, o, lse]; fills dq (like q), dk and dv
-/// (like k), preallocated by the caller on the same device.
+/// Backward on device pointers. `inputs` = [do, q, k, v, o, lse]; `outputs` = [dq (like q), dk, dv
+/// (like k)], preallocated by the caller on the same device.
 #[pyfunction]
-#[pyo3(signature = (inputs, dq, dk, dv, causal, scale, device, stream, deterministic = false))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (inputs, outputs, device, stream, **options))]
 fn cuda_backward_device(
     py: Python<'_>,
     inputs: Vec<DevTensor>,
-    dq: u64,
-    dk: u64,
-    dv: u64,
-    causal: bool,
-    scale: Option<f64>,
+    outputs: [u64; 3],
     device: usize,
     stream: usize,
-    deterministic: bool,
+    options: Option<&Bound<'_, PyDict>>,
 ) -> Result<(), PyFlashError> {
     let [d_out, q, k, v, o, lse] = inputs.as_slice() else {
-        return Err(FlashError::Internal("cuda_backward_device takes [d_out, q, k, v, o, lse]".into()).into());
+        return Err(FlashError::Internal("cuda_backward_device takes [do, q, k, v, o, lse]".into()).into());
     };
-    let opts = Options { causal, scale, deterministic };
     let p = Problem::backward(
-        &dev_spec(d_out, "d_out")?,
+        &dev_spec(d_out, "do")?,
         &dev_spec(q, "q")?,
         &dev_spec(k, "k")?,
         &dev_spec(v, "v")?,
         &dev_spec(o, "o")?,
         &dev_spec(lse, "lse")?,
-        &opts,
+        &crate::options(options)?,
     )?;
+    let [dq, dk, dv] = outputs;
     let ptrs = BackwardPtrs { d_out: d_out.0, q: q.0, k: k.0, v: v.0, o: o.0, lse: lse.0, dq, dk, dv };
     // SAFETY: as cuda_forward_device.
     Ok(py.detach(|| unsafe { cuda::backward_device(&p, device, stream, ptrs) })?)

@@ -36,8 +36,8 @@ struct FlashParams {
     _pad: i32,
 }
 
-/// Device pointers of a forward call (each on the same GPU, contiguous, in the problem's dtype;
-/// lse is f32).
+/// Device pointers of a forward call: [`ForwardIo`](crate::ForwardIo)'s buffers on one GPU (same
+/// layouts).
 #[derive(Debug, Clone, Copy)]
 pub struct ForwardPtrs {
     pub q: u64,
@@ -47,7 +47,7 @@ pub struct ForwardPtrs {
     pub lse: u64,
 }
 
-/// Device pointers of a backward call.
+/// Device pointers of a backward call: [`BackwardIo`](crate::BackwardIo)'s buffers on one GPU.
 #[derive(Debug, Clone, Copy)]
 pub struct BackwardPtrs {
     pub d_out: u64,
