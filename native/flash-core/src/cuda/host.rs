@@ -5,9 +5,8 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys as cu;
 
-use super::device::{self, ContextGuard, DeviceBuffer};
-use super::launch::{backward_device, check_supported, forward_device, BackwardPtrs, ForwardPtrs};
-use super::libs;
+use super::device::{self, DeviceBuffer};
+use super::launch::{self, BackwardPtrs, ForwardPtrs};
 use crate::error::Result;
 use crate::guard::{catch_panics, check_backward_buffers, check_forward_buffers};
 use crate::io::{BackwardIo, ForwardIo};
@@ -68,17 +67,14 @@ fn download(dst: &mut [u8], buf: &DeviceBuffer, s: &Stream) -> Result<()> {
 pub fn forward_host(p: &Problem, device: usize, io: ForwardIo) -> Result<()> {
     check_forward_buffers(p, &io)?;
     catch_panics("CUDA", || {
-        check_supported(p)?;
-        let dev = device::device(device)?;
-        libs::ensure_nvrtc()?;
-        let _ctx = ContextGuard::new(&dev)?;
+        let (dev, _ctx) = launch::prepare(p, device)?;
         let s = Stream::new()?;
         let (q, k, v) = (upload(io.q, &s)?, upload(io.k, &s)?, upload(io.v, &s)?);
         let o = DeviceBuffer::alloc(io.o.len(), s.0)?;
         let lse = DeviceBuffer::alloc(io.lse.len(), s.0)?;
         let ptrs = ForwardPtrs { q: q.ptr, k: k.ptr, v: v.ptr, o: o.ptr, lse: lse.ptr };
         // SAFETY: buffers sized from the problem, on this device, ordered on stream s.
-        unsafe { forward_device(p, device, s.0 as usize, ptrs)? };
+        unsafe { launch::forward(&dev, p, s.0, ptrs)? };
         download(io.o, &o, &s)?;
         download(io.lse, &lse, &s)?;
         s.sync()
@@ -89,10 +85,7 @@ pub fn forward_host(p: &Problem, device: usize, io: ForwardIo) -> Result<()> {
 pub fn backward_host(p: &Problem, device: usize, io: BackwardIo) -> Result<()> {
     check_backward_buffers(p, &io)?;
     catch_panics("CUDA", || {
-        check_supported(p)?;
-        let dev = device::device(device)?;
-        libs::ensure_nvrtc()?;
-        let _ctx = ContextGuard::new(&dev)?;
+        let (dev, _ctx) = launch::prepare(p, device)?;
         let s = Stream::new()?;
         let (d_out, q, k) = (upload(io.d_out, &s)?, upload(io.q, &s)?, upload(io.k, &s)?);
         let (v, o, lse) = (upload(io.v, &s)?, upload(io.o, &s)?, upload(io.lse, &s)?);
@@ -111,7 +104,7 @@ pub fn backward_host(p: &Problem, device: usize, io: BackwardIo) -> Result<()> {
             dv: dv.ptr,
         };
         // SAFETY: buffers sized from the problem, on this device, ordered on stream s.
-        unsafe { backward_device(p, device, s.0 as usize, ptrs)? };
+        unsafe { launch::backward(&dev, p, s.0, ptrs)? };
         download(io.dq, &dq, &s)?;
         download(io.dk, &dk, &s)?;
         download(io.dv, &dv, &s)?;
