@@ -56,7 +56,7 @@ fn info(env: Env) -> Term {
 }
 
 /// Decodes the input tensors `terms`, named for messages.
-fn inputs<'a, const N: usize>(terms: [Term<'a>; N], names: [&str; N]) -> Result<[HostTensor<'a>; N], Reason> {
+fn inputs<'a, const N: usize>(terms: [Term<'a>; N], names: [&'a str; N]) -> Result<[HostTensor<'a>; N], Reason> {
     let tensors: Vec<HostTensor> =
         terms.into_iter().zip(names).map(|(t, name)| HostTensor::decode(t, name)).collect::<Result<_, _>>()?;
     Ok(tensors.try_into().unwrap_or_else(|_| unreachable!("one tensor per term")))

@@ -4,22 +4,17 @@
 //! through the core's `forward_host` / `backward_host`. Validation is the core's `Problem`; errors map like the CPU's.
 
 use flash_core::cuda::{self, BackwardPtrs, ForwardPtrs};
-use flash_core::{DType, FlashError, Problem, TensorSpec};
+use flash_core::{FlashError, Problem, TensorSpec};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::PyFlashError;
 
-fn spec<'a>(dtype: DType, shape: &'a [usize]) -> TensorSpec<'a> {
-    let nbytes = shape.iter().product::<usize>() * dtype.size_bytes();
-    TensorSpec { dtype, shape, nbytes }
-}
-
 /// A GPU tensor as the Python layer describes it: (device pointer, shape, dtype name).
 type DevTensor = (u64, Vec<usize>, String);
 
-fn dev_spec<'a>(t: &'a DevTensor, name: &str) -> Result<TensorSpec<'a>, FlashError> {
-    Ok(spec(DType::parse(&t.2, name)?, &t.1))
+fn dev_spec<'a>(t: &'a DevTensor, name: &'a str) -> TensorSpec<'a> {
+    TensorSpec { name, dtype: &t.2, shape: &t.1, nbytes: None }
 }
 
 /// Forward on device pointers. `inputs` = [q, k, v]; `outputs` = [o (like q), lse ([B, H, Sq] f32)],
@@ -37,7 +32,7 @@ fn cuda_forward_device(
     let [q, k, v] = inputs.as_slice() else {
         return Err(FlashError::Internal("cuda_forward_device takes [q, k, v]".into()).into());
     };
-    let p = Problem::forward(&dev_spec(q, "q")?, &dev_spec(k, "k")?, &dev_spec(v, "v")?, &crate::options(options)?)?;
+    let p = Problem::forward(&dev_spec(q, "q"), &dev_spec(k, "k"), &dev_spec(v, "v"), &crate::options(options)?)?;
     let [o, lse] = outputs;
     let ptrs = ForwardPtrs { q: q.0, k: k.0, v: v.0, o, lse };
     // SAFETY: the Python layer passes pointers of contiguous arrays of these shapes on `device`,
@@ -61,12 +56,12 @@ fn cuda_backward_device(
         return Err(FlashError::Internal("cuda_backward_device takes [do, q, k, v, o, lse]".into()).into());
     };
     let p = Problem::backward(
-        &dev_spec(d_out, "do")?,
-        &dev_spec(q, "q")?,
-        &dev_spec(k, "k")?,
-        &dev_spec(v, "v")?,
-        &dev_spec(o, "o")?,
-        &dev_spec(lse, "lse")?,
+        &dev_spec(d_out, "do"),
+        &dev_spec(q, "q"),
+        &dev_spec(k, "k"),
+        &dev_spec(v, "v"),
+        &dev_spec(o, "o"),
+        &dev_spec(lse, "lse"),
         &crate::options(options)?,
     )?;
     let [dq, dk, dv] = outputs;

@@ -15,7 +15,7 @@ use pyo3::types::PyDict;
 type Array<'py> = Bound<'py, PyAny>;
 
 /// The NumPy arrays of one call, named for messages; `inputs` must hold exactly N of them.
-fn host_arrays<'py, const N: usize>(inputs: &[Array<'py>], names: [&str; N]) -> Result<[HostArray<'py>; N], FlashError> {
+fn host_arrays<'py, const N: usize>(inputs: &[Array<'py>], names: [&'static str; N]) -> Result<[HostArray<'py>; N], FlashError> {
     if inputs.len() != N {
         return Err(FlashError::Internal(format!("expected the {N} arrays {names:?}, got {}", inputs.len())));
     }
