@@ -3,25 +3,27 @@
 tests/test_stubs.py checks that this file and the module define the same functions.
 """
 
-from typing import Any, Sequence
+from typing import Any, Sequence, TypedDict, Unpack
 
 import numpy as np
+
+class _Options(TypedDict, total=False):
+    """The core's Options, passed as keyword arguments; one left out keeps its default."""
+
+    causal: bool  # default True
+    scale: float | None  # default None: 1/sqrt(D)
+    deterministic: bool  # backward only; default False
 
 # --- host (NumPy) arrays, any device ------------------------------------------------------------
 
 def forward_host_arrays(
-    inputs: Sequence[np.ndarray], device: str, *, causal: bool = True, scale: float | None = None
+    inputs: Sequence[np.ndarray], device: str, **options: Unpack[_Options]
 ) -> tuple[np.ndarray, np.ndarray]:
     """(o [B, Sq, H, D] like q, lse [B, H, Sq] float32) for inputs [q, k, v], each C-contiguous in
     native byte order."""
 
 def backward_host_arrays(
-    inputs: Sequence[np.ndarray],
-    device: str,
-    *,
-    causal: bool = True,
-    scale: float | None = None,
-    deterministic: bool = False,
+    inputs: Sequence[np.ndarray], device: str, **options: Unpack[_Options]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dq like q, dk like k, dv like v) for inputs [do, q, k, v, o, lse]."""
 
@@ -33,25 +35,12 @@ def info() -> dict[str, Any]:
 DevTensor = tuple[int, Sequence[int], str]  # (pointer, shape, dtype name)
 
 def cuda_forward_device(
-    inputs: list[DevTensor],
-    outputs: list[int],
-    device: int,
-    stream: int,
-    *,
-    causal: bool = True,
-    scale: float | None = None,
+    inputs: list[DevTensor], outputs: list[int], device: int, stream: int, **options: Unpack[_Options]
 ) -> None:
     """inputs [q, k, v]; outputs [o, lse] (pointers, preallocated on the same device)."""
 
 def cuda_backward_device(
-    inputs: list[DevTensor],
-    outputs: list[int],
-    device: int,
-    stream: int,
-    *,
-    causal: bool = True,
-    scale: float | None = None,
-    deterministic: bool = False,
+    inputs: list[DevTensor], outputs: list[int], device: int, stream: int, **options: Unpack[_Options]
 ) -> None:
     """inputs [do, q, k, v, o, lse]; outputs [dq, dk, dv] (pointers)."""
 

@@ -26,3 +26,17 @@ pub struct BackwardIo<'a> {
     pub dk: &'a mut [u8], // [B, Sk, Hkv, D]
     pub dv: &'a mut [u8], // [B, Sk, Hkv, D]
 }
+
+impl<'a> ForwardIo<'a> {
+    /// From the buffers in argument order: inputs [q, k, v], outputs [o, lse].
+    pub fn new([q, k, v]: [&'a [u8]; 3], [o, lse]: [&'a mut [u8]; 2]) -> Self {
+        ForwardIo { q, k, v, o, lse }
+    }
+}
+
+impl<'a> BackwardIo<'a> {
+    /// From the buffers in argument order: inputs [d_out, q, k, v, o, lse], outputs [dq, dk, dv].
+    pub fn new([d_out, q, k, v, o, lse]: [&'a [u8]; 6], [dq, dk, dv]: [&'a mut [u8]; 3]) -> Self {
+        BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv }
+    }
+}

@@ -111,25 +111,16 @@ impl Problem {
         opts: &Options,
     ) -> Result<Problem> {
         let (dims, dtype) = check_qkv(q, k, v)?;
+        let (qn, q_shape) = (q.name, dims.q_shape());
         for t in [d_out, o] {
-            let t_dtype = parse_dtype(t)?;
-            if t.shape != dims.q_shape() {
-                return Err(FlashError::Shape(format!(
-                    "{} has shape {:?}; it must match {}'s shape {:?}",
-                    t.name,
-                    t.shape,
-                    q.name,
-                    dims.q_shape()
-                )));
+            let (name, t_dtype) = (t.name, parse_dtype(t)?);
+            if t.shape != q_shape {
+                let shape = t.shape;
+                return Err(FlashError::Shape(format!("{name} has shape {shape:?}; it must match {qn}'s shape {q_shape:?}")));
             }
             if t_dtype != dtype {
-                return Err(FlashError::DType(format!(
-                    "{} has dtype {}; it must match {}'s dtype {}",
-                    t.name,
-                    t_dtype.name(),
-                    q.name,
-                    dtype.name()
-                )));
+                let (got, want) = (t_dtype.name(), dtype.name());
+                return Err(FlashError::DType(format!("{name} has dtype {got}; it must match {qn}'s dtype {want}")));
             }
             check_nbytes(t, t_dtype)?;
         }
@@ -191,28 +182,20 @@ fn check_qkv(q: &TensorSpec, k: &TensorSpec, v: &TensorSpec) -> Result<(Dims, DT
             )));
         }
     }
+    let (qn, kn, vn) = (q.name, k.name, v.name);
     for (t, t_dtype) in [(k, k_dtype), (v, v_dtype)] {
         if t_dtype != dtype {
+            let (name, got, want) = (t.name, t_dtype.name(), dtype.name());
             return Err(FlashError::DType(format!(
-                "{} has dtype {} but {} has dtype {}; {}, {} and {} must share one dtype",
-                t.name,
-                t_dtype.name(),
-                q.name,
-                dtype.name(),
-                q.name,
-                k.name,
-                v.name
+                "{name} has dtype {got} but {qn} has dtype {want}; {qn}, {kn} and {vn} must share one dtype"
             )));
         }
     }
     if k.shape != v.shape {
-        return Err(FlashError::Shape(format!(
-            "{} has shape {:?} but {} has shape {:?}; they must match",
-            k.name, k.shape, v.name, v.shape
-        )));
+        let (ks, vs) = (k.shape, v.shape);
+        return Err(FlashError::Shape(format!("{kn} has shape {ks:?} but {vn} has shape {vs:?}; they must match")));
     }
     let (qs, ks) = (q.shape, k.shape);
-    let (qn, kn, vn) = (q.name, k.name, v.name);
     if qs[0] != ks[0] {
         return Err(FlashError::Shape(format!(
             "batch mismatch: {qn} has shape {qs:?} (batch {}) but {kn} has shape {ks:?} (batch {})",

@@ -65,13 +65,7 @@ fn inputs<'a, const N: usize>(terms: [Term<'a>; N], names: [&'a str; N]) -> Resu
 /// `{:ok, {o, o_shape}, {lse, lse_shape}}` for q `[B, Sq, H, D]`, k and v `[B, Sk, Hkv, D]`.
 #[rustler::nif(schedule = "DirtyCpu")]
 fn forward<'a>(
-    env: Env<'a>,
-    q: Term<'a>,
-    k: Term<'a>,
-    v: Term<'a>,
-    causal: Term<'a>,
-    scale: Term<'a>,
-    device: Term<'a>,
+    env: Env<'a>, q: Term<'a>, k: Term<'a>, v: Term<'a>, causal: Term<'a>, scale: Term<'a>, device: Term<'a>,
 ) -> Term<'a> {
     guard(env, || {
         let (opts, device) = options(causal, scale, device)?;
@@ -79,7 +73,7 @@ fn forward<'a>(
         let p = Problem::forward(&q.spec(), &k.spec(), &v.spec(), &opts)?;
         let mut o = Output::alloc("o", &p.dims.q_shape(), p.dtype)?;
         let mut lse = Output::alloc("lse", &p.dims.lse_shape(), DType::F32)?;
-        let io = ForwardIo { q: q.bytes(), k: k.bytes(), v: v.bytes(), o: o.bytes_mut(), lse: lse.bytes_mut() };
+        let io = ForwardIo::new([&q, &k, &v].map(HostTensor::bytes), [o.bytes_mut(), lse.bytes_mut()]);
         forward_host(device, &p, io)?;
         Ok(vec![o.encode(env), lse.encode(env)])
     })
@@ -107,22 +101,13 @@ fn backward<'a>(
         opts.deterministic = deterministic
             .decode()
             .map_err(|_| Reason::argument("deterministic must be a boolean".into()))?;
-        let [d_out, q, k, v, o, lse] = inputs([d_out, q, k, v, o, lse], ["d_out", "q", "k", "v", "o", "lse"])?;
+        let a = inputs([d_out, q, k, v, o, lse], ["d_out", "q", "k", "v", "o", "lse"])?;
+        let [d_out, q, k, v, o, lse] = &a;
         let p = Problem::backward(&d_out.spec(), &q.spec(), &k.spec(), &v.spec(), &o.spec(), &lse.spec(), &opts)?;
         let mut dq = Output::alloc("dq", &p.dims.q_shape(), p.dtype)?;
         let mut dk = Output::alloc("dk", &p.dims.kv_shape(), p.dtype)?;
         let mut dv = Output::alloc("dv", &p.dims.kv_shape(), p.dtype)?;
-        let io = BackwardIo {
-            d_out: d_out.bytes(),
-            q: q.bytes(),
-            k: k.bytes(),
-            v: v.bytes(),
-            o: o.bytes(),
-            lse: lse.bytes(),
-            dq: dq.bytes_mut(),
-            dk: dk.bytes_mut(),
-            dv: dv.bytes_mut(),
-        };
+        let io = BackwardIo::new(a.each_ref().map(HostTensor::bytes), [dq.bytes_mut(), dk.bytes_mut(), dv.bytes_mut()]);
         backward_host(device, &p, io)?;
         Ok(vec![dq.encode(env), dk.encode(env), dv.encode(env)])
     })

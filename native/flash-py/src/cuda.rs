@@ -22,12 +22,7 @@ fn dev_spec<'a>(t: &'a DevTensor, name: &'a str) -> TensorSpec<'a> {
 #[pyfunction]
 #[pyo3(signature = (inputs, outputs, device, stream, **options))]
 fn cuda_forward_device(
-    py: Python<'_>,
-    inputs: Vec<DevTensor>,
-    outputs: [u64; 2],
-    device: usize,
-    stream: usize,
-    options: Option<&Bound<'_, PyDict>>,
+    py: Python<'_>, inputs: Vec<DevTensor>, outputs: [u64; 2], device: usize, stream: usize, options: Option<&Bound<'_, PyDict>>,
 ) -> Result<(), PyFlashError> {
     let [q, k, v] = inputs.as_slice() else {
         return Err(FlashError::Internal("cuda_forward_device takes [q, k, v]".into()).into());
@@ -45,12 +40,7 @@ fn cuda_forward_device(
 #[pyfunction]
 #[pyo3(signature = (inputs, outputs, device, stream, **options))]
 fn cuda_backward_device(
-    py: Python<'_>,
-    inputs: Vec<DevTensor>,
-    outputs: [u64; 3],
-    device: usize,
-    stream: usize,
-    options: Option<&Bound<'_, PyDict>>,
+    py: Python<'_>, inputs: Vec<DevTensor>, outputs: [u64; 3], device: usize, stream: usize, options: Option<&Bound<'_, PyDict>>,
 ) -> Result<(), PyFlashError> {
     let [d_out, q, k, v, o, lse] = inputs.as_slice() else {
         return Err(FlashError::Internal("cuda_backward_device takes [do, q, k, v, o, lse]".into()).into());

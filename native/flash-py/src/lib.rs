@@ -44,17 +44,14 @@ pub(crate) fn options(kwargs: Option<&Bound<'_, PyDict>>) -> Result<Options, Fla
 #[pyfunction]
 #[pyo3(signature = (inputs, device, **options))]
 fn forward_host_arrays<'py>(
-    py: Python<'py>,
-    inputs: Vec<Array<'py>>,
-    device: &str,
-    options: Option<&Bound<'py, PyDict>>,
+    py: Python<'py>, inputs: Vec<Array<'py>>, device: &str, options: Option<&Bound<'py, PyDict>>,
 ) -> Result<(Array<'py>, Array<'py>), PyFlashError> {
     let device = Device::parse(device)?;
     let [q, k, v] = host_arrays(&inputs, ["q", "k", "v"])?;
     let p = Problem::forward(&q.spec(), &k.spec(), &v.spec(), &self::options(options)?)?;
     let o = empty_like_dtype(py, &p.dims.q_shape(), &q)?;
     let lse = empty_f32(py, &p.dims.lse_shape())?;
-    let io = ForwardIo { q: q.bytes(), k: k.bytes(), v: v.bytes(), o: o.bytes_mut(), lse: lse.bytes_mut() };
+    let io = ForwardIo::new([&q, &k, &v].map(HostArray::bytes), [o.bytes_mut(), lse.bytes_mut()]);
     py.detach(|| forward_host(device, &p, io))?;
     Ok((o.array.into_any(), lse.array.into_any()))
 }
@@ -63,29 +60,17 @@ fn forward_host_arrays<'py>(
 #[pyfunction]
 #[pyo3(signature = (inputs, device, **options))]
 fn backward_host_arrays<'py>(
-    py: Python<'py>,
-    inputs: Vec<Array<'py>>,
-    device: &str,
-    options: Option<&Bound<'py, PyDict>>,
+    py: Python<'py>, inputs: Vec<Array<'py>>, device: &str, options: Option<&Bound<'py, PyDict>>,
 ) -> Result<(Array<'py>, Array<'py>, Array<'py>), PyFlashError> {
     let device = Device::parse(device)?;
-    let [d_out, q, k, v, o, lse] = host_arrays(&inputs, ["do", "q", "k", "v", "o", "lse"])?;
+    let a = host_arrays(&inputs, ["do", "q", "k", "v", "o", "lse"])?;
+    let [d_out, q, k, v, o, lse] = &a;
     let opts = self::options(options)?;
     let p = Problem::backward(&d_out.spec(), &q.spec(), &k.spec(), &v.spec(), &o.spec(), &lse.spec(), &opts)?;
-    let dq = empty_like_dtype(py, &p.dims.q_shape(), &q)?;
-    let dk = empty_like_dtype(py, &p.dims.kv_shape(), &k)?;
-    let dv = empty_like_dtype(py, &p.dims.kv_shape(), &v)?;
-    let io = BackwardIo {
-        d_out: d_out.bytes(),
-        q: q.bytes(),
-        k: k.bytes(),
-        v: v.bytes(),
-        o: o.bytes(),
-        lse: lse.bytes(),
-        dq: dq.bytes_mut(),
-        dk: dk.bytes_mut(),
-        dv: dv.bytes_mut(),
-    };
+    let dq = empty_like_dtype(py, &p.dims.q_shape(), q)?;
+    let dk = empty_like_dtype(py, &p.dims.kv_shape(), k)?;
+    let dv = empty_like_dtype(py, &p.dims.kv_shape(), v)?;
+    let io = BackwardIo::new(a.each_ref().map(HostArray::bytes), [dq.bytes_mut(), dk.bytes_mut(), dv.bytes_mut()]);
     py.detach(|| backward_host(device, &p, io))?;
     Ok((dq.array.into_any(), dk.array.into_any(), dv.array.into_any()))
 }

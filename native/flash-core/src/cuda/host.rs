@@ -5,7 +5,7 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys as cu;
 
-use super::device::{self, DeviceBuffer};
+use super::device::{self, Device, DeviceBuffer};
 use super::launch::{self, BackwardPtrs, ForwardPtrs};
 use crate::error::Result;
 use crate::guard::{catch_panics, check_backward_buffers, check_forward_buffers};
@@ -63,51 +63,47 @@ fn download(dst: &mut [u8], buf: &DeviceBuffer, s: &Stream) -> Result<()> {
     })
 }
 
-/// Forward on host memory through GPU `device` (copy in, compute, copy out; synchronous).
-pub fn forward_host(p: &Problem, device: usize, io: ForwardIo) -> Result<()> {
-    check_forward_buffers(p, &io)?;
+/// Runs `body` on a [`prepare`](launch::prepare)d GPU `device` with a private stream, then waits
+/// for the stream (so the host buffers `body` copied from and to are done with).
+fn staged(p: &Problem, device: usize, body: impl FnOnce(&Device, &Stream) -> Result<()>) -> Result<()> {
     catch_panics("CUDA", || {
         let (dev, _ctx) = launch::prepare(p, device)?;
         let s = Stream::new()?;
-        let (q, k, v) = (upload(io.q, &s)?, upload(io.k, &s)?, upload(io.v, &s)?);
-        let o = DeviceBuffer::alloc(io.o.len(), s.0)?;
-        let lse = DeviceBuffer::alloc(io.lse.len(), s.0)?;
+        body(&dev, &s)?;
+        s.sync()
+    })
+}
+
+/// Forward on host memory through GPU `device` (copy in, compute, copy out; synchronous).
+pub fn forward_host(p: &Problem, device: usize, io: ForwardIo) -> Result<()> {
+    check_forward_buffers(p, &io)?;
+    staged(p, device, |dev, s| {
+        let (q, k, v) = (upload(io.q, s)?, upload(io.k, s)?, upload(io.v, s)?);
+        let (o, lse) = (DeviceBuffer::alloc(io.o.len(), s.0)?, DeviceBuffer::alloc(io.lse.len(), s.0)?);
         let ptrs = ForwardPtrs { q: q.ptr, k: k.ptr, v: v.ptr, o: o.ptr, lse: lse.ptr };
         // SAFETY: buffers sized from the problem, on this device, ordered on stream s.
-        unsafe { launch::forward(&dev, p, s.0, ptrs)? };
-        download(io.o, &o, &s)?;
-        download(io.lse, &lse, &s)?;
-        s.sync()
+        unsafe { launch::forward(dev, p, s.0, ptrs)? };
+        download(io.o, &o, s)?;
+        download(io.lse, &lse, s)
     })
 }
 
 /// Backward on host memory through GPU `device` (copy in, compute, copy out; synchronous).
 pub fn backward_host(p: &Problem, device: usize, io: BackwardIo) -> Result<()> {
     check_backward_buffers(p, &io)?;
-    catch_panics("CUDA", || {
-        let (dev, _ctx) = launch::prepare(p, device)?;
-        let s = Stream::new()?;
-        let (d_out, q, k) = (upload(io.d_out, &s)?, upload(io.q, &s)?, upload(io.k, &s)?);
-        let (v, o, lse) = (upload(io.v, &s)?, upload(io.o, &s)?, upload(io.lse, &s)?);
-        let dq = DeviceBuffer::alloc(io.dq.len(), s.0)?;
-        let dk = DeviceBuffer::alloc(io.dk.len(), s.0)?;
-        let dv = DeviceBuffer::alloc(io.dv.len(), s.0)?;
+    staged(p, device, |dev, s| {
+        let (d_out, q, k) = (upload(io.d_out, s)?, upload(io.q, s)?, upload(io.k, s)?);
+        let (v, o, lse) = (upload(io.v, s)?, upload(io.o, s)?, upload(io.lse, s)?);
+        let [dq, dk, dv] = [io.dq.len(), io.dk.len(), io.dv.len()].map(|n| DeviceBuffer::alloc(n, s.0));
+        let (dq, dk, dv) = (dq?, dk?, dv?);
         let ptrs = BackwardPtrs {
-            d_out: d_out.ptr,
-            q: q.ptr,
-            k: k.ptr,
-            v: v.ptr,
-            o: o.ptr,
-            lse: lse.ptr,
-            dq: dq.ptr,
-            dk: dk.ptr,
-            dv: dv.ptr,
+            d_out: d_out.ptr, q: q.ptr, k: k.ptr, v: v.ptr, o: o.ptr, lse: lse.ptr,
+            dq: dq.ptr, dk: dk.ptr, dv: dv.ptr,
         };
         // SAFETY: buffers sized from the problem, on this device, ordered on stream s.
-        unsafe { launch::backward(&dev, p, s.0, ptrs)? };
-        download(io.dq, &dq, &s)?;
-        download(io.dk, &dk, &s)?;
-        download(io.dv, &dv, &s)?;
-        s.sync()
+        unsafe { launch::backward(dev, p, s.0, ptrs)? };
+        download(io.dq, &dq, s)?;
+        download(io.dk, &dk, s)?;
+        download(io.dv, &dv, s)
     })
 }

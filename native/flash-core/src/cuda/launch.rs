@@ -65,7 +65,7 @@ pub struct BackwardPtrs {
 
 fn check_supported(p: &Problem) -> Result<()> {
     let d = p.dims.head_dim;
-    if d % 8 != 0 {
+    if !d.is_multiple_of(8) {
         return Err(FlashError::Unsupported(format!(
             "the CUDA backend supports head_dim multiples of 8 (up to 256); got {d}"
         )));
