@@ -41,7 +41,8 @@ defmodule ExPhil.Native.FlashAttention do
   lives on (a panic in native code comes back as an `:internal` error). `message` is readable;
   `kind` is one of:
 
-    * `:argument` — an argument is not a tensor (or its `data` is not a binary);
+    * `:argument` — an argument is not a tensor (or its `data` is not a binary), or is a
+      vectorized Nx tensor;
     * `:shape` — wrong rank, mismatched sizes, a binary whose size does not match its shape and
       type, or a shape that is not a tuple of non-negative integers;
     * `:dtype` — an unsupported type, or tensors that should share a type do not;
@@ -251,6 +252,14 @@ defmodule ExPhil.Native.FlashAttention do
 
   defp wire(%Tensor{data: data}, name),
     do: {:error, {:argument, "#{name}.data must be a binary, got: #{short(data)}"}}
+
+  # Nx.to_binary/1 would give every entry's data and Nx.shape/1 one entry's shape: refuse instead.
+  defp wire(%{__struct__: Nx.Tensor, vectorized_axes: [_ | _] = axes}, name) do
+    {:error,
+     {:argument,
+      "#{name} is a vectorized Nx tensor (vectorized axes #{inspect(axes)}), which is not " <>
+        "supported; devectorize it first (Nx.devectorize/2) and fold those axes into the batch axis"}}
+  end
 
   defp wire(%{__struct__: Nx.Tensor} = t, name) do
     if Code.ensure_loaded?(Nx) do
