@@ -162,6 +162,41 @@ defmodule ExPhil.Native.FlashAttention do
     end
   end
 
+  @doc """
+  Whether the GPU backend can run here: the library has its CUDA backend, the driver sees a GPU
+  and NVRTC is found, i.e. `info/0` lists `:cuda` (and `device: :auto` will use it). `false` when
+  the NIF is not loaded.
+  """
+  @spec cuda_available?() :: boolean
+  def cuda_available? do
+    case info() do
+      {:ok, %{backends: backends}} -> :cuda in backends
+      {:error, _} -> false
+    end
+  end
+
+  @doc """
+  A one-line summary of the backends for logs, built from `info/0`: the backend `device: :auto`
+  picks first, then the library version and the backends, e.g.
+  `"cpu (flash_nif 0.1.0; backends: cpu; no usable CUDA GPU)"` or
+  `"cuda (flash_nif 0.1.0; backends: cpu, cuda)"`; `"unavailable (...)"` with the reason when the
+  NIF is not loaded.
+  """
+  @spec backend_info() :: String.t()
+  def backend_info do
+    case info() do
+      {:ok, %{version: version, backends: backends}} ->
+        list = Enum.map_join(backends, ", ", &Atom.to_string/1)
+
+        if :cuda in backends,
+          do: "cuda (flash_nif #{version}; backends: #{list})",
+          else: "cpu (flash_nif #{version}; backends: #{list}; no usable CUDA GPU)"
+
+      {:error, {_kind, message}} ->
+        "unavailable (#{message})"
+    end
+  end
+
   defp unwrap!({:ok, one}), do: one
   defp unwrap!({:ok, a, b}), do: {a, b}
   defp unwrap!({:ok, a, b, c}), do: {a, b, c}
