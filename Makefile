@@ -19,8 +19,10 @@ $(VENV)/.ready: Makefile
 
 setup: $(VENV)/.ready
 
+# PIP_QUIET: maturin hands pip every requirement, the optional extras' too, and pip would print an
+# "Ignoring cupy-cuda13x: markers 'extra == ...'" line for each one on every build (errors still show).
 build: setup
-	$(VENV)/bin/maturin develop --release -q
+	PIP_QUIET=1 $(VENV)/bin/maturin develop --release -q
 
 test-rust:
 	cargo test --release --workspace -q

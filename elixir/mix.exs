@@ -128,6 +128,9 @@ defmodule FlashNif.MixProject do
       elixirc_paths: elixirc_paths(Mix.env()),
       start_permanent: Mix.env() == :prod,
       deps: [],
+      # Nx is optional (used only when the caller passes Nx tensors): without this, compiling
+      # beside an application that has Nx warns that :nx is not among our dependencies.
+      xref: [exclude: [Nx]],
       description: "Exact FlashAttention forward/backward for Elixir (Rustler NIF over flash-core)"
     ]
   end

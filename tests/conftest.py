@@ -173,7 +173,24 @@ def record_error():
     return record
 
 
+# Why the tests marked `gpu` were skipped: their own skip reasons (test_gpu.py's probe of
+# flash_nif.info()["cuda"], torch and CuPy), counted for one line at the end of the run.
+GPU_SKIPS: dict[str, int] = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and "gpu" in report.keywords and isinstance(report.longrepr, tuple):
+        reason = report.longrepr[2].removeprefix("Skipped: ")
+        GPU_SKIPS[reason] = GPU_SKIPS.get(reason, 0) + 1
+
+
 def pytest_terminal_summary(terminalreporter):
+    if GPU_SKIPS:
+        reasons = sorted(GPU_SKIPS.items(), key=lambda kv: -kv[1])
+        terminalreporter.write_line(
+            f"{sum(GPU_SKIPS.values())} GPU tests skipped: "
+            + "; ".join(f"{reason} ({n})" for reason, n in reasons)
+        )
     if not WORST:
         return
     terminalreporter.section("worst relative error vs the float64 oracle")

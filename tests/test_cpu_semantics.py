@@ -220,5 +220,6 @@ def test_info(fa):
     assert isinstance(info["version"], str) and info["version"]
     assert isinstance(info["backends"], list) and "cpu" in info["backends"]
     assert isinstance(info["threads"], int) and info["threads"] >= 1
+    assert fa.cuda_available() is ("cuda" in info["backends"])
     if hasattr(fa, "__version__"):
         assert info["version"] == fa.__version__

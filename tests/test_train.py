@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -136,6 +138,25 @@ def test_resume_rejects_a_conflicting_config(cpu, tmp_path, capsys):
         cli.main(["--steps", "4", "--out", out, "--resume", "--dim", "64"])
     assert exc.value.code == 2
     assert "conflicts with the checkpoint" in capsys.readouterr().err
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(cpu, tmp_path, capsys):
+    # `make demo > log 2>&1`: the bar's carriage-return redraws must not fill the log
+    args = [a for a in SMALL if a != "--no-progress"] + ["--steps", "4", "--out", str(tmp_path / "run")]
+    assert cli.main(args) == 0
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err and "train:" not in err, err
+    assert "step     4: eval loss" in out and out.rstrip().splitlines()[-1].startswith("wrote "), out
+
+
+def test_readme_options_table_lists_every_cli_option():
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    demo = readme[readme.index("## Training demo"):]
+    table = demo[demo.index("| option | default | meaning |"):]
+    table = table[:table.index("\n\n")]
+    documented = {m for row in table.splitlines() for m in re.findall(r"--[a-z][a-z-]*", row.split("|")[1])}
+    options = {o for a in cli.build_parser()._actions for o in a.option_strings if o.startswith("--")}
+    assert documented == options - {"--help"}
 
 
 def _run_cli(*args):

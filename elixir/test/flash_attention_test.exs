@@ -92,7 +92,8 @@ defmodule FlashNif.FlashAttentionTest do
 
   describe "Nx interop" do
     # Nx cannot be installed here (hex.pm is unreachable): these run against the stand-in in
-    # test/support/fake_nx.ex, which checks the plumbing, not compatibility with a real Nx.
+    # test/support/fake_nx.ex, which checks the plumbing; with a real Nx on the code path they run
+    # against it (they pass with Nx 0.7.2, see the README's Nx section).
     defp to_nx(%Tensor{data: d, shape: s, type: t}), do: d |> Nx.from_binary(t) |> Nx.reshape(s)
 
     test "Nx tensors in, Nx tensors out, same numbers", %{q: q, k: k, v: v} do
@@ -110,9 +111,28 @@ defmodule FlashNif.FlashAttentionTest do
     end
 
     test "an Nx tensor that cannot be read is an :argument error", %{k: k, v: v} do
-      broken = %Nx.Tensor{data: :no_data, shape: {1, 7, 4, 16}, type: {:f, 32}}
+      broken = %Nx.Tensor{data: :no_data, shape: {1, 7, 4, 16}, type: {:f, 32}, names: [nil, nil, nil, nil]}
       assert {:error, {:argument, msg}} = FA.forward(broken, k, v)
       assert msg =~ "cannot read q with Nx.to_binary/1"
+    end
+
+    test "a vectorized Nx tensor is an :argument error that names it, whatever the size", ctx do
+      %{q: q, k: k, v: v} = ctx
+      {:ok, o, lse} = FA.forward_with_states(q, k, v)
+
+      # size 1 used to run as if not vectorized, size 2 to fail on a byte count
+      for size <- [1, 2] do
+        vectorized =
+          k.data
+          |> :binary.copy(size)
+          |> Nx.from_binary(k.type)
+          |> Nx.reshape(Tuple.insert_at(k.shape, 0, size))
+          |> Nx.vectorize(:rows)
+
+        assert {:error, {:argument, msg}} = FA.forward(q, vectorized, v)
+        assert msg =~ "k is a vectorized Nx tensor (vectorized axes [rows: #{size}])"
+        assert {:error, {:argument, ^msg}} = FA.backward(o, q, vectorized, v, o, lse)
+      end
     end
 
     test "results take the form of q; mixed inputs are fine", %{q: q, k: k, v: v} do

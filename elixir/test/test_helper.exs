@@ -2,8 +2,8 @@
 #
 # The :cuda tests (test/cuda_test.exs) run the GPU backend. FLASH_NIF_TEST_CUDA=1 requires them
 # (they fail without a usable GPU), FLASH_NIF_TEST_CUDA=0 excludes them, and otherwise they run
-# exactly when the NIF reports a usable GPU (info/0 lists :cuda), so a machine without one skips
-# them. `mix test --only cuda` runs them alone.
+# exactly when the NIF reports a usable GPU (cuda_available?/0: info/0 lists :cuda), so a machine
+# without one skips them. `mix test --only cuda` runs them alone.
 cuda? =
   case System.get_env("FLASH_NIF_TEST_CUDA") do
     "1" ->
@@ -13,10 +13,7 @@ cuda? =
       false
 
     _ ->
-      case ExPhil.Native.FlashAttention.info() do
-        {:ok, %{backends: backends}} -> :cuda in backends
-        _ -> false
-      end
+      ExPhil.Native.FlashAttention.cuda_available?()
   end
 
 ExUnit.start(exclude: if(cuda?, do: [], else: [:cuda]))

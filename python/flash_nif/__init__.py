@@ -116,11 +116,18 @@ def info() -> dict:
     return {**dict(_native.info()), "cuda": _cuda.info()}
 
 
+def cuda_available() -> bool:
+    """Whether the GPU backend can run here (``info()["backends"]`` lists ``"cuda"``): the build
+    has it, the driver sees a GPU and NVRTC is found; ``device="auto"`` then picks the GPU."""
+    return "cuda" in _native.info()["backends"]
+
+
 __all__ = [
     "forward",
     "forward_with_states",
     "backward",
     "info",
+    "cuda_available",
     "reference",
     "FlashAttentionError",
     "ShapeError",

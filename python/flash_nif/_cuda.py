@@ -23,8 +23,9 @@ from .errors import DeviceError, DTypeError, UnsupportedError  # noqa: F401
 
 _KDL_CUDA = 2  # DLPack device type of CUDA memory
 
-# Where pip's nvidia-cuda-nvrtc may live: the core searches these sys.path entries for
-# nvidia/cu13/lib (or cuda_nvrtc/lib) when no libnvrtc is on the loader path. Cheap: no CUDA call.
+# Where pip's NVRTC may live: the core searches these sys.path entries for nvidia/cu13/lib
+# (nvidia-cuda-nvrtc 13, the `cuda13` extra) and nvidia/cuda_nvrtc/lib (nvidia-cuda-nvrtc-cu12, the
+# `cuda12` extra) when no libnvrtc is on the loader path. Cheap: no CUDA call.
 if hasattr(_native, "cuda_set_search_roots"):
     _native.cuda_set_search_roots([p for p in sys.path if isinstance(p, str) and p])
 

@@ -5,7 +5,7 @@
 unless Code.ensure_loaded?(Nx) do
   defmodule Nx.Tensor do
     @moduledoc false
-    defstruct [:data, :type, :shape, names: []]
+    defstruct [:data, :type, :shape, names: [], vectorized_axes: []]
   end
 
   defmodule Nx do
@@ -22,6 +22,12 @@ unless Code.ensure_loaded?(Nx) do
     def reshape(%Nx.Tensor{shape: old} = t, shape) do
       true = tuple_product(old) == tuple_product(shape)
       %{t | shape: shape}
+    end
+
+    # The leading axis becomes a vectorized axis.
+    def vectorize(%Nx.Tensor{shape: shape, vectorized_axes: axes} = t, name) when is_atom(name) do
+      [size | rest] = Tuple.to_list(shape)
+      %{t | shape: List.to_tuple(rest), vectorized_axes: axes ++ [{name, size}]}
     end
 
     defp tuple_product(shape), do: shape |> Tuple.to_list() |> Enum.reduce(1, &(&1 * &2))

@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--blas-threads", type=_int_at_least(0), default=1,
                    help="BLAS threads for the NumPy matmuls (needs threadpoolctl; 0 = leave as is). "
                         "One is fastest for these small matrices on a busy 2-core machine")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (it is shown only when stderr is a terminal, so logs stay clean)")
     return p
 
 
@@ -263,8 +264,10 @@ def run(args, cfg: TrainConfig, device, attention, ckpt: dict | None, started: f
             except ImportError:
                 say("note: tqdm is not installed (pip install tqdm); no progress bar")
         if tqdm is not None:
+            # disable=None: tqdm draws nothing when stderr is not a terminal (a log file, CI), so
+            # redirected output holds the eval lines, not carriage-return redraws.
             bar = tqdm(total=cfg.steps, initial=trainer.step, desc="train", unit="step",
-                       dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+                       dynamic_ncols=True, mininterval=0.5, file=sys.stderr, disable=None)
         run_time, run_tokens = 0.0, 0
         while trainer.step < cfg.steps and not stop["flag"]:
             t0 = trainer.train_time

@@ -41,7 +41,8 @@ defmodule ExPhil.Native.FlashAttention do
   lives on (a panic in native code comes back as an `:internal` error). `message` is readable;
   `kind` is one of:
 
-    * `:argument` — an argument is not a tensor (or its `data` is not a binary);
+    * `:argument` — an argument is not a tensor (or its `data` is not a binary), or is a
+      vectorized Nx tensor;
     * `:shape` — wrong rank, mismatched sizes, a binary whose size does not match its shape and
       type, or a shape that is not a tuple of non-negative integers;
     * `:dtype` — an unsupported type, or tensors that should share a type do not;
@@ -70,7 +71,7 @@ defmodule ExPhil.Native.FlashAttention do
 
   # Nx is optional and never a compile-time dependency: an Nx.Tensor is recognised by its struct
   # name and converted through Nx's public functions, which exist whenever one was built.
-  @compile {:no_warn_undefined, Nx}
+  # (mix.exs's `xref: [exclude: [Nx]]` keeps the compiler quiet with Nx and without it.)
 
   @type tensor :: Tensor.t() | struct
   @type kind ::
@@ -158,6 +159,41 @@ defmodule ExPhil.Native.FlashAttention do
   def info do
     with :ok <- loaded(), {:ok, version, backends} <- Nif.info() do
       {:ok, %{version: version, backends: Enum.map(backends, &String.to_atom/1)}}
+    end
+  end
+
+  @doc """
+  Whether the GPU backend can run here: the library has its CUDA backend, the driver sees a GPU
+  and NVRTC is found, i.e. `info/0` lists `:cuda` (and `device: :auto` will use it). `false` when
+  the NIF is not loaded.
+  """
+  @spec cuda_available?() :: boolean
+  def cuda_available? do
+    case info() do
+      {:ok, %{backends: backends}} -> :cuda in backends
+      {:error, _} -> false
+    end
+  end
+
+  @doc """
+  A one-line summary of the backends for logs, built from `info/0`: the backend `device: :auto`
+  picks first, then the library version and the backends, e.g.
+  `"cpu (flash_nif 0.1.0; backends: cpu; no usable CUDA GPU)"` or
+  `"cuda (flash_nif 0.1.0; backends: cpu, cuda)"`; `"unavailable (...)"` with the reason when the
+  NIF is not loaded.
+  """
+  @spec backend_info() :: String.t()
+  def backend_info do
+    case info() do
+      {:ok, %{version: version, backends: backends}} ->
+        list = Enum.map_join(backends, ", ", &Atom.to_string/1)
+
+        if :cuda in backends,
+          do: "cuda (flash_nif #{version}; backends: #{list})",
+          else: "cpu (flash_nif #{version}; backends: #{list}; no usable CUDA GPU)"
+
+      {:error, {_kind, message}} ->
+        "unavailable (#{message})"
     end
   end
 
@@ -251,6 +287,14 @@ defmodule ExPhil.Native.FlashAttention do
 
   defp wire(%Tensor{data: data}, name),
     do: {:error, {:argument, "#{name}.data must be a binary, got: #{short(data)}"}}
+
+  # Nx.to_binary/1 would give every entry's data and Nx.shape/1 one entry's shape: refuse instead.
+  defp wire(%{__struct__: Nx.Tensor, vectorized_axes: [_ | _] = axes}, name) do
+    {:error,
+     {:argument,
+      "#{name} is a vectorized Nx tensor (vectorized axes #{inspect(axes)}), which is not " <>
+        "supported; devectorize it first (Nx.devectorize/2) and fold those axes into the batch axis"}}
+  end
 
   defp wire(%{__struct__: Nx.Tensor} = t, name) do
     if Code.ensure_loaded?(Nx) do
