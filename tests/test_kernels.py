@@ -97,3 +97,13 @@ def test_tile_override_hook(fa):
         native.cuda_set_tile_override("bwd_preprocess", "bf16", 64, (64, 64, 4, 1, 1))
     with pytest.raises(fa.DTypeError):
         native.cuda_set_tile_override("fwd", "int8", 64, (64, 64, 4, 1, 1))
+
+
+def test_tools_parse():
+    """tools/*.py run only on a GPU machine; here they must at least parse."""
+    import ast
+
+    tools = sorted((pathlib.Path(__file__).resolve().parents[1] / "tools").glob("*.py"))
+    assert tools
+    for path in tools:
+        ast.parse(path.read_text(), str(path))

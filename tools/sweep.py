@@ -18,12 +18,16 @@ tools/sweep_f32.py does the same for the fp32 kernels. bench/RESULTS.md has past
 from __future__ import annotations
 
 import functools
+import pathlib
 import sys
 
 import torch
 
 import flash_nif
 from flash_nif import _native
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+from gpu import timed  # noqa: E402 - bench/gpu.py's CUDA-event median
 
 # (kernel, dtype, head dim) -> candidate tiles (block_m, block_n, num_warps[, d_split[, min_blocks]])
 CANDIDATES = {
@@ -40,20 +44,6 @@ CANDIDATES = {
 TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 # Tile GEMMs of the timed call relative to the forward's 2 (for TFLOPS-equivalent numbers).
 WORK = {"fwd": 1.0, "bwd_dq": 3.5, "bwd_dkdv": 3.5, "bwd_dkdv_dq": 2.5}
-
-
-def median_ms(fn, reps=10, warm=3) -> float:
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def rel_err(got, want) -> float:
@@ -88,7 +78,7 @@ def sweep(candidates, kernels=None, s_len=4096):
                 _native.cuda_set_tile_override(kernel, dtype, d, tiles)
                 try:
                     got = run()
-                    ms = median_ms(run)
+                    ms = timed(run, warmup=3, reps=10)
                 except flash_nif.FlashAttentionError as e:
                     print(f"{label}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
