@@ -175,13 +175,35 @@ def test_messages_name_argument_and_shapes(fa):
     with pytest.raises(fa.ShapeError) as info:
         fa.backward(o[:, :7], q, k, v, o, lse)
     msg = str(info.value)
-    # the core names it d_out (shared with the Elixir binding); either name is clear
-    assert (_word("do", msg) or _word("d_out", msg)) and "7" in msg and "11" in msg, msg
+    # named as backward() spells it (the Elixir binding says d_out)
+    assert _word("do", msg) and "d_out" not in msg and "7" in msg and "11" in msg, msg
 
     with pytest.raises(fa.DTypeError) as info:
         fa.forward(q.astype(np.int32), k, v)
     msg = str(info.value)
     assert _word("q", msg) and "int32" in msg, msg
+
+
+@pytest.mark.parametrize("mutate", [
+    _set(do=lambda a: a["do"][:, :5]),
+    _set(do=lambda a: a["do"].astype(np.float16)),
+    _set(do=lambda a: a["do"].astype(np.int32)),
+    _set(do=lambda a: a["do"][0]),
+], ids=["shape", "dtype-ne-q", "dtype-int", "rank"])
+def test_backward_names_do_as_the_caller_spells_it(fa, mutate):
+    with pytest.raises((fa.ShapeError, fa.DTypeError)) as info:
+        _backward_case(mutate)(fa)
+    msg = str(info.value)
+    assert _word("do", msg) and "d_out" not in msg, msg
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float16, ml_dtypes.bfloat16, np.int32])
+def test_lse_must_be_float32_said_the_first_time(fa, dtype):
+    """Any other lse dtype gets lse's own rule, not the generic list of q/k/v dtypes."""
+    with pytest.raises(fa.DTypeError) as info:
+        _backward_case(_set(lse=lambda a: a["lse"].astype(dtype)))(fa)
+    msg = str(info.value)
+    assert msg == f"lse has dtype {np.dtype(dtype).name}; it must be float32", msg
 
 
 def test_missing_device_raises_device_error(fa):

@@ -205,11 +205,12 @@ def test_every_output_element_is_written(gpu, make_inputs):
         lse = cupy.full((b, h, sq), np.nan, np.float32)
         desc = [(x.data.ptr, list(x.shape), name) for x in (q, k, v)]
         stream = cupy.cuda.get_current_stream().ptr
-        native.cuda_forward_device(desc, o.data.ptr, lse.data.ptr, causal, None, 0, stream)
+        native.cuda_forward_device(desc, [o.data.ptr, lse.data.ptr], 0, stream, causal=causal)
         desc = [(x.data.ptr, list(x.shape), name) for x in (do, q, k, v, o)] + [(lse.data.ptr, [b, h, sq], "float32")]
         for deterministic in (False, True):
             grads = [to_gpu("cupy", np.full(x.shape, np.nan, DTYPES[dtype_name])) for x in (q, k, v)]
-            native.cuda_backward_device(desc, *(g.data.ptr for g in grads), causal, None, 0, stream, deterministic)
+            outputs = [g.data.ptr for g in grads]
+            native.cuda_backward_device(desc, outputs, 0, stream, causal=causal, deterministic=deterministic)
             cupy.cuda.get_current_stream().synchronize()
             for label, x in zip(("o", "dq", "dk", "dv"), (o, *grads)):
                 assert not np.isnan(to_host(x).astype(np.float32)).any(), f"{label} not fully written ({dtype_name})"

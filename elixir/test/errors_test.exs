@@ -75,13 +75,17 @@ defmodule FlashNif.ErrorsTest do
       }
 
       assert {:dtype, msg} = error_of(fn -> FA.backward(o, q, k, v, o, lse16) end)
-      assert msg =~ "lse" and msg =~ "float32"
+      assert msg == "lse has dtype float16; it must be float32"
+      # lse's own rule from the first message, not the generic list of q/k/v types
+      assert {:dtype, msg} = error_of(fn -> FA.backward(o, q, k, v, o, %{lse | type: {:f, 64}}) end)
+      assert msg == "lse has dtype {:f, 64}; it must be float32"
     end
 
     test "backward states that do not fit the inputs", %{q: q, k: k, v: v, o: o, lse: lse} do
       assert {:shape, msg} = error_of(fn -> FA.backward(o, q, k, v, o, %{lse | shape: {1, 5, 4}}) end)
       assert msg =~ "lse has shape"
-      assert {:shape, _} = error_of(fn -> FA.backward(%{o | shape: {1, 4, 5, 8}}, q, k, v, o, lse) end)
+      assert {:shape, msg} = error_of(fn -> FA.backward(%{o | shape: {1, 4, 5, 8}}, q, k, v, o, lse) end)
+      assert msg =~ "d_out has shape [1, 4, 5, 8]"
     end
 
     test "arguments that are not tensors", %{q: q, k: k} do

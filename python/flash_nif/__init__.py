@@ -71,7 +71,7 @@ def forward_with_states(q, k, v, *, causal: bool = True, scale: float | None = N
     if _cuda.any_gpu(q, k, v):
         return _cuda.forward_with_states(q, k, v, opts[0], opts[1], device)
     q, k, v = (_host_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    return _native.forward_host_arrays(q, k, v, *opts)
+    return _native.forward_host_arrays([q, k, v], opts[2], causal=opts[0], scale=opts[1])
 
 
 def forward(q, k, v, *, causal: bool = True, scale: float | None = None, device: str | None = None):
@@ -108,7 +108,7 @@ def backward(
     if _cuda.any_gpu(do, q, k, v, o, lse):
         return _cuda.backward(do, q, k, v, o, lse, opts[0], opts[1], device, bool(deterministic))
     arrays = [_host_array(x, n) for x, n in ((do, "do"), (q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"))]
-    return _native.backward_host_arrays(*arrays, *opts, bool(deterministic))
+    return _native.backward_host_arrays(arrays, opts[2], causal=opts[0], scale=opts[1], deterministic=bool(deterministic))
 
 
 def info() -> dict:

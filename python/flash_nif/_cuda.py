@@ -140,7 +140,7 @@ def forward_with_states(q, k, v, causal, scale, device):
     desc = t.describe(("q", "k", "v"))  # the core validates shapes and dtypes from these
     o = t.empty(q.shape) if len(q.shape) == 4 else None
     lse = t.empty((q.shape[0], q.shape[2], q.shape[1]), float32=True) if len(q.shape) == 4 else None
-    _native.cuda_forward_device(desc, t.ptr(o), t.ptr(lse), causal, scale, t.device, t.stream)
+    _native.cuda_forward_device(desc, [t.ptr(o), t.ptr(lse)], t.device, t.stream, causal=causal, scale=scale)
     return o, lse
 
 
@@ -156,7 +156,8 @@ def backward(do, q, k, v, o, lse, causal, scale, device, deterministic=False):
     dq = t.empty(q.shape) if ok else None
     dk = t.empty(k.shape, like=k) if ok else None
     dv = t.empty(k.shape, like=k) if ok else None
-    _native.cuda_backward_device(desc, t.ptr(dq), t.ptr(dk), t.ptr(dv), causal, scale, t.device, t.stream, deterministic)
+    outputs = [t.ptr(dq), t.ptr(dk), t.ptr(dv)]
+    _native.cuda_backward_device(desc, outputs, t.device, t.stream, causal=causal, scale=scale, deterministic=deterministic)
     return dq, dk, dv
 
 

@@ -3,30 +3,29 @@
 tests/test_stubs.py checks that this file and the module define the same functions.
 """
 
-from typing import Any, Sequence
+from typing import Any, Sequence, TypedDict, Unpack
 
 import numpy as np
+
+class _Options(TypedDict, total=False):
+    """The core's Options, passed as keyword arguments; one left out keeps its default."""
+
+    causal: bool  # default True
+    scale: float | None  # default None: 1/sqrt(D)
+    deterministic: bool  # backward only; default False
 
 # --- host (NumPy) arrays, any device ------------------------------------------------------------
 
 def forward_host_arrays(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale: float | None, device: str
+    inputs: Sequence[np.ndarray], device: str, **options: Unpack[_Options]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(o [B, Sq, H, D] like q, lse [B, H, Sq] float32); inputs C-contiguous, native byte order."""
+    """(o [B, Sq, H, D] like q, lse [B, H, Sq] float32) for inputs [q, k, v], each C-contiguous in
+    native byte order."""
 
 def backward_host_arrays(
-    d_out: np.ndarray,
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    o: np.ndarray,
-    lse: np.ndarray,
-    causal: bool,
-    scale: float | None,
-    device: str,
-    deterministic: bool = False,
+    inputs: Sequence[np.ndarray], device: str, **options: Unpack[_Options]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(dq like q, dk like k, dv like v)."""
+    """(dq like q, dk like k, dv like v) for inputs [do, q, k, v, o, lse]."""
 
 def info() -> dict[str, Any]:
     """version, backends, threads, cpu_isa."""
@@ -36,19 +35,15 @@ def info() -> dict[str, Any]:
 DevTensor = tuple[int, Sequence[int], str]  # (pointer, shape, dtype name)
 
 def cuda_forward_device(
-    inputs: list[DevTensor], o: int, lse: int, causal: bool, scale: float | None, device: int, stream: int
-) -> None: ...
+    inputs: list[DevTensor], outputs: list[int], device: int, stream: int, **options: Unpack[_Options]
+) -> None:
+    """inputs [q, k, v]; outputs [o, lse] (pointers, preallocated on the same device)."""
+
 def cuda_backward_device(
-    inputs: list[DevTensor],
-    dq: int,
-    dk: int,
-    dv: int,
-    causal: bool,
-    scale: float | None,
-    device: int,
-    stream: int,
-    deterministic: bool = False,
-) -> None: ...
+    inputs: list[DevTensor], outputs: list[int], device: int, stream: int, **options: Unpack[_Options]
+) -> None:
+    """inputs [do, q, k, v, o, lse]; outputs [dq, dk, dv] (pointers)."""
+
 def cuda_set_search_roots(paths: list[str]) -> None: ...
 def cuda_info(device: int = 0) -> dict[str, Any]: ...
 

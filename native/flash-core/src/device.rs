@@ -2,6 +2,7 @@
 //! so Python and Elixir agree on names, on `auto`, and on the error for a missing GPU.
 
 use crate::error::{FlashError, Result};
+use crate::io::{BackwardIo, ForwardIo};
 use crate::problem::Problem;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,36 +46,23 @@ pub fn cuda_unavailable_reason() -> Option<String> {
     Some("this build of flash_nif has no CUDA backend".into())
 }
 
-/// Forward on host buffers (see [`crate::cpu::forward`] for the layout) on `device`.
-pub fn forward_host(device: Device, p: &Problem, q: &[u8], k: &[u8], v: &[u8], o: &mut [u8], lse: &mut [u8]) -> Result<()> {
+/// Forward on host buffers (layouts in [`ForwardIo`]) on `device` (GPU 0 for CUDA).
+pub fn forward_host(device: Device, p: &Problem, io: ForwardIo) -> Result<()> {
     match device {
-        Device::Cpu => crate::cpu::forward(p, q, k, v, o, lse),
+        Device::Cpu => crate::cpu::forward(p, io),
         #[cfg(feature = "cuda")]
-        Device::Cuda => crate::cuda::forward_host(p, 0, q, k, v, o, lse),
+        Device::Cuda => crate::cuda::forward_host(p, 0, io),
         #[cfg(not(feature = "cuda"))]
         Device::Cuda => Err(FlashError::CudaUnavailable(cuda_unavailable_reason().unwrap_or_default())),
     }
 }
 
-/// Backward on host buffers (see [`crate::cpu::backward`] for the layout) on `device`.
-#[allow(clippy::too_many_arguments)]
-pub fn backward_host(
-    device: Device,
-    p: &Problem,
-    d_out: &[u8],
-    q: &[u8],
-    k: &[u8],
-    v: &[u8],
-    o: &[u8],
-    lse: &[u8],
-    dq: &mut [u8],
-    dk: &mut [u8],
-    dv: &mut [u8],
-) -> Result<()> {
+/// Backward on host buffers (layouts in [`BackwardIo`]) on `device` (GPU 0 for CUDA).
+pub fn backward_host(device: Device, p: &Problem, io: BackwardIo) -> Result<()> {
     match device {
-        Device::Cpu => crate::cpu::backward(p, d_out, q, k, v, o, lse, dq, dk, dv),
+        Device::Cpu => crate::cpu::backward(p, io),
         #[cfg(feature = "cuda")]
-        Device::Cuda => crate::cuda::backward_host(p, 0, d_out, q, k, v, o, lse, dq, dk, dv),
+        Device::Cuda => crate::cuda::backward_host(p, 0, io),
         #[cfg(not(feature = "cuda"))]
         Device::Cuda => Err(FlashError::CudaUnavailable(cuda_unavailable_reason().unwrap_or_default())),
     }

@@ -2,6 +2,7 @@
 //! problem, and turn a panic (a bug) into an error so it never unwinds into Python or the BEAM.
 
 use crate::error::{FlashError, Result};
+use crate::io::{BackwardIo, ForwardIo};
 use crate::problem::Problem;
 
 /// Runs `f`; a panic becomes `FlashError::Internal` naming the backend.
@@ -16,29 +17,27 @@ pub(crate) fn catch_panics<T>(backend: &str, f: impl FnOnce() -> Result<T>) -> R
     })
 }
 
-/// q/o: [B, Sq, H, D] and k/v: [B, Sk, Hkv, D] in p.dtype; lse: [B, H, Sq] f32.
-pub(crate) fn check_forward_buffers(p: &Problem, q: &[u8], k: &[u8], v: &[u8], o: &[u8], lse: &[u8]) -> Result<()> {
+/// The buffers must have the sizes `p` implies (a Rust caller could pair a problem with other
+/// buffers; the kernels trust these sizes).
+pub(crate) fn check_forward_buffers(p: &Problem, io: &ForwardIo) -> Result<()> {
     let (qb, kvb, lb) = byte_sizes(p);
-    check(&[("q", q.len(), qb), ("k", k.len(), kvb), ("v", v.len(), kvb), ("o", o.len(), qb), ("lse", lse.len(), lb)])
+    check(&[("q", io.q.len(), qb), ("k", io.k.len(), kvb), ("v", io.v.len(), kvb), ("o", io.o.len(), qb), ("lse", io.lse.len(), lb)])
 }
 
-/// The forward's buffers plus d_out and dq (like q), dk and dv (like k).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn check_backward_buffers(
-    p: &Problem,
-    d_out: &[u8],
-    q: &[u8],
-    k: &[u8],
-    v: &[u8],
-    o: &[u8],
-    lse: &[u8],
-    dq: &[u8],
-    dk: &[u8],
-    dv: &[u8],
-) -> Result<()> {
-    check_forward_buffers(p, q, k, v, o, lse)?;
-    let (qb, kvb, _) = byte_sizes(p);
-    check(&[("d_out", d_out.len(), qb), ("dq", dq.len(), qb), ("dk", dk.len(), kvb), ("dv", dv.len(), kvb)])
+/// As [`check_forward_buffers`], for the backward's nine buffers.
+pub(crate) fn check_backward_buffers(p: &Problem, io: &BackwardIo) -> Result<()> {
+    let (qb, kvb, lb) = byte_sizes(p);
+    check(&[
+        ("d_out", io.d_out.len(), qb),
+        ("q", io.q.len(), qb),
+        ("k", io.k.len(), kvb),
+        ("v", io.v.len(), kvb),
+        ("o", io.o.len(), qb),
+        ("lse", io.lse.len(), lb),
+        ("dq", io.dq.len(), qb),
+        ("dk", io.dk.len(), kvb),
+        ("dv", io.dv.len(), kvb),
+    ])
 }
 
 fn byte_sizes(p: &Problem) -> (usize, usize, usize) {

@@ -2,8 +2,8 @@
 //!
 //! Bindings (PyO3, Rustler) describe their tensors as [`TensorSpec`]s, get a validated
 //! [`Problem`] from [`Problem::forward`] / [`Problem::backward`], allocate the outputs it implies,
-//! and run it on a [`Device`] ([`forward_host`], [`backward_host`]). All buffers are native-endian,
-//! row-major, contiguous bytes:
+//! and run it on a [`Device`] ([`forward_host`], [`backward_host`]) with the buffers named in a
+//! [`ForwardIo`] / [`BackwardIo`]. All buffers are native-endian, row-major, contiguous bytes:
 //!
 //! | tensor              | shape              | dtype           |
 //! |---------------------|--------------------|-----------------|
@@ -18,11 +18,13 @@ pub mod cuda;
 pub mod dtype;
 pub mod error;
 mod guard;
+pub mod io;
 pub mod problem;
 
 pub use device::{backward_host, cuda_available, forward_host, Device};
 pub use dtype::DType;
 pub use error::{FlashError, Result};
+pub use io::{BackwardIo, ForwardIo};
 pub use problem::{Dims, Options, Problem, TensorSpec, MAX_HEAD_DIM};
 
 /// The crate version (the Python package and the NIF report it).

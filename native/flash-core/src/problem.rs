@@ -6,13 +6,19 @@ use crate::error::{FlashError, Result};
 /// Largest supported head dimension.
 pub const MAX_HEAD_DIM: usize = 256;
 
-/// What a binding knows about one tensor argument before any compute: its element type, its
-/// shape, and the length in bytes of the buffer that holds it (row-major, contiguous).
+/// What a binding knows about one tensor argument before any compute. Every message about the
+/// tensor names it as `name`.
 #[derive(Debug, Clone, Copy)]
 pub struct TensorSpec<'a> {
-    pub dtype: DType,
+    /// The argument's name as the caller spells it (Python's `do`, Elixir's `d_out`).
+    pub name: &'a str,
+    /// Its dtype's name as the binding reads it: "float32", "float16", "bfloat16" (or "f32",
+    /// "f16", "bf16"); any other is a dtype error naming the argument.
+    pub dtype: &'a str,
     pub shape: &'a [usize],
-    pub nbytes: usize,
+    /// Length in bytes of the host buffer that holds it (row-major, contiguous); `None` for device
+    /// memory, which the caller allocates from the shape.
+    pub nbytes: Option<usize>,
 }
 
 /// Caller options, identical in every binding.
@@ -105,37 +111,29 @@ impl Problem {
         opts: &Options,
     ) -> Result<Problem> {
         let (dims, dtype) = check_qkv(q, k, v)?;
-        for (name, t) in [("d_out", d_out), ("o", o)] {
-            if t.shape != dims.q_shape() {
-                return Err(FlashError::Shape(format!(
-                    "{name} has shape {:?}; it must match q's shape {:?}",
-                    t.shape,
-                    dims.q_shape()
-                )));
+        let (qn, q_shape) = (q.name, dims.q_shape());
+        for t in [d_out, o] {
+            let (name, t_dtype) = (t.name, parse_dtype(t)?);
+            if t.shape != q_shape {
+                let shape = t.shape;
+                return Err(FlashError::Shape(format!("{name} has shape {shape:?}; it must match {qn}'s shape {q_shape:?}")));
             }
-            if t.dtype != dtype {
-                return Err(FlashError::DType(format!(
-                    "{name} has dtype {}; it must match q's dtype {}",
-                    t.dtype.name(),
-                    dtype.name()
-                )));
+            if t_dtype != dtype {
+                let (got, want) = (t_dtype.name(), dtype.name());
+                return Err(FlashError::DType(format!("{name} has dtype {got}; it must match {qn}'s dtype {want}")));
             }
-            check_nbytes(name, t)?;
+            check_nbytes(t, t_dtype)?;
         }
+        check_lse_dtype(lse)?;
         if lse.shape != dims.lse_shape() {
             return Err(FlashError::Shape(format!(
-                "lse has shape {:?}; expected [batch, heads, seq_q] = {:?}",
+                "{} has shape {:?}; expected [batch, heads, seq_q] = {:?}",
+                lse.name,
                 lse.shape,
                 dims.lse_shape()
             )));
         }
-        if lse.dtype != DType::F32 {
-            return Err(FlashError::DType(format!(
-                "lse has dtype {}; it must be float32",
-                lse.dtype.name()
-            )));
-        }
-        check_nbytes("lse", lse)?;
+        check_nbytes(lse, DType::F32)?;
         Problem::finish(dims, dtype, opts)
     }
 
@@ -162,40 +160,51 @@ impl Problem {
     }
 }
 
+fn parse_dtype(t: &TensorSpec) -> Result<DType> {
+    DType::parse(t.dtype, t.name)
+}
+
+/// lse's own rule, checked on its dtype name before any generic message: float32 only.
+fn check_lse_dtype(lse: &TensorSpec) -> Result<()> {
+    match DType::parse(lse.dtype, lse.name) {
+        Ok(DType::F32) => Ok(()),
+        _ => Err(FlashError::DType(format!("{} has dtype {}; it must be float32", lse.name, lse.dtype))),
+    }
+}
+
 fn check_qkv(q: &TensorSpec, k: &TensorSpec, v: &TensorSpec) -> Result<(Dims, DType)> {
-    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+    let (dtype, k_dtype, v_dtype) = (parse_dtype(q)?, parse_dtype(k)?, parse_dtype(v)?);
+    for t in [q, k, v] {
         if t.shape.len() != 4 {
             return Err(FlashError::Shape(format!(
-                "{name} must have rank 4 [batch, seq, heads, head_dim]; got shape {:?}",
-                t.shape
+                "{} must have rank 4 [batch, seq, heads, head_dim]; got shape {:?}",
+                t.name, t.shape
             )));
         }
     }
-    for (name, t) in [("k", k), ("v", v)] {
-        if t.dtype != q.dtype {
+    let (qn, kn, vn) = (q.name, k.name, v.name);
+    for (t, t_dtype) in [(k, k_dtype), (v, v_dtype)] {
+        if t_dtype != dtype {
+            let (name, got, want) = (t.name, t_dtype.name(), dtype.name());
             return Err(FlashError::DType(format!(
-                "{name} has dtype {} but q has dtype {}; q, k and v must share one dtype",
-                t.dtype.name(),
-                q.dtype.name()
+                "{name} has dtype {got} but {qn} has dtype {want}; {qn}, {kn} and {vn} must share one dtype"
             )));
         }
     }
     if k.shape != v.shape {
-        return Err(FlashError::Shape(format!(
-            "k has shape {:?} but v has shape {:?}; they must match",
-            k.shape, v.shape
-        )));
+        let (ks, vs) = (k.shape, v.shape);
+        return Err(FlashError::Shape(format!("{kn} has shape {ks:?} but {vn} has shape {vs:?}; they must match")));
     }
     let (qs, ks) = (q.shape, k.shape);
     if qs[0] != ks[0] {
         return Err(FlashError::Shape(format!(
-            "batch mismatch: q has shape {qs:?} (batch {}) but k has shape {ks:?} (batch {})",
+            "batch mismatch: {qn} has shape {qs:?} (batch {}) but {kn} has shape {ks:?} (batch {})",
             qs[0], ks[0]
         )));
     }
     if qs[3] != ks[3] {
         return Err(FlashError::Shape(format!(
-            "head_dim mismatch: q has shape {qs:?} (head_dim {}) but k has shape {ks:?} (head_dim {})",
+            "head_dim mismatch: {qn} has shape {qs:?} (head_dim {}) but {kn} has shape {ks:?} (head_dim {})",
             qs[3], ks[3]
         )));
     }
@@ -209,43 +218,44 @@ fn check_qkv(q: &TensorSpec, k: &TensorSpec, v: &TensorSpec) -> Result<(Dims, DT
     };
     if dims.head_dim == 0 || dims.head_dim > MAX_HEAD_DIM {
         return Err(FlashError::Shape(format!(
-            "head_dim must be between 1 and {MAX_HEAD_DIM}; q has shape {qs:?}"
+            "head_dim must be between 1 and {MAX_HEAD_DIM}; {qn} has shape {qs:?}"
         )));
     }
     if dims.heads == 0 || dims.kv_heads == 0 {
         return Err(FlashError::Shape(format!(
-            "heads must be at least 1: q has shape {qs:?}, k has shape {ks:?}"
+            "heads must be at least 1: {qn} has shape {qs:?}, {kn} has shape {ks:?}"
         )));
     }
-    if dims.heads % dims.kv_heads != 0 {
+    if !dims.heads.is_multiple_of(dims.kv_heads) {
         return Err(FlashError::Shape(format!(
-            "q's heads ({}) must be a multiple of k/v's heads ({}) (GQA); q has shape {qs:?}, k has shape {ks:?}",
+            "{qn}'s heads ({}) must be a multiple of {kn}/{vn}'s heads ({}) (GQA); {qn} has shape {qs:?}, {kn} has shape {ks:?}",
             dims.heads, dims.kv_heads
         )));
     }
-    for (name, t) in [("q", q), ("k", k), ("v", v)] {
-        check_nbytes(name, t)?;
+    for t in [q, k, v] {
+        check_nbytes(t, dtype)?;
     }
-    Ok((dims, q.dtype))
+    Ok((dims, dtype))
 }
 
-/// The buffer must hold exactly the elements its shape names (and the count must not overflow).
-fn check_nbytes(name: &str, t: &TensorSpec) -> Result<()> {
+/// The buffer (if the caller gave its length) must hold exactly the elements the shape names,
+/// and their byte count must not overflow.
+fn check_nbytes(t: &TensorSpec, dtype: DType) -> Result<()> {
     let bytes = t
         .shape
         .iter()
-        .try_fold(t.dtype.size_bytes(), |acc, &d| acc.checked_mul(d))
+        .try_fold(dtype.size_bytes(), |acc, &d| acc.checked_mul(d))
         .filter(|&b| b <= isize::MAX as usize)
         .ok_or_else(|| {
-            FlashError::OutOfMemory(format!("{name} with shape {:?} is too large to address", t.shape))
+            FlashError::OutOfMemory(format!("{} with shape {:?} is too large to address", t.name, t.shape))
         })?;
-    if bytes != t.nbytes {
-        return Err(FlashError::Shape(format!(
-            "{name} has shape {:?} and dtype {}, which needs {bytes} bytes, but its buffer holds {} bytes",
+    match t.nbytes {
+        Some(n) if n != bytes => Err(FlashError::Shape(format!(
+            "{} has shape {:?} and dtype {}, which needs {bytes} bytes, but its buffer holds {n} bytes",
+            t.name,
             t.shape,
-            t.dtype.name(),
-            t.nbytes
-        )));
+            dtype.name(),
+        ))),
+        _ => Ok(()),
     }
-    Ok(())
 }

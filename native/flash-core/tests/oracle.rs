@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use flash_core::{backward_host, forward_host, DType, Device};
+use flash_core::{backward_host, forward_host, BackwardIo, DType, Device, ForwardIo};
 
 struct Outputs {
     o: Vec<u8>,
@@ -19,9 +19,11 @@ fn run(c: &Case) -> Outputs {
     // Poisoned outputs: every element must be written.
     let mut o = vec![0xA5u8; ql];
     let mut lse = vec![0xA5u8; ll];
-    forward_host(Device::Cpu, &c.p, &c.q.0, &c.k.0, &c.v.0, &mut o, &mut lse).unwrap();
+    forward_host(Device::Cpu, &c.p, ForwardIo { q: &c.q.0, k: &c.k.0, v: &c.v.0, o: &mut o, lse: &mut lse }).unwrap();
     let (mut dq, mut dk, mut dv) = (vec![0xA5u8; ql], vec![0xA5u8; kvl], vec![0xA5u8; kvl]);
-    backward_host(Device::Cpu, &c.p, &c.d_out.0, &c.q.0, &c.k.0, &c.v.0, &o, &lse, &mut dq, &mut dk, &mut dv).unwrap();
+    let (d_out, q, k, v) = (&c.d_out.0[..], &c.q.0[..], &c.k.0[..], &c.v.0[..]);
+    let io = BackwardIo { d_out, q, k, v, o: &o, lse: &lse, dq: &mut dq, dk: &mut dk, dv: &mut dv };
+    backward_host(Device::Cpu, &c.p, io).unwrap();
     Outputs { o, lse, dq, dk, dv }
 }
 

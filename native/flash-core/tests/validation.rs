@@ -2,8 +2,12 @@
 
 use flash_core::{DType, FlashError, Options, Problem, TensorSpec};
 
+fn named<'a>(name: &'a str, dtype: DType, shape: &'a [usize]) -> TensorSpec<'a> {
+    TensorSpec { name, dtype: dtype.name(), shape, nbytes: Some(shape.iter().product::<usize>() * dtype.size_bytes()) }
+}
+
 fn spec(dtype: DType, shape: &[usize]) -> TensorSpec<'_> {
-    TensorSpec { dtype, shape, nbytes: shape.iter().product::<usize>() * dtype.size_bytes() }
+    named("t", dtype, shape)
 }
 
 fn fwd(q: TensorSpec, k: TensorSpec, v: TensorSpec) -> Result<Problem, FlashError> {
@@ -30,7 +34,7 @@ fn forward_errors_name_the_problem() {
 fn buffer_length_must_match_shape() {
     let shape = [1, 4, 2, 8];
     let mut short = spec(DType::F32, &shape);
-    short.nbytes -= 4;
+    short.nbytes = Some(short.nbytes.unwrap() - 4);
     let err = fwd(short, spec(DType::F32, &shape), spec(DType::F32, &shape)).unwrap_err();
     assert_eq!(err.kind(), "shape");
     assert!(err.to_string().contains("bytes"), "{err}");
@@ -39,12 +43,12 @@ fn buffer_length_must_match_shape() {
 #[test]
 fn overflowing_sizes_are_out_of_memory() {
     let huge = [usize::MAX / 2, 4, 2, 8];
-    let err = fwd(spec(DType::F32, &[1, 4, 2, 8]), TensorSpec { dtype: DType::F32, shape: &huge, nbytes: 0 }, spec(DType::F32, &[1, 4, 2, 8]))
+    let err = fwd(spec(DType::F32, &[1, 4, 2, 8]), TensorSpec { nbytes: Some(0), ..spec(DType::F32, &huge) }, spec(DType::F32, &[1, 4, 2, 8]))
         .unwrap_err();
     // The batch mismatch or the overflow, whichever is checked first, never a panic.
     assert!(matches!(err.kind(), "shape" | "out_of_memory"), "{err}");
     let shape = [1usize << 40, 1 << 20, 1, 256];
-    let t = TensorSpec { dtype: DType::F32, shape: &shape, nbytes: 0 };
+    let t = TensorSpec { nbytes: None, ..spec(DType::F32, &shape) };
     assert_eq!(fwd(t, t, t).unwrap_err().kind(), "out_of_memory");
 }
 
@@ -79,4 +83,40 @@ fn dtype_names() {
     let err = DType::parse("float64", "k").unwrap_err();
     assert_eq!(err.kind(), "dtype");
     assert!(err.to_string().contains("k has dtype float64"));
+}
+
+#[test]
+fn messages_use_the_callers_names() {
+    let f = DType::F32;
+    let (q, kv, lse) = ([1usize, 4, 2, 8], [1usize, 4, 1, 8], [1usize, 2, 4]);
+    let bwd = |d_out: TensorSpec, lse: TensorSpec| {
+        let (q, k, v, o) = (named("q", f, &q), named("k", f, &kv), named("v", f, &kv), named("o", f, &q));
+        Problem::backward(&d_out, &q, &k, &v, &o, &lse, &Options::default()).unwrap_err()
+    };
+    let err = bwd(named("do", f, &[1, 4, 2, 4]), named("lse", f, &lse));
+    assert_eq!(err.to_string(), "do has shape [1, 4, 2, 4]; it must match q's shape [1, 4, 2, 8]");
+    let err = bwd(named("dO", DType::F16, &q), named("lse", f, &lse));
+    assert!(err.to_string().starts_with("dO has dtype float16"), "{err}");
+    let err = Problem::forward(&named("query", DType::BF16, &q), &named("k", f, &kv), &named("v", f, &kv), &Options::default());
+    assert!(err.unwrap_err().to_string().contains("query has dtype bfloat16"));
+}
+
+#[test]
+fn lse_must_be_float32_whatever_its_dtype() {
+    let f = DType::F32;
+    let (q, kv, lse) = ([1usize, 4, 2, 8], [1usize, 4, 1, 8], [1usize, 2, 4]);
+    for dtype in ["float64", "float16", "int32", "bfloat16"] {
+        let lse = TensorSpec { name: "lse", dtype, shape: &lse, nbytes: None };
+        let (q, k, v) = (named("q", f, &q), named("k", f, &kv), named("v", f, &kv));
+        let err = Problem::backward(&q, &q, &k, &v, &q, &lse, &Options::default()).unwrap_err();
+        assert_eq!(err.kind(), "dtype");
+        assert_eq!(err.to_string(), format!("lse has dtype {dtype}; it must be float32"));
+    }
+}
+
+#[test]
+fn device_memory_has_no_byte_count_to_check() {
+    let shape = [1usize, 4, 2, 8];
+    let t = TensorSpec { nbytes: None, ..spec(DType::F16, &shape) };
+    assert!(Problem::forward(&t, &t, &t, &Options::default()).is_ok());
 }

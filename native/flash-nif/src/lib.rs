@@ -9,7 +9,7 @@
 mod reply;
 mod tensor;
 
-use flash_core::{backward_host, forward_host, DType, Device, Options, Problem};
+use flash_core::{backward_host, forward_host, BackwardIo, DType, Device, ForwardIo, Options, Problem};
 use reply::{guard, Reason};
 use rustler::{Encoder, Env, Term};
 use tensor::{HostTensor, Output};
@@ -55,34 +55,26 @@ fn info(env: Env) -> Term {
     })
 }
 
+/// Decodes the input tensors `terms`, named for messages.
+fn inputs<'a, const N: usize>(terms: [Term<'a>; N], names: [&'a str; N]) -> Result<[HostTensor<'a>; N], Reason> {
+    let tensors: Vec<HostTensor> =
+        terms.into_iter().zip(names).map(|(t, name)| HostTensor::decode(t, name)).collect::<Result<_, _>>()?;
+    Ok(tensors.try_into().unwrap_or_else(|_| unreachable!("one tensor per term")))
+}
+
 /// `{:ok, {o, o_shape}, {lse, lse_shape}}` for q `[B, Sq, H, D]`, k and v `[B, Sk, Hkv, D]`.
 #[rustler::nif(schedule = "DirtyCpu")]
 fn forward<'a>(
-    env: Env<'a>,
-    q: Term<'a>,
-    k: Term<'a>,
-    v: Term<'a>,
-    causal: Term<'a>,
-    scale: Term<'a>,
-    device: Term<'a>,
+    env: Env<'a>, q: Term<'a>, k: Term<'a>, v: Term<'a>, causal: Term<'a>, scale: Term<'a>, device: Term<'a>,
 ) -> Term<'a> {
     guard(env, || {
         let (opts, device) = options(causal, scale, device)?;
-        let q = HostTensor::decode(q, "q")?;
-        let k = HostTensor::decode(k, "k")?;
-        let v = HostTensor::decode(v, "v")?;
+        let [q, k, v] = inputs([q, k, v], ["q", "k", "v"])?;
         let p = Problem::forward(&q.spec(), &k.spec(), &v.spec(), &opts)?;
         let mut o = Output::alloc("o", &p.dims.q_shape(), p.dtype)?;
         let mut lse = Output::alloc("lse", &p.dims.lse_shape(), DType::F32)?;
-        forward_host(
-            device,
-            &p,
-            q.bytes(),
-            k.bytes(),
-            v.bytes(),
-            o.bytes_mut(),
-            lse.bytes_mut(),
-        )?;
+        let io = ForwardIo::new([&q, &k, &v].map(HostTensor::bytes), [o.bytes_mut(), lse.bytes_mut()]);
+        forward_host(device, &p, io)?;
         Ok(vec![o.encode(env), lse.encode(env)])
     })
 }
@@ -90,7 +82,7 @@ fn forward<'a>(
 /// `{:ok, {dq, q_shape}, {dk, kv_shape}, {dv, kv_shape}}` from the forward's inputs, its output
 /// `o`, its `lse` (`[B, H, Sq]`, float32) and the output gradient `d_out`.
 #[rustler::nif(schedule = "DirtyCpu")]
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments)] // one Rust parameter per argument of the Elixir stub Nif.backward/10
 fn backward<'a>(
     env: Env<'a>,
     d_out: Term<'a>,
@@ -109,37 +101,14 @@ fn backward<'a>(
         opts.deterministic = deterministic
             .decode()
             .map_err(|_| Reason::argument("deterministic must be a boolean".into()))?;
-        let d_out = HostTensor::decode(d_out, "d_out")?;
-        let q = HostTensor::decode(q, "q")?;
-        let k = HostTensor::decode(k, "k")?;
-        let v = HostTensor::decode(v, "v")?;
-        let o = HostTensor::decode(o, "o")?;
-        let lse = HostTensor::decode(lse, "lse")?;
-        let p = Problem::backward(
-            &d_out.spec(),
-            &q.spec(),
-            &k.spec(),
-            &v.spec(),
-            &o.spec(),
-            &lse.spec(),
-            &opts,
-        )?;
+        let a = inputs([d_out, q, k, v, o, lse], ["d_out", "q", "k", "v", "o", "lse"])?;
+        let [d_out, q, k, v, o, lse] = &a;
+        let p = Problem::backward(&d_out.spec(), &q.spec(), &k.spec(), &v.spec(), &o.spec(), &lse.spec(), &opts)?;
         let mut dq = Output::alloc("dq", &p.dims.q_shape(), p.dtype)?;
         let mut dk = Output::alloc("dk", &p.dims.kv_shape(), p.dtype)?;
         let mut dv = Output::alloc("dv", &p.dims.kv_shape(), p.dtype)?;
-        backward_host(
-            device,
-            &p,
-            d_out.bytes(),
-            q.bytes(),
-            k.bytes(),
-            v.bytes(),
-            o.bytes(),
-            lse.bytes(),
-            dq.bytes_mut(),
-            dk.bytes_mut(),
-            dv.bytes_mut(),
-        )?;
+        let io = BackwardIo::new(a.each_ref().map(HostTensor::bytes), [dq.bytes_mut(), dk.bytes_mut(), dv.bytes_mut()]);
+        backward_host(device, &p, io)?;
         Ok(vec![dq.encode(env), dk.encode(env), dv.encode(env)])
     })
 }

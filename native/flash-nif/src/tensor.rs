@@ -2,7 +2,7 @@
 //!
 //! In: `{data, [d0, d1, ...], dtype_name}` where `data` is a native-endian, row-major binary
 //! (any alignment; sub-binaries are fine) and `dtype_name` is "float32", "float16" or "bfloat16"
-//! (anything else reaches `DType::parse`, which names the accepted types).
+//! (anything else reaches the core's validation, which names the accepted types).
 //! Out: `{data, {d0, d1, ...}}`, `data` a fresh binary written in place by the core.
 
 use crate::reply::Reason;
@@ -14,14 +14,15 @@ use std::mem::MaybeUninit;
 
 /// An input tensor, borrowing the caller's binary (no copy).
 pub struct HostTensor<'a> {
+    name: &'a str,
     data: Binary<'a>,
     shape: Vec<usize>,
-    dtype: DType,
+    dtype: String,
 }
 
 impl<'a> HostTensor<'a> {
     /// Decodes argument `name`; a malformed term is an `:argument` error naming it.
-    pub fn decode(term: Term<'a>, name: &str) -> Result<HostTensor<'a>, Reason> {
+    pub fn decode(term: Term<'a>, name: &'a str) -> Result<HostTensor<'a>, Reason> {
         let malformed = || {
             Reason::argument(format!(
                 "{name} must be {{data :: binary, shape :: [non_neg_integer], dtype_name :: String.t}}"
@@ -32,15 +33,15 @@ impl<'a> HostTensor<'a> {
         let data: Binary<'a> = data.decode().map_err(|_| malformed())?;
         let shape: Vec<usize> = shape.decode().map_err(|_| malformed())?;
         let dtype: String = dtype.decode().map_err(|_| malformed())?;
-        let dtype = DType::parse(&dtype, name)?;
-        Ok(HostTensor { data, shape, dtype })
+        Ok(HostTensor { name, data, shape, dtype })
     }
 
     pub fn spec(&self) -> TensorSpec<'_> {
         TensorSpec {
-            dtype: self.dtype,
+            name: self.name,
+            dtype: &self.dtype,
             shape: &self.shape,
-            nbytes: self.data.len(),
+            nbytes: Some(self.data.len()),
         }
     }
 

@@ -4,89 +4,60 @@
 //! through the core's `forward_host` / `backward_host`. Validation is the core's `Problem`; errors map like the CPU's.
 
 use flash_core::cuda::{self, BackwardPtrs, ForwardPtrs};
-use flash_core::{DType, FlashError, Options, Problem, TensorSpec};
+use flash_core::{FlashError, Problem, TensorSpec};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::to_pyerr;
-
-fn spec<'a>(dtype: DType, shape: &'a [usize]) -> TensorSpec<'a> {
-    let nbytes = shape.iter().product::<usize>() * dtype.size_bytes();
-    TensorSpec { dtype, shape, nbytes }
-}
+use crate::errors::PyFlashError;
 
 /// A GPU tensor as the Python layer describes it: (device pointer, shape, dtype name).
 type DevTensor = (u64, Vec<usize>, String);
 
-fn dev_spec<'a>(t: &'a DevTensor, name: &str) -> Result<TensorSpec<'a>, FlashError> {
-    Ok(spec(DType::parse(&t.2, name)?, &t.1))
+fn dev_spec<'a>(t: &'a DevTensor, name: &'a str) -> TensorSpec<'a> {
+    TensorSpec { name, dtype: &t.2, shape: &t.1, nbytes: None }
 }
 
-/// Forward on device pointers. `inputs` = [q, k, v]; fills o (like q) and lse ([B, H, Sq] f32),
-/// both preallocated by the caller on the same device.
+/// Forward on device pointers. `inputs` = [q, k, v]; `outputs` = [o (like q), lse ([B, H, Sq] f32)],
+/// preallocated by the caller on the same device.
 #[pyfunction]
-#[pyo3(signature = (inputs, o, lse, causal, scale, device, stream))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (inputs, outputs, device, stream, **options))]
 fn cuda_forward_device(
-    py: Python<'_>,
-    inputs: Vec<DevTensor>,
-    o: u64,
-    lse: u64,
-    causal: bool,
-    scale: Option<f64>,
-    device: usize,
-    stream: usize,
-) -> PyResult<()> {
-    let run = || -> Result<(), FlashError> {
-        let [q, k, v] = inputs.as_slice() else {
-            return Err(FlashError::Internal("cuda_forward_device takes [q, k, v]".into()));
-        };
-        let opts = Options { causal, scale, deterministic: false };
-        let p = Problem::forward(&dev_spec(q, "q")?, &dev_spec(k, "k")?, &dev_spec(v, "v")?, &opts)?;
-        let ptrs = ForwardPtrs { q: q.0, k: k.0, v: v.0, o, lse };
-        // SAFETY: the Python layer passes pointers of contiguous arrays of these shapes on `device`,
-        // kept alive by the caller until the stream has run.
-        py.detach(|| unsafe { cuda::forward_device(&p, device, stream, ptrs) })
+    py: Python<'_>, inputs: Vec<DevTensor>, outputs: [u64; 2], device: usize, stream: usize, options: Option<&Bound<'_, PyDict>>,
+) -> Result<(), PyFlashError> {
+    let [q, k, v] = inputs.as_slice() else {
+        return Err(FlashError::Internal("cuda_forward_device takes [q, k, v]".into()).into());
     };
-    run().map_err(|e| to_pyerr(py, e))
+    let p = Problem::forward(&dev_spec(q, "q"), &dev_spec(k, "k"), &dev_spec(v, "v"), &crate::options(options)?)?;
+    let [o, lse] = outputs;
+    let ptrs = ForwardPtrs { q: q.0, k: k.0, v: v.0, o, lse };
+    // SAFETY: the Python layer passes pointers of contiguous arrays of these shapes on `device`,
+    // kept alive by the caller until the stream has run.
+    Ok(py.detach(|| unsafe { cuda::forward_device(&p, device, stream, ptrs) })?)
 }
 
-/// Backward on device pointers. `inputs` = [d_out, q, k, v, o, lse]; fills dq (like q), dk and dv
-/// (like k), preallocated by the caller on the same device.
+/// Backward on device pointers. `inputs` = [do, q, k, v, o, lse]; `outputs` = [dq (like q), dk, dv
+/// (like k)], preallocated by the caller on the same device.
 #[pyfunction]
-#[pyo3(signature = (inputs, dq, dk, dv, causal, scale, device, stream, deterministic = false))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (inputs, outputs, device, stream, **options))]
 fn cuda_backward_device(
-    py: Python<'_>,
-    inputs: Vec<DevTensor>,
-    dq: u64,
-    dk: u64,
-    dv: u64,
-    causal: bool,
-    scale: Option<f64>,
-    device: usize,
-    stream: usize,
-    deterministic: bool,
-) -> PyResult<()> {
-    let run = || -> Result<(), FlashError> {
-        let [d_out, q, k, v, o, lse] = inputs.as_slice() else {
-            return Err(FlashError::Internal("cuda_backward_device takes [d_out, q, k, v, o, lse]".into()));
-        };
-        let opts = Options { causal, scale, deterministic };
-        let p = Problem::backward(
-            &dev_spec(d_out, "d_out")?,
-            &dev_spec(q, "q")?,
-            &dev_spec(k, "k")?,
-            &dev_spec(v, "v")?,
-            &dev_spec(o, "o")?,
-            &dev_spec(lse, "lse")?,
-            &opts,
-        )?;
-        let ptrs = BackwardPtrs { d_out: d_out.0, q: q.0, k: k.0, v: v.0, o: o.0, lse: lse.0, dq, dk, dv };
-        // SAFETY: as cuda_forward_device.
-        py.detach(|| unsafe { cuda::backward_device(&p, device, stream, ptrs) })
+    py: Python<'_>, inputs: Vec<DevTensor>, outputs: [u64; 3], device: usize, stream: usize, options: Option<&Bound<'_, PyDict>>,
+) -> Result<(), PyFlashError> {
+    let [d_out, q, k, v, o, lse] = inputs.as_slice() else {
+        return Err(FlashError::Internal("cuda_backward_device takes [do, q, k, v, o, lse]".into()).into());
     };
-    run().map_err(|e| to_pyerr(py, e))
+    let p = Problem::backward(
+        &dev_spec(d_out, "do"),
+        &dev_spec(q, "q"),
+        &dev_spec(k, "k"),
+        &dev_spec(v, "v"),
+        &dev_spec(o, "o"),
+        &dev_spec(lse, "lse"),
+        &crate::options(options)?,
+    )?;
+    let [dq, dk, dv] = outputs;
+    let ptrs = BackwardPtrs { d_out: d_out.0, q: q.0, k: k.0, v: v.0, o: o.0, lse: lse.0, dq, dk, dv };
+    // SAFETY: as cuda_forward_device.
+    Ok(py.detach(|| unsafe { cuda::backward_device(&p, device, stream, ptrs) })?)
 }
 
 /// Registers directories (Python's sys.path) where pip's `nvidia/*/lib` NVRTC may be found.
@@ -100,7 +71,7 @@ fn cuda_set_search_roots(paths: Vec<String>) {
 #[pyfunction]
 #[pyo3(signature = (device = 0))]
 fn cuda_info(py: Python<'_>, device: usize) -> PyResult<Bound<'_, PyDict>> {
-    let i = py.detach(|| cuda::info(device)).map_err(|e| to_pyerr(py, e))?;
+    let i = py.detach(|| cuda::info(device)).map_err(PyFlashError)?;
     let d = PyDict::new(py);
     d.set_item("device", i.ordinal)?;
     d.set_item("name", i.name)?;

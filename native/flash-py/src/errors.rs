@@ -1,28 +1,39 @@
-//! FlashError -> the Python exception hierarchy defined in `flash_nif/errors.py`.
+//! FlashError -> the Python exception hierarchy defined in `flash_nif/errors.py` (each class also
+//! subclasses the built-in it refines: ValueError, TypeError, MemoryError or RuntimeError).
 
 use flash_core::FlashError;
-use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
-/// Name of the Python class (in `flash_nif.errors`) raised for an error.
-fn class_name(e: &FlashError) -> &'static str {
-    match e {
-        FlashError::Shape(_) => "ShapeError",
-        FlashError::DType(_) => "DTypeError",
-        FlashError::Unsupported(_) => "UnsupportedError",
-        FlashError::OutOfMemory(_) => "OutOfMemoryError",
-        FlashError::CudaUnavailable(_) | FlashError::Cuda { .. } => "DeviceError",
-        FlashError::Nvrtc { .. } => "CompileError",
-        FlashError::Internal(_) => "InternalError",
+pyo3::import_exception!(flash_nif.errors, ShapeError);
+pyo3::import_exception!(flash_nif.errors, DTypeError);
+pyo3::import_exception!(flash_nif.errors, UnsupportedError);
+pyo3::import_exception!(flash_nif.errors, OutOfMemoryError);
+pyo3::import_exception!(flash_nif.errors, DeviceError);
+pyo3::import_exception!(flash_nif.errors, CompileError);
+pyo3::import_exception!(flash_nif.errors, InternalError);
+
+/// A core error on its way to Python: adapters return `Result<_, PyFlashError>` (or convert into
+/// `PyErr`) and use `?` on the core's results.
+#[derive(Debug)]
+pub struct PyFlashError(pub FlashError);
+
+impl From<FlashError> for PyFlashError {
+    fn from(e: FlashError) -> Self {
+        PyFlashError(e)
     }
 }
 
-pub fn to_pyerr(py: Python<'_>, e: FlashError) -> PyErr {
-    let class = py
-        .import("flash_nif.errors")
-        .and_then(|m| m.getattr(class_name(&e)));
-    match class {
-        Ok(cls) => PyErr::from_type(cls.cast_into().expect("exception class"), e.to_string()),
-        Err(_) => PyRuntimeError::new_err(e.to_string()),
+impl From<PyFlashError> for PyErr {
+    fn from(PyFlashError(e): PyFlashError) -> PyErr {
+        let msg = e.to_string();
+        match e {
+            FlashError::Shape(_) => ShapeError::new_err(msg),
+            FlashError::DType(_) => DTypeError::new_err(msg),
+            FlashError::Unsupported(_) => UnsupportedError::new_err(msg),
+            FlashError::OutOfMemory(_) => OutOfMemoryError::new_err(msg),
+            FlashError::CudaUnavailable(_) | FlashError::Cuda { .. } => DeviceError::new_err(msg),
+            FlashError::Nvrtc { .. } => CompileError::new_err(msg),
+            FlashError::Internal(_) => InternalError::new_err(msg),
+        }
     }
 }

@@ -2,11 +2,11 @@
 //! and the development hook that forces one kernel's tiles (tools/sweep*.py).
 
 use flash_core::cuda::{self, Kernel, Tiles, Variant};
-use flash_core::{DType, FlashError};
+use flash_core::DType;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::to_pyerr;
+use crate::errors::PyFlashError;
 
 fn variant_dict<'py>(py: Python<'py>, v: &Variant) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
@@ -50,8 +50,7 @@ fn cuda_compile_report(
 ) -> PyResult<Vec<Bound<'_, PyDict>>> {
     let jobs = jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let variants = cuda::all_variants(&head_dims);
-    let reports =
-        py.detach(|| cuda::compile_report(&variants, &archs, jobs, fresh)).map_err(|e| to_pyerr(py, e))?;
+    let reports = py.detach(|| cuda::compile_report(&variants, &archs, jobs, fresh)).map_err(PyFlashError)?;
     reports
         .iter()
         .map(|r| {
@@ -77,13 +76,10 @@ fn cuda_compile_report(
 /// NVRTC's version ("13.0") and where it was loaded from ("system" or the pip library's path).
 /// Raises DeviceError without NVRTC.
 #[pyfunction]
-fn cuda_nvrtc(py: Python<'_>) -> PyResult<(String, String)> {
-    let run = || -> Result<(String, String), FlashError> {
-        let library = cuda::ensure_nvrtc()?;
-        let (major, minor) = cuda::nvrtc_version()?;
-        Ok((format!("{major}.{minor}"), library))
-    };
-    run().map_err(|e| to_pyerr(py, e))
+fn cuda_nvrtc() -> Result<(String, String), PyFlashError> {
+    let library = cuda::ensure_nvrtc()?;
+    let (major, minor) = cuda::nvrtc_version()?;
+    Ok((format!("{major}.{minor}"), library))
 }
 
 /// Development hook: every launch of (kernel, dtype, head_dim) in this process uses `tiles` =
@@ -92,23 +88,19 @@ fn cuda_nvrtc(py: Python<'_>) -> PyResult<(String, String)> {
 #[pyfunction]
 #[pyo3(signature = (kernel, dtype, head_dim, tiles))]
 fn cuda_set_tile_override(
-    py: Python<'_>,
     kernel: &str,
     dtype: &str,
     head_dim: usize,
     tiles: Option<(usize, usize, usize, usize, usize)>,
-) -> PyResult<()> {
-    let run = || -> Result<(), FlashError> {
-        let tiles = tiles.map(|(block_m, block_n, num_warps, d_split, min_blocks)| Tiles {
-            block_m,
-            block_n,
-            num_warps,
-            d_split,
-            min_blocks,
-        });
-        cuda::set_tile_override(Kernel::parse(kernel)?, DType::parse(dtype, "dtype")?, head_dim, tiles)
-    };
-    run().map_err(|e| to_pyerr(py, e))
+) -> Result<(), PyFlashError> {
+    let tiles = tiles.map(|(block_m, block_n, num_warps, d_split, min_blocks)| Tiles {
+        block_m,
+        block_n,
+        num_warps,
+        d_split,
+        min_blocks,
+    });
+    Ok(cuda::set_tile_override(Kernel::parse(kernel)?, DType::parse(dtype, "dtype")?, head_dim, tiles)?)
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -7,70 +7,72 @@ mod errors;
 mod kernels;
 
 use arrays::{empty_f32, empty_like_dtype, HostArray};
-use errors::to_pyerr;
-use flash_core::{backward_host, cpu, forward_host, Device, Options, Problem};
+use errors::PyFlashError;
+use flash_core::{backward_host, cpu, forward_host, BackwardIo, Device, FlashError, ForwardIo, Options, Problem};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-fn inputs<'py, const N: usize>(py: Python<'py>, args: [(&Bound<'py, PyAny>, &str); N]) -> PyResult<Vec<HostArray<'py>>> {
-    args.iter()
-        .map(|(obj, name)| HostArray::extract(obj, name).map_err(|e| to_pyerr(py, e)))
-        .collect()
+/// Both Python functions return NumPy arrays.
+type Array<'py> = Bound<'py, PyAny>;
+
+/// The NumPy arrays of one call, named for messages; `inputs` must hold exactly N of them.
+fn host_arrays<'py, const N: usize>(inputs: &[Array<'py>], names: [&'static str; N]) -> Result<[HostArray<'py>; N], FlashError> {
+    if inputs.len() != N {
+        return Err(FlashError::Internal(format!("expected the {N} arrays {names:?}, got {}", inputs.len())));
+    }
+    let arrays: Vec<HostArray> =
+        inputs.iter().zip(names).map(|(obj, name)| HostArray::extract(obj, name)).collect::<Result<_, _>>()?;
+    Ok(arrays.try_into().unwrap_or_else(|_| unreachable!("length checked above")))
 }
 
-/// (o, lse) for NumPy q, k, v, computed on `device` ("cpu", "cuda" or "auto").
+/// The core's [`Options`] from a call's keyword arguments (`causal`, `scale`, `deterministic`);
+/// one left out keeps the core's default. The Python layer has checked their types already.
+pub(crate) fn options(kwargs: Option<&Bound<'_, PyDict>>) -> Result<Options, FlashError> {
+    let mut opts = Options::default();
+    let bad = |what: &str| FlashError::Unsupported(what.to_string());
+    for (key, value) in kwargs.into_iter().flat_map(|d| d.iter()) {
+        match key.extract::<String>().unwrap_or_default().as_str() {
+            "causal" => opts.causal = value.extract().map_err(|_| bad("causal must be a bool"))?,
+            "scale" => opts.scale = value.extract().map_err(|_| bad("scale must be a number or None"))?,
+            "deterministic" => opts.deterministic = value.extract().map_err(|_| bad("deterministic must be a bool"))?,
+            other => return Err(FlashError::Unsupported(format!("unknown option {other:?}"))),
+        }
+    }
+    Ok(opts)
+}
+
+/// (o, lse) for NumPy `inputs` = [q, k, v], computed on `device` ("cpu", "cuda" or "auto").
 #[pyfunction]
-#[pyo3(signature = (q, k, v, causal, scale, device))]
+#[pyo3(signature = (inputs, device, **options))]
 fn forward_host_arrays<'py>(
-    py: Python<'py>,
-    q: &Bound<'py, PyAny>,
-    k: &Bound<'py, PyAny>,
-    v: &Bound<'py, PyAny>,
-    causal: bool,
-    scale: Option<f64>,
-    device: &str,
-) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
-    let device = Device::parse(device).map_err(|e| to_pyerr(py, e))?;
-    let a = inputs(py, [(q, "q"), (k, "k"), (v, "v")])?;
-    let opts = Options { causal, scale, deterministic: false };
-    let p = Problem::forward(&a[0].spec(), &a[1].spec(), &a[2].spec(), &opts).map_err(|e| to_pyerr(py, e))?;
-    let o = empty_like_dtype(py, &p.dims.q_shape(), &a[0])?;
+    py: Python<'py>, inputs: Vec<Array<'py>>, device: &str, options: Option<&Bound<'py, PyDict>>,
+) -> Result<(Array<'py>, Array<'py>), PyFlashError> {
+    let device = Device::parse(device)?;
+    let [q, k, v] = host_arrays(&inputs, ["q", "k", "v"])?;
+    let p = Problem::forward(&q.spec(), &k.spec(), &v.spec(), &self::options(options)?)?;
+    let o = empty_like_dtype(py, &p.dims.q_shape(), &q)?;
     let lse = empty_f32(py, &p.dims.lse_shape())?;
-    let (qb, kb, vb) = (a[0].bytes(), a[1].bytes(), a[2].bytes());
-    let (ob, lb) = (o.bytes_mut(), lse.bytes_mut());
-    py.detach(|| forward_host(device, &p, qb, kb, vb, ob, lb)).map_err(|e| to_pyerr(py, e))?;
+    let io = ForwardIo::new([&q, &k, &v].map(HostArray::bytes), [o.bytes_mut(), lse.bytes_mut()]);
+    py.detach(|| forward_host(device, &p, io))?;
     Ok((o.array.into_any(), lse.array.into_any()))
 }
 
-/// (dq, dk, dv) for NumPy inputs, computed on `device` ("cpu", "cuda" or "auto").
+/// (dq, dk, dv) for NumPy `inputs` = [do, q, k, v, o, lse], computed on `device`.
 #[pyfunction]
-#[pyo3(signature = (d_out, q, k, v, o, lse, causal, scale, device, deterministic = false))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (inputs, device, **options))]
 fn backward_host_arrays<'py>(
-    py: Python<'py>,
-    d_out: &Bound<'py, PyAny>,
-    q: &Bound<'py, PyAny>,
-    k: &Bound<'py, PyAny>,
-    v: &Bound<'py, PyAny>,
-    o: &Bound<'py, PyAny>,
-    lse: &Bound<'py, PyAny>,
-    causal: bool,
-    scale: Option<f64>,
-    device: &str,
-    deterministic: bool,
-) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)> {
-    let device = Device::parse(device).map_err(|e| to_pyerr(py, e))?;
-    let a = inputs(py, [(d_out, "d_out"), (q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse")])?;
-    let opts = Options { causal, scale, deterministic };
-    let p = Problem::backward(&a[0].spec(), &a[1].spec(), &a[2].spec(), &a[3].spec(), &a[4].spec(), &a[5].spec(), &opts)
-        .map_err(|e| to_pyerr(py, e))?;
-    let dq = empty_like_dtype(py, &p.dims.q_shape(), &a[1])?;
-    let dk = empty_like_dtype(py, &p.dims.kv_shape(), &a[2])?;
-    let dv = empty_like_dtype(py, &p.dims.kv_shape(), &a[3])?;
-    let ins: Vec<&[u8]> = a.iter().map(|x| x.bytes()).collect();
-    let (dqb, dkb, dvb) = (dq.bytes_mut(), dk.bytes_mut(), dv.bytes_mut());
-    py.detach(|| backward_host(device, &p, ins[0], ins[1], ins[2], ins[3], ins[4], ins[5], dqb, dkb, dvb))
-        .map_err(|e| to_pyerr(py, e))?;
+    py: Python<'py>, inputs: Vec<Array<'py>>, device: &str, options: Option<&Bound<'py, PyDict>>,
+) -> Result<(Array<'py>, Array<'py>, Array<'py>), PyFlashError> {
+    let device = Device::parse(device)?;
+    let a = host_arrays(&inputs, ["do", "q", "k", "v", "o", "lse"])?;
+    let [d_out, q, k, v, o, lse] = &a;
+    let opts = self::options(options)?;
+    let p = Problem::backward(&d_out.spec(), &q.spec(), &k.spec(), &v.spec(), &o.spec(), &lse.spec(), &opts)?;
+    let dq = empty_like_dtype(py, &p.dims.q_shape(), q)?;
+    let dk = empty_like_dtype(py, &p.dims.kv_shape(), k)?;
+    let dv = empty_like_dtype(py, &p.dims.kv_shape(), v)?;
+    let io = BackwardIo::new(a.each_ref().map(HostArray::bytes), [dq.bytes_mut(), dk.bytes_mut(), dv.bytes_mut()]);
+    py.detach(|| backward_host(device, &p, io))?;
     Ok((dq.array.into_any(), dk.array.into_any(), dv.array.into_any()))
 }
 

@@ -18,6 +18,7 @@ use super::matmul::{matmul, Mat};
 use super::simd;
 use super::workspace::{zeroed, Buffer, BLOCK_K, BLOCK_Q};
 use crate::error::Result;
+use crate::io::BackwardIo;
 use crate::problem::Problem;
 use rayon::prelude::*;
 use std::f32::consts::{LN_2, LOG2_E};
@@ -34,19 +35,8 @@ struct Packed {
 }
 
 /// Writes dq ([B, Sq, H, D]), dk and dv ([B, Sk, Hkv, D]) in p.dtype.
-#[allow(clippy::too_many_arguments)]
-pub fn run(
-    p: &Problem,
-    d_out: &[u8],
-    q: &[u8],
-    k: &[u8],
-    v: &[u8],
-    o: &[u8],
-    lse: &[u8],
-    dq: &mut [u8],
-    dk: &mut [u8],
-    dv: &mut [u8],
-) -> Result<()> {
+pub fn run(p: &Problem, io: BackwardIo) -> Result<()> {
+    let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv } = io;
     let dims = p.dims;
     let packed = Packed {
         qs: pack_rows(q, p.dtype, dims.q_shape(), p.scale * LOG2_E, "packed q")?,

@@ -5,11 +5,11 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys as cu;
 
-use super::device::{self, ContextGuard, DeviceBuffer};
-use super::launch::{backward_device, check_supported, forward_device, BackwardPtrs, ForwardPtrs};
-use super::libs;
+use super::device::{self, Device, DeviceBuffer};
+use super::launch::{self, BackwardPtrs, ForwardPtrs};
 use crate::error::Result;
 use crate::guard::{catch_panics, check_backward_buffers, check_forward_buffers};
+use crate::io::{BackwardIo, ForwardIo};
 use crate::problem::Problem;
 
 /// A private stream for host-memory calls, destroyed on drop.
@@ -40,14 +40,17 @@ impl Drop for Stream {
     }
 }
 
-fn upload(buf: &DeviceBuffer, src: &[u8], s: &Stream) -> Result<()> {
-    if src.is_empty() {
-        return Ok(());
+/// A device copy of `src` (stream-ordered on `s`).
+fn upload(src: &[u8], s: &Stream) -> Result<DeviceBuffer> {
+    let buf = DeviceBuffer::alloc(src.len(), s.0)?;
+    if !src.is_empty() {
+        // SAFETY: the buffer holds src.len() bytes; the host slice outlives the sync that ends
+        // every host call.
+        device::check("cuMemcpyHtoDAsync", unsafe {
+            cu::cuMemcpyHtoDAsync_v2(buf.ptr, src.as_ptr() as *const c_void, src.len(), s.0)
+        })?;
     }
-    // SAFETY: the buffer holds at least src.len() bytes; the host slice outlives the sync below.
-    device::check("cuMemcpyHtoDAsync", unsafe {
-        cu::cuMemcpyHtoDAsync_v2(buf.ptr, src.as_ptr() as *const c_void, src.len(), s.0)
-    })
+    Ok(buf)
 }
 
 fn download(dst: &mut [u8], buf: &DeviceBuffer, s: &Stream) -> Result<()> {
@@ -60,77 +63,47 @@ fn download(dst: &mut [u8], buf: &DeviceBuffer, s: &Stream) -> Result<()> {
     })
 }
 
-/// Forward on host memory through GPU `device` (copy in, compute, copy out; synchronous).
-pub fn forward_host(p: &Problem, device: usize, q: &[u8], k: &[u8], v: &[u8], o: &mut [u8], lse: &mut [u8]) -> Result<()> {
-    check_forward_buffers(p, q, k, v, o, lse)?;
+/// Runs `body` on a [`prepare`](launch::prepare)d GPU `device` with a private stream, then waits
+/// for the stream (so the host buffers `body` copied from and to are done with).
+fn staged(p: &Problem, device: usize, body: impl FnOnce(&Device, &Stream) -> Result<()>) -> Result<()> {
     catch_panics("CUDA", || {
-        check_supported(p)?;
-        let dev = device::device(device)?;
-        libs::ensure_nvrtc()?;
-        let _ctx = ContextGuard::new(&dev)?;
+        let (dev, _ctx) = launch::prepare(p, device)?;
         let s = Stream::new()?;
-        let bufs = [q.len(), k.len(), v.len(), o.len(), lse.len()].map(|n| DeviceBuffer::alloc(n, s.0));
-        let [bq, bk, bv, bo, bl] = bufs;
-        let (bq, bk, bv, bo, bl) = (bq?, bk?, bv?, bo?, bl?);
-        upload(&bq, q, &s)?;
-        upload(&bk, k, &s)?;
-        upload(&bv, v, &s)?;
-        let ptrs = ForwardPtrs { q: bq.ptr, k: bk.ptr, v: bv.ptr, o: bo.ptr, lse: bl.ptr };
-        // SAFETY: buffers sized from the problem, on this device, ordered on stream s.
-        unsafe { forward_device(p, device, s.0 as usize, ptrs)? };
-        download(o, &bo, &s)?;
-        download(lse, &bl, &s)?;
+        body(&dev, &s)?;
         s.sync()
     })
 }
 
+/// Forward on host memory through GPU `device` (copy in, compute, copy out; synchronous).
+pub fn forward_host(p: &Problem, device: usize, io: ForwardIo) -> Result<()> {
+    check_forward_buffers(p, &io)?;
+    staged(p, device, |dev, s| {
+        let (q, k, v) = (upload(io.q, s)?, upload(io.k, s)?, upload(io.v, s)?);
+        let (o, lse) = (DeviceBuffer::alloc(io.o.len(), s.0)?, DeviceBuffer::alloc(io.lse.len(), s.0)?);
+        let ptrs = ForwardPtrs { q: q.ptr, k: k.ptr, v: v.ptr, o: o.ptr, lse: lse.ptr };
+        // SAFETY: buffers sized from the problem, on this device, ordered on stream s.
+        unsafe { launch::forward(dev, p, s.0, ptrs)? };
+        download(io.o, &o, s)?;
+        download(io.lse, &lse, s)
+    })
+}
+
 /// Backward on host memory through GPU `device` (copy in, compute, copy out; synchronous).
-#[allow(clippy::too_many_arguments)]
-pub fn backward_host(
-    p: &Problem,
-    device: usize,
-    d_out: &[u8],
-    q: &[u8],
-    k: &[u8],
-    v: &[u8],
-    o: &[u8],
-    lse: &[u8],
-    dq: &mut [u8],
-    dk: &mut [u8],
-    dv: &mut [u8],
-) -> Result<()> {
-    check_backward_buffers(p, d_out, q, k, v, o, lse, dq, dk, dv)?;
-    catch_panics("CUDA", || {
-        check_supported(p)?;
-        let dev = device::device(device)?;
-        libs::ensure_nvrtc()?;
-        let _ctx = ContextGuard::new(&dev)?;
-        let s = Stream::new()?;
-        let sizes = [d_out.len(), q.len(), k.len(), v.len(), o.len(), lse.len(), dq.len(), dk.len(), dv.len()];
-        let mut bufs = Vec::with_capacity(sizes.len());
-        for n in sizes {
-            bufs.push(DeviceBuffer::alloc(n, s.0)?);
-        }
-        for (b, src) in bufs.iter().zip([d_out, q, k, v, o, lse]) {
-            upload(b, src, &s)?;
-        }
-        let ptr = |i: usize| bufs[i].ptr;
+pub fn backward_host(p: &Problem, device: usize, io: BackwardIo) -> Result<()> {
+    check_backward_buffers(p, &io)?;
+    staged(p, device, |dev, s| {
+        let (d_out, q, k) = (upload(io.d_out, s)?, upload(io.q, s)?, upload(io.k, s)?);
+        let (v, o, lse) = (upload(io.v, s)?, upload(io.o, s)?, upload(io.lse, s)?);
+        let [dq, dk, dv] = [io.dq.len(), io.dk.len(), io.dv.len()].map(|n| DeviceBuffer::alloc(n, s.0));
+        let (dq, dk, dv) = (dq?, dk?, dv?);
         let ptrs = BackwardPtrs {
-            d_out: ptr(0),
-            q: ptr(1),
-            k: ptr(2),
-            v: ptr(3),
-            o: ptr(4),
-            lse: ptr(5),
-            dq: ptr(6),
-            dk: ptr(7),
-            dv: ptr(8),
+            d_out: d_out.ptr, q: q.ptr, k: k.ptr, v: v.ptr, o: o.ptr, lse: lse.ptr,
+            dq: dq.ptr, dk: dk.ptr, dv: dv.ptr,
         };
         // SAFETY: buffers sized from the problem, on this device, ordered on stream s.
-        unsafe { backward_device(p, device, s.0 as usize, ptrs)? };
-        download(dq, &bufs[6], &s)?;
-        download(dk, &bufs[7], &s)?;
-        download(dv, &bufs[8], &s)?;
-        s.sync()
+        unsafe { launch::backward(dev, p, s.0, ptrs)? };
+        download(io.dq, &dq, s)?;
+        download(io.dk, &dk, s)?;
+        download(io.dv, &dv, s)
     })
 }

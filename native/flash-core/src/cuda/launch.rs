@@ -1,12 +1,14 @@
 //! Launch planning on device pointers: the params struct the kernels read, which kernel variant
 //! runs, and the forward / backward launch sequences on the caller's stream.
 
+use std::sync::Arc;
+
 use cudarc::driver::sys as cu;
 
 use super::config::{self, Spec};
-use super::variant::{Kernel, Variant};
-use super::device::{self, launch, ContextGuard, DeviceBuffer};
+use super::device::{self, launch, ContextGuard, Device, DeviceBuffer};
 use super::libs;
+use super::variant::{Kernel, Variant};
 use crate::error::{FlashError, Result};
 use crate::guard::catch_panics;
 use crate::problem::Problem;
@@ -37,8 +39,8 @@ struct FlashParams {
     _pad: i32,
 }
 
-/// Device pointers of a forward call (each on the same GPU, contiguous, in the problem's dtype;
-/// lse is f32).
+/// Device pointers of a forward call: [`ForwardIo`](crate::ForwardIo)'s buffers on one GPU (same
+/// layouts).
 #[derive(Debug, Clone, Copy)]
 pub struct ForwardPtrs {
     pub q: u64,
@@ -48,7 +50,7 @@ pub struct ForwardPtrs {
     pub lse: u64,
 }
 
-/// Device pointers of a backward call.
+/// Device pointers of a backward call: [`BackwardIo`](crate::BackwardIo)'s buffers on one GPU.
 #[derive(Debug, Clone, Copy)]
 pub struct BackwardPtrs {
     pub d_out: u64,
@@ -62,9 +64,9 @@ pub struct BackwardPtrs {
     pub dv: u64,
 }
 
-pub(super) fn check_supported(p: &Problem) -> Result<()> {
+fn check_supported(p: &Problem) -> Result<()> {
     let d = p.dims.head_dim;
-    if d % 8 != 0 {
+    if !d.is_multiple_of(8) {
         return Err(FlashError::Unsupported(format!(
             "the CUDA backend supports head_dim multiples of 8 (up to 256); got {d}"
         )));
@@ -107,10 +109,20 @@ fn grid_over(n: usize, block: usize) -> u32 {
     n.div_ceil(block) as u32
 }
 
-fn kernel_variant(dev: &device::Device, p: &Problem, kernel: Kernel) -> Result<Variant> {
+fn kernel_variant(dev: &Device, p: &Problem, kernel: Kernel) -> Result<Variant> {
     let d = &p.dims;
     let spec = Spec { kernel, dtype: p.dtype, head_dim: d.head_dim, causal: p.causal, group: d.group(), seq_k: d.seq_k };
     device::choose(dev, &config::candidates(&spec))
+}
+
+/// What every CUDA call does first, once: check that this backend takes `p`, open GPU `device`,
+/// load NVRTC, and make the device's primary context current until the guard drops.
+pub(super) fn prepare(p: &Problem, device: usize) -> Result<(Arc<Device>, ContextGuard)> {
+    check_supported(p)?;
+    let dev = device::device(device)?;
+    libs::ensure_nvrtc()?;
+    let ctx = ContextGuard::new(&dev)?;
+    Ok((dev, ctx))
 }
 
 /// Forward on device memory: o = softmax(scale q k^T) v, lse = its logsumexp.
@@ -122,21 +134,9 @@ fn kernel_variant(dev: &device::Device, p: &Problem, kernel: Kernel) -> Result<V
 /// primary context.
 pub unsafe fn forward_device(p: &Problem, device: usize, stream: usize, ptrs: ForwardPtrs) -> Result<()> {
     catch_panics("CUDA", || {
-        check_supported(p)?;
-        let dev = device::device(device)?;
-        libs::ensure_nvrtc()?;
-        let _ctx = ContextGuard::new(&dev)?;
-        let s = stream as cu::CUstream;
-        let d = &p.dims;
-        if d.batch == 0 || d.seq_q == 0 {
-            return Ok(());
-        }
-        let mut prm = params(p);
-        (prm.q, prm.k, prm.v, prm.o, prm.lse) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse);
-        let v = kernel_variant(&dev, p, Kernel::Fwd)?;
-        let f = device::function(&dev, &v)?;
-        // SAFETY: the caller guarantees the pointers; prm mirrors FlashParams.
-        unsafe { launch("flash_fwd", f, (grid_over(d.seq_q, v.tiles.block_m), d.heads as u32, d.batch as u32), s, &prm) }
+        let (dev, _ctx) = prepare(p, device)?;
+        // SAFETY: the caller's guarantees, passed on.
+        unsafe { forward(&dev, p, stream as cu::CUstream, ptrs) }
     })
 }
 
@@ -148,53 +148,75 @@ pub unsafe fn forward_device(p: &Problem, device: usize, stream: usize, ptrs: Fo
 /// As [`forward_device`], for every pointer in `ptrs`.
 pub unsafe fn backward_device(p: &Problem, device: usize, stream: usize, ptrs: BackwardPtrs) -> Result<()> {
     catch_panics("CUDA", || {
-        check_supported(p)?;
-        let dev = device::device(device)?;
-        libs::ensure_nvrtc()?;
-        let _ctx = ContextGuard::new(&dev)?;
-        let s = stream as cu::CUstream;
-        let d = &p.dims;
-        if d.batch == 0 {
-            return Ok(());
-        }
-        let stats = d.lse_len();
-        let mut prm = params(p);
-        (prm.q, prm.k, prm.v, prm.o, prm.lse, prm.dout) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse, ptrs.d_out);
-        (prm.dq, prm.dk, prm.dv) = (ptrs.dq, ptrs.dk, ptrs.dv);
-        let atomic_dq = !p.deterministic;
-        let vp = kernel_variant(&dev, p, Kernel::BwdPreprocess)?;
-        let fp = device::function(&dev, &vp)?;
-        let dq_len = if atomic_dq { d.q_len() } else { 0 };
-        let work = DeviceBuffer::alloc((2 * stats + dq_len) * 4, s)?;
-        prm.delta = work.ptr;
-        prm.lse_log2 = work.ptr + (stats * 4) as u64;
-        prm.dq_accum = work.ptr + (2 * stats * 4) as u64;
-        let kv_grid = |v: &Variant| (grid_over(d.seq_k, v.tiles.block_n), d.kv_heads as u32, d.batch as u32);
-        // SAFETY: caller-guaranteed pointers; workspace sized above; one stream orders the
-        // preprocess (and the zeroing of dq_accum) before the gradient kernels, the conversion
-        // after them and the workspace free after everything.
-        unsafe {
-            launch("flash_bwd_preprocess", fp, (grid_over(d.batch * d.seq_q * d.heads, vp.tiles.num_warps), 1, 1), s, &prm)?;
-            if atomic_dq {
-                let vk = kernel_variant(&dev, p, Kernel::BwdDkdvDq)?;
-                let vc = kernel_variant(&dev, p, Kernel::BwdDqConvert)?;
-                let (fk, fc) = (device::function(&dev, &vk)?, device::function(&dev, &vc)?);
-                device::check("cuMemsetD32Async", cu::cuMemsetD32Async(prm.dq_accum, 0, dq_len, s))?;
-                launch("flash_bwd_dkdv(atomic dQ)", fk, kv_grid(&vk), s, &prm)?;
-                let pairs = dq_len / 2;
-                let blocks = grid_over(pairs, vc.threads() as usize).min(8 * dev.sm_count.max(1) as u32);
-                launch("flash_bwd_dq_convert", fc, (blocks, 1, 1), s, &prm)?;
-            } else {
-                let vq = kernel_variant(&dev, p, Kernel::BwdDq)?;
-                let vk = kernel_variant(&dev, p, Kernel::BwdDkdv)?;
-                let (fq, fk) = (device::function(&dev, &vq)?, device::function(&dev, &vk)?);
-                launch("flash_bwd_dq", fq, (grid_over(d.seq_q, vq.tiles.block_m), d.heads as u32, d.batch as u32), s, &prm)?;
-                launch("flash_bwd_dkdv", fk, kv_grid(&vk), s, &prm)?;
-            }
-        }
-        drop(work);
-        Ok(())
+        let (dev, _ctx) = prepare(p, device)?;
+        // SAFETY: the caller's guarantees, passed on.
+        unsafe { backward(&dev, p, stream as cu::CUstream, ptrs) }
     })
+}
+
+/// The forward's launch on a [`prepare`]d device (its context current).
+///
+/// # Safety
+/// As [`forward_device`].
+pub(super) unsafe fn forward(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: ForwardPtrs) -> Result<()> {
+    let d = &p.dims;
+    if d.batch == 0 || d.seq_q == 0 {
+        return Ok(());
+    }
+    let mut prm = params(p);
+    (prm.q, prm.k, prm.v, prm.o, prm.lse) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse);
+    let v = kernel_variant(dev, p, Kernel::Fwd)?;
+    let f = device::function(dev, &v)?;
+    // SAFETY: the caller guarantees the pointers; prm mirrors FlashParams.
+    unsafe { launch("flash_fwd", f, (grid_over(d.seq_q, v.tiles.block_m), d.heads as u32, d.batch as u32), s, &prm) }
+}
+
+/// The backward's launches on a [`prepare`]d device (its context current).
+///
+/// # Safety
+/// As [`backward_device`].
+pub(super) unsafe fn backward(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: BackwardPtrs) -> Result<()> {
+    let d = &p.dims;
+    if d.batch == 0 {
+        return Ok(());
+    }
+    let stats = d.lse_len();
+    let mut prm = params(p);
+    (prm.q, prm.k, prm.v, prm.o, prm.lse, prm.dout) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse, ptrs.d_out);
+    (prm.dq, prm.dk, prm.dv) = (ptrs.dq, ptrs.dk, ptrs.dv);
+    let atomic_dq = !p.deterministic;
+    let vp = kernel_variant(dev, p, Kernel::BwdPreprocess)?;
+    let fp = device::function(dev, &vp)?;
+    let dq_len = if atomic_dq { d.q_len() } else { 0 };
+    let work = DeviceBuffer::alloc((2 * stats + dq_len) * 4, s)?;
+    prm.delta = work.ptr;
+    prm.lse_log2 = work.ptr + (stats * 4) as u64;
+    prm.dq_accum = work.ptr + (2 * stats * 4) as u64;
+    let kv_grid = |v: &Variant| (grid_over(d.seq_k, v.tiles.block_n), d.kv_heads as u32, d.batch as u32);
+    // SAFETY: caller-guaranteed pointers; workspace sized above; one stream orders the
+    // preprocess (and the zeroing of dq_accum) before the gradient kernels, the conversion
+    // after them and the workspace free after everything.
+    unsafe {
+        launch("flash_bwd_preprocess", fp, (grid_over(d.batch * d.seq_q * d.heads, vp.tiles.num_warps), 1, 1), s, &prm)?;
+        if atomic_dq {
+            let vk = kernel_variant(dev, p, Kernel::BwdDkdvDq)?;
+            let vc = kernel_variant(dev, p, Kernel::BwdDqConvert)?;
+            let (fk, fc) = (device::function(dev, &vk)?, device::function(dev, &vc)?);
+            device::check("cuMemsetD32Async", cu::cuMemsetD32Async(prm.dq_accum, 0, dq_len, s))?;
+            launch("flash_bwd_dkdv(atomic dQ)", fk, kv_grid(&vk), s, &prm)?;
+            let pairs = dq_len / 2;
+            let blocks = grid_over(pairs, vc.threads() as usize).min(8 * dev.sm_count.max(1) as u32);
+            launch("flash_bwd_dq_convert", fc, (blocks, 1, 1), s, &prm)?;
+        } else {
+            let vq = kernel_variant(dev, p, Kernel::BwdDq)?;
+            let vk = kernel_variant(dev, p, Kernel::BwdDkdv)?;
+            let (fq, fk) = (device::function(dev, &vq)?, device::function(dev, &vk)?);
+            launch("flash_bwd_dq", fq, (grid_over(d.seq_q, vq.tiles.block_m), d.heads as u32, d.batch as u32), s, &prm)?;
+            launch("flash_bwd_dkdv", fk, kv_grid(&vk), s, &prm)?;
+        }
+    }
+    drop(work);
+    Ok(())
 }
 
 #[cfg(test)]

@@ -123,11 +123,8 @@ pub fn case(dims: Dims, dtype: DType, causal: bool, seed: u64) -> Case {
     let v = encode(dtype, &rng.normals(dims.kv_len()));
     let d_out = encode(dtype, &rng.normals(dims.q_len()));
     let (qs, kvs) = (dims.q_shape(), dims.kv_shape());
-    let (q_spec, k_spec, v_spec) = (
-        TensorSpec { dtype, shape: &qs, nbytes: q.0.len() },
-        TensorSpec { dtype, shape: &kvs, nbytes: k.0.len() },
-        TensorSpec { dtype, shape: &kvs, nbytes: v.0.len() },
-    );
+    let spec = |name, shape, bytes: &Vec<u8>| TensorSpec { name, dtype: dtype.name(), shape, nbytes: Some(bytes.len()) };
+    let (q_spec, k_spec, v_spec) = (spec("q", &qs[..], &q.0), spec("k", &kvs[..], &k.0), spec("v", &kvs[..], &v.0));
     let p = Problem::forward(&q_spec, &k_spec, &v_spec, &Options { causal, scale: None, deterministic: false }).unwrap();
     Case { p, q, k, v, d_out }
 }

@@ -1,0 +1,42 @@
+//! The host buffers of one call, named: native-endian, row-major, contiguous bytes whose sizes
+//! the call's [`Problem`](crate::Problem) implies (checked by every backend before it reads them).
+//! The CUDA backend's device-pointer twins are `cuda::ForwardPtrs` / `cuda::BackwardPtrs`.
+
+/// Forward: reads q, k, v in `p.dtype`; writes o (`p.dtype`) and lse (f32, natural log).
+#[derive(Debug)]
+pub struct ForwardIo<'a> {
+    pub q: &'a [u8],       // [B, Sq, H, D]
+    pub k: &'a [u8],       // [B, Sk, Hkv, D]
+    pub v: &'a [u8],       // [B, Sk, Hkv, D]
+    pub o: &'a mut [u8],   // [B, Sq, H, D]
+    pub lse: &'a mut [u8], // [B, H, Sq]
+}
+
+/// Backward: reads the forward's inputs, its o and lse, and d_out (the gradient of o); writes
+/// dq, dk, dv in `p.dtype` (dk and dv sum over each kv head's group of query heads).
+#[derive(Debug)]
+pub struct BackwardIo<'a> {
+    pub d_out: &'a [u8],  // [B, Sq, H, D]
+    pub q: &'a [u8],      // [B, Sq, H, D]
+    pub k: &'a [u8],      // [B, Sk, Hkv, D]
+    pub v: &'a [u8],      // [B, Sk, Hkv, D]
+    pub o: &'a [u8],      // [B, Sq, H, D]
+    pub lse: &'a [u8],    // [B, H, Sq], f32
+    pub dq: &'a mut [u8], // [B, Sq, H, D]
+    pub dk: &'a mut [u8], // [B, Sk, Hkv, D]
+    pub dv: &'a mut [u8], // [B, Sk, Hkv, D]
+}
+
+impl<'a> ForwardIo<'a> {
+    /// From the buffers in argument order: inputs [q, k, v], outputs [o, lse].
+    pub fn new([q, k, v]: [&'a [u8]; 3], [o, lse]: [&'a mut [u8]; 2]) -> Self {
+        ForwardIo { q, k, v, o, lse }
+    }
+}
+
+impl<'a> BackwardIo<'a> {
+    /// From the buffers in argument order: inputs [d_out, q, k, v, o, lse], outputs [dq, dk, dv].
+    pub fn new([d_out, q, k, v, o, lse]: [&'a [u8]; 6], [dq, dk, dv]: [&'a mut [u8]; 3]) -> Self {
+        BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv }
+    }
+}
