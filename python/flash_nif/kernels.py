@@ -109,8 +109,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flash_nif.kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", action="append", help="target, e.g. sm_80 or sm_90a (repeatable; default both)")
     ap.add_argument("--head-dims", default="check",
-                    help="'check' (a representative set, the default), 'all' (every multiple of 8 to 256), "
-                         "'list' (print the check set and exit) or a comma list")
+                    help="'check' (a representative set, the default), 'all' (every multiple of 8 to 256) "
+                         "or a comma list")
     ap.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: all cores)")
     ap.add_argument("--fresh", action="store_true", help="compile everything, skipping the disk cache")
     ap.add_argument("--golden", metavar="PATH", help="check the table and shared memory against a snapshot")
@@ -118,9 +118,6 @@ def main(argv=None) -> int:
     ap.add_argument("-v", "--verbose", action="store_true", help="print NVRTC logs")
     args = ap.parse_args(argv)
     archs = args.arch or ["sm_80", "sm_90a"]
-    if args.head_dims == "list":
-        print(",".join(map(str, CHECK_HEAD_DIMS)))
-        return 0
     dims = {"all": HEAD_DIMS, "check": CHECK_HEAD_DIMS}.get(args.head_dims)
     if dims is None:
         dims = tuple(int(x) for x in args.head_dims.split(","))
