@@ -30,9 +30,10 @@ test-rust:
 test-python: build
 	$(PY) -m pytest -q
 
-# Compiles every CUDA kernel variant with NVRTC for Ampere and Hopper; fails on an error or a spill.
+# Compiles every CUDA kernel variant with NVRTC for Ampere and Hopper (all cores, through the disk
+# cache); fails on an error, a spill, or a table or shared memory that differs from the snapshot.
 test-kernels: build
-	$(PY) -m flash_nif.kernels --arch sm_80 --arch sm_90a
+	$(PY) -m flash_nif.kernels --arch sm_80 --arch sm_90a --golden tests/golden/kernel_variants.json
 
 # Elixir: Debian's elixir and erlang-dev when mix is missing (as root, else through sudo).
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)

@@ -73,17 +73,34 @@ __device__ __forceinline__ void add_dq_tile(const FlashParams& p, const elem_t* 
 }
 #endif
 
+// Shared memory, byte offsets.
+struct SmemLayout {
+    static constexpr int k = 0;                                              // [BLOCK_N][SROW]
+    static constexpr int v = k + bytes_of<elem_t>(BLOCK_N * SROW);           // [BLOCK_N][SROW]
+    static constexpr int q = v + bytes_of<elem_t>(BLOCK_N * SROW);           // [2][BLOCK_M][SROW]
+    static constexpr int dout = q + bytes_of<elem_t>(2 * BLOCK_M * SROW);    // [2][BLOCK_M][SROW]
+    static constexpr int lse = dout + bytes_of<elem_t>(2 * BLOCK_M * SROW);  // [2][BLOCK_M] f32
+    static constexpr int delta = lse + bytes_of<float>(2 * BLOCK_M);         // [2][BLOCK_M] f32
+#if ATOMIC_DQ
+    static constexpr int ds = delta + bytes_of<float>(2 * BLOCK_M);          // [BLOCK_N][DS_ROW]: dS^T
+    static constexpr int bytes = ds + bytes_of<elem_t>(BLOCK_N * DS_ROW);
+#else
+    static constexpr int bytes = delta + bytes_of<float>(2 * BLOCK_M);
+#endif
+};
+FLASH_EXPORT_SMEM(SmemLayout::bytes)
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dkdv(const FlashParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    elem_t* sK = reinterpret_cast<elem_t*>(smem_raw);  // [BLOCK_N][SROW]
-    elem_t* sV = sK + BLOCK_N * SROW;                    // [BLOCK_N][SROW]
-    elem_t* sQ = sV + BLOCK_N * SROW;                    // [2][BLOCK_M][SROW]
-    elem_t* sdO = sQ + 2 * BLOCK_M * SROW;               // [2][BLOCK_M][SROW]
-    float* sLse = reinterpret_cast<float*>(sdO + 2 * BLOCK_M * SROW);  // [2][BLOCK_M]
-    float* sDelta = sLse + 2 * BLOCK_M;                                 // [2][BLOCK_M]
+    elem_t* sK = smem_at<elem_t>(smem_raw, SmemLayout::k);
+    elem_t* sV = smem_at<elem_t>(smem_raw, SmemLayout::v);
+    elem_t* sQ = smem_at<elem_t>(smem_raw, SmemLayout::q);
+    elem_t* sdO = smem_at<elem_t>(smem_raw, SmemLayout::dout);
+    float* sLse = smem_at<float>(smem_raw, SmemLayout::lse);
+    float* sDelta = smem_at<float>(smem_raw, SmemLayout::delta);
 #if ATOMIC_DQ
-    elem_t* sdS = reinterpret_cast<elem_t*>(sDelta + 2 * BLOCK_M);      // [BLOCK_N][DS_ROW]: dS^T
+    elem_t* sdS = smem_at<elem_t>(smem_raw, SmemLayout::ds);
 #endif
 
     const int n_block = blockIdx.x, hkv = blockIdx.y, b = blockIdx.z;

@@ -12,17 +12,31 @@
 #define MC (BLOCK_M / 16)  // query columns per thread
 #define PSTRIDE (BLOCK_M + 1)
 
+// Shared memory, byte offsets.
+struct SmemLayout {
+    static constexpr int k = 0;                                          // [BLOCK_N][FSTRIDE]
+    static constexpr int v = k + bytes_of<float>(BLOCK_N * FSTRIDE);     // [BLOCK_N][FSTRIDE]
+    static constexpr int q = v + bytes_of<float>(BLOCK_N * FSTRIDE);     // [BLOCK_M][FSTRIDE]
+    static constexpr int dout = q + bytes_of<float>(BLOCK_M * FSTRIDE);  // [BLOCK_M][FSTRIDE]
+    static constexpr int p = dout + bytes_of<float>(BLOCK_M * FSTRIDE);  // [BLOCK_N][PSTRIDE]: P^T
+    static constexpr int ds = p + bytes_of<float>(BLOCK_N * PSTRIDE);    // [BLOCK_N][PSTRIDE]: dS^T
+    static constexpr int lse = ds + bytes_of<float>(BLOCK_N * PSTRIDE);  // [BLOCK_M]
+    static constexpr int delta = lse + bytes_of<float>(BLOCK_M);         // [BLOCK_M]
+    static constexpr int bytes = delta + bytes_of<float>(BLOCK_M);
+};
+FLASH_EXPORT_SMEM(SmemLayout::bytes)
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dkdv(const FlashParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* sK = reinterpret_cast<float*>(smem_raw);  // [BLOCK_N][FSTRIDE]
-    float* sV = sK + BLOCK_N * FSTRIDE;               // [BLOCK_N][FSTRIDE]
-    float* sQ = sV + BLOCK_N * FSTRIDE;               // [BLOCK_M][FSTRIDE]
-    float* sdO = sQ + BLOCK_M * FSTRIDE;              // [BLOCK_M][FSTRIDE]
-    float* sP = sdO + BLOCK_M * FSTRIDE;              // [BLOCK_N][PSTRIDE]
-    float* sdS = sP + BLOCK_N * PSTRIDE;              // [BLOCK_N][PSTRIDE]
-    float* sLse = sdS + BLOCK_N * PSTRIDE;            // [BLOCK_M]
-    float* sDelta = sLse + BLOCK_M;                   // [BLOCK_M]
+    float* sK = smem_at<float>(smem_raw, SmemLayout::k);
+    float* sV = smem_at<float>(smem_raw, SmemLayout::v);
+    float* sQ = smem_at<float>(smem_raw, SmemLayout::q);
+    float* sdO = smem_at<float>(smem_raw, SmemLayout::dout);
+    float* sP = smem_at<float>(smem_raw, SmemLayout::p);
+    float* sdS = smem_at<float>(smem_raw, SmemLayout::ds);
+    float* sLse = smem_at<float>(smem_raw, SmemLayout::lse);
+    float* sDelta = smem_at<float>(smem_raw, SmemLayout::delta);
 
     const int n0 = blockIdx.x * BLOCK_N, hkv = blockIdx.y, b = blockIdx.z;
     const int Sq = p.seqlen_q, Sk = p.seqlen_k;

@@ -11,13 +11,23 @@
 #error "dq: BLOCK_M must be 16 * NUM_WARPS"
 #endif
 
+// Shared memory, byte offsets.
+struct SmemLayout {
+    static constexpr int q = 0;                                          // [BLOCK_M][SROW]
+    static constexpr int dout = q + bytes_of<elem_t>(BLOCK_M * SROW);    // [BLOCK_M][SROW]
+    static constexpr int k = dout + bytes_of<elem_t>(BLOCK_M * SROW);    // [2][BLOCK_N][SROW]
+    static constexpr int v = k + bytes_of<elem_t>(2 * BLOCK_N * SROW);   // [2][BLOCK_N][SROW]
+    static constexpr int bytes = v + bytes_of<elem_t>(2 * BLOCK_N * SROW);
+};
+FLASH_EXPORT_SMEM(SmemLayout::bytes)
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dq(const FlashParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    elem_t* sQ = reinterpret_cast<elem_t*>(smem_raw);  // [BLOCK_M][SROW]
-    elem_t* sdO = sQ + BLOCK_M * SROW;                   // [BLOCK_M][SROW]
-    elem_t* sK = sdO + BLOCK_M * SROW;                   // [2][BLOCK_N][SROW]
-    elem_t* sV = sK + 2 * BLOCK_N * SROW;                // [2][BLOCK_N][SROW]
+    elem_t* sQ = smem_at<elem_t>(smem_raw, SmemLayout::q);
+    elem_t* sdO = smem_at<elem_t>(smem_raw, SmemLayout::dout);
+    elem_t* sK = smem_at<elem_t>(smem_raw, SmemLayout::k);
+    elem_t* sV = smem_at<elem_t>(smem_raw, SmemLayout::v);
 
     const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, hkv = h / GQA_GROUP;

@@ -6,6 +6,8 @@
 // converts pairs of elements (HEAD_DIM is even); grid-stride over the B * Sq * H * D / 2 pairs.
 #include "ptx.h"
 
+FLASH_EXPORT_SMEM(0)  // no shared memory
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 flash_bwd_dq_convert(const FlashParams p) {
     const i64 pairs = (i64)p.batch * p.seqlen_q * p.heads * (HEAD_DIM / 2);

@@ -10,14 +10,25 @@
 #define MC (BLOCK_N / 16)
 #define PSTRIDE (BLOCK_N + 1)
 
+// Shared memory, byte offsets.
+struct SmemLayout {
+    static constexpr int q = 0;                                          // [BLOCK_M][FSTRIDE]
+    static constexpr int dout = q + bytes_of<float>(BLOCK_M * FSTRIDE);  // [BLOCK_M][FSTRIDE]
+    static constexpr int k = dout + bytes_of<float>(BLOCK_M * FSTRIDE);  // [BLOCK_N][FSTRIDE]
+    static constexpr int v = k + bytes_of<float>(BLOCK_N * FSTRIDE);     // [BLOCK_N][FSTRIDE]
+    static constexpr int ds = v + bytes_of<float>(BLOCK_N * FSTRIDE);    // [BLOCK_M][PSTRIDE]
+    static constexpr int bytes = ds + bytes_of<float>(BLOCK_M * PSTRIDE);
+};
+FLASH_EXPORT_SMEM(SmemLayout::bytes)
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dq(const FlashParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* sQ = reinterpret_cast<float*>(smem_raw);  // [BLOCK_M][FSTRIDE]
-    float* sdO = sQ + BLOCK_M * FSTRIDE;              // [BLOCK_M][FSTRIDE]
-    float* sK = sdO + BLOCK_M * FSTRIDE;              // [BLOCK_N][FSTRIDE]
-    float* sV = sK + BLOCK_N * FSTRIDE;               // [BLOCK_N][FSTRIDE]
-    float* sdS = sV + BLOCK_N * FSTRIDE;              // [BLOCK_M][PSTRIDE]
+    float* sQ = smem_at<float>(smem_raw, SmemLayout::q);
+    float* sdO = smem_at<float>(smem_raw, SmemLayout::dout);
+    float* sK = smem_at<float>(smem_raw, SmemLayout::k);
+    float* sV = smem_at<float>(smem_raw, SmemLayout::v);
+    float* sdS = smem_at<float>(smem_raw, SmemLayout::ds);
 
     const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, hkv = h / GQA_GROUP;

@@ -18,14 +18,25 @@
 #define MC (BLOCK_N / 16)
 #define PS (BLOCK_N + 16)
 
+// Shared memory, byte offsets.
+struct SmemLayout {
+    static constexpr int q = 0;                                          // [BLOCK_M][RSTRIDE]
+    static constexpr int dout = q + bytes_of<float>(BLOCK_M * RSTRIDE);  // [BLOCK_M][RSTRIDE]
+    static constexpr int k = dout + bytes_of<float>(BLOCK_M * RSTRIDE);  // [2][BLOCK_N][RSTRIDE]
+    static constexpr int v = k + bytes_of<float>(2 * BLOCK_N * RSTRIDE); // [BLOCK_N][RSTRIDE]
+    static constexpr int ds = v + bytes_of<float>(BLOCK_N * RSTRIDE);    // [BLOCK_M][PS]
+    static constexpr int bytes = ds + bytes_of<float>(BLOCK_M * PS);
+};
+FLASH_EXPORT_SMEM(SmemLayout::bytes)
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dq(const FlashParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* sQ = reinterpret_cast<float*>(smem_raw);  // [BLOCK_M][RSTRIDE]
-    float* sdO = sQ + BLOCK_M * RSTRIDE;              // [BLOCK_M][RSTRIDE]
-    float* sK0 = sdO + BLOCK_M * RSTRIDE;             // 2 x [BLOCK_N][RSTRIDE]
-    float* sV = sK0 + 2 * BLOCK_N * RSTRIDE;          // [BLOCK_N][RSTRIDE]
-    float* sdS = sV + BLOCK_N * RSTRIDE;              // [BLOCK_M][PS]
+    float* sQ = smem_at<float>(smem_raw, SmemLayout::q);
+    float* sdO = smem_at<float>(smem_raw, SmemLayout::dout);
+    float* sK0 = smem_at<float>(smem_raw, SmemLayout::k);
+    float* sV = smem_at<float>(smem_raw, SmemLayout::v);
+    float* sdS = smem_at<float>(smem_raw, SmemLayout::ds);
 
     const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, hkv = h / GQA_GROUP;

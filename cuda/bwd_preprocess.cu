@@ -6,6 +6,8 @@
 // One warp per (b, i, h) row; NUM_WARPS rows per block, grid ceil(B * Sq * H / NUM_WARPS).
 #include "ptx.h"
 
+FLASH_EXPORT_SMEM(0)  // no shared memory
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 flash_bwd_preprocess(const FlashParams p) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

@@ -16,12 +16,21 @@
 #error "fwd: BLOCK_M must be 16 * M_TILES * NUM_WARPS"
 #endif
 
+// Shared memory, byte offsets.
+struct SmemLayout {
+    static constexpr int q = 0;                                          // [BLOCK_M][SROW]
+    static constexpr int k = q + bytes_of<elem_t>(BLOCK_M * SROW);       // [2][BLOCK_N][SROW]
+    static constexpr int v = k + bytes_of<elem_t>(2 * BLOCK_N * SROW);   // [2][BLOCK_N][SROW]
+    static constexpr int bytes = v + bytes_of<elem_t>(2 * BLOCK_N * SROW);
+};
+FLASH_EXPORT_SMEM(SmemLayout::bytes)
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_fwd(const FlashParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    elem_t* sQ = reinterpret_cast<elem_t*>(smem_raw);   // [BLOCK_M][SROW]
-    elem_t* sK = sQ + BLOCK_M * SROW;                     // [2][BLOCK_N][SROW]
-    elem_t* sV = sK + 2 * BLOCK_N * SROW;                 // [2][BLOCK_N][SROW]
+    elem_t* sQ = smem_at<elem_t>(smem_raw, SmemLayout::q);
+    elem_t* sK = smem_at<elem_t>(smem_raw, SmemLayout::k);
+    elem_t* sV = smem_at<elem_t>(smem_raw, SmemLayout::v);
 
     // Causal: the heaviest query blocks (last rows) start first.
     const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;

@@ -11,13 +11,23 @@
 #define MC (BLOCK_N / 16)
 #define PSTRIDE (BLOCK_N + 1)
 
+// Shared memory, byte offsets.
+struct SmemLayout {
+    static constexpr int q = 0;                                      // [BLOCK_M][FSTRIDE]
+    static constexpr int k = q + bytes_of<float>(BLOCK_M * FSTRIDE); // [BLOCK_N][FSTRIDE]
+    static constexpr int v = k + bytes_of<float>(BLOCK_N * FSTRIDE); // [BLOCK_N][FSTRIDE]
+    static constexpr int p = v + bytes_of<float>(BLOCK_N * FSTRIDE); // [BLOCK_M][PSTRIDE]
+    static constexpr int bytes = p + bytes_of<float>(BLOCK_M * PSTRIDE);
+};
+FLASH_EXPORT_SMEM(SmemLayout::bytes)
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_fwd(const FlashParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* sQ = reinterpret_cast<float*>(smem_raw);  // [BLOCK_M][FSTRIDE]
-    float* sK = sQ + BLOCK_M * FSTRIDE;               // [BLOCK_N][FSTRIDE]
-    float* sV = sK + BLOCK_N * FSTRIDE;               // [BLOCK_N][FSTRIDE]
-    float* sP = sV + BLOCK_N * FSTRIDE;               // [BLOCK_M][PSTRIDE]
+    float* sQ = smem_at<float>(smem_raw, SmemLayout::q);
+    float* sK = smem_at<float>(smem_raw, SmemLayout::k);
+    float* sV = smem_at<float>(smem_raw, SmemLayout::v);
+    float* sP = smem_at<float>(smem_raw, SmemLayout::p);
 
     const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, hkv = h / GQA_GROUP;

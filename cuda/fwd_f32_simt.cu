@@ -22,13 +22,23 @@
 #define VS HEAD_DIM
 #define PS (BLOCK_N + 16)  // rows ty and ty + 1 of one warp's scalar P stores land 16 banks apart
 
+// Shared memory, byte offsets.
+struct SmemLayout {
+    static constexpr int q = 0;                                      // [BLOCK_M][QS]
+    static constexpr int k = q + bytes_of<float>(BLOCK_M * QS);      // [BLOCK_N][RSTRIDE]
+    static constexpr int v = k + bytes_of<float>(BLOCK_N * RSTRIDE); // [BLOCK_N][VS]
+    static constexpr int p = v + bytes_of<float>(BLOCK_N * VS);      // [BLOCK_M][PS]
+    static constexpr int bytes = p + bytes_of<float>(BLOCK_M * PS);
+};
+FLASH_EXPORT_SMEM(SmemLayout::bytes)
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_fwd(const FlashParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* sQ = reinterpret_cast<float*>(smem_raw);  // [BLOCK_M][QS]
-    float* sK = sQ + BLOCK_M * QS;                    // [BLOCK_N][RSTRIDE]
-    float* sV = sK + BLOCK_N * RSTRIDE;               // [BLOCK_N][VS]
-    float* sP = sV + BLOCK_N * VS;                    // [BLOCK_M][PS]
+    float* sQ = smem_at<float>(smem_raw, SmemLayout::q);
+    float* sK = smem_at<float>(smem_raw, SmemLayout::k);
+    float* sV = smem_at<float>(smem_raw, SmemLayout::v);
+    float* sP = smem_at<float>(smem_raw, SmemLayout::p);
 
     const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, hkv = h / GQA_GROUP;

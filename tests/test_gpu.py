@@ -15,9 +15,6 @@ are poisoned with NaN first to prove every element is written.
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -37,7 +34,6 @@ except Exception:  # noqa: BLE001
     cupy = None
     HAVE_CUPY_GPU = False
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
 
 
@@ -331,22 +327,6 @@ def test_long_sequence_needs_no_quadratic_buffer(gpu):
 def test_info_reports_the_gpu(gpu):
     c = gpu.info()["cuda"]
     assert c["available"] and c["name"] and c["arch"].startswith("sm_") and c["nvrtc_version"] and c["cache_dir"]
-
-
-def test_variant_table_matches_the_launcher(fa):
-    """python/flash_nif/kernels.py mirrors the Rust table (no GPU needed)."""
-    if not hasattr(fa._native, "cuda_kernel_variants"):
-        pytest.skip("built without the CUDA backend")
-    spec = importlib.util.spec_from_file_location("flash_nif_kernels_standalone", ROOT / "python/flash_nif/kernels.py")
-    kernels = importlib.util.module_from_spec(spec)
-    import sys
-
-    sys.modules[spec.name] = kernels
-    spec.loader.exec_module(kernels)
-    dims = list(range(8, 257, 8))
-    rust = [(n, s, [tuple(d) for d in defs]) for n, s, defs in fa._native.cuda_kernel_variants(dims)]
-    py = [(v.name, v.source, [tuple(d) for d in v.defines]) for v in kernels.all_variants(dims)]
-    assert sorted(rust) == sorted(py)
 
 
 _SMALL_SMEM_SCRIPT = r"""

@@ -46,4 +46,25 @@ def cuda_backward_device(
 
 def cuda_set_search_roots(paths: list[str]) -> None: ...
 def cuda_info(device: int = 0) -> dict[str, Any]: ...
-def cuda_kernel_variants(head_dims: list[int]) -> list[tuple[str, str, list[tuple[str, int]]]]: ...
+
+# --- the launcher's kernel table and compile check (no GPU); see flash_nif/kernels.py -----------
+
+def cuda_kernel_variants(head_dims: list[int]) -> list[dict[str, Any]]:
+    """Every variant the launcher can use for these head dims: name, kernel, dtype, head_dim, source,
+    entry, defines (dict, in order), block_m, block_n, num_warps, tile_set ("default" / "small")."""
+
+def cuda_compile_report(
+    archs: list[str], head_dims: list[int], jobs: int | None = None, fresh: bool = False
+) -> list[dict[str, Any]]:
+    """One dict per (variant, arch), compiled by NVRTC on `jobs` threads (default: all cores) from the
+    embedded sources through the disk cache (unless `fresh`): the variant's fields, arch, ok, then
+    registers, spill_bytes, stack_bytes, smem_bytes, cached, log; or error."""
+
+def cuda_nvrtc() -> tuple[str, str]:
+    """(NVRTC version, where it was loaded from); raises DeviceError without NVRTC."""
+
+def cuda_set_tile_override(
+    kernel: str, dtype: str, head_dim: int, tiles: tuple[int, int, int, int, int] | None
+) -> None:
+    """Development hook: (block_m, block_n, num_warps, d_split, min_blocks) for every launch of this
+    kernel, dtype and head dim in this process; None clears it."""

@@ -85,23 +85,10 @@ fn cuda_info(py: Python<'_>, device: usize) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
-/// Every kernel variant the launcher can use for these head dims: (name, source, defines).
-#[pyfunction]
-fn cuda_kernel_variants(head_dims: Vec<usize>) -> Vec<(String, String, Vec<(String, i64)>)> {
-    cuda::all_variants(&head_dims)
-        .into_iter()
-        .map(|v| {
-            let defs = v.defines.iter().map(|(k, x)| (k.to_string(), *x)).collect();
-            (v.name(), v.source.to_string(), defs)
-        })
-        .collect()
-}
-
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_forward_device, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_backward_device, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_set_search_roots, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_info, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_kernel_variants, m)?)?;
     Ok(())
 }

@@ -4,6 +4,7 @@
 mod arrays;
 mod cuda;
 mod errors;
+mod kernels;
 
 use arrays::{empty_f32, empty_like_dtype, HostArray};
 use errors::PyFlashError;
@@ -96,5 +97,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(backward_host_arrays, m)?)?;
     m.add_function(wrap_pyfunction!(info, m)?)?;
     cuda::register(m)?;
+    kernels::register(m)?;
     Ok(())
 }

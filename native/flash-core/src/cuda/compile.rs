@@ -1,22 +1,24 @@
 //! NVRTC: kernel source + defines -> cubin for one arch, cached in memory and on disk.
 //!
 //! Disk cache: `$FLASH_NIF_CACHE_DIR`, else `$XDG_CACHE_HOME/flash_nif`, else `~/.cache/flash_nif`;
-//! one file per cubin named `<variant>-<arch>-<key>.cubin`, where the key hashes the expanded
+//! per variant and arch `<variant>-<arch>-<key>.cubin` and its NVRTC log `.log` (ptxas's resource
+//! report, so that a cached compile check needs no recompile), where the key hashes the expanded
 //! source, the options, the arch, the NVRTC version and this crate's version. Writes go through a
-//! temporary file and a rename, so concurrent processes never read a half-written cubin.
+//! temporary file and a rename (the log before the cubin), so concurrent processes never read a
+//! half-written entry.
 
 use std::collections::HashMap;
 use std::ffi::{c_char, CString};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::nvrtc::sys as nv;
 
-use super::config::Variant;
-use super::{libs, sources};
+use super::variant::Variant;
+use super::{elf, libs, sources};
 use crate::error::{FlashError, Result};
 
-static MEMORY: OnceLock<Mutex<HashMap<u64, Arc<Vec<u8>>>>> = OnceLock::new();
+static MEMORY: OnceLock<Mutex<HashMap<u64, Compiled>>> = OnceLock::new();
 
 /// The cache directory (created on first write).
 pub fn cache_dir() -> PathBuf {
@@ -46,11 +48,23 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
     Ok((major, minor))
 }
 
+/// NVRTC options for `v` on `arch` (e.g. "sm_90a"): its defines, and ptxas's resource report
+/// (registers, spills, stack) in the log.
+pub fn options(v: &Variant, arch: &str) -> Vec<String> {
+    let mut o = vec![format!("-arch={arch}"), "-std=c++17".to_string(), "-default-device".to_string()];
+    o.extend(v.defines.iter().map(|(k, x)| format!("-D{k}={x}")));
+    o.push("-Xptxas=-v".to_string());
+    o
+}
+
 /// What a compile produced.
+#[derive(Clone)]
 pub struct Compiled {
     pub cubin: Arc<Vec<u8>>,
-    /// The NVRTC log (with `-Xptxas=-v`: registers, spills) when compiled now; empty from a cache.
-    pub log: String,
+    /// The NVRTC log: ptxas's resource report (empty from a disk entry whose log was lost).
+    pub log: Arc<str>,
+    /// Dynamic shared memory per block, as the kernel declares it (elf.rs).
+    pub smem_bytes: usize,
     pub from_cache: bool,
 }
 
@@ -59,12 +73,12 @@ pub fn compile(v: &Variant, arch: &str) -> Result<Compiled> {
     compile_with(v, arch, false)
 }
 
-/// As [`compile`]; `verbose` bypasses the caches and asks ptxas for its resource report.
-pub fn compile_with(v: &Variant, arch: &str, verbose: bool) -> Result<Compiled> {
+/// As [`compile`]; `fresh` skips the cache lookups (the result still refreshes them).
+pub fn compile_with(v: &Variant, arch: &str, fresh: bool) -> Result<Compiled> {
     let (major, minor) = nvrtc_version()?;
     let src = sources::expand(v.source)
         .ok_or_else(|| FlashError::Internal(format!("kernel source {} is not embedded", v.source)))?;
-    let opts = v.options(arch);
+    let opts = options(v, arch);
     let key = sources::fnv1a(&[
         src.as_bytes(),
         opts.join(" ").as_bytes(),
@@ -73,37 +87,38 @@ pub fn compile_with(v: &Variant, arch: &str, verbose: bool) -> Result<Compiled> 
         crate::VERSION.as_bytes(),
     ]);
     let mem = MEMORY.get_or_init(|| Mutex::new(HashMap::new()));
-    if !verbose {
-        if let Some(c) = mem.lock().ok().and_then(|m| m.get(&key).cloned()) {
-            return Ok(Compiled { cubin: c, log: String::new(), from_cache: true });
-        }
-    }
     let path = cache_dir().join(format!("{}-{arch}-{key:016x}.cubin", v.name()));
-    if !verbose {
-        if let Ok(bytes) = std::fs::read(&path) {
-            if bytes.starts_with(b"\x7fELF") {
-                let c = Arc::new(bytes);
-                if let Ok(mut m) = mem.lock() {
-                    m.insert(key, c.clone());
-                }
-                return Ok(Compiled { cubin: c, log: String::new(), from_cache: true });
+    if !fresh {
+        if let Some(c) = mem.lock().ok().and_then(|m| m.get(&key).cloned()) {
+            return Ok(c);
+        }
+        if let Some(c) = read_entry(&path) {
+            if let Ok(mut m) = mem.lock() {
+                m.insert(key, c.clone());
             }
+            return Ok(c);
         }
     }
-    let mut all = opts.clone();
-    if verbose {
-        all.push("-Xptxas=-v".to_string());
-    }
-    let (cubin, log) = run_nvrtc(&src, v, &all)?;
-    let cubin = Arc::new(cubin);
+    let (cubin, log) = run_nvrtc(&src, v, &opts)?;
+    let smem_bytes = elf::smem_bytes(&cubin).map_err(|e| FlashError::Internal(format!("{}: {e}", v.name())))?;
+    write_atomic(&path.with_extension("log"), log.as_bytes()); // a cache that cannot be written
+    write_atomic(&path, &cubin); // only costs a recompile
+    let c = Compiled { cubin: Arc::new(cubin), log: log.into(), smem_bytes, from_cache: false };
     if let Ok(mut m) = mem.lock() {
-        m.insert(key, cubin.clone());
+        m.insert(key, Compiled { from_cache: true, ..c.clone() });
     }
-    write_atomic(&path, &cubin); // a cache that cannot be written only costs a recompile
-    Ok(Compiled { cubin, log, from_cache: false })
+    Ok(c)
 }
 
-fn write_atomic(path: &PathBuf, bytes: &[u8]) {
+/// A disk entry, or None when it is missing or unreadable (then it is rebuilt).
+fn read_entry(path: &Path) -> Option<Compiled> {
+    let cubin = std::fs::read(path).ok()?;
+    let smem_bytes = elf::smem_bytes(&cubin).ok()?;
+    let log = std::fs::read_to_string(path.with_extension("log")).unwrap_or_default();
+    Some(Compiled { cubin: Arc::new(cubin), log: log.into(), smem_bytes, from_cache: true })
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) {
     let Some(dir) = path.parent() else { return };
     if std::fs::create_dir_all(dir).is_err() {
         return;
@@ -168,32 +183,4 @@ fn program_log(prog: nv::nvrtcProgram) -> String {
     // SAFETY: the buffer holds n bytes.
     unsafe { nv::nvrtcGetProgramLog(prog, buf.as_mut_ptr() as *mut c_char) };
     String::from_utf8_lossy(&buf).trim_end_matches('\0').trim().to_string()
-}
-
-/// Registers, spill bytes and stack frame read from a ptxas report (`-Xptxas=-v`).
-pub fn parse_ptxas(log: &str) -> (i64, i64, i64) {
-    let num_before = |s: &str, pat: &str| -> i64 {
-        s.find(pat)
-            .and_then(|i| s[..i].split_whitespace().last())
-            .and_then(|t| t.parse().ok())
-            .unwrap_or(-1)
-    };
-    let regs = log
-        .find("Used ")
-        .and_then(|i| log[i + 5..].split_whitespace().next())
-        .and_then(|t| t.parse().ok())
-        .unwrap_or(-1);
-    let spill = num_before(log, "bytes spill stores").max(0) + num_before(log, "bytes spill loads").max(0);
-    (regs, spill, num_before(log, "bytes stack frame"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ptxas_report_is_parsed() {
-        let log = "ptxas info    : Function properties for flash_fwd\nptxas         .     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\nptxas info    : Used 166 registers, used 1 barriers";
-        assert_eq!(parse_ptxas(log), (166, 12, 16));
-    }
 }

@@ -1,134 +1,88 @@
-//! Kernel variants: which source, which -D defines, which tile sizes and launch shape.
-//! Mirrored by python/flash_nif/kernels.py (the compile check); tests/test_gpu.py compares them.
+//! Variant choice, the launcher's one table: for a kernel, dtype, head dim, causal flag, GQA group
+//! and key length, which source file, which tiles and which -D defines. `_native.cuda_kernel_variants`
+//! exposes it and tests/golden/kernel_variants.json pins it. Shared memory is not decided here:
+//! each kernel declares its own (elf.rs reads it from the cubin) and device.rs falls back to the
+//! small tiles when the default's does not fit the GPU.
 
+use std::sync::Mutex;
+
+use super::variant::{Kernel, TileSet, Tiles, Variant};
 use crate::dtype::DType;
+use crate::error::{FlashError, Result};
 
-/// The kernels of a forward + backward. The default backward is BwdPreprocess, BwdDkdvDq (dK, dV and
-/// dQ by f32 atomics), BwdDqConvert; the deterministic one is BwdPreprocess, BwdDq, BwdDkdv.
+/// What a launch specialises a kernel on, besides its tiles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Kernel {
-    Fwd,
-    BwdPreprocess,
-    BwdDq,
-    BwdDkdv,
-    /// bwd_dkdv with ATOMIC_DQ=1.
-    BwdDkdvDq,
-    BwdDqConvert,
-}
-
-impl Kernel {
-    pub fn name(self) -> &'static str {
-        match self {
-            Kernel::Fwd => "fwd",
-            Kernel::BwdPreprocess => "bwd_preprocess",
-            Kernel::BwdDq => "bwd_dq",
-            Kernel::BwdDkdv => "bwd_dkdv",
-            Kernel::BwdDkdvDq => "bwd_dkdv_dq",
-            Kernel::BwdDqConvert => "bwd_dq_convert",
-        }
-    }
-    pub fn entry(self) -> &'static str {
-        match self {
-            Kernel::Fwd => "flash_fwd",
-            Kernel::BwdPreprocess => "flash_bwd_preprocess",
-            Kernel::BwdDq => "flash_bwd_dq",
-            Kernel::BwdDkdv | Kernel::BwdDkdvDq => "flash_bwd_dkdv",
-            Kernel::BwdDqConvert => "flash_bwd_dq_convert",
-        }
-    }
-}
-
-pub fn dtype_code(d: DType) -> u32 {
-    match d {
-        DType::F16 => 0,
-        DType::BF16 => 1,
-        DType::F32 => 2,
-    }
-}
-
-pub fn dtype_short(d: DType) -> &'static str {
-    match d {
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::F32 => "f32",
-    }
-}
-
-/// One specialised kernel.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Variant {
+pub struct Spec {
     pub kernel: Kernel,
     pub dtype: DType,
     pub head_dim: usize,
-    pub source: &'static str,
-    pub block_m: usize,
-    pub block_n: usize,
-    pub num_warps: usize,
-    /// bwd_dkdv: warps sharing a key slice (D_SPLIT); fwd: 16-row tiles per warp (M_TILES).
-    pub d_split: usize,
-    pub defines: Vec<(&'static str, i64)>,
+    pub causal: bool,
+    /// Query heads per key/value head.
+    pub group: usize,
+    /// Sk: EVEN_N drops the ragged-tile mask when it divides BLOCK_N.
+    pub seq_k: usize,
 }
 
-impl Variant {
-    pub fn threads(&self) -> u32 {
-        32 * self.num_warps as u32
+/// The variants a launch may use, in order of preference: the default tiles, then the small ones
+/// when they differ (or only the development override when one is set).
+pub fn candidates(spec: &Spec) -> Vec<Variant> {
+    match tile_override(spec.kernel, spec.dtype, spec.head_dim) {
+        Some(t) => vec![make_variant(spec, t, TileSet::Override)],
+        None => table_candidates(spec),
     }
+}
 
-    /// Stable name, e.g. `fwd_bf16_d128_num_warps8_is_causal1_...` (same as kernels.py).
-    pub fn name(&self) -> String {
-        let rest: Vec<String> = self
-            .defines
-            .iter()
-            .filter(|(k, _)| *k != "FLASH_DTYPE" && *k != "HEAD_DIM")
-            .map(|(k, v)| format!("{}{}", k.to_lowercase(), v))
-            .collect();
-        format!("{}_{}_d{}_{}", self.kernel.name(), dtype_short(self.dtype), self.head_dim, rest.join("_"))
+fn table_candidates(spec: &Spec) -> Vec<Variant> {
+    let default = variant(spec, TileSet::Default);
+    let small = variant(spec, TileSet::Small);
+    if small.defines == default.defines {
+        vec![default]
+    } else {
+        vec![default, small]
     }
+}
 
-    /// NVRTC options for `arch` (e.g. "sm_90a").
-    pub fn options(&self, arch: &str) -> Vec<String> {
-        let mut o = vec![format!("-arch={arch}"), "-std=c++17".to_string(), "-default-device".to_string()];
-        o.extend(self.defines.iter().map(|(k, v)| format!("-D{k}={v}")));
-        o
-    }
+/// The variant with the tiles of `set` (an unset override means the default tiles).
+pub fn variant(spec: &Spec, set: TileSet) -> Variant {
+    let (k, dt, d) = (spec.kernel, spec.dtype, spec.head_dim);
+    let t = match set {
+        TileSet::Default => tiles(default_tiles(k, dt, d)),
+        TileSet::Small => tiles(small_tiles(k, dt, d)),
+        TileSet::Override => tile_override(k, dt, d).unwrap_or_else(|| tiles(default_tiles(k, dt, d))),
+    };
+    make_variant(spec, t, set)
+}
 
-    /// Dynamic shared memory in bytes (the layouts in cuda/*.cu).
-    pub fn smem_bytes(&self) -> usize {
-        let (d, bm, bn) = (self.head_dim, self.block_m, self.block_n);
-        match (self.kernel, self.dtype) {
-            (Kernel::BwdPreprocess | Kernel::BwdDqConvert, _) => 0,
-            (Kernel::Fwd, DType::F32) if simt_f32(d) => 4 * (bm * (d + 4) + bn * (d + 4) + bn * d + bm * (bn + 16)),
-            (Kernel::BwdDq, DType::F32) if simt_f32(d) => 4 * ((2 * bm + 3 * bn) * (d + 4) + bm * (bn + 16)),
-            (Kernel::BwdDkdv | Kernel::BwdDkdvDq, DType::F32) if simt_f32(d) => 4 * (2 * (bn + bm) * (d + 4) + 2 * bn * (bm + 16) + 2 * bm),
-            (k, DType::F32) => {
-                let fs = d + 1;
-                4 * match k {
-                    Kernel::Fwd => (bm + 2 * bn) * fs + bm * (bn + 1),
-                    Kernel::BwdDq => (2 * bm + 2 * bn) * fs + bm * (bn + 1),
-                    _ => (2 * bn + 2 * bm) * fs + 2 * bn * (bm + 1) + 2 * bm,
-                }
-            }
-            (k, _) => {
-                let unit = if k == Kernel::BwdDq || k == Kernel::Fwd { 16 } else { 16 * self.d_split };
-                let srow = d.div_ceil(unit) * unit + 8;
-                match k {
-                    Kernel::Fwd => 2 * (bm + 4 * bn) * srow,
-                    Kernel::BwdDq => 2 * (2 * bm + 4 * bn) * srow,
-                    Kernel::BwdDkdv => 2 * (2 * bn + 4 * bm) * srow + 16 * bm,
-                    // + dS^T [bn][bm + 8]
-                    _ => 2 * (2 * bn + 4 * bm) * srow + 16 * bm + 2 * bn * (bm + 8),
+/// Every (kernel, dtype, head dim, causal) the library launches, default and small tiles (when
+/// they differ), at GQA group 1 with a ragged key length: the group and EVEN_N change a loop bound
+/// or fold a branch, not the code's shape. Tile overrides do not show here.
+pub fn all_variants(head_dims: &[usize]) -> Vec<Variant> {
+    let mut out = Vec::new();
+    for dtype in [DType::F16, DType::BF16, DType::F32] {
+        for &head_dim in head_dims {
+            let spec = |kernel, causal| Spec { kernel, dtype, head_dim, causal, group: 1, seq_k: 1 };
+            out.push(variant(&spec(Kernel::BwdPreprocess, false), TileSet::Default));
+            out.push(variant(&spec(Kernel::BwdDqConvert, false), TileSet::Default));
+            for k in [Kernel::Fwd, Kernel::BwdDq, Kernel::BwdDkdv, Kernel::BwdDkdvDq] {
+                for causal in [false, true] {
+                    out.extend(table_candidates(&spec(k, causal)));
                 }
             }
         }
     }
+    out
+}
+
+fn tiles((block_m, block_n, num_warps, d_split, min_blocks): (usize, usize, usize, usize, usize)) -> Tiles {
+    Tiles { block_m, block_n, num_warps, d_split, min_blocks }
 }
 
 /// (block_m, block_n, num_warps, d_split, min_blocks) per kernel, dtype and head dim. Chosen by
-/// cuda/sweep.py on an H100 (bench/RESULTS.md has the numbers); min_blocks = 2 caps the forward at
+/// tools/sweep.py on an H100 (bench/RESULTS.md has the numbers); min_blocks = 2 caps the forward at
 /// 128 registers so that two 8-warp blocks share an SM.
-pub fn tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, usize, usize) {
-    if kernel == Kernel::BwdPreprocess || kernel == Kernel::BwdDqConvert {
-        return (8, 1, 8, 1, 1);
+fn default_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, usize, usize) {
+    if kernel.is_elementwise() {
+        return (8, 1, 8, 1, 1); // 8 warps, one row each
     }
     // The atomic-dQ dK/dV kernel takes 128 keys per block on 8 warps (the deterministic one: 64 on
     // 4): half the dQ atomics per query, and 8 warps per SM at D = 128 where 4-warp blocks of
@@ -167,11 +121,11 @@ pub fn tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, us
     }
 }
 
-/// Tiles for GPUs whose blocks get less shared memory than [`tiles`] asks for (sm_86 / sm_89:
-/// 99 KiB): every variant here needs at most 99 KiB (101376 bytes).
-pub fn small_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, usize, usize) {
-    if kernel == Kernel::BwdPreprocess || kernel == Kernel::BwdDqConvert {
-        return tiles(kernel, dtype, d);
+/// Tiles for GPUs whose blocks get less shared memory than [`default_tiles`] asks for (sm_86 /
+/// sm_89: 99 KiB): every variant here needs at most 101376 bytes (the compile check verifies it).
+fn small_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, usize, usize) {
+    if kernel.is_elementwise() {
+        return default_tiles(kernel, dtype, d);
     }
     let kernel = if kernel == Kernel::BwdDkdvDq { Kernel::BwdDkdv } else { kernel };
     if dtype == DType::F32 {
@@ -188,19 +142,19 @@ pub fn small_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usi
         return (bm, bn, 8, 1, 1);
     }
     match kernel {
-        Kernel::Fwd if d <= 128 => tiles(kernel, dtype, d),
+        Kernel::Fwd if d <= 128 => default_tiles(kernel, dtype, d),
         Kernel::Fwd => (32, 32, 2, 1, 1),
-        Kernel::BwdDq if d <= 64 => tiles(kernel, dtype, d),
+        Kernel::BwdDq if d <= 64 => default_tiles(kernel, dtype, d),
         Kernel::BwdDq if d <= 128 => (64, 32, 4, 1, 1),
         Kernel::BwdDq => (32, 32, 2, 1, 1),
-        _ if d <= 64 => tiles(kernel, dtype, d),
+        _ if d <= 64 => default_tiles(kernel, dtype, d),
         _ if d <= 128 => (32, 64, 4, 1, 1),
         _ => (16, 32, 4, 2, 1),
     }
 }
 
 /// Head dims with the fast fp32 SIMT kernels (cuda/simt_f32.h); other head dims use the generic ones.
-pub fn simt_f32(d: usize) -> bool {
+fn simt_f32(d: usize) -> bool {
     d % 64 == 0 && d <= 128
 }
 
@@ -220,107 +174,85 @@ fn source(kernel: Kernel, dtype: DType, d: usize) -> &'static str {
     }
 }
 
-/// The variant launched for a kernel of a problem. `even_m` / `even_n`: Sq / Sk divide the tiles.
-pub fn variant(kernel: Kernel, dtype: DType, head_dim: usize, causal: bool, group: usize, seq_q: usize, seq_k: usize) -> Variant {
-    make_variant(tiles(kernel, dtype, head_dim), kernel, dtype, head_dim, causal, group, seq_q, seq_k)
-}
-
-/// [`variant`], falling back to [`small_tiles`] when the default needs more than `max_smem`
-/// bytes of shared memory per block.
-#[allow(clippy::too_many_arguments)]
-pub fn variant_for(
-    max_smem: usize,
-    kernel: Kernel,
-    dtype: DType,
-    head_dim: usize,
-    causal: bool,
-    group: usize,
-    seq_q: usize,
-    seq_k: usize,
-) -> Variant {
-    let v = variant(kernel, dtype, head_dim, causal, group, seq_q, seq_k);
-    if v.smem_bytes() <= max_smem {
-        return v;
+/// FLASH_DTYPE (cuda/params.h).
+fn dtype_code(d: DType) -> i64 {
+    match d {
+        DType::F16 => 0,
+        DType::BF16 => 1,
+        DType::F32 => 2,
     }
-    make_variant(small_tiles(kernel, dtype, head_dim), kernel, dtype, head_dim, causal, group, seq_q, seq_k)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn make_variant(
-    t: (usize, usize, usize, usize, usize),
-    kernel: Kernel,
-    dtype: DType,
-    head_dim: usize,
-    causal: bool,
-    group: usize,
-    seq_q: usize,
-    seq_k: usize,
-) -> Variant {
-    let (bm, bn, nw, ds, min_blocks) = t;
+fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
+    let Spec { kernel, dtype, head_dim, causal, group, seq_k } = *spec;
     let mut defines: Vec<(&'static str, i64)> =
-        vec![("FLASH_DTYPE", dtype_code(dtype) as i64), ("HEAD_DIM", head_dim as i64), ("NUM_WARPS", nw as i64)];
-    if kernel != Kernel::BwdPreprocess && kernel != Kernel::BwdDqConvert {
+        vec![("FLASH_DTYPE", dtype_code(dtype)), ("HEAD_DIM", head_dim as i64), ("NUM_WARPS", t.num_warps as i64)];
+    if !kernel.is_elementwise() {
         defines.extend([
             ("IS_CAUSAL", causal as i64),
             ("GQA_GROUP", group as i64),
-            ("BLOCK_M", bm as i64),
-            ("BLOCK_N", bn as i64),
-            ("EVEN_M", (seq_q % bm == 0) as i64),
-            ("EVEN_N", (seq_k % bn == 0) as i64),
+            ("BLOCK_M", t.block_m as i64),
+            ("BLOCK_N", t.block_n as i64),
+            ("EVEN_N", (seq_k % t.block_n == 0) as i64),
         ]);
         if (kernel == Kernel::BwdDkdv || kernel == Kernel::BwdDkdvDq) && dtype != DType::F32 {
-            defines.push(("D_SPLIT", ds as i64));
+            defines.push(("D_SPLIT", t.d_split as i64));
         }
         if kernel == Kernel::BwdDkdvDq {
             defines.push(("ATOMIC_DQ", 1));
         }
         if kernel == Kernel::Fwd && dtype != DType::F32 {
-            defines.push(("M_TILES", ds as i64));
+            defines.push(("M_TILES", t.d_split as i64));
         }
-        defines.push(("MIN_BLOCKS", min_blocks as i64));
+        defines.push(("MIN_BLOCKS", t.min_blocks as i64));
     }
-    Variant { kernel, dtype, head_dim, source: source(kernel, dtype, head_dim), block_m: bm, block_n: bn, num_warps: nw, d_split: ds, defines }
+    Variant { kernel, dtype, head_dim, source: source(kernel, dtype, head_dim), tiles: t, tile_set, defines }
 }
 
-/// Every (kernel, dtype, head dim, causal) the library launches, default and small-shared-memory
-/// tiles, at GQA group 1 with ragged sizes (the group and EVEN_* flags change a loop bound or fold
-/// a branch, not the code's shape).
-pub fn all_variants(head_dims: &[usize]) -> Vec<Variant> {
-    let mut out = Vec::new();
-    for dtype in [DType::F16, DType::BF16, DType::F32] {
-        for &d in head_dims {
-            out.push(variant(Kernel::BwdPreprocess, dtype, d, false, 1, 1, 1));
-            out.push(variant(Kernel::BwdDqConvert, dtype, d, false, 1, 1, 1));
-            for k in [Kernel::Fwd, Kernel::BwdDq, Kernel::BwdDkdv, Kernel::BwdDkdvDq] {
-                for causal in [false, true] {
-                    let v = variant(k, dtype, d, causal, 1, 1, 1);
-                    let small = make_variant(small_tiles(k, dtype, d), k, dtype, d, causal, 1, 1, 1);
-                    out.push(v.clone());
-                    if small != v {
-                        out.push(small);
-                    }
-                }
-            }
+/// Development hook (tools/sweep*.py): tiles forced on every launch of one (kernel, dtype, head
+/// dim) in this process, with no small-tile fallback.
+static OVERRIDES: Mutex<Vec<((Kernel, DType, usize), Tiles)>> = Mutex::new(Vec::new());
+
+/// Sets (Some) or clears (None) the tiles of one (kernel, dtype, head dim) for this process.
+pub fn set_tile_override(kernel: Kernel, dtype: DType, head_dim: usize, tiles: Option<Tiles>) -> Result<()> {
+    if let Some(t) = tiles {
+        if kernel.is_elementwise() {
+            return Err(FlashError::Unsupported(format!("{} has no tiles to override", kernel.name())));
+        }
+        if [t.block_m, t.block_n, t.num_warps, t.d_split, t.min_blocks].contains(&0) {
+            return Err(FlashError::Unsupported(format!("tile sizes must be positive; got {t:?}")));
         }
     }
-    out
+    let mut o = OVERRIDES.lock().map_err(|_| FlashError::Internal("tile overrides poisoned".into()))?;
+    o.retain(|(key, _)| *key != (kernel, dtype, head_dim));
+    o.extend(tiles.map(|t| ((kernel, dtype, head_dim), t)));
+    Ok(())
+}
+
+fn tile_override(kernel: Kernel, dtype: DType, head_dim: usize) -> Option<Tiles> {
+    let o = OVERRIDES.lock().ok()?;
+    o.iter().find(|(key, _)| *key == (kernel, dtype, head_dim)).map(|(_, t)| *t)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn spec(kernel: Kernel, dtype: DType, head_dim: usize) -> Spec {
+        Spec { kernel, dtype, head_dim, causal: true, group: 2, seq_k: 97 }
+    }
+
     #[test]
-    fn tiles_fit_an_ampere_block_and_warps_cover_the_tile() {
+    fn warps_cover_the_tile() {
         for v in all_variants(&(8..=256).step_by(8).collect::<Vec<_>>()) {
-            // The largest opt-in block on an H100 is 227 KiB (A100: 163 KiB, where variant_for falls
-            // back to small_tiles when the default needs more).
-            assert!(v.smem_bytes() <= 227 * 1024, "{} needs {} bytes", v.name(), v.smem_bytes());
+            let t = v.tiles;
             if v.dtype != DType::F32 {
                 match v.kernel {
-                    Kernel::Fwd => assert_eq!(v.block_m, 16 * v.num_warps * v.d_split),
-                    Kernel::BwdDq => assert_eq!(v.block_m, 16 * v.num_warps),
-                    Kernel::BwdDkdv | Kernel::BwdDkdvDq => assert_eq!(v.block_n * v.d_split, 16 * v.num_warps),
+                    Kernel::Fwd => assert_eq!(t.block_m, 16 * t.num_warps * t.d_split, "{}", v.name()),
+                    Kernel::BwdDq => assert_eq!(t.block_m, 16 * t.num_warps, "{}", v.name()),
+                    Kernel::BwdDkdv | Kernel::BwdDkdvDq => {
+                        assert_eq!(t.block_n * t.d_split, 16 * t.num_warps, "{}", v.name())
+                    }
                     Kernel::BwdPreprocess | Kernel::BwdDqConvert => {}
                 }
             }
@@ -328,21 +260,31 @@ mod tests {
     }
 
     #[test]
-    fn small_tiles_fit_99_kib() {
-        for d in (8..=256).step_by(8) {
-            for dtype in [DType::F16, DType::BF16, DType::F32] {
-                for k in [Kernel::Fwd, Kernel::BwdDq, Kernel::BwdDkdv, Kernel::BwdDkdvDq] {
-                    let v = variant_for(101376, k, dtype, d, true, 1, 1, 1);
-                    assert!(v.smem_bytes() <= 101376, "{} needs {}", v.name(), v.smem_bytes());
-                }
-            }
-        }
+    fn even_n_follows_the_key_length() {
+        let v = variant(&Spec { seq_k: 256, ..spec(Kernel::Fwd, DType::BF16, 64) }, TileSet::Default);
+        assert!(v.defines.contains(&("EVEN_N", 1)));
+        let v = variant(&spec(Kernel::Fwd, DType::BF16, 64), TileSet::Default);
+        assert!(v.defines.contains(&("EVEN_N", 0)));
+        assert!(!v.defines.iter().any(|(k, _)| *k == "EVEN_M"));
     }
 
     #[test]
-    fn even_flags_follow_the_sizes() {
-        let v = variant(Kernel::Fwd, DType::BF16, 64, true, 2, 256, 97);
-        assert!(v.defines.contains(&("EVEN_M", 1)));
-        assert!(v.defines.contains(&("EVEN_N", 0)));
+    fn small_tiles_follow_the_default_only_when_they_differ() {
+        assert_eq!(candidates(&spec(Kernel::Fwd, DType::BF16, 64)).len(), 1);
+        let c = candidates(&spec(Kernel::Fwd, DType::BF16, 256));
+        assert_eq!(c.iter().map(|v| v.tile_set).collect::<Vec<_>>(), [TileSet::Default, TileSet::Small]);
+    }
+
+    #[test]
+    fn an_override_replaces_both_tile_sets_until_cleared() {
+        // A head dim no other test uses: the override is process-wide.
+        let (k, dt, d) = (Kernel::BwdDq, DType::F16, 248);
+        let t = Tiles { block_m: 32, block_n: 32, num_warps: 2, d_split: 1, min_blocks: 1 };
+        set_tile_override(k, dt, d, Some(t)).unwrap();
+        let c = candidates(&spec(k, dt, d));
+        assert_eq!((c.len(), c[0].tiles, c[0].tile_set), (1, t, TileSet::Override));
+        set_tile_override(k, dt, d, None).unwrap();
+        assert_eq!(candidates(&spec(k, dt, d))[0].tile_set, TileSet::Default);
+        assert!(set_tile_override(Kernel::BwdPreprocess, dt, d, Some(t)).is_err());
     }
 }

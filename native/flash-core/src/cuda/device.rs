@@ -2,7 +2,8 @@
 //!
 //! Work runs in the device's primary context (the one CuPy and torch use), made current for the
 //! duration of a call and the caller's previous context restored afterwards. Modules are loaded
-//! once per (device, cubin) and kept for the life of the process.
+//! once per (device, cubin) and kept for the life of the process; which of a launch's candidate
+//! variants fits a device is decided once per (device, candidates) from the compiled kernels.
 
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr, CString};
@@ -11,8 +12,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::sys::{self as cu, CUresult};
 
 use super::compile;
-use super::config::Variant;
 use super::libs;
+use super::variant::Variant;
 use crate::error::{FlashError, Result};
 
 /// A CUDA driver call's result as a FlashError naming the call.
@@ -164,6 +165,44 @@ unsafe impl Send for Function {}
 unsafe impl Sync for Function {}
 
 static FUNCTIONS: OnceLock<Mutex<HashMap<(usize, Variant), Function>>> = OnceLock::new();
+static CHOSEN: OnceLock<Mutex<HashMap<(usize, Variant), Variant>>> = OnceLock::new();
+
+/// The first of `candidates` (config.rs's order of preference) whose kernel, as compiled for
+/// `dev`, declares no more shared memory than `dev` allows per block; the choice is remembered.
+pub fn choose(dev: &Device, candidates: &[Variant]) -> Result<Variant> {
+    let first = candidates.first().ok_or_else(|| FlashError::Internal("no kernel variant to choose from".into()))?;
+    let map = CHOSEN.get_or_init(|| Mutex::new(HashMap::new()));
+    let key = (dev.ordinal, first.clone());
+    if let Some(v) = map.lock().ok().and_then(|m| m.get(&key).cloned()) {
+        return Ok(v);
+    }
+    let mut last = None;
+    for v in candidates {
+        match fits(dev, v, compile::compile(v, &dev.arch)?.smem_bytes) {
+            Ok(()) => {
+                if let Ok(mut m) = map.lock() {
+                    m.insert(key, v.clone());
+                }
+                return Ok(v.clone());
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| FlashError::Internal("no kernel variant fits".into())))
+}
+
+fn fits(dev: &Device, v: &Variant, smem: usize) -> Result<()> {
+    if smem <= dev.max_smem_optin.max(0) as usize {
+        return Ok(());
+    }
+    Err(FlashError::Unsupported(format!(
+        "kernel {} needs {smem} bytes of shared memory per block but {} ({}) allows {}",
+        v.name(),
+        dev.name,
+        dev.arch,
+        dev.max_smem_optin
+    )))
+}
 
 /// Compiles (cached) and loads (cached) `v` on `dev`. The device's context must be current.
 pub fn function(dev: &Device, v: &Variant) -> Result<Function> {
@@ -171,17 +210,9 @@ pub fn function(dev: &Device, v: &Variant) -> Result<Function> {
     if let Some(f) = map.lock().ok().and_then(|m| m.get(&(dev.ordinal, v.clone())).copied()) {
         return Ok(f);
     }
-    let smem = v.smem_bytes();
-    if smem > dev.max_smem_optin.max(0) as usize {
-        return Err(FlashError::Unsupported(format!(
-            "kernel {} needs {smem} bytes of shared memory per block but {} ({}) allows {}",
-            v.name(),
-            dev.name,
-            dev.arch,
-            dev.max_smem_optin
-        )));
-    }
     let compiled = compile::compile(v, &dev.arch)?;
+    let smem = compiled.smem_bytes;
+    fits(dev, v, smem)?;
     let mut module: cu::CUmodule = std::ptr::null_mut();
     // SAFETY: a cubin image for this device's arch; the context is current.
     check("cuModuleLoadData", unsafe { cu::cuModuleLoadData(&mut module, compiled.cubin.as_ptr() as *const c_void) })?;

@@ -5,9 +5,10 @@ use std::sync::Arc;
 
 use cudarc::driver::sys as cu;
 
-use super::config::{self, Kernel, Variant};
+use super::config::{self, Spec};
 use super::device::{self, launch, ContextGuard, Device, DeviceBuffer};
 use super::libs;
+use super::variant::{Kernel, Variant};
 use crate::error::{FlashError, Result};
 use crate::guard::catch_panics;
 use crate::problem::Problem;
@@ -108,10 +109,10 @@ fn grid_over(n: usize, block: usize) -> u32 {
     n.div_ceil(block) as u32
 }
 
-fn kernel_variant(dev: &Device, p: &Problem, k: Kernel) -> Variant {
+fn kernel_variant(dev: &Device, p: &Problem, kernel: Kernel) -> Result<Variant> {
     let d = &p.dims;
-    let max_smem = dev.max_smem_optin.max(0) as usize;
-    config::variant_for(max_smem, k, p.dtype, d.head_dim, p.causal, d.group(), d.seq_q, d.seq_k)
+    let spec = Spec { kernel, dtype: p.dtype, head_dim: d.head_dim, causal: p.causal, group: d.group(), seq_k: d.seq_k };
+    device::choose(dev, &config::candidates(&spec))
 }
 
 /// What every CUDA call does first, once: check that this backend takes `p`, open GPU `device`,
@@ -164,10 +165,10 @@ pub(super) unsafe fn forward(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: F
     }
     let mut prm = params(p);
     (prm.q, prm.k, prm.v, prm.o, prm.lse) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse);
-    let v = kernel_variant(dev, p, Kernel::Fwd);
+    let v = kernel_variant(dev, p, Kernel::Fwd)?;
     let f = device::function(dev, &v)?;
     // SAFETY: the caller guarantees the pointers; prm mirrors FlashParams.
-    unsafe { launch("flash_fwd", f, (grid_over(d.seq_q, v.block_m), d.heads as u32, d.batch as u32), s, &prm) }
+    unsafe { launch("flash_fwd", f, (grid_over(d.seq_q, v.tiles.block_m), d.heads as u32, d.batch as u32), s, &prm) }
 }
 
 /// The backward's launches on a [`prepare`]d device (its context current).
@@ -184,22 +185,22 @@ pub(super) unsafe fn backward(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: 
     (prm.q, prm.k, prm.v, prm.o, prm.lse, prm.dout) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse, ptrs.d_out);
     (prm.dq, prm.dk, prm.dv) = (ptrs.dq, ptrs.dk, ptrs.dv);
     let atomic_dq = !p.deterministic;
-    let vp = kernel_variant(dev, p, Kernel::BwdPreprocess);
+    let vp = kernel_variant(dev, p, Kernel::BwdPreprocess)?;
     let fp = device::function(dev, &vp)?;
     let dq_len = if atomic_dq { d.q_len() } else { 0 };
     let work = DeviceBuffer::alloc((2 * stats + dq_len) * 4, s)?;
     prm.delta = work.ptr;
     prm.lse_log2 = work.ptr + (stats * 4) as u64;
     prm.dq_accum = work.ptr + (2 * stats * 4) as u64;
-    let kv_grid = |v: &Variant| (grid_over(d.seq_k, v.block_n), d.kv_heads as u32, d.batch as u32);
+    let kv_grid = |v: &Variant| (grid_over(d.seq_k, v.tiles.block_n), d.kv_heads as u32, d.batch as u32);
     // SAFETY: caller-guaranteed pointers; workspace sized above; one stream orders the
     // preprocess (and the zeroing of dq_accum) before the gradient kernels, the conversion
     // after them and the workspace free after everything.
     unsafe {
-        launch("flash_bwd_preprocess", fp, (grid_over(d.batch * d.seq_q * d.heads, vp.num_warps), 1, 1), s, &prm)?;
+        launch("flash_bwd_preprocess", fp, (grid_over(d.batch * d.seq_q * d.heads, vp.tiles.num_warps), 1, 1), s, &prm)?;
         if atomic_dq {
-            let vk = kernel_variant(dev, p, Kernel::BwdDkdvDq);
-            let vc = kernel_variant(dev, p, Kernel::BwdDqConvert);
+            let vk = kernel_variant(dev, p, Kernel::BwdDkdvDq)?;
+            let vc = kernel_variant(dev, p, Kernel::BwdDqConvert)?;
             let (fk, fc) = (device::function(dev, &vk)?, device::function(dev, &vc)?);
             device::check("cuMemsetD32Async", cu::cuMemsetD32Async(prm.dq_accum, 0, dq_len, s))?;
             launch("flash_bwd_dkdv(atomic dQ)", fk, kv_grid(&vk), s, &prm)?;
@@ -207,10 +208,10 @@ pub(super) unsafe fn backward(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: 
             let blocks = grid_over(pairs, vc.threads() as usize).min(8 * dev.sm_count.max(1) as u32);
             launch("flash_bwd_dq_convert", fc, (blocks, 1, 1), s, &prm)?;
         } else {
-            let vq = kernel_variant(dev, p, Kernel::BwdDq);
-            let vk = kernel_variant(dev, p, Kernel::BwdDkdv);
+            let vq = kernel_variant(dev, p, Kernel::BwdDq)?;
+            let vk = kernel_variant(dev, p, Kernel::BwdDkdv)?;
             let (fq, fk) = (device::function(dev, &vq)?, device::function(dev, &vk)?);
-            launch("flash_bwd_dq", fq, (grid_over(d.seq_q, vq.block_m), d.heads as u32, d.batch as u32), s, &prm)?;
+            launch("flash_bwd_dq", fq, (grid_over(d.seq_q, vq.tiles.block_m), d.heads as u32, d.batch as u32), s, &prm)?;
             launch("flash_bwd_dkdv", fk, kv_grid(&vk), s, &prm)?;
         }
     }

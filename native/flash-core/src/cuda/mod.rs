@@ -18,20 +18,24 @@
 mod compile;
 pub mod config;
 mod device;
+mod elf;
 mod host;
 mod launch;
 mod libs;
+mod report;
 mod sources;
+mod variant;
 
-use crate::dtype::DType;
 use crate::error::{FlashError, Result};
 use crate::guard::catch_panics;
 
-pub use compile::{cache_dir, compile_with, nvrtc_version, parse_ptxas, Compiled};
-pub use config::{all_variants, variant, Kernel, Variant};
+pub use compile::{cache_dir, nvrtc_version};
+pub use config::{all_variants, set_tile_override};
 pub use host::{backward_host, forward_host};
 pub use launch::{backward_device, forward_device, BackwardPtrs, ForwardPtrs};
-pub use libs::add_search_roots;
+pub use libs::{add_search_roots, ensure_nvrtc};
+pub use report::{compile_report, Report, Usage};
+pub use variant::{dtype_short, Kernel, TileSet, Tiles, Variant};
 
 /// What `flash_nif.info()` reports about a GPU.
 #[derive(Debug, Clone)]
@@ -80,21 +84,6 @@ pub fn info(ordinal: usize) -> Result<DeviceInfo> {
     })
 }
 
-/// Compile report of one variant for `arch` with no GPU: (registers, spill bytes, stack bytes,
-/// shared memory bytes). Bypasses the caches.
-pub fn compile_report(v: &Variant, arch: &str) -> Result<(i64, i64, i64, usize)> {
-    catch_panics("CUDA", || {
-        let c = compile::compile_with(v, arch, true)?;
-        let (regs, spill, stack) = compile::parse_ptxas(&c.log);
-        Ok((regs, spill, stack, v.smem_bytes()))
-    })
-}
-
-/// The dtype's short name used in variant names ("f16", "bf16", "f32").
-pub fn dtype_short(d: DType) -> &'static str {
-    config::dtype_short(d)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -104,15 +93,5 @@ mod tests {
         if let Err(e) = available() {
             assert!(matches!(e, FlashError::CudaUnavailable(_)), "{e:?}");
         }
-    }
-
-    #[test]
-    fn nvrtc_compiles_a_kernel_when_present() {
-        if libs::ensure_nvrtc().is_err() {
-            return; // no NVRTC on this machine: nothing to check
-        }
-        let v = variant(Kernel::Fwd, DType::BF16, 72, true, 2, 100, 100);
-        let (regs, spill, _, smem) = compile_report(&v, "sm_80").expect("compiles");
-        assert!(regs > 0 && spill == 0 && smem > 0, "{regs} {spill} {smem}");
     }
 }

@@ -1,0 +1,144 @@
+//! What a specialised kernel is: its kernel, dtype and head dim, source file, tiles and -D defines,
+//! and its stable name. Which variant a launch gets is config.rs's decision.
+
+use crate::dtype::DType;
+use crate::error::{FlashError, Result};
+
+/// The kernels of a forward + backward. The default backward is BwdPreprocess, BwdDkdvDq (dK, dV and
+/// dQ by f32 atomics), BwdDqConvert; the deterministic one is BwdPreprocess, BwdDq, BwdDkdv.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    Fwd,
+    BwdPreprocess,
+    BwdDq,
+    BwdDkdv,
+    /// bwd_dkdv with ATOMIC_DQ=1.
+    BwdDkdvDq,
+    BwdDqConvert,
+}
+
+impl Kernel {
+    pub const ALL: [Kernel; 6] =
+        [Kernel::Fwd, Kernel::BwdPreprocess, Kernel::BwdDq, Kernel::BwdDkdv, Kernel::BwdDkdvDq, Kernel::BwdDqConvert];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Fwd => "fwd",
+            Kernel::BwdPreprocess => "bwd_preprocess",
+            Kernel::BwdDq => "bwd_dq",
+            Kernel::BwdDkdv => "bwd_dkdv",
+            Kernel::BwdDkdvDq => "bwd_dkdv_dq",
+            Kernel::BwdDqConvert => "bwd_dq_convert",
+        }
+    }
+
+    /// The kernel named `name` (as [`Kernel::name`] spells it).
+    pub fn parse(name: &str) -> Result<Kernel> {
+        Kernel::ALL.into_iter().find(|k| k.name() == name).ok_or_else(|| {
+            let names: Vec<_> = Kernel::ALL.iter().map(|k| k.name()).collect();
+            FlashError::Unsupported(format!("unknown kernel {name:?}; expected one of {}", names.join(", ")))
+        })
+    }
+
+    /// The `extern "C" __global__` function in its source.
+    pub fn entry(self) -> &'static str {
+        match self {
+            Kernel::Fwd => "flash_fwd",
+            Kernel::BwdPreprocess => "flash_bwd_preprocess",
+            Kernel::BwdDq => "flash_bwd_dq",
+            Kernel::BwdDkdv | Kernel::BwdDkdvDq => "flash_bwd_dkdv",
+            Kernel::BwdDqConvert => "flash_bwd_dq_convert",
+        }
+    }
+
+    /// Elementwise kernels have no tiles and no shared memory.
+    pub fn is_elementwise(self) -> bool {
+        matches!(self, Kernel::BwdPreprocess | Kernel::BwdDqConvert)
+    }
+}
+
+/// The dtype's short name in variant names ("f16", "bf16", "f32").
+pub fn dtype_short(d: DType) -> &'static str {
+    match d {
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::F32 => "f32",
+    }
+}
+
+/// Launch shape of a tiled kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Tiles {
+    pub block_m: usize,
+    pub block_n: usize,
+    pub num_warps: usize,
+    /// bwd_dkdv: warps sharing a key slice (D_SPLIT); fwd: 16-row tiles per warp (M_TILES).
+    pub d_split: usize,
+    /// Blocks per SM the register allocation must allow (MIN_BLOCKS).
+    pub min_blocks: usize,
+}
+
+/// Which table a variant's tiles come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TileSet {
+    /// The tuned tiles.
+    Default,
+    /// For GPUs whose blocks get less shared memory than the default asks for (sm_86 / sm_89).
+    Small,
+    /// Forced for this process by the development hook (tools/sweep*.py).
+    Override,
+}
+
+impl TileSet {
+    pub fn name(self) -> &'static str {
+        match self {
+            TileSet::Default => "default",
+            TileSet::Small => "small",
+            TileSet::Override => "override",
+        }
+    }
+}
+
+/// One specialised kernel.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Variant {
+    pub kernel: Kernel,
+    pub dtype: DType,
+    pub head_dim: usize,
+    pub source: &'static str,
+    pub tiles: Tiles,
+    pub tile_set: TileSet,
+    /// The -D defines NVRTC compiles it with; every one is part of the name.
+    pub defines: Vec<(&'static str, i64)>,
+}
+
+impl Variant {
+    pub fn threads(&self) -> u32 {
+        32 * self.tiles.num_warps as u32
+    }
+
+    /// Stable name, e.g. `fwd_bf16_d128_num_warps4_is_causal1_...`: kernel, dtype, head dim and the
+    /// other defines in order (the disk cache's file names and the golden snapshot use it).
+    pub fn name(&self) -> String {
+        let rest: Vec<String> = self
+            .defines
+            .iter()
+            .filter(|(k, _)| *k != "FLASH_DTYPE" && *k != "HEAD_DIM")
+            .map(|(k, v)| format!("{}{}", k.to_lowercase(), v))
+            .collect();
+        format!("{}_{}_d{}_{}", self.kernel.name(), dtype_short(self.dtype), self.head_dim, rest.join("_"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_names_round_trip() {
+        for k in Kernel::ALL {
+            assert_eq!(Kernel::parse(k.name()).unwrap(), k);
+        }
+        assert!(Kernel::parse("fwd2").is_err());
+    }
+}
