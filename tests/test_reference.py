@@ -25,59 +25,57 @@ TINY = [
 ]
 
 
+def _naive_rows(q, k, causal, scale):
+    """Per (batch, head, query row) that sees a key: (b, h, kv head, i, visible keys, scores)."""
+    b_, sq, h_, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    for b in range(b_):
+        for h in range(h_):
+            g = h // (h_ // hkv)
+            for i in range(sq):
+                keys = [j for j in range(sk) if not causal or j - i <= sk - sq]
+                if keys:
+                    yield b, h, g, i, keys, [scale * sum(float(q[b, i, h, x]) * float(k[b, j, g, x]) for x in range(d)) for j in keys]
+
+
+def _naive_scale(q, scale):
+    return 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
+
+
 def naive_forward(q, k, v, causal, scale):
     """Scalar loops: returns ``(o [B,Sq,H,D], lse [B,H,Sq])`` float64."""
     b_, sq, h_, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    group = h_ // hkv
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
     o = np.zeros((b_, sq, h_, d))
     lse = np.full((b_, h_, sq), -np.inf)
-    for b in range(b_):
-        for h in range(h_):
-            g = h // group
-            for i in range(sq):
-                keys = [j for j in range(sk) if not causal or j - i <= sk - sq]
-                if not keys:
-                    continue
-                s = [scale * sum(float(q[b, i, h, x]) * float(k[b, j, g, x]) for x in range(d)) for j in keys]
-                m = max(s)
-                e = [math.exp(t - m) for t in s]
-                tot = sum(e)
-                lse[b, h, i] = m + math.log(tot)
-                for x in range(d):
-                    o[b, i, h, x] = sum(e[n] * float(v[b, j, g, x]) for n, j in enumerate(keys)) / tot
+    for b, h, g, i, keys, s in _naive_rows(q, k, causal, _naive_scale(q, scale)):
+        m = max(s)
+        e = [math.exp(t - m) for t in s]
+        tot = sum(e)
+        lse[b, h, i] = m + math.log(tot)
+        for x in range(d):
+            o[b, i, h, x] = sum(e[n] * float(v[b, j, g, x]) for n, j in enumerate(keys)) / tot
     return o, lse
 
 
 def naive_backward(do, q, k, v, causal, scale):
     """Scalar loops through the softmax Jacobian (recomputes P itself)."""
-    b_, sq, h_, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    group = h_ // hkv
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    d = q.shape[3]
+    scale = _naive_scale(q, scale)
     dq = np.zeros(q.shape)
     dk = np.zeros(k.shape)
     dv = np.zeros(v.shape)
-    for b in range(b_):
-        for h in range(h_):
-            g = h // group
-            for i in range(sq):
-                keys = [j for j in range(sk) if not causal or j - i <= sk - sq]
-                if not keys:
-                    continue
-                s = [scale * sum(q[b, i, h, x] * k[b, j, g, x] for x in range(d)) for j in keys]
-                m = max(s)
-                e = [math.exp(t - m) for t in s]
-                p = [t / sum(e) for t in e]
-                dp = [sum(do[b, i, h, x] * v[b, j, g, x] for x in range(d)) for j in keys]
-                mean = sum(pn * dpn for pn, dpn in zip(p, dp))
-                for n, j in enumerate(keys):
-                    ds = p[n] * (dp[n] - mean)
-                    for x in range(d):
-                        dv[b, j, g, x] += p[n] * do[b, i, h, x]
-                        dq[b, i, h, x] += scale * ds * k[b, j, g, x]
-                        dk[b, j, g, x] += scale * ds * q[b, i, h, x]
+    for b, h, g, i, keys, s in _naive_rows(q, k, causal, scale):
+        m = max(s)
+        e = [math.exp(t - m) for t in s]
+        p = [t / sum(e) for t in e]
+        dp = [sum(do[b, i, h, x] * v[b, j, g, x] for x in range(d)) for j in keys]
+        mean = sum(pn * dpn for pn, dpn in zip(p, dp))
+        for n, j in enumerate(keys):
+            ds = p[n] * (dp[n] - mean)
+            for x in range(d):
+                dv[b, j, g, x] += p[n] * do[b, i, h, x]
+                dq[b, i, h, x] += scale * ds * k[b, j, g, x]
+                dk[b, j, g, x] += scale * ds * q[b, i, h, x]
     return dq, dk, dv
 
 

@@ -300,17 +300,7 @@ defmodule FlashNif.CudaTest do
     with {:ok, o, lse} <- FA.forward_with_states(t.q, t.k, t.v, opts),
          {:ok, dq, dk, dv} <- FA.backward(t.d_out, t.q, t.k, t.v, t.o_in, t.lse_in, opts),
          {:ok, dq2, dk2, dv2} <- FA.backward(t.d_out, t.q, t.k, t.v, o, lse, opts) do
-      {:ok,
-       [
-         o: Numeric.rel_err(o, t.o),
-         lse: Numeric.rel_err(lse, t.lse),
-         dq: Numeric.rel_err(dq, t.dq),
-         dk: Numeric.rel_err(dk, t.dk),
-         dv: Numeric.rel_err(dv, t.dv),
-         dq_own: Numeric.rel_err(dq2, t.dq),
-         dk_own: Numeric.rel_err(dk2, t.dk),
-         dv_own: Numeric.rel_err(dv2, t.dv)
-       ]}
+      {:ok, Fixtures.errors(t, {o, lse}, {dq, dk, dv}, {dq2, dk2, dv2})}
     end
   end
 

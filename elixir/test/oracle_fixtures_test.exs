@@ -50,16 +50,7 @@ defmodule FlashNif.OracleFixturesTest do
     {:ok, dq2, dk2, dv2} = FA.backward(t.d_out, t.q, t.k, t.v, o, lse, c.opts)
     assert dk.shape == t.k.shape and dv.type == t.q.type
 
-    [
-      o: Numeric.rel_err(o, t.o),
-      lse: Numeric.rel_err(lse, t.lse),
-      dq: Numeric.rel_err(dq, t.dq),
-      dk: Numeric.rel_err(dk, t.dk),
-      dv: Numeric.rel_err(dv, t.dv),
-      dq_own: Numeric.rel_err(dq2, t.dq),
-      dk_own: Numeric.rel_err(dk2, t.dk),
-      dv_own: Numeric.rel_err(dv2, t.dv)
-    ]
+    Fixtures.errors(t, {o, lse}, {dq, dk, dv}, {dq2, dk2, dv2})
   end
 
   defp report(results) do

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _cuda  # GPU arrays (CuPy, torch, DLPack) dispatch
 from . import _native
-from . import reference  # the float64 oracle: flash_nif.reference.forward(...)
+from . import errors, reference  # reference: the float64 oracle, flash_nif.reference.forward(...)
 from .errors import (
     CompileError,
     DeviceError,
@@ -129,12 +129,5 @@ __all__ = [
     "info",
     "cuda_available",
     "reference",
-    "FlashAttentionError",
-    "ShapeError",
-    "DTypeError",
-    "UnsupportedError",
-    "OutOfMemoryError",
-    "DeviceError",
-    "CompileError",
-    "InternalError",
+    *errors.__all__,
 ]

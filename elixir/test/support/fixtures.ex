@@ -39,6 +39,25 @@ defmodule FlashNif.Fixtures do
       :big -> for <<x::little-size(size * 8) <- bin>>, into: <<>>, do: <<x::big-size(size * 8)>>
     end
   end
+
+  @doc """
+  Relative errors of a case's results against its fixture: forward (o, lse), the backward from the
+  fixture's own o and lse (dq, dk, dv) and the backward from our o and lse (dq_own, dk_own, dv_own).
+  """
+  def errors(t, {o, lse}, {dq, dk, dv}, {dq2, dk2, dv2}) do
+    alias FlashNif.Numeric
+
+    [
+      o: Numeric.rel_err(o, t.o),
+      lse: Numeric.rel_err(lse, t.lse),
+      dq: Numeric.rel_err(dq, t.dq),
+      dk: Numeric.rel_err(dk, t.dk),
+      dv: Numeric.rel_err(dv, t.dv),
+      dq_own: Numeric.rel_err(dq2, t.dq),
+      dk_own: Numeric.rel_err(dk2, t.dk),
+      dv_own: Numeric.rel_err(dv2, t.dv)
+    ]
+  end
 end
 
 defmodule FlashNif.Numeric do
