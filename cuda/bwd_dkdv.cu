@@ -75,18 +75,20 @@ __device__ __forceinline__ void add_dq_tile(const FlashParams& p, const elem_t* 
 
 // Shared memory, byte offsets.
 struct SmemLayout {
-    static constexpr int k = 0;                                              // [BLOCK_N][SROW]
-    static constexpr int v = k + bytes_of<elem_t>(BLOCK_N * SROW);           // [BLOCK_N][SROW]
-    static constexpr int q = v + bytes_of<elem_t>(BLOCK_N * SROW);           // [2][BLOCK_M][SROW]
-    static constexpr int dout = q + bytes_of<elem_t>(2 * BLOCK_M * SROW);    // [2][BLOCK_M][SROW]
-    static constexpr int lse = dout + bytes_of<elem_t>(2 * BLOCK_M * SROW);  // [2][BLOCK_M] f32
-    static constexpr int delta = lse + bytes_of<float>(2 * BLOCK_M);         // [2][BLOCK_M] f32
+    enum : int {
+        k = 0,                                              // [BLOCK_N][SROW]
+        v = k + bytes_of<elem_t>(BLOCK_N * SROW),           // [BLOCK_N][SROW]
+        q = v + bytes_of<elem_t>(BLOCK_N * SROW),           // [2][BLOCK_M][SROW]
+        dout = q + bytes_of<elem_t>(2 * BLOCK_M * SROW),    // [2][BLOCK_M][SROW]
+        lse = dout + bytes_of<elem_t>(2 * BLOCK_M * SROW),  // [2][BLOCK_M] f32
+        delta = lse + bytes_of<float>(2 * BLOCK_M),         // [2][BLOCK_M] f32
 #if ATOMIC_DQ
-    static constexpr int ds = delta + bytes_of<float>(2 * BLOCK_M);          // [BLOCK_N][DS_ROW]: dS^T
-    static constexpr int bytes = ds + bytes_of<elem_t>(BLOCK_N * DS_ROW);
+        ds = delta + bytes_of<float>(2 * BLOCK_M),          // [BLOCK_N][DS_ROW]: dS^T
+        bytes = ds + bytes_of<elem_t>(BLOCK_N * DS_ROW),
 #else
-    static constexpr int bytes = delta + bytes_of<float>(2 * BLOCK_M);
+        bytes = delta + bytes_of<float>(2 * BLOCK_M),
 #endif
+    };
 };
 FLASH_EXPORT_SMEM(SmemLayout::bytes)
 

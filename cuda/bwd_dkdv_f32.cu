@@ -14,15 +14,17 @@
 
 // Shared memory, byte offsets.
 struct SmemLayout {
-    static constexpr int k = 0;                                          // [BLOCK_N][FSTRIDE]
-    static constexpr int v = k + bytes_of<float>(BLOCK_N * FSTRIDE);     // [BLOCK_N][FSTRIDE]
-    static constexpr int q = v + bytes_of<float>(BLOCK_N * FSTRIDE);     // [BLOCK_M][FSTRIDE]
-    static constexpr int dout = q + bytes_of<float>(BLOCK_M * FSTRIDE);  // [BLOCK_M][FSTRIDE]
-    static constexpr int p = dout + bytes_of<float>(BLOCK_M * FSTRIDE);  // [BLOCK_N][PSTRIDE]: P^T
-    static constexpr int ds = p + bytes_of<float>(BLOCK_N * PSTRIDE);    // [BLOCK_N][PSTRIDE]: dS^T
-    static constexpr int lse = ds + bytes_of<float>(BLOCK_N * PSTRIDE);  // [BLOCK_M]
-    static constexpr int delta = lse + bytes_of<float>(BLOCK_M);         // [BLOCK_M]
-    static constexpr int bytes = delta + bytes_of<float>(BLOCK_M);
+    enum : int {
+        k = 0,                                          // [BLOCK_N][FSTRIDE]
+        v = k + bytes_of<float>(BLOCK_N * FSTRIDE),     // [BLOCK_N][FSTRIDE]
+        q = v + bytes_of<float>(BLOCK_N * FSTRIDE),     // [BLOCK_M][FSTRIDE]
+        dout = q + bytes_of<float>(BLOCK_M * FSTRIDE),  // [BLOCK_M][FSTRIDE]
+        p = dout + bytes_of<float>(BLOCK_M * FSTRIDE),  // [BLOCK_N][PSTRIDE]: P^T
+        ds = p + bytes_of<float>(BLOCK_N * PSTRIDE),    // [BLOCK_N][PSTRIDE]: dS^T
+        lse = ds + bytes_of<float>(BLOCK_N * PSTRIDE),  // [BLOCK_M]
+        delta = lse + bytes_of<float>(BLOCK_M),         // [BLOCK_M]
+        bytes = delta + bytes_of<float>(BLOCK_M),
+    };
 };
 FLASH_EXPORT_SMEM(SmemLayout::bytes)
 

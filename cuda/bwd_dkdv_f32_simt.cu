@@ -27,15 +27,17 @@
 
 // Shared memory, byte offsets.
 struct SmemLayout {
-    static constexpr int k = 0;                                          // [BLOCK_N][RSTRIDE]
-    static constexpr int v = k + bytes_of<float>(BLOCK_N * RSTRIDE);     // [BLOCK_N][RSTRIDE]
-    static constexpr int q = v + bytes_of<float>(BLOCK_N * RSTRIDE);     // [BLOCK_M][RSTRIDE]
-    static constexpr int dout = q + bytes_of<float>(BLOCK_M * RSTRIDE);  // [BLOCK_M][RSTRIDE]
-    static constexpr int p = dout + bytes_of<float>(BLOCK_M * RSTRIDE);  // [BLOCK_N][PS]: P^T
-    static constexpr int ds = p + bytes_of<float>(BLOCK_N * PS);         // [BLOCK_N][PS]: dS^T
-    static constexpr int lse = ds + bytes_of<float>(BLOCK_N * PS);       // [BLOCK_M]
-    static constexpr int delta = lse + bytes_of<float>(BLOCK_M);         // [BLOCK_M]
-    static constexpr int bytes = delta + bytes_of<float>(BLOCK_M);
+    enum : int {
+        k = 0,                                          // [BLOCK_N][RSTRIDE]
+        v = k + bytes_of<float>(BLOCK_N * RSTRIDE),     // [BLOCK_N][RSTRIDE]
+        q = v + bytes_of<float>(BLOCK_N * RSTRIDE),     // [BLOCK_M][RSTRIDE]
+        dout = q + bytes_of<float>(BLOCK_M * RSTRIDE),  // [BLOCK_M][RSTRIDE]
+        p = dout + bytes_of<float>(BLOCK_M * RSTRIDE),  // [BLOCK_N][PS]: P^T
+        ds = p + bytes_of<float>(BLOCK_N * PS),         // [BLOCK_N][PS]: dS^T
+        lse = ds + bytes_of<float>(BLOCK_N * PS),       // [BLOCK_M]
+        delta = lse + bytes_of<float>(BLOCK_M),         // [BLOCK_M]
+        bytes = delta + bytes_of<float>(BLOCK_M),
+    };
 };
 FLASH_EXPORT_SMEM(SmemLayout::bytes)
 

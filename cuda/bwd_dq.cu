@@ -13,11 +13,13 @@
 
 // Shared memory, byte offsets.
 struct SmemLayout {
-    static constexpr int q = 0;                                          // [BLOCK_M][SROW]
-    static constexpr int dout = q + bytes_of<elem_t>(BLOCK_M * SROW);    // [BLOCK_M][SROW]
-    static constexpr int k = dout + bytes_of<elem_t>(BLOCK_M * SROW);    // [2][BLOCK_N][SROW]
-    static constexpr int v = k + bytes_of<elem_t>(2 * BLOCK_N * SROW);   // [2][BLOCK_N][SROW]
-    static constexpr int bytes = v + bytes_of<elem_t>(2 * BLOCK_N * SROW);
+    enum : int {
+        q = 0,                                          // [BLOCK_M][SROW]
+        dout = q + bytes_of<elem_t>(BLOCK_M * SROW),    // [BLOCK_M][SROW]
+        k = dout + bytes_of<elem_t>(BLOCK_M * SROW),    // [2][BLOCK_N][SROW]
+        v = k + bytes_of<elem_t>(2 * BLOCK_N * SROW),   // [2][BLOCK_N][SROW]
+        bytes = v + bytes_of<elem_t>(2 * BLOCK_N * SROW),
+    };
 };
 FLASH_EXPORT_SMEM(SmemLayout::bytes)
 

@@ -12,12 +12,14 @@
 
 // Shared memory, byte offsets.
 struct SmemLayout {
-    static constexpr int q = 0;                                          // [BLOCK_M][FSTRIDE]
-    static constexpr int dout = q + bytes_of<float>(BLOCK_M * FSTRIDE);  // [BLOCK_M][FSTRIDE]
-    static constexpr int k = dout + bytes_of<float>(BLOCK_M * FSTRIDE);  // [BLOCK_N][FSTRIDE]
-    static constexpr int v = k + bytes_of<float>(BLOCK_N * FSTRIDE);     // [BLOCK_N][FSTRIDE]
-    static constexpr int ds = v + bytes_of<float>(BLOCK_N * FSTRIDE);    // [BLOCK_M][PSTRIDE]
-    static constexpr int bytes = ds + bytes_of<float>(BLOCK_M * PSTRIDE);
+    enum : int {
+        q = 0,                                          // [BLOCK_M][FSTRIDE]
+        dout = q + bytes_of<float>(BLOCK_M * FSTRIDE),  // [BLOCK_M][FSTRIDE]
+        k = dout + bytes_of<float>(BLOCK_M * FSTRIDE),  // [BLOCK_N][FSTRIDE]
+        v = k + bytes_of<float>(BLOCK_N * FSTRIDE),     // [BLOCK_N][FSTRIDE]
+        ds = v + bytes_of<float>(BLOCK_N * FSTRIDE),    // [BLOCK_M][PSTRIDE]
+        bytes = ds + bytes_of<float>(BLOCK_M * PSTRIDE),
+    };
 };
 FLASH_EXPORT_SMEM(SmemLayout::bytes)
 

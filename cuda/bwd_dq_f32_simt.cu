@@ -20,12 +20,14 @@
 
 // Shared memory, byte offsets.
 struct SmemLayout {
-    static constexpr int q = 0;                                          // [BLOCK_M][RSTRIDE]
-    static constexpr int dout = q + bytes_of<float>(BLOCK_M * RSTRIDE);  // [BLOCK_M][RSTRIDE]
-    static constexpr int k = dout + bytes_of<float>(BLOCK_M * RSTRIDE);  // [2][BLOCK_N][RSTRIDE]
-    static constexpr int v = k + bytes_of<float>(2 * BLOCK_N * RSTRIDE); // [BLOCK_N][RSTRIDE]
-    static constexpr int ds = v + bytes_of<float>(BLOCK_N * RSTRIDE);    // [BLOCK_M][PS]
-    static constexpr int bytes = ds + bytes_of<float>(BLOCK_M * PS);
+    enum : int {
+        q = 0,                                          // [BLOCK_M][RSTRIDE]
+        dout = q + bytes_of<float>(BLOCK_M * RSTRIDE),  // [BLOCK_M][RSTRIDE]
+        k = dout + bytes_of<float>(BLOCK_M * RSTRIDE),  // [2][BLOCK_N][RSTRIDE]
+        v = k + bytes_of<float>(2 * BLOCK_N * RSTRIDE), // [BLOCK_N][RSTRIDE]
+        ds = v + bytes_of<float>(BLOCK_N * RSTRIDE),    // [BLOCK_M][PS]
+        bytes = ds + bytes_of<float>(BLOCK_M * PS),
+    };
 };
 FLASH_EXPORT_SMEM(SmemLayout::bytes)
 

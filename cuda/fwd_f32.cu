@@ -13,11 +13,13 @@
 
 // Shared memory, byte offsets.
 struct SmemLayout {
-    static constexpr int q = 0;                                      // [BLOCK_M][FSTRIDE]
-    static constexpr int k = q + bytes_of<float>(BLOCK_M * FSTRIDE); // [BLOCK_N][FSTRIDE]
-    static constexpr int v = k + bytes_of<float>(BLOCK_N * FSTRIDE); // [BLOCK_N][FSTRIDE]
-    static constexpr int p = v + bytes_of<float>(BLOCK_N * FSTRIDE); // [BLOCK_M][PSTRIDE]
-    static constexpr int bytes = p + bytes_of<float>(BLOCK_M * PSTRIDE);
+    enum : int {
+        q = 0,                                      // [BLOCK_M][FSTRIDE]
+        k = q + bytes_of<float>(BLOCK_M * FSTRIDE), // [BLOCK_N][FSTRIDE]
+        v = k + bytes_of<float>(BLOCK_N * FSTRIDE), // [BLOCK_N][FSTRIDE]
+        p = v + bytes_of<float>(BLOCK_N * FSTRIDE), // [BLOCK_M][PSTRIDE]
+        bytes = p + bytes_of<float>(BLOCK_M * PSTRIDE),
+    };
 };
 FLASH_EXPORT_SMEM(SmemLayout::bytes)
 

@@ -24,11 +24,13 @@
 
 // Shared memory, byte offsets.
 struct SmemLayout {
-    static constexpr int q = 0;                                      // [BLOCK_M][QS]
-    static constexpr int k = q + bytes_of<float>(BLOCK_M * QS);      // [BLOCK_N][RSTRIDE]
-    static constexpr int v = k + bytes_of<float>(BLOCK_N * RSTRIDE); // [BLOCK_N][VS]
-    static constexpr int p = v + bytes_of<float>(BLOCK_N * VS);      // [BLOCK_M][PS]
-    static constexpr int bytes = p + bytes_of<float>(BLOCK_M * PS);
+    enum : int {
+        q = 0,                                      // [BLOCK_M][QS]
+        k = q + bytes_of<float>(BLOCK_M * QS),      // [BLOCK_N][RSTRIDE]
+        v = k + bytes_of<float>(BLOCK_N * RSTRIDE), // [BLOCK_N][VS]
+        p = v + bytes_of<float>(BLOCK_N * VS),      // [BLOCK_M][PS]
+        bytes = p + bytes_of<float>(BLOCK_M * PS),
+    };
 };
 FLASH_EXPORT_SMEM(SmemLayout::bytes)
 

@@ -107,12 +107,14 @@ __device__ __forceinline__ i64 stat_offset(const FlashParams& p, int b, int h) {
     return ((i64)b * p.heads + h) * p.seqlen_q;
 }
 
-// Shared memory. Each main kernel writes its layout once, as a `struct SmemLayout` of constexpr
-// byte offsets ending in `bytes`, carves its tiles from those offsets, and exports the total with
-// FLASH_EXPORT_SMEM(SmemLayout::bytes); the elementwise kernels export 0. The launcher reads the
-// symbol `flash_smem_bytes` (a 4-byte int in the cubin's .nv.global.init, or in the zero-filled
-// .nv.global when it is 0) and asks for that much dynamic shared memory: the kernel is the only
-// owner of its size. Every kernel source exports it exactly once.
+// ---- shared memory -----------------------------------------------------------------------------
+// Each main kernel writes its layout once, as `struct SmemLayout { enum : int { ... } }` of byte
+// offsets ending in `bytes` (enumerators, not static members: NVRTC's -default-device would emit
+// those as device globals), carves its tiles from those offsets with smem_at, and exports the total
+// with FLASH_EXPORT_SMEM(SmemLayout::bytes); the elementwise kernels export 0. The launcher reads
+// the symbol `flash_smem_bytes` from the cubin (a 4-byte object in .nv.global.init, or in the
+// zero-filled .nv.global when it is 0) and asks for that much dynamic shared memory: the kernel is
+// the only owner of its size. Every kernel source exports it exactly once.
 #define FLASH_EXPORT_SMEM(bytes) extern "C" __device__ const int flash_smem_bytes = (bytes);
 
 // Bytes of n elements of T, for the layouts' offsets.
