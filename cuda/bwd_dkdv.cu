@@ -34,8 +34,8 @@ constexpr int DQ_ITEMS = DQ_MGROUPS * (DQ_NT_ALL / DQ_NT);
 
 // dq_accum[b, m0 + i, h, :] += sum_j dS[i][j] K[j][:] for one work item (DQ_MT query tiles x DQ_NT
 // column tiles) of the block's BLOCK_M x BLOCK_N tile of dS (stored transposed in sdS) and its keys.
-__device__ __forceinline__ void add_dq_item(const FlashParams& p, const elem_t* sdS, const elem_t* sK,
-                                            int b, int h, int m0, int item) {
+__device__ __forceinline__ void add_dq_item(const FlashParams& p, const KeyBlock& blk, const elem_t* sdS,
+                                            const elem_t* sK, int h, int m0, int item) {
     const int lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int mg = item % DQ_MGROUPS, ng = item / DQ_MGROUPS;
@@ -45,30 +45,29 @@ __device__ __forceinline__ void add_dq_item(const FlashParams& p, const elem_t* 
 #pragma unroll
         for (int nt = 0; nt < DQ_NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
     gemm_atb<DQ_MT, DQ_NT, BLOCK_N / 16>(acc, sdS, DS_ROW, mg * DQ_MT * 16, sK, ng * DQ_NT * 8);
-    const i64 q_stride = (i64)p.heads * HEAD_DIM;
-    float* dq = p.dq_accum + q_row_offset(p, b, 0, h);
+    float* dq = p.dq_accum + blk.q_base(p, h);
 #pragma unroll
     for (int mt = 0; mt < DQ_MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = m0 + (mg * DQ_MT + mt) * 16 + g + 8 * r;
-            if (row >= p.seqlen_q) continue;
+            if (row >= blk.Sq) continue;
 #pragma unroll
             for (int nt = 0; nt < DQ_NT; ++nt) {
                 const int col = (ng * DQ_NT + nt) * 8 + 2 * t;
-                if (col < HEAD_DIM) red_add_f32x2(dq + row * q_stride + col, acc[mt][nt][2 * r], acc[mt][nt][2 * r + 1]);
+                if (col < HEAD_DIM) red_add_f32x2(dq + row * blk.q_stride + col, acc[mt][nt][2 * r], acc[mt][nt][2 * r + 1]);
             }
         }
 }
 
-__device__ __forceinline__ void add_dq_tile(const FlashParams& p, const elem_t* sdS, const elem_t* sK,
-                                            int b, int h, int m0) {
+__device__ __forceinline__ void add_dq_tile(const FlashParams& p, const KeyBlock& blk, const elem_t* sdS,
+                                            const elem_t* sK, int h, int m0) {
     const int warp = threadIdx.x / 32;
     if constexpr (DQ_ITEMS == NUM_WARPS) {  // the usual tiles: one item per warp, no loop
-        add_dq_item(p, sdS, sK, b, h, m0, warp);
+        add_dq_item(p, blk, sdS, sK, h, m0, warp);
     } else {
 #pragma unroll 1
-        for (int item = warp; item < DQ_ITEMS; item += NUM_WARPS) add_dq_item(p, sdS, sK, b, h, m0, item);
+        for (int item = warp; item < DQ_ITEMS; item += NUM_WARPS) add_dq_item(p, blk, sdS, sK, h, m0, item);
     }
 }
 #endif
@@ -105,41 +104,30 @@ flash_bwd_dkdv(const FlashParams p) {
     elem_t* sdS = smem_at<elem_t>(smem_raw, SmemLayout::ds);
 #endif
 
-    const int n_block = blockIdx.x, hkv = blockIdx.y, b = blockIdx.z;
-    const int n0 = n_block * BLOCK_N;
-    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    const KeyBlock blk(p);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int slice = warp / D_SPLIT, part = warp % D_SPLIT;
+    const int n_iters = blk.n_iter;
 
-    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
-
-    // Query tiles that can see a key of this block: causal skips those above the diagonal.
-    const int m_first = first_query_tile(n0, BLOCK_M, Sq, Sk) / BLOCK_M;
-    const int m_tiles = (Sq + BLOCK_M - 1) / BLOCK_M;
-    const int per_head = m_tiles > m_first ? m_tiles - m_first : 0;
-    const int n_iters = per_head * GQA_GROUP;
-
-    load_tile_async<BLOCK_N>(sK, p.k + kv_row_offset(p, b, 0, hkv), n0, Sk, kv_stride);
-    load_tile_async<BLOCK_N>(sV, p.v + kv_row_offset(p, b, 0, hkv), n0, Sk, kv_stride);
+    load_tile_async<BLOCK_N>(sK, p.k + blk.kv_base(p), blk.n0, blk.Sk, blk.kv_stride);
+    load_tile_async<BLOCK_N>(sV, p.v + blk.kv_base(p), blk.n0, blk.Sk, blk.kv_stride);
 
     // Iteration it = (query head, query tile). Its Q tile (with lse, delta) and its dO tile go in
     // separate commit groups, so that S^T = K Q^T starts while dO is in flight. In flight at the
     // top of iteration it: Q_it, dO_it. lse/delta are plain stores, visible after the next barrier.
     auto load_q = [&](int it, int buf) {
-        const int h = hkv * GQA_GROUP + it / per_head;
-        const int m0 = (m_first + it % per_head) * BLOCK_M;
-        load_tile_async<BLOCK_M>(sQ + buf * BLOCK_M * SROW, p.q + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
-        const i64 so = stat_offset(p, b, h);
+        const int h = blk.head(it), m0 = blk.query_row(it);
+        load_tile_async<BLOCK_M>(sQ + buf * BLOCK_M * SROW, p.q + blk.q_base(p, h), m0, blk.Sq, blk.q_stride);
+        const i64 so = blk.stat_base(p, h);
         for (int i = threadIdx.x; i < BLOCK_M; i += NUM_THREADS) {
-            const bool ok = m0 + i < Sq;
+            const bool ok = m0 + i < blk.Sq;
             sLse[buf * BLOCK_M + i] = ok ? p.lse_log2[so + m0 + i] : POS_INF;
             sDelta[buf * BLOCK_M + i] = ok ? p.delta[so + m0 + i] : 0.f;
         }
     };
     auto load_do = [&](int it, int buf) {
-        const int h = hkv * GQA_GROUP + it / per_head;
-        const int m0 = (m_first + it % per_head) * BLOCK_M;
-        load_tile_async<BLOCK_M>(sdO + buf * BLOCK_M * SROW, p.dout + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
+        const int h = blk.head(it), m0 = blk.query_row(it);
+        load_tile_async<BLOCK_M>(sdO + buf * BLOCK_M * SROW, p.dout + blk.q_base(p, h), m0, blk.Sq, blk.q_stride);
     };
     if (n_iters > 0) load_q(0, 0);
     cp_async_commit();  // with K and V
@@ -153,7 +141,7 @@ flash_bwd_dkdv(const FlashParams p) {
         for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
     const elem_t* sKw = sK + slice * 16 * SROW;
     const elem_t* sVw = sV + slice * 16 * SROW;
-    const int key0 = n0 + slice * 16;
+    const int key0 = blk.n0 + slice * 16;
     const int col0 = part * DPART;
     const int g = lane / 4, t = lane % 4;
 
@@ -167,7 +155,7 @@ flash_bwd_dkdv(const FlashParams p) {
         const elem_t* sdOi = sdO + buf * BLOCK_M * SROW;
         const float* lse2 = sLse + buf * BLOCK_M;
         const float* dlt = sDelta + buf * BLOCK_M;
-        const int m0 = (m_first + it % per_head) * BLOCK_M;
+        const int m0 = blk.query_row(it);
 
         float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];
 #pragma unroll
@@ -185,7 +173,7 @@ flash_bwd_dkdv(const FlashParams p) {
         for (int i = 0; i < BLOCK_M / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[i][e] *= p.scale_log2;
-        if (key_slice_needs_mask(key0, m0, Sq, Sk)) mask_tile_t<BLOCK_M / 8>(s, key0, m0, Sq, Sk);
+        if (key_slice_needs_mask(key0, m0, blk.Sq, blk.Sk)) mask_tile_t<BLOCK_M / 8>(s, key0, m0, blk.Sq, blk.Sk);
 #pragma unroll
         for (int i = 0; i < BLOCK_M / 8; ++i)
 #pragma unroll
@@ -207,11 +195,9 @@ flash_bwd_dkdv(const FlashParams p) {
                         pack2(dp[i][2 * r], dp[i][2 * r + 1]);
         }
         __syncthreads();  // dS^T complete (the next write follows the next iteration's first barrier)
-        add_dq_tile(p, sdS, sK, b, hkv * GQA_GROUP + it / per_head, m0);
+        add_dq_tile(p, blk, sdS, sK, blk.head(it), m0);
 #endif
     }
-    elem_t* out_dk = p.dk + kv_row_offset(p, b, 0, hkv);
-    elem_t* out_dv = p.dv + kv_row_offset(p, b, 0, hkv);
-    store_tile<DPART / 8>(out_dk, dk, p.scale, p.scale, key0, Sk, col0, kv_stride);
-    store_tile<DPART / 8>(out_dv, dv, 1.f, 1.f, key0, Sk, col0, kv_stride);
+    store_tile<DPART / 8>(p.dk + blk.kv_base(p), dk, p.scale, p.scale, key0, blk.Sk, col0, blk.kv_stride);
+    store_tile<DPART / 8>(p.dv + blk.kv_base(p), dv, 1.f, 1.f, key0, blk.Sk, col0, blk.kv_stride);
 }

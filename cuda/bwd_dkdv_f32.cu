@@ -40,14 +40,11 @@ flash_bwd_dkdv(const FlashParams p) {
     float* sLse = smem_at<float>(smem_raw, SmemLayout::lse);
     float* sDelta = smem_at<float>(smem_raw, SmemLayout::delta);
 
-    const int n0 = blockIdx.x * BLOCK_N, hkv = blockIdx.y, b = blockIdx.z;
-    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    const KeyBlock blk(p);
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
-
-    const int m_start = first_query_tile(n0, BLOCK_M, Sq, Sk);
-    load_tile_f32<BLOCK_N>(sK, p.k + kv_row_offset(p, b, 0, hkv), n0, Sk, kv_stride);
-    load_tile_f32<BLOCK_N>(sV, p.v + kv_row_offset(p, b, 0, hkv), n0, Sk, kv_stride);
+    const int n0 = blk.n0, Sq = blk.Sq, Sk = blk.Sk;
+    load_tile_f32<BLOCK_N>(sK, p.k + blk.kv_base(p), n0, Sk, blk.kv_stride);
+    load_tile_f32<BLOCK_N>(sV, p.v + blk.kv_base(p), n0, Sk, blk.kv_stride);
 
     float dk[MR][DCOLS], dv[MR][DCOLS];
 #pragma unroll
@@ -56,12 +53,12 @@ flash_bwd_dkdv(const FlashParams p) {
         for (int jd = 0; jd < DCOLS; ++jd) dk[i][jd] = dv[i][jd] = 0.f;
 
     for (int g = 0; g < GQA_GROUP; ++g) {
-        const int h = hkv * GQA_GROUP + g;
-        const i64 so = stat_offset(p, b, h);
-        for (int m0 = m_start; m0 < Sq; m0 += BLOCK_M) {
+        const int h = blk.hkv * GQA_GROUP + g;
+        const i64 so = blk.stat_base(p, h);
+        for (int m0 = blk.m_start; m0 < Sq; m0 += BLOCK_M) {
             __syncthreads();
-            load_tile_f32<BLOCK_M>(sQ, p.q + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
-            load_tile_f32<BLOCK_M>(sdO, p.dout + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
+            load_tile_f32<BLOCK_M>(sQ, p.q + blk.q_base(p, h), m0, Sq, blk.q_stride);
+            load_tile_f32<BLOCK_M>(sdO, p.dout + blk.q_base(p, h), m0, Sq, blk.q_stride);
             for (int i = threadIdx.x; i < BLOCK_M; i += NUM_THREADS) {
                 const bool ok = m0 + i < Sq;
                 sLse[i] = ok ? p.lse_log2[so + m0 + i] : POS_INF;
@@ -119,7 +116,7 @@ flash_bwd_dkdv(const FlashParams p) {
                         }
                     }
                 }
-                float* dqa = p.dq_accum + q_row_offset(p, b, 0, h);
+                float* dqa = p.dq_accum + blk.q_base(p, h);
 #pragma unroll
                 for (int i = 0; i < MC; ++i) {
                     const int q = m0 + ty + 16 * i;
@@ -127,7 +124,7 @@ flash_bwd_dkdv(const FlashParams p) {
 #pragma unroll
                     for (int jd = 0; jd < DCOLS; ++jd) {
                         const int col = tx + 16 * jd;
-                        if (col < HEAD_DIM) atomicAdd(dqa + (i64)q * q_stride + col, dq[i][jd]);
+                        if (col < HEAD_DIM) atomicAdd(dqa + (i64)q * blk.q_stride + col, dq[i][jd]);
                     }
                 }
             }
@@ -137,6 +134,6 @@ flash_bwd_dkdv(const FlashParams p) {
     float one[MR], sc[MR];
 #pragma unroll
     for (int i = 0; i < MR; ++i) { one[i] = 1.f; sc[i] = p.scale; }
-    store_rows_f32<MR>(p.dk + kv_row_offset(p, b, 0, hkv), dk, sc, n0, Sk, kv_stride);
-    store_rows_f32<MR>(p.dv + kv_row_offset(p, b, 0, hkv), dv, one, n0, Sk, kv_stride);
+    store_rows_f32<MR>(p.dk + blk.kv_base(p), dk, sc, n0, Sk, blk.kv_stride);
+    store_rows_f32<MR>(p.dv + blk.kv_base(p), dv, one, n0, Sk, blk.kv_stride);
 }

@@ -53,24 +53,19 @@ flash_bwd_dkdv(const FlashParams p) {
     float* sLse = smem_at<float>(smem_raw, SmemLayout::lse);
     float* sDelta = smem_at<float>(smem_raw, SmemLayout::delta);
 
-    const int n0 = blockIdx.x * BLOCK_N, hkv = blockIdx.y, b = blockIdx.z;
-    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    const KeyBlock blk(p);
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
+    const int n0 = blk.n0, Sq = blk.Sq, Sk = blk.Sk, n_iter = blk.n_iter;
 
-    const int m_start = first_query_tile(n0, BLOCK_M, Sq, Sk);
-    const int n_m = m_start < Sq ? (Sq - m_start + BLOCK_M - 1) / BLOCK_M : 0;
-    const int n_iter = n_m * GQA_GROUP;
-
-    cp_rows_f32<BLOCK_N, RSTRIDE>(sK, p.k + kv_row_offset(p, b, 0, hkv), n0, Sk, kv_stride);
-    cp_rows_f32<BLOCK_N, RSTRIDE>(sV, p.v + kv_row_offset(p, b, 0, hkv), n0, Sk, kv_stride);
+    cp_rows_f32<BLOCK_N, RSTRIDE>(sK, p.k + blk.kv_base(p), n0, Sk, blk.kv_stride);
+    cp_rows_f32<BLOCK_N, RSTRIDE>(sV, p.v + blk.kv_base(p), n0, Sk, blk.kv_stride);
     if (n_iter > 0) {
-        const int h = hkv * GQA_GROUP;
-        cp_rows_f32<BLOCK_M, RSTRIDE>(sQ, p.q + q_row_offset(p, b, 0, h), m_start, Sq, q_stride);
-        cp_rows_f32<BLOCK_M, RSTRIDE>(sdO, p.dout + q_row_offset(p, b, 0, h), m_start, Sq, q_stride);
+        const int h = blk.head(0);
+        cp_rows_f32<BLOCK_M, RSTRIDE>(sQ, p.q + blk.q_base(p, h), blk.m_start, Sq, blk.q_stride);
+        cp_rows_f32<BLOCK_M, RSTRIDE>(sdO, p.dout + blk.q_base(p, h), blk.m_start, Sq, blk.q_stride);
         if (threadIdx.x < BLOCK_M) {
-            const int q = m_start + threadIdx.x;
-            const i64 so = stat_offset(p, b, h);
+            const int q = blk.m_start + threadIdx.x;
+            const i64 so = blk.stat_base(p, h);
             sLse[threadIdx.x] = q < Sq ? p.lse_log2[so + q] : POS_INF;
             sDelta[threadIdx.x] = q < Sq ? p.delta[so + q] : 0.f;
         }
@@ -84,8 +79,7 @@ flash_bwd_dkdv(const FlashParams p) {
         for (int jj = 0; jj < DV4; ++jj) dk[i][jj] = dv[i][jj] = make_float4(0.f, 0.f, 0.f, 0.f);
 
     for (int it = 0; it < n_iter; ++it) {
-        const int g = it / n_m;
-        const int m0 = m_start + (it - g * n_m) * BLOCK_M;
+        const int h = blk.head(it), m0 = blk.query_row(it);
         cp_async_wait<0>();
         __syncthreads();  // (A) Q, dO, lse, delta of this tile in place; last tile's dS^T reads done
 
@@ -134,13 +128,11 @@ flash_bwd_dkdv(const FlashParams p) {
         __syncthreads();  // (C) every thread is done with Q, dO, lse, delta: load the next tile's
         float nl = POS_INF, nd = 0.f;
         if (it + 1 < n_iter) {
-            const int g1 = (it + 1) / n_m;
-            const int m1 = m_start + (it + 1 - g1 * n_m) * BLOCK_M;
-            const int h1 = hkv * GQA_GROUP + g1;
-            cp_rows_f32<BLOCK_M, RSTRIDE>(sQ, p.q + q_row_offset(p, b, 0, h1), m1, Sq, q_stride);
-            cp_rows_f32<BLOCK_M, RSTRIDE>(sdO, p.dout + q_row_offset(p, b, 0, h1), m1, Sq, q_stride);
+            const int h1 = blk.head(it + 1), m1 = blk.query_row(it + 1);
+            cp_rows_f32<BLOCK_M, RSTRIDE>(sQ, p.q + blk.q_base(p, h1), m1, Sq, blk.q_stride);
+            cp_rows_f32<BLOCK_M, RSTRIDE>(sdO, p.dout + blk.q_base(p, h1), m1, Sq, blk.q_stride);
             if (threadIdx.x < BLOCK_M && m1 + (int)threadIdx.x < Sq) {
-                const i64 idx = stat_offset(p, b, h1) + m1 + threadIdx.x;
+                const i64 idx = blk.stat_base(p, h1) + m1 + threadIdx.x;
                 nl = p.lse_log2[idx];
                 nd = p.delta[idx];
             }
@@ -169,14 +161,13 @@ flash_bwd_dkdv(const FlashParams p) {
                     fma4(dq[3][jj], av.w, bv[jj]);
                 }
             }
-            const int h = hkv * GQA_GROUP + g;
-            float* dqa = p.dq_accum + q_row_offset(p, b, 0, h);
+            float* dqa = p.dq_accum + blk.q_base(p, h);
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 const int q = m0 + 4 * ty + r;
                 if (q < Sq) {
 #pragma unroll
-                    for (int jj = 0; jj < DV4; ++jj) red_add4(dqa + (i64)q * q_stride + 4 * (tx + 16 * jj), dq[r][jj]);
+                    for (int jj = 0; jj < DV4; ++jj) red_add4(dqa + (i64)q * blk.q_stride + 4 * (tx + 16 * jj), dq[r][jj]);
                 }
             }
         }
@@ -187,14 +178,12 @@ flash_bwd_dkdv(const FlashParams p) {
 #else
         if (it + 1 < n_iter) {
             __syncthreads();  // (C) every thread is done with Q, dO, lse, delta
-            const int g1 = (it + 1) / n_m;
-            const int m1 = m_start + (it + 1 - g1 * n_m) * BLOCK_M;
-            const int h1 = hkv * GQA_GROUP + g1;
-            cp_rows_f32<BLOCK_M, RSTRIDE>(sQ, p.q + q_row_offset(p, b, 0, h1), m1, Sq, q_stride);
-            cp_rows_f32<BLOCK_M, RSTRIDE>(sdO, p.dout + q_row_offset(p, b, 0, h1), m1, Sq, q_stride);
+            const int h1 = blk.head(it + 1), m1 = blk.query_row(it + 1);
+            cp_rows_f32<BLOCK_M, RSTRIDE>(sQ, p.q + blk.q_base(p, h1), m1, Sq, blk.q_stride);
+            cp_rows_f32<BLOCK_M, RSTRIDE>(sdO, p.dout + blk.q_base(p, h1), m1, Sq, blk.q_stride);
             if (threadIdx.x < BLOCK_M) {
                 const bool ok = m1 + (int)threadIdx.x < Sq;
-                const i64 idx = stat_offset(p, b, h1) + m1 + threadIdx.x;
+                const i64 idx = blk.stat_base(p, h1) + m1 + threadIdx.x;
                 sLse[threadIdx.x] = ok ? p.lse_log2[idx] : POS_INF;
                 sDelta[threadIdx.x] = ok ? p.delta[idx] : 0.f;
             }
@@ -207,6 +196,6 @@ flash_bwd_dkdv(const FlashParams p) {
     float one[MR], sc[MR];
 #pragma unroll
     for (int i = 0; i < MR; ++i) { one[i] = 1.f; sc[i] = p.scale; }
-    store_rows4_f32<MR>(p.dk + kv_row_offset(p, b, 0, hkv), dk, sc, n0, Sk, kv_stride);
-    store_rows4_f32<MR>(p.dv + kv_row_offset(p, b, 0, hkv), dv, one, n0, Sk, kv_stride);
+    store_rows4_f32<MR>(p.dk + blk.kv_base(p), dk, sc, n0, Sk, blk.kv_stride);
+    store_rows4_f32<MR>(p.dv + blk.kv_base(p), dv, one, n0, Sk, blk.kv_stride);
 }

@@ -32,34 +32,29 @@ flash_bwd_dq(const FlashParams p) {
     float* sV = smem_at<float>(smem_raw, SmemLayout::v);
     float* sdS = smem_at<float>(smem_raw, SmemLayout::ds);
 
-    const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z, hkv = h / GQA_GROUP;
-    const int m0 = m_block * BLOCK_M;
-    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    const QueryBlock blk(p);
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
-    const float* k = p.k + kv_row_offset(p, b, 0, hkv);
-    const float* v = p.v + kv_row_offset(p, b, 0, hkv);
-
-    const int n_end = key_end(m0, BLOCK_M, Sq, Sk);
-    load_tile_f32<BLOCK_M>(sQ, p.q + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
-    load_tile_f32<BLOCK_M>(sdO, p.dout + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
+    const float* k = p.k + blk.kv_base(p);
+    const float* v = p.v + blk.kv_base(p);
+    const int n_end = blk.n_end();
+    load_tile_f32<BLOCK_M>(sQ, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
+    load_tile_f32<BLOCK_M>(sdO, p.dout + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
 
     float lse2[MR], dlt[MR], acc[MR][DCOLS];
 #pragma unroll
     for (int i = 0; i < MR; ++i) {
-        const int row = m0 + ty + 16 * i;
-        const i64 idx = stat_offset(p, b, h) + row;
-        lse2[i] = row < Sq ? p.lse_log2[idx] : POS_INF;
-        dlt[i] = row < Sq ? p.delta[idx] : 0.f;
+        const int row = blk.m0 + ty + 16 * i;
+        const i64 idx = blk.stat_base(p) + row;
+        lse2[i] = row < blk.Sq ? p.lse_log2[idx] : POS_INF;
+        dlt[i] = row < blk.Sq ? p.delta[idx] : 0.f;
 #pragma unroll
         for (int jd = 0; jd < DCOLS; ++jd) acc[i][jd] = 0.f;
     }
 
     for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
         __syncthreads();
-        load_tile_f32<BLOCK_N>(sK, k, n0, Sk, kv_stride);
-        load_tile_f32<BLOCK_N>(sV, v, n0, Sk, kv_stride);
+        load_tile_f32<BLOCK_N>(sK, k, n0, blk.Sk, blk.kv_stride);
+        load_tile_f32<BLOCK_N>(sV, v, n0, blk.Sk, blk.kv_stride);
         __syncthreads();
         float s[MR][MC], dp[MR][MC];
 #pragma unroll
@@ -68,14 +63,14 @@ flash_bwd_dq(const FlashParams p) {
             for (int j = 0; j < MC; ++j) s[i][j] = dp[i][j] = 0.f;
         mm_abt_f32<MR, MC>(s, sQ, sK);
         mm_abt_f32<MR, MC>(dp, sdO, sV);
-        const bool need_mask = tile_needs_mask(m0, n0, BLOCK_N, Sq, Sk);
+        const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
 #pragma unroll
         for (int i = 0; i < MR; ++i) {
-            const int row = m0 + ty + 16 * i;
+            const int row = blk.m0 + ty + 16 * i;
 #pragma unroll
             for (int j = 0; j < MC; ++j) {
                 float x = s[i][j] * p.scale_log2;
-                if (need_mask && !visible(row, n0 + tx + 16 * j, Sq, Sk)) x = NEG_INF;
+                if (need_mask && !visible(row, n0 + tx + 16 * j, blk.Sq, blk.Sk)) x = NEG_INF;
                 const float pr = fast_exp2(x - lse2[i]);
                 sdS[(ty + 16 * i) * PSTRIDE + tx + 16 * j] = pr * (dp[i][j] - dlt[i]);
             }
@@ -86,5 +81,5 @@ flash_bwd_dq(const FlashParams p) {
     float mul[MR];
 #pragma unroll
     for (int i = 0; i < MR; ++i) mul[i] = p.scale;
-    store_rows_f32<MR>(p.dq + q_row_offset(p, b, 0, h), acc, mul, m0, Sq, q_stride);
+    store_rows_f32<MR>(p.dq + blk.q_base(p), acc, mul, blk.m0, blk.Sq, blk.q_stride);
 }

@@ -31,17 +31,12 @@ flash_fwd(const FlashParams p) {
     float* sV = smem_at<float>(smem_raw, SmemLayout::v);
     float* sP = smem_at<float>(smem_raw, SmemLayout::p);
 
-    const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z, hkv = h / GQA_GROUP;
-    const int m0 = m_block * BLOCK_M;
-    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    const QueryBlock blk(p);
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
-    const float* k = p.k + kv_row_offset(p, b, 0, hkv);
-    const float* v = p.v + kv_row_offset(p, b, 0, hkv);
-
-    const int n_end = key_end(m0, BLOCK_M, Sq, Sk);
-    load_tile_f32<BLOCK_M>(sQ, p.q + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
+    const float* k = p.k + blk.kv_base(p);
+    const float* v = p.v + blk.kv_base(p);
+    const int n_end = blk.n_end();
+    load_tile_f32<BLOCK_M>(sQ, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
 
     float acc[MR][DCOLS];
     float m_i[MR], l_i[MR];
@@ -55,8 +50,8 @@ flash_fwd(const FlashParams p) {
 
     for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
         __syncthreads();  // previous tile's K, V, P no longer read
-        load_tile_f32<BLOCK_N>(sK, k, n0, Sk, kv_stride);
-        load_tile_f32<BLOCK_N>(sV, v, n0, Sk, kv_stride);
+        load_tile_f32<BLOCK_N>(sK, k, n0, blk.Sk, blk.kv_stride);
+        load_tile_f32<BLOCK_N>(sV, v, n0, blk.Sk, blk.kv_stride);
         __syncthreads();
         float s[MR][MC];
 #pragma unroll
@@ -64,11 +59,11 @@ flash_fwd(const FlashParams p) {
 #pragma unroll
             for (int j = 0; j < MC; ++j) s[i][j] = 0.f;
         mm_abt_f32<MR, MC>(s, sQ, sK);
-        const bool need_mask = tile_needs_mask(m0, n0, BLOCK_N, Sq, Sk);
+        const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
 #pragma unroll
         for (int i = 0; i < MR; ++i) {
-            const float alpha = softmax_row_step<MC>(s[i], m_i[i], l_i[i], sP + (ty + 16 * i) * PSTRIDE, m0 + ty + 16 * i,
-                                                     n0, need_mask, p.scale_log2, Sq, Sk);
+            const float alpha = softmax_row_step<MC>(s[i], m_i[i], l_i[i], sP + (ty + 16 * i) * PSTRIDE,
+                                                     blk.m0 + ty + 16 * i, n0, need_mask, p.scale_log2, blk.Sq, blk.Sk);
 #pragma unroll
             for (int jd = 0; jd < DCOLS; ++jd) acc[i][jd] *= alpha;
         }
@@ -82,9 +77,9 @@ flash_fwd(const FlashParams p) {
         const float sum = half_sum(l_i[i]);
         const bool empty = !(sum > 0.f);
         inv[i] = empty ? 0.f : 1.f / sum;
-        const int row = m0 + ty + 16 * i;
-        if (tx == 0 && row < Sq)
-            p.lse[stat_offset(p, b, h) + row] = empty ? NEG_INF : (m_i[i] + log2f(sum)) * LN2;
+        const int row = blk.m0 + ty + 16 * i;
+        if (tx == 0 && row < blk.Sq)
+            p.lse[blk.stat_base(p) + row] = empty ? NEG_INF : (m_i[i] + log2f(sum)) * LN2;
     }
-    store_rows_f32<MR>(p.o + q_row_offset(p, b, 0, h), acc, inv, m0, Sq, q_stride);
+    store_rows_f32<MR>(p.o + blk.q_base(p), acc, inv, blk.m0, blk.Sq, blk.q_stride);
 }

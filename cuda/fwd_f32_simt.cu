@@ -42,18 +42,13 @@ flash_fwd(const FlashParams p) {
     float* sV = smem_at<float>(smem_raw, SmemLayout::v);
     float* sP = smem_at<float>(smem_raw, SmemLayout::p);
 
-    const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z, hkv = h / GQA_GROUP;
-    const int m0 = m_block * BLOCK_M;
-    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    const QueryBlock blk(p);
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
-    const float* k = p.k + kv_row_offset(p, b, 0, hkv);
-    const float* v = p.v + kv_row_offset(p, b, 0, hkv);
-
-    const int n_end = key_end(m0, BLOCK_M, Sq, Sk);
-    cp_rows_f32<BLOCK_M, QS>(sQ, p.q + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
-    if (n_end > 0) cp_rows_f32<BLOCK_N, RSTRIDE>(sK, k, 0, Sk, kv_stride);
+    const float* k = p.k + blk.kv_base(p);
+    const float* v = p.v + blk.kv_base(p);
+    const int n_end = blk.n_end();
+    cp_rows_f32<BLOCK_M, QS>(sQ, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
+    if (n_end > 0) cp_rows_f32<BLOCK_N, RSTRIDE>(sK, k, 0, blk.Sk, blk.kv_stride);
     cp_async_commit();
 
     float4 acc[MR][DV4];
@@ -69,7 +64,7 @@ flash_fwd(const FlashParams p) {
     for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
         cp_async_wait<0>();
         __syncthreads();  // K_j landed; every thread is done with V_{j-1} and P
-        cp_rows_f32<BLOCK_N, VS>(sV, v, n0, Sk, kv_stride);
+        cp_rows_f32<BLOCK_N, VS>(sV, v, n0, blk.Sk, blk.kv_stride);
         cp_async_commit();
 
         float s[MR][MC];
@@ -79,11 +74,11 @@ flash_fwd(const FlashParams p) {
             for (int j = 0; j < MC; ++j) s[i][j] = 0.f;
         mm_rows_f32<MR, MC, QS>(s, sQ, sK);
 
-        const bool need_mask = tile_needs_mask(m0, n0, BLOCK_N, Sq, Sk);
+        const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
 #pragma unroll
         for (int i = 0; i < MR; ++i) {
-            const float alpha = softmax_row_step<MC>(s[i], m_i[i], l_i[i], sP + (ty + 16 * i) * PS, m0 + ty + 16 * i,
-                                                     n0, need_mask, p.scale_log2, Sq, Sk);
+            const float alpha = softmax_row_step<MC>(s[i], m_i[i], l_i[i], sP + (ty + 16 * i) * PS,
+                                                     blk.m0 + ty + 16 * i, n0, need_mask, p.scale_log2, blk.Sq, blk.Sk);
 #pragma unroll
             for (int jj = 0; jj < DV4; ++jj) {
                 acc[i][jj].x *= alpha; acc[i][jj].y *= alpha; acc[i][jj].z *= alpha; acc[i][jj].w *= alpha;
@@ -91,7 +86,7 @@ flash_fwd(const FlashParams p) {
         }
         cp_async_wait<0>();
         __syncthreads();  // V_j landed, P visible, every thread is done with K_j
-        if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(sK, k, n0 + BLOCK_N, Sk, kv_stride);
+        if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(sK, k, n0 + BLOCK_N, blk.Sk, blk.kv_stride);
         cp_async_commit();
         mm_pv_f32<MR, BLOCK_N, PS, VS>(acc, sP, sV);
     }
@@ -103,9 +98,9 @@ flash_fwd(const FlashParams p) {
         const float sum = half_sum(l_i[i]);
         const bool empty = !(sum > 0.f);
         inv[i] = empty ? 0.f : 1.f / sum;
-        const int row = m0 + ty + 16 * i;
-        if (tx == 0 && row < Sq)
-            p.lse[stat_offset(p, b, h) + row] = empty ? NEG_INF : (m_i[i] + log2f(sum)) * LN2;
+        const int row = blk.m0 + ty + 16 * i;
+        if (tx == 0 && row < blk.Sq)
+            p.lse[blk.stat_base(p) + row] = empty ? NEG_INF : (m_i[i] + log2f(sum)) * LN2;
     }
-    store_rows4_f32<MR>(p.o + q_row_offset(p, b, 0, h), acc, inv, m0, Sq, q_stride);
+    store_rows4_f32<MR>(p.o + blk.q_base(p), acc, inv, blk.m0, blk.Sq, blk.q_stride);
 }

@@ -60,27 +60,6 @@ __device__ __forceinline__ bool key_slice_needs_mask(int key0, int m0, int seqle
     return need;
 }
 
-// First key tile after which no key is visible to any row of the query block [m0, m0 + BLOCK_M).
-__device__ __forceinline__ int key_end(int m0, int block_m, int seqlen_q, int seqlen_k) {
-#if IS_CAUSAL
-    int e = m0 + block_m + seqlen_k - seqlen_q;
-    return e < 0 ? 0 : (e < seqlen_k ? e : seqlen_k);
-#else
-    return seqlen_k;
-#endif
-}
-
-// First query row (a multiple of block_m) whose tile can see a key of the block starting at n0:
-// causal skips the query tiles above the diagonal. The dK/dV kernels' twin of key_end.
-__device__ __forceinline__ int first_query_tile(int n0, int block_m, int seqlen_q, int seqlen_k) {
-#if IS_CAUSAL
-    const int first_query = n0 - (seqlen_k - seqlen_q);
-    return first_query > 0 ? first_query / block_m * block_m : 0;
-#else
-    return 0;
-#endif
-}
-
 // Does key tile [n0, n0 + block_n) need masking for query block [m0, ...)? Only the diagonal tiles
 // (causal) and the ragged last tile (when Sk is not a multiple of block_n).
 __device__ __forceinline__ bool tile_needs_mask(int m0, int n0, int block_n, int seqlen_q,
