@@ -8,9 +8,8 @@
 //   GQA_GROUP     H / Hkv, query heads per key/value head
 //   BLOCK_M       query rows per tile, BLOCK_N key rows per tile
 //   NUM_WARPS     warps per block
-//   EVEN_M/EVEN_N 1 when Sq (resp. Sk) is a multiple of BLOCK_M (resp. BLOCK_N). EVEN_N drops the
-//                 ragged-tile mask; EVEN_M is in the key but nothing branches on it (query rows past
-//                 Sq are zero-filled on load and never stored, which costs no branch)
+//   EVEN_N        1 when Sk is a multiple of BLOCK_N: drops the ragged-tile mask. Query rows need no
+//                 such flag: rows past Sq are zero-filled on load and never stored, at no branch
 //   MIN_BLOCKS    blocks per SM the register allocation must allow (default 1)
 //   M_TILES       (forward only) 16-row query tiles per warp, 1 or 2 (default 1)
 //   D_SPLIT       (dK/dV kernel only) warps that share one 16-row key slice, each owning HEAD_DIM/D_SPLIT
@@ -30,9 +29,6 @@
 #endif
 #ifndef GQA_GROUP
 #define GQA_GROUP 1
-#endif
-#ifndef EVEN_M
-#define EVEN_M 0
 #endif
 #ifndef EVEN_N
 #define EVEN_N 0
