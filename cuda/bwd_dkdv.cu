@@ -72,62 +72,44 @@ __device__ __forceinline__ void add_dq_tile(const FlashParams& p, const KeyBlock
 }
 #endif
 
-// Shared memory, byte offsets.
-struct SmemLayout {
-    enum : int {
-        k = 0,                                              // [BLOCK_N][SROW]
-        v = k + bytes_of<elem_t>(BLOCK_N * SROW),           // [BLOCK_N][SROW]
-        q = v + bytes_of<elem_t>(BLOCK_N * SROW),           // [2][BLOCK_M][SROW]
-        dout = q + bytes_of<elem_t>(2 * BLOCK_M * SROW),    // [2][BLOCK_M][SROW]
-        lse = dout + bytes_of<elem_t>(2 * BLOCK_M * SROW),  // [2][BLOCK_M] f32
-        delta = lse + bytes_of<float>(2 * BLOCK_M),         // [2][BLOCK_M] f32
+// Shared memory: the block's K and V [BLOCK_N][SROW]; two buffers of the query tile's Q and dO
+// [2][BLOCK_M][SROW] and of its lse_log2 and delta [2][BLOCK_M]; with ATOMIC_DQ, dS^T [BLOCK_N][DS_ROW].
+struct Smem {
+    elem_t k[BLOCK_N * SROW], v[BLOCK_N * SROW], q[2 * BLOCK_M * SROW], dout[2 * BLOCK_M * SROW];
+    float lse[2 * BLOCK_M], delta[2 * BLOCK_M];
 #if ATOMIC_DQ
-        ds = delta + bytes_of<float>(2 * BLOCK_M),          // [BLOCK_N][DS_ROW]: dS^T
-        bytes = ds + bytes_of<elem_t>(BLOCK_N * DS_ROW),
-#else
-        bytes = delta + bytes_of<float>(2 * BLOCK_M),
+    elem_t ds[BLOCK_N * DS_ROW];
 #endif
-    };
 };
-FLASH_EXPORT_SMEM(SmemLayout::bytes)
+FLASH_EXPORT_SMEM(sizeof(Smem))
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dkdv(const FlashParams p) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    elem_t* sK = smem_at<elem_t>(smem_raw, SmemLayout::k);
-    elem_t* sV = smem_at<elem_t>(smem_raw, SmemLayout::v);
-    elem_t* sQ = smem_at<elem_t>(smem_raw, SmemLayout::q);
-    elem_t* sdO = smem_at<elem_t>(smem_raw, SmemLayout::dout);
-    float* sLse = smem_at<float>(smem_raw, SmemLayout::lse);
-    float* sDelta = smem_at<float>(smem_raw, SmemLayout::delta);
-#if ATOMIC_DQ
-    elem_t* sdS = smem_at<elem_t>(smem_raw, SmemLayout::ds);
-#endif
-
+    Smem& smem = shared_memory<Smem>();
     const KeyBlock blk(p);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int slice = warp / D_SPLIT, part = warp % D_SPLIT;
     const int n_iters = blk.n_iter;
 
-    load_tile_async<BLOCK_N>(sK, p.k + blk.kv_base(p), blk.n0, blk.Sk, blk.kv_stride);
-    load_tile_async<BLOCK_N>(sV, p.v + blk.kv_base(p), blk.n0, blk.Sk, blk.kv_stride);
+    load_tile_async<BLOCK_N>(smem.k, p.k + blk.kv_base(p), blk.n0, blk.Sk, blk.kv_stride);
+    load_tile_async<BLOCK_N>(smem.v, p.v + blk.kv_base(p), blk.n0, blk.Sk, blk.kv_stride);
 
     // Iteration it = (query head, query tile). Its Q tile (with lse, delta) and its dO tile go in
     // separate commit groups, so that S^T = K Q^T starts while dO is in flight. In flight at the
     // top of iteration it: Q_it, dO_it. lse/delta are plain stores, visible after the next barrier.
     auto load_q = [&](int it, int buf) {
         const int h = blk.head(it), m0 = blk.query_row(it);
-        load_tile_async<BLOCK_M>(sQ + buf * BLOCK_M * SROW, p.q + blk.q_base(p, h), m0, blk.Sq, blk.q_stride);
+        load_tile_async<BLOCK_M>(smem.q + buf * BLOCK_M * SROW, p.q + blk.q_base(p, h), m0, blk.Sq, blk.q_stride);
         const i64 so = blk.stat_base(p, h);
         for (int i = threadIdx.x; i < BLOCK_M; i += NUM_THREADS) {
             const bool ok = m0 + i < blk.Sq;
-            sLse[buf * BLOCK_M + i] = ok ? p.lse_log2[so + m0 + i] : POS_INF;
-            sDelta[buf * BLOCK_M + i] = ok ? p.delta[so + m0 + i] : 0.f;
+            smem.lse[buf * BLOCK_M + i] = ok ? p.lse_log2[so + m0 + i] : POS_INF;
+            smem.delta[buf * BLOCK_M + i] = ok ? p.delta[so + m0 + i] : 0.f;
         }
     };
     auto load_do = [&](int it, int buf) {
         const int h = blk.head(it), m0 = blk.query_row(it);
-        load_tile_async<BLOCK_M>(sdO + buf * BLOCK_M * SROW, p.dout + blk.q_base(p, h), m0, blk.Sq, blk.q_stride);
+        load_tile_async<BLOCK_M>(smem.dout + buf * BLOCK_M * SROW, p.dout + blk.q_base(p, h), m0, blk.Sq, blk.q_stride);
     };
     if (n_iters > 0) load_q(0, 0);
     cp_async_commit();  // with K and V
@@ -139,8 +121,8 @@ flash_bwd_dkdv(const FlashParams p) {
     for (int i = 0; i < DPART / 8; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
-    const elem_t* sKw = sK + slice * 16 * SROW;
-    const elem_t* sVw = sV + slice * 16 * SROW;
+    const elem_t* sKw = smem.k + slice * 16 * SROW;
+    const elem_t* sVw = smem.v + slice * 16 * SROW;
     const int key0 = blk.n0 + slice * 16;
     const int col0 = part * DPART;
     const int g = lane / 4, t = lane % 4;
@@ -151,10 +133,10 @@ flash_bwd_dkdv(const FlashParams p) {
         __syncthreads();  // Q_it landed; every warp is done with iteration it-1's buffers
         if (it + 1 < n_iters) load_q(it + 1, buf ^ 1);
         cp_async_commit();
-        const elem_t* sQi = sQ + buf * BLOCK_M * SROW;
-        const elem_t* sdOi = sdO + buf * BLOCK_M * SROW;
-        const float* lse2 = sLse + buf * BLOCK_M;
-        const float* dlt = sDelta + buf * BLOCK_M;
+        const elem_t* sQi = smem.q + buf * BLOCK_M * SROW;
+        const elem_t* sdOi = smem.dout + buf * BLOCK_M * SROW;
+        const float* lse2 = smem.lse + buf * BLOCK_M;
+        const float* dlt = smem.delta + buf * BLOCK_M;
         const int m0 = blk.query_row(it);
 
         float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];
@@ -191,11 +173,11 @@ flash_bwd_dkdv(const FlashParams p) {
             for (int i = 0; i < BLOCK_M / 8; ++i)
 #pragma unroll
                 for (int r = 0; r < 2; ++r)
-                    *reinterpret_cast<u32*>(sdS + (slice * 16 + g + 8 * r) * DS_ROW + i * 8 + 2 * t) =
+                    *reinterpret_cast<u32*>(smem.ds + (slice * 16 + g + 8 * r) * DS_ROW + i * 8 + 2 * t) =
                         pack2(dp[i][2 * r], dp[i][2 * r + 1]);
         }
         __syncthreads();  // dS^T complete (the next write follows the next iteration's first barrier)
-        add_dq_tile(p, blk, sdS, sK, blk.head(it), m0);
+        add_dq_tile(p, blk, smem.ds, smem.k, blk.head(it), m0);
 #endif
     }
     store_tile<DPART / 8>(p.dk + blk.kv_base(p), dk, p.scale, p.scale, key0, blk.Sk, col0, blk.kv_stride);

@@ -25,49 +25,32 @@
 #error "the dQ product maps 4 queries to each of 16 half-warps: BLOCK_M must be 64"
 #endif
 
-// Shared memory, byte offsets.
-struct SmemLayout {
-    enum : int {
-        k = 0,                                          // [BLOCK_N][RSTRIDE]
-        v = k + bytes_of<float>(BLOCK_N * RSTRIDE),     // [BLOCK_N][RSTRIDE]
-        q = v + bytes_of<float>(BLOCK_N * RSTRIDE),     // [BLOCK_M][RSTRIDE]
-        dout = q + bytes_of<float>(BLOCK_M * RSTRIDE),  // [BLOCK_M][RSTRIDE]
-        p = dout + bytes_of<float>(BLOCK_M * RSTRIDE),  // [BLOCK_N][PS]: P^T
-        ds = p + bytes_of<float>(BLOCK_N * PS),         // [BLOCK_N][PS]: dS^T
-        lse = ds + bytes_of<float>(BLOCK_N * PS),       // [BLOCK_M]
-        delta = lse + bytes_of<float>(BLOCK_M),         // [BLOCK_M]
-        bytes = delta + bytes_of<float>(BLOCK_M),
-    };
+// Shared memory: K and V [BLOCK_N][RSTRIDE], Q and dO [BLOCK_M][RSTRIDE], P^T and dS^T
+// [BLOCK_N][PS], the query tile's lse_log2 and delta [BLOCK_M].
+struct Smem {
+    float k[BLOCK_N * RSTRIDE], v[BLOCK_N * RSTRIDE], q[BLOCK_M * RSTRIDE], dout[BLOCK_M * RSTRIDE];
+    float p[BLOCK_N * PS], ds[BLOCK_N * PS], lse[BLOCK_M], delta[BLOCK_M];
 };
-FLASH_EXPORT_SMEM(SmemLayout::bytes)
+FLASH_EXPORT_SMEM(sizeof(Smem))
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dkdv(const FlashParams p) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* sK = smem_at<float>(smem_raw, SmemLayout::k);
-    float* sV = smem_at<float>(smem_raw, SmemLayout::v);
-    float* sQ = smem_at<float>(smem_raw, SmemLayout::q);
-    float* sdO = smem_at<float>(smem_raw, SmemLayout::dout);
-    float* sP = smem_at<float>(smem_raw, SmemLayout::p);
-    float* sdS = smem_at<float>(smem_raw, SmemLayout::ds);
-    float* sLse = smem_at<float>(smem_raw, SmemLayout::lse);
-    float* sDelta = smem_at<float>(smem_raw, SmemLayout::delta);
-
+    Smem& smem = shared_memory<Smem>();
     const KeyBlock blk(p);
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
     const int n0 = blk.n0, Sq = blk.Sq, Sk = blk.Sk, n_iter = blk.n_iter;
 
-    cp_rows_f32<BLOCK_N, RSTRIDE>(sK, p.k + blk.kv_base(p), n0, Sk, blk.kv_stride);
-    cp_rows_f32<BLOCK_N, RSTRIDE>(sV, p.v + blk.kv_base(p), n0, Sk, blk.kv_stride);
+    cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, p.k + blk.kv_base(p), n0, Sk, blk.kv_stride);
+    cp_rows_f32<BLOCK_N, RSTRIDE>(smem.v, p.v + blk.kv_base(p), n0, Sk, blk.kv_stride);
     if (n_iter > 0) {
         const int h = blk.head(0);
-        cp_rows_f32<BLOCK_M, RSTRIDE>(sQ, p.q + blk.q_base(p, h), blk.m_start, Sq, blk.q_stride);
-        cp_rows_f32<BLOCK_M, RSTRIDE>(sdO, p.dout + blk.q_base(p, h), blk.m_start, Sq, blk.q_stride);
+        cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_base(p, h), blk.m_start, Sq, blk.q_stride);
+        cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_base(p, h), blk.m_start, Sq, blk.q_stride);
         if (threadIdx.x < BLOCK_M) {
             const int q = blk.m_start + threadIdx.x;
             const i64 so = blk.stat_base(p, h);
-            sLse[threadIdx.x] = q < Sq ? p.lse_log2[so + q] : POS_INF;
-            sDelta[threadIdx.x] = q < Sq ? p.delta[so + q] : 0.f;
+            smem.lse[threadIdx.x] = q < Sq ? p.lse_log2[so + q] : POS_INF;
+            smem.delta[threadIdx.x] = q < Sq ? p.delta[so + q] : 0.f;
         }
     }
     cp_async_commit();
@@ -88,14 +71,14 @@ flash_bwd_dkdv(const FlashParams p) {
         for (int i = 0; i < MR; ++i)
 #pragma unroll
             for (int j = 0; j < MC; ++j) s[i][j] = dp[i][j] = 0.f;
-        mm_rows_f32<MR, MC, RSTRIDE>(s, sK, sQ);
-        mm_rows_f32<MR, MC, RSTRIDE>(dp, sV, sdO);
+        mm_rows_f32<MR, MC, RSTRIDE>(s, smem.k, smem.q);
+        mm_rows_f32<MR, MC, RSTRIDE>(dp, smem.v, smem.dout);
 
         float lse2[MC], dlt[MC];
 #pragma unroll
         for (int j = 0; j < MC; ++j) {
-            lse2[j] = sLse[tx + 16 * j];
-            dlt[j] = sDelta[tx + 16 * j];
+            lse2[j] = smem.lse[tx + 16 * j];
+            dlt[j] = smem.delta[tx + 16 * j];
         }
 #if IS_CAUSAL || (ATOMIC_DQ && !EVEN_N)
         bool need_mask = false;
@@ -116,21 +99,21 @@ flash_bwd_dkdv(const FlashParams p) {
                 float x = s[i][j] * p.scale_log2;
                 if (need_mask && !visible(m0 + tx + 16 * j, key, Sq, Sk)) x = NEG_INF;
                 const float pr = fast_exp2(x - lse2[j]);
-                sP[(ty + 16 * i) * PS + tx + 16 * j] = pr;
-                sdS[(ty + 16 * i) * PS + tx + 16 * j] = pr * (dp[i][j] - dlt[j]);
+                smem.p[(ty + 16 * i) * PS + tx + 16 * j] = pr;
+                smem.ds[(ty + 16 * i) * PS + tx + 16 * j] = pr * (dp[i][j] - dlt[j]);
             }
         }
         __syncthreads();  // (B) P^T, dS^T visible
-        mm_pv_f32<MR, BLOCK_M, PS, RSTRIDE>(dv, sP, sdO);
-        mm_pv_f32<MR, BLOCK_M, PS, RSTRIDE>(dk, sdS, sQ);
+        mm_pv_f32<MR, BLOCK_M, PS, RSTRIDE>(dv, smem.p, smem.dout);
+        mm_pv_f32<MR, BLOCK_M, PS, RSTRIDE>(dk, smem.ds, smem.q);
 
 #if ATOMIC_DQ
         __syncthreads();  // (C) every thread is done with Q, dO, lse, delta: load the next tile's
         float nl = POS_INF, nd = 0.f;
         if (it + 1 < n_iter) {
             const int h1 = blk.head(it + 1), m1 = blk.query_row(it + 1);
-            cp_rows_f32<BLOCK_M, RSTRIDE>(sQ, p.q + blk.q_base(p, h1), m1, Sq, blk.q_stride);
-            cp_rows_f32<BLOCK_M, RSTRIDE>(sdO, p.dout + blk.q_base(p, h1), m1, Sq, blk.q_stride);
+            cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_base(p, h1), m1, Sq, blk.q_stride);
+            cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_base(p, h1), m1, Sq, blk.q_stride);
             if (threadIdx.x < BLOCK_M && m1 + (int)threadIdx.x < Sq) {
                 const i64 idx = blk.stat_base(p, h1) + m1 + threadIdx.x;
                 nl = p.lse_log2[idx];
@@ -145,8 +128,8 @@ flash_bwd_dkdv(const FlashParams p) {
             for (int r = 0; r < 4; ++r)
 #pragma unroll
                 for (int jj = 0; jj < DV4; ++jj) dq[r][jj] = make_float4(0.f, 0.f, 0.f, 0.f);
-            const float* a = sdS + 4 * ty;
-            const float* kb = sK + 4 * tx;
+            const float* a = smem.ds + 4 * ty;
+            const float* kb = smem.k + 4 * tx;
 #pragma unroll 4
             for (int c = 0; c < BLOCK_N; ++c) {
                 const float4 av = lds4(a + c * PS);
@@ -172,20 +155,20 @@ flash_bwd_dkdv(const FlashParams p) {
             }
         }
         if (threadIdx.x < BLOCK_M) {
-            sLse[threadIdx.x] = nl;
-            sDelta[threadIdx.x] = nd;
+            smem.lse[threadIdx.x] = nl;
+            smem.delta[threadIdx.x] = nd;
         }
 #else
         if (it + 1 < n_iter) {
             __syncthreads();  // (C) every thread is done with Q, dO, lse, delta
             const int h1 = blk.head(it + 1), m1 = blk.query_row(it + 1);
-            cp_rows_f32<BLOCK_M, RSTRIDE>(sQ, p.q + blk.q_base(p, h1), m1, Sq, blk.q_stride);
-            cp_rows_f32<BLOCK_M, RSTRIDE>(sdO, p.dout + blk.q_base(p, h1), m1, Sq, blk.q_stride);
+            cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_base(p, h1), m1, Sq, blk.q_stride);
+            cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_base(p, h1), m1, Sq, blk.q_stride);
             if (threadIdx.x < BLOCK_M) {
                 const bool ok = m1 + (int)threadIdx.x < Sq;
                 const i64 idx = blk.stat_base(p, h1) + m1 + threadIdx.x;
-                sLse[threadIdx.x] = ok ? p.lse_log2[idx] : POS_INF;
-                sDelta[threadIdx.x] = ok ? p.delta[idx] : 0.f;
+                smem.lse[threadIdx.x] = ok ? p.lse_log2[idx] : POS_INF;
+                smem.delta[threadIdx.x] = ok ? p.delta[idx] : 0.f;
             }
             cp_async_commit();
         }

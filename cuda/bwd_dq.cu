@@ -11,26 +11,15 @@
 #error "dq: BLOCK_M must be 16 * NUM_WARPS"
 #endif
 
-// Shared memory, byte offsets.
-struct SmemLayout {
-    enum : int {
-        q = 0,                                          // [BLOCK_M][SROW]
-        dout = q + bytes_of<elem_t>(BLOCK_M * SROW),    // [BLOCK_M][SROW]
-        k = dout + bytes_of<elem_t>(BLOCK_M * SROW),    // [2][BLOCK_N][SROW]
-        v = k + bytes_of<elem_t>(2 * BLOCK_N * SROW),   // [2][BLOCK_N][SROW]
-        bytes = v + bytes_of<elem_t>(2 * BLOCK_N * SROW),
-    };
+// Shared memory: Q and dO [BLOCK_M][SROW]; K and V, two buffers [2][BLOCK_N][SROW] each.
+struct Smem {
+    elem_t q[BLOCK_M * SROW], dout[BLOCK_M * SROW], k[2 * BLOCK_N * SROW], v[2 * BLOCK_N * SROW];
 };
-FLASH_EXPORT_SMEM(SmemLayout::bytes)
+FLASH_EXPORT_SMEM(sizeof(Smem))
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dq(const FlashParams p) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    elem_t* sQ = smem_at<elem_t>(smem_raw, SmemLayout::q);
-    elem_t* sdO = smem_at<elem_t>(smem_raw, SmemLayout::dout);
-    elem_t* sK = smem_at<elem_t>(smem_raw, SmemLayout::k);
-    elem_t* sV = smem_at<elem_t>(smem_raw, SmemLayout::v);
-
+    Smem& smem = shared_memory<Smem>();
     const QueryBlock blk(p);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4;
@@ -40,11 +29,11 @@ flash_bwd_dq(const FlashParams p) {
 
     // Commit groups: (Q, dO, K_0), V_0, then K_{j+1} and V_{j+1} per tile, so that S = Q K^T
     // starts while V is in flight. In flight at the top of iteration j: K_j, V_j.
-    load_tile_async<BLOCK_M>(sQ, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
-    load_tile_async<BLOCK_M>(sdO, p.dout + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
-    if (n_tiles > 0) load_tile_async<BLOCK_N>(sK, k, 0, blk.Sk, blk.kv_stride);
+    load_tile_async<BLOCK_M>(smem.q, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
+    load_tile_async<BLOCK_M>(smem.dout, p.dout + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
+    if (n_tiles > 0) load_tile_async<BLOCK_N>(smem.k, k, 0, blk.Sk, blk.kv_stride);
     cp_async_commit();
-    if (n_tiles > 0) load_tile_async<BLOCK_N>(sV, v, 0, blk.Sk, blk.kv_stride);
+    if (n_tiles > 0) load_tile_async<BLOCK_N>(smem.v, v, 0, blk.Sk, blk.kv_stride);
     cp_async_commit();
 
     // Row statistics of this lane's two rows (rows past Sq: lse +inf gives P = 0).
@@ -61,17 +50,17 @@ flash_bwd_dq(const FlashParams p) {
     float dq[DPAD / 8][4];
 #pragma unroll
     for (int i = 0; i < DPAD / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
-    const elem_t* sQw = sQ + warp * 16 * SROW;
-    const elem_t* sdOw = sdO + warp * 16 * SROW;
+    const elem_t* sQw = smem.q + warp * 16 * SROW;
+    const elem_t* sdOw = smem.dout + warp * 16 * SROW;
 
     for (int j = 0; j < n_tiles; ++j) {
         const int nb = (j + 1) & 1;
         cp_async_wait<1>();
         __syncthreads();  // K_j landed; every warp is done with K_{j-1}'s buffer
-        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(sK + nb * BLOCK_N * SROW, k, (j + 1) * BLOCK_N, blk.Sk, blk.kv_stride);
+        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(smem.k + nb * BLOCK_N * SROW, k, (j + 1) * BLOCK_N, blk.Sk, blk.kv_stride);
         cp_async_commit();
-        const elem_t* sKj = sK + (j & 1) * BLOCK_N * SROW;
-        const elem_t* sVj = sV + (j & 1) * BLOCK_N * SROW;
+        const elem_t* sKj = smem.k + (j & 1) * BLOCK_N * SROW;
+        const elem_t* sVj = smem.v + (j & 1) * BLOCK_N * SROW;
         const int n0 = j * BLOCK_N;
 
         float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
@@ -83,7 +72,7 @@ flash_bwd_dq(const FlashParams p) {
 
         cp_async_wait<1>();
         __syncthreads();  // V_j landed; every warp is done with V_{j-1}'s buffer
-        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(sV + nb * BLOCK_N * SROW, v, (j + 1) * BLOCK_N, blk.Sk, blk.kv_stride);
+        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(smem.v + nb * BLOCK_N * SROW, v, (j + 1) * BLOCK_N, blk.Sk, blk.kv_stride);
         cp_async_commit();
         gemm_abt<BLOCK_N / 8>(dp, sdOw, sVj);
 #pragma unroll

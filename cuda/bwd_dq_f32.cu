@@ -10,35 +10,23 @@
 #define MC (BLOCK_N / 16)
 #define PSTRIDE (BLOCK_N + 1)
 
-// Shared memory, byte offsets.
-struct SmemLayout {
-    enum : int {
-        q = 0,                                          // [BLOCK_M][FSTRIDE]
-        dout = q + bytes_of<float>(BLOCK_M * FSTRIDE),  // [BLOCK_M][FSTRIDE]
-        k = dout + bytes_of<float>(BLOCK_M * FSTRIDE),  // [BLOCK_N][FSTRIDE]
-        v = k + bytes_of<float>(BLOCK_N * FSTRIDE),     // [BLOCK_N][FSTRIDE]
-        ds = v + bytes_of<float>(BLOCK_N * FSTRIDE),    // [BLOCK_M][PSTRIDE]
-        bytes = ds + bytes_of<float>(BLOCK_M * PSTRIDE),
-    };
+// Shared memory: Q and dO [BLOCK_M][FSTRIDE], K and V [BLOCK_N][FSTRIDE], dS [BLOCK_M][PSTRIDE].
+struct Smem {
+    float q[BLOCK_M * FSTRIDE], dout[BLOCK_M * FSTRIDE], k[BLOCK_N * FSTRIDE], v[BLOCK_N * FSTRIDE];
+    float ds[BLOCK_M * PSTRIDE];
 };
-FLASH_EXPORT_SMEM(SmemLayout::bytes)
+FLASH_EXPORT_SMEM(sizeof(Smem))
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dq(const FlashParams p) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* sQ = smem_at<float>(smem_raw, SmemLayout::q);
-    float* sdO = smem_at<float>(smem_raw, SmemLayout::dout);
-    float* sK = smem_at<float>(smem_raw, SmemLayout::k);
-    float* sV = smem_at<float>(smem_raw, SmemLayout::v);
-    float* sdS = smem_at<float>(smem_raw, SmemLayout::ds);
-
+    Smem& smem = shared_memory<Smem>();
     const QueryBlock blk(p);
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
     const float* k = p.k + blk.kv_base(p);
     const float* v = p.v + blk.kv_base(p);
     const int n_end = blk.n_end();
-    load_tile_f32<BLOCK_M>(sQ, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
-    load_tile_f32<BLOCK_M>(sdO, p.dout + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
+    load_tile_f32<BLOCK_M>(smem.q, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
+    load_tile_f32<BLOCK_M>(smem.dout, p.dout + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
 
     float lse2[MR], dlt[MR], acc[MR][DCOLS];
 #pragma unroll
@@ -53,16 +41,16 @@ flash_bwd_dq(const FlashParams p) {
 
     for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
         __syncthreads();
-        load_tile_f32<BLOCK_N>(sK, k, n0, blk.Sk, blk.kv_stride);
-        load_tile_f32<BLOCK_N>(sV, v, n0, blk.Sk, blk.kv_stride);
+        load_tile_f32<BLOCK_N>(smem.k, k, n0, blk.Sk, blk.kv_stride);
+        load_tile_f32<BLOCK_N>(smem.v, v, n0, blk.Sk, blk.kv_stride);
         __syncthreads();
         float s[MR][MC], dp[MR][MC];
 #pragma unroll
         for (int i = 0; i < MR; ++i)
 #pragma unroll
             for (int j = 0; j < MC; ++j) s[i][j] = dp[i][j] = 0.f;
-        mm_abt_f32<MR, MC>(s, sQ, sK);
-        mm_abt_f32<MR, MC>(dp, sdO, sV);
+        mm_abt_f32<MR, MC>(s, smem.q, smem.k);
+        mm_abt_f32<MR, MC>(dp, smem.dout, smem.v);
         const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
 #pragma unroll
         for (int i = 0; i < MR; ++i) {
@@ -72,11 +60,11 @@ flash_bwd_dq(const FlashParams p) {
                 float x = s[i][j] * p.scale_log2;
                 if (need_mask && !visible(row, n0 + tx + 16 * j, blk.Sq, blk.Sk)) x = NEG_INF;
                 const float pr = fast_exp2(x - lse2[i]);
-                sdS[(ty + 16 * i) * PSTRIDE + tx + 16 * j] = pr * (dp[i][j] - dlt[i]);
+                smem.ds[(ty + 16 * i) * PSTRIDE + tx + 16 * j] = pr * (dp[i][j] - dlt[i]);
             }
         }
         __syncthreads();
-        mm_pb_f32<MR, BLOCK_N>(acc, sdS, PSTRIDE, sK);
+        mm_pb_f32<MR, BLOCK_N>(acc, smem.ds, PSTRIDE, smem.k);
     }
     float mul[MR];
 #pragma unroll

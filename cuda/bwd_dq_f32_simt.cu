@@ -18,38 +18,27 @@
 #define MC (BLOCK_N / 16)
 #define PS (BLOCK_N + 16)
 
-// Shared memory, byte offsets.
-struct SmemLayout {
-    enum : int {
-        q = 0,                                          // [BLOCK_M][RSTRIDE]
-        dout = q + bytes_of<float>(BLOCK_M * RSTRIDE),  // [BLOCK_M][RSTRIDE]
-        k = dout + bytes_of<float>(BLOCK_M * RSTRIDE),  // [2][BLOCK_N][RSTRIDE]
-        v = k + bytes_of<float>(2 * BLOCK_N * RSTRIDE), // [BLOCK_N][RSTRIDE]
-        ds = v + bytes_of<float>(BLOCK_N * RSTRIDE),    // [BLOCK_M][PS]
-        bytes = ds + bytes_of<float>(BLOCK_M * PS),
-    };
+// Shared memory: Q and dO [BLOCK_M][RSTRIDE], two buffers of K [2][BLOCK_N][RSTRIDE], V
+// [BLOCK_N][RSTRIDE], dS [BLOCK_M][PS].
+struct Smem {
+    float q[BLOCK_M * RSTRIDE], dout[BLOCK_M * RSTRIDE], k[2 * BLOCK_N * RSTRIDE], v[BLOCK_N * RSTRIDE];
+    float ds[BLOCK_M * PS];
 };
-FLASH_EXPORT_SMEM(SmemLayout::bytes)
+FLASH_EXPORT_SMEM(sizeof(Smem))
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dq(const FlashParams p) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* sQ = smem_at<float>(smem_raw, SmemLayout::q);
-    float* sdO = smem_at<float>(smem_raw, SmemLayout::dout);
-    float* sK0 = smem_at<float>(smem_raw, SmemLayout::k);
-    float* sV = smem_at<float>(smem_raw, SmemLayout::v);
-    float* sdS = smem_at<float>(smem_raw, SmemLayout::ds);
-
+    Smem& smem = shared_memory<Smem>();
     const QueryBlock blk(p);
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
     const float* k = p.k + blk.kv_base(p);
     const float* v = p.v + blk.kv_base(p);
     const int n_end = blk.n_end();
-    cp_rows_f32<BLOCK_M, RSTRIDE>(sQ, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
-    cp_rows_f32<BLOCK_M, RSTRIDE>(sdO, p.dout + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
+    cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
+    cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
     if (n_end > 0) {
-        cp_rows_f32<BLOCK_N, RSTRIDE>(sK0, k, 0, blk.Sk, blk.kv_stride);
-        cp_rows_f32<BLOCK_N, RSTRIDE>(sV, v, 0, blk.Sk, blk.kv_stride);
+        cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, k, 0, blk.Sk, blk.kv_stride);
+        cp_rows_f32<BLOCK_N, RSTRIDE>(smem.v, v, 0, blk.Sk, blk.kv_stride);
     }
     cp_async_commit();
 
@@ -67,10 +56,10 @@ flash_bwd_dq(const FlashParams p) {
 
     int buf = 0;
     for (int n0 = 0; n0 < n_end; n0 += BLOCK_N, buf ^= 1) {
-        float* sK = sK0 + buf * BLOCK_N * RSTRIDE;
+        float* sK = smem.k + buf * BLOCK_N * RSTRIDE;
         cp_async_wait<0>();
         __syncthreads();  // (A) K_j, V_j in place; every thread is done with dS and K_{j-1}
-        if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(sK0 + (buf ^ 1) * BLOCK_N * RSTRIDE, k, n0 + BLOCK_N, blk.Sk, blk.kv_stride);
+        if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k + (buf ^ 1) * BLOCK_N * RSTRIDE, k, n0 + BLOCK_N, blk.Sk, blk.kv_stride);
         cp_async_commit();
 
         float s[MR][MC], dp[MR][MC];
@@ -78,8 +67,8 @@ flash_bwd_dq(const FlashParams p) {
         for (int i = 0; i < MR; ++i)
 #pragma unroll
             for (int j = 0; j < MC; ++j) s[i][j] = dp[i][j] = 0.f;
-        mm_rows_f32<MR, MC, RSTRIDE>(s, sQ, sK);
-        mm_rows_f32<MR, MC, RSTRIDE>(dp, sdO, sV);
+        mm_rows_f32<MR, MC, RSTRIDE>(s, smem.q, sK);
+        mm_rows_f32<MR, MC, RSTRIDE>(dp, smem.dout, smem.v);
         const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
 #pragma unroll
         for (int i = 0; i < MR; ++i) {
@@ -89,13 +78,13 @@ flash_bwd_dq(const FlashParams p) {
                 float x = s[i][j] * p.scale_log2;
                 if (need_mask && !visible(row, n0 + tx + 16 * j, blk.Sq, blk.Sk)) x = NEG_INF;
                 const float pr = fast_exp2(x - lse2[i]);
-                sdS[(ty + 16 * i) * PS + tx + 16 * j] = pr * (dp[i][j] - dlt[i]);
+                smem.ds[(ty + 16 * i) * PS + tx + 16 * j] = pr * (dp[i][j] - dlt[i]);
             }
         }
         __syncthreads();  // (B) dS visible; every thread is done with V_j
-        if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(sV, v, n0 + BLOCK_N, blk.Sk, blk.kv_stride);
+        if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.v, v, n0 + BLOCK_N, blk.Sk, blk.kv_stride);
         cp_async_commit();
-        mm_pv_f32<MR, BLOCK_N, PS, RSTRIDE>(acc, sdS, sK);
+        mm_pv_f32<MR, BLOCK_N, PS, RSTRIDE>(acc, smem.ds, sK);
     }
     cp_async_wait<0>();
     float mul[MR];

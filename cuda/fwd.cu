@@ -16,24 +16,15 @@
 #error "fwd: BLOCK_M must be 16 * M_TILES * NUM_WARPS"
 #endif
 
-// Shared memory, byte offsets.
-struct SmemLayout {
-    enum : int {
-        q = 0,                                          // [BLOCK_M][SROW]
-        k = q + bytes_of<elem_t>(BLOCK_M * SROW),       // [2][BLOCK_N][SROW]
-        v = k + bytes_of<elem_t>(2 * BLOCK_N * SROW),   // [2][BLOCK_N][SROW]
-        bytes = v + bytes_of<elem_t>(2 * BLOCK_N * SROW),
-    };
+// Shared memory: Q [BLOCK_M][SROW]; K and V, two buffers [2][BLOCK_N][SROW] each.
+struct Smem {
+    elem_t q[BLOCK_M * SROW], k[2 * BLOCK_N * SROW], v[2 * BLOCK_N * SROW];
 };
-FLASH_EXPORT_SMEM(SmemLayout::bytes)
+FLASH_EXPORT_SMEM(sizeof(Smem))
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_fwd(const FlashParams p) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    elem_t* sQ = smem_at<elem_t>(smem_raw, SmemLayout::q);
-    elem_t* sK = smem_at<elem_t>(smem_raw, SmemLayout::k);
-    elem_t* sV = smem_at<elem_t>(smem_raw, SmemLayout::v);
-
+    Smem& smem = shared_memory<Smem>();
     const QueryBlock blk(p);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const elem_t* q = p.q + blk.q_base(p);
@@ -43,10 +34,10 @@ flash_fwd(const FlashParams p) {
 
     // Two commit groups per tile, K then V, so that S = Q K^T starts while V is still in flight.
     // In flight at the top of iteration j: K_j, V_j (in that order).
-    load_tile_async<BLOCK_M>(sQ, q, blk.m0, blk.Sq, blk.q_stride);
-    if (n_tiles > 0) load_tile_async<BLOCK_N>(sK, k, 0, blk.Sk, blk.kv_stride);
+    load_tile_async<BLOCK_M>(smem.q, q, blk.m0, blk.Sq, blk.q_stride);
+    if (n_tiles > 0) load_tile_async<BLOCK_N>(smem.k, k, 0, blk.Sk, blk.kv_stride);
     cp_async_commit();
-    if (n_tiles > 0) load_tile_async<BLOCK_N>(sV, v, 0, blk.Sk, blk.kv_stride);
+    if (n_tiles > 0) load_tile_async<BLOCK_N>(smem.v, v, 0, blk.Sk, blk.kv_stride);
     cp_async_commit();
 
     float acc[M_TILES][DPAD / 8][4];
@@ -57,17 +48,17 @@ flash_fwd(const FlashParams p) {
         for (int i = 0; i < DPAD / 8; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.f;
         sm[mt].init();
     }
-    const elem_t* sQw = sQ + warp * 16 * M_TILES * SROW;
+    const elem_t* sQw = smem.q + warp * 16 * M_TILES * SROW;
     const int row0 = blk.m0 + warp * 16 * M_TILES;
 
     for (int j = 0; j < n_tiles; ++j) {
         const int nb = (j + 1) & 1;
         cp_async_wait<1>();
         __syncthreads();  // K_j landed; every warp is done with K_{j-1}'s buffer
-        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(sK + nb * BLOCK_N * SROW, k, (j + 1) * BLOCK_N, blk.Sk, blk.kv_stride);
+        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(smem.k + nb * BLOCK_N * SROW, k, (j + 1) * BLOCK_N, blk.Sk, blk.kv_stride);
         cp_async_commit();
-        const elem_t* sKj = sK + (j & 1) * BLOCK_N * SROW;
-        const elem_t* sVj = sV + (j & 1) * BLOCK_N * SROW;
+        const elem_t* sKj = smem.k + (j & 1) * BLOCK_N * SROW;
+        const elem_t* sVj = smem.v + (j & 1) * BLOCK_N * SROW;
         const int n0 = j * BLOCK_N;
 
         float s[M_TILES][BLOCK_N / 8][4];
@@ -89,7 +80,7 @@ flash_fwd(const FlashParams p) {
 
         cp_async_wait<1>();
         __syncthreads();  // V_j landed; every warp is done with V_{j-1}'s buffer
-        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(sV + nb * BLOCK_N * SROW, v, (j + 1) * BLOCK_N, blk.Sk, blk.kv_stride);
+        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(smem.v + nb * BLOCK_N * SROW, v, (j + 1) * BLOCK_N, blk.Sk, blk.kv_stride);
         cp_async_commit();
         gemm_pb_mt<M_TILES, BLOCK_N / 16, DPAD / 8>(acc, s, sVj, 0);
     }

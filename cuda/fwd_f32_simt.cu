@@ -22,33 +22,22 @@
 #define VS HEAD_DIM
 #define PS (BLOCK_N + 16)  // rows ty and ty + 1 of one warp's scalar P stores land 16 banks apart
 
-// Shared memory, byte offsets.
-struct SmemLayout {
-    enum : int {
-        q = 0,                                      // [BLOCK_M][QS]
-        k = q + bytes_of<float>(BLOCK_M * QS),      // [BLOCK_N][RSTRIDE]
-        v = k + bytes_of<float>(BLOCK_N * RSTRIDE), // [BLOCK_N][VS]
-        p = v + bytes_of<float>(BLOCK_N * VS),      // [BLOCK_M][PS]
-        bytes = p + bytes_of<float>(BLOCK_M * PS),
-    };
+// Shared memory: Q [BLOCK_M][QS], K [BLOCK_N][RSTRIDE], V [BLOCK_N][VS], P [BLOCK_M][PS].
+struct Smem {
+    float q[BLOCK_M * QS], k[BLOCK_N * RSTRIDE], v[BLOCK_N * VS], p[BLOCK_M * PS];
 };
-FLASH_EXPORT_SMEM(SmemLayout::bytes)
+FLASH_EXPORT_SMEM(sizeof(Smem))
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_fwd(const FlashParams p) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* sQ = smem_at<float>(smem_raw, SmemLayout::q);
-    float* sK = smem_at<float>(smem_raw, SmemLayout::k);
-    float* sV = smem_at<float>(smem_raw, SmemLayout::v);
-    float* sP = smem_at<float>(smem_raw, SmemLayout::p);
-
+    Smem& smem = shared_memory<Smem>();
     const QueryBlock blk(p);
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
     const float* k = p.k + blk.kv_base(p);
     const float* v = p.v + blk.kv_base(p);
     const int n_end = blk.n_end();
-    cp_rows_f32<BLOCK_M, QS>(sQ, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
-    if (n_end > 0) cp_rows_f32<BLOCK_N, RSTRIDE>(sK, k, 0, blk.Sk, blk.kv_stride);
+    cp_rows_f32<BLOCK_M, QS>(smem.q, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
+    if (n_end > 0) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, k, 0, blk.Sk, blk.kv_stride);
     cp_async_commit();
 
     float4 acc[MR][DV4];
@@ -64,7 +53,7 @@ flash_fwd(const FlashParams p) {
     for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
         cp_async_wait<0>();
         __syncthreads();  // K_j landed; every thread is done with V_{j-1} and P
-        cp_rows_f32<BLOCK_N, VS>(sV, v, n0, blk.Sk, blk.kv_stride);
+        cp_rows_f32<BLOCK_N, VS>(smem.v, v, n0, blk.Sk, blk.kv_stride);
         cp_async_commit();
 
         float s[MR][MC];
@@ -72,12 +61,12 @@ flash_fwd(const FlashParams p) {
         for (int i = 0; i < MR; ++i)
 #pragma unroll
             for (int j = 0; j < MC; ++j) s[i][j] = 0.f;
-        mm_rows_f32<MR, MC, QS>(s, sQ, sK);
+        mm_rows_f32<MR, MC, QS>(s, smem.q, smem.k);
 
         const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
 #pragma unroll
         for (int i = 0; i < MR; ++i) {
-            const float alpha = softmax_row_step<MC>(s[i], m_i[i], l_i[i], sP + (ty + 16 * i) * PS,
+            const float alpha = softmax_row_step<MC>(s[i], m_i[i], l_i[i], smem.p + (ty + 16 * i) * PS,
                                                      blk.m0 + ty + 16 * i, n0, need_mask, p.scale_log2, blk.Sq, blk.Sk);
 #pragma unroll
             for (int jj = 0; jj < DV4; ++jj) {
@@ -86,9 +75,9 @@ flash_fwd(const FlashParams p) {
         }
         cp_async_wait<0>();
         __syncthreads();  // V_j landed, P visible, every thread is done with K_j
-        if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(sK, k, n0 + BLOCK_N, blk.Sk, blk.kv_stride);
+        if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, k, n0 + BLOCK_N, blk.Sk, blk.kv_stride);
         cp_async_commit();
-        mm_pv_f32<MR, BLOCK_N, PS, VS>(acc, sP, sV);
+        mm_pv_f32<MR, BLOCK_N, PS, VS>(acc, smem.p, smem.v);
     }
     cp_async_wait<0>();
 

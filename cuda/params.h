@@ -202,23 +202,17 @@ struct KeyBlock {
 #endif
 
 // ---- shared memory -----------------------------------------------------------------------------
-// Each main kernel writes its layout once, as `struct SmemLayout { enum : int { ... } }` of byte
-// offsets ending in `bytes` (enumerators, not static members: NVRTC's -default-device would emit
-// those as device globals), carves its tiles from those offsets with smem_at, and exports the total
-// with FLASH_EXPORT_SMEM(SmemLayout::bytes); the elementwise kernels export 0. The launcher reads
-// the symbol `flash_smem_bytes` from the cubin (a 4-byte object in .nv.global.init, or in the
-// zero-filled .nv.global when it is 0) and asks for that much dynamic shared memory: the kernel is
-// the only owner of its size. Every kernel source exports it exactly once.
+// Each main kernel writes its layout once, as `struct Smem` (its tiles as flat arrays, in order),
+// works on `Smem& smem = shared_memory<Smem>()`, and exports sizeof(Smem) with
+// FLASH_EXPORT_SMEM(sizeof(Smem)); the elementwise kernels export 0. The launcher reads the symbol
+// `flash_smem_bytes` from the cubin (a 4-byte object in .nv.global.init, or in the zero-filled
+// .nv.global when it is 0) and asks for that much dynamic shared memory: the kernel is the only
+// owner of its size. Every kernel source exports it exactly once.
 #define FLASH_EXPORT_SMEM(bytes) extern "C" __device__ const int flash_smem_bytes = (bytes);
 
-// Bytes of n elements of T, for the layouts' offsets.
+// The block's dynamic shared memory, laid out as the kernel's struct T.
 template <typename T>
-constexpr int bytes_of(int n) {
-    return n * (int)sizeof(T);
-}
-
-// The tile at byte offset `offset` of the dynamic shared memory.
-template <typename T>
-__device__ __forceinline__ T* smem_at(unsigned char* smem, int offset) {
-    return reinterpret_cast<T*>(smem + offset);
+__device__ __forceinline__ T& shared_memory() {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    return *reinterpret_cast<T*>(smem_raw);
 }
