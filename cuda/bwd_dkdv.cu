@@ -155,7 +155,7 @@ flash_bwd_dkdv(const FlashParams p) {
         for (int i = 0; i < BLOCK_M / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[i][e] *= p.scale_log2;
-        if (key_slice_needs_mask(key0, m0, blk.Sq, blk.Sk)) mask_tile_t<BLOCK_M / 8>(s, key0, m0, blk.Sq, blk.Sk);
+        if (key_slice_needs_mask(key0, m0, blk.Sq, blk.Sk)) mask_tile<BLOCK_M / 8, true>(s, key0, m0, blk.Sq, blk.Sk);
 #pragma unroll
         for (int i = 0; i < BLOCK_M / 8; ++i)
 #pragma unroll

@@ -12,8 +12,11 @@ __device__ __forceinline__ bool visible(int row, int col, int seqlen_q, int seql
 }
 
 // Sets invisible entries of a warp's 16 x (8*NT) accumulator tile to -inf. row0 is the tile's first
-// query row, col0 its first key; lane (g, t) holds rows g, g+8 and columns 8*nt + 2t, 2t+1.
-template <int NT>
+// row, col0 its first column; lane (g, t) holds rows g, g+8 and columns 8*nt + 2t, 2t+1. Rows are
+// queries and columns keys, or with KEY_ROWS (the dK/dV kernel's transposed S^T) the other way
+// round. There, queries past Sq need no mask (their lse is +inf, so their probabilities are zero);
+// keys past Sk only matter to the atomic dQ, whose dS K must not see exp2(0 - lse) there.
+template <int NT, bool KEY_ROWS = false>
 __device__ __forceinline__ void mask_tile(float (&s)[NT][4], int row0, int col0, int seqlen_q,
                                           int seqlen_k) {
     const int lane = threadIdx.x % 32;
@@ -24,31 +27,13 @@ __device__ __forceinline__ void mask_tile(float (&s)[NT][4], int row0, int col0,
         for (int e = 0; e < 4; ++e) {
             int row = row0 + g + (e / 2) * 8;
             int col = col0 + nt * 8 + 2 * t + (e % 2);
-            if (!visible(row, col, seqlen_q, seqlen_k)) s[nt][e] = NEG_INF;
+            const bool ok = KEY_ROWS ? visible(col, row, seqlen_q, seqlen_k) : visible(row, col, seqlen_q, seqlen_k);
+            if (!ok) s[nt][e] = NEG_INF;
         }
     }
 }
 
-// Transposed tile (rows = keys, columns = queries), used by the dK/dV kernel: a warp's 16 key rows
-// from key0. Queries past Sq need no mask (their lse is +inf, so their probabilities are zero);
-// keys past Sk only matter to the atomic dQ, whose dS K must not see exp2(0 - lse) there.
-template <int NT>
-__device__ __forceinline__ void mask_tile_t(float (&s)[NT][4], int key0, int query0, int seqlen_q,
-                                            int seqlen_k) {
-    const int lane = threadIdx.x % 32;
-    const int g = lane / 4, t = lane % 4;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            int key = key0 + g + (e / 2) * 8;
-            int query = query0 + nt * 8 + 2 * t + (e % 2);
-            if (!visible(query, key, seqlen_q, seqlen_k)) s[nt][e] = NEG_INF;
-        }
-    }
-}
-
-// Do a warp's 16 key rows from key0 need mask_tile_t against query tile m0?
+// Do a warp's 16 key rows from key0 need mask_tile<NT, true> against query tile m0?
 __device__ __forceinline__ bool key_slice_needs_mask(int key0, int m0, int seqlen_q, int seqlen_k) {
     bool need = false;
 #if ATOMIC_DQ && !EVEN_N
