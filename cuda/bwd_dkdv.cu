@@ -40,10 +40,7 @@ __device__ __forceinline__ void add_dq_item(const FlashParams& p, const KeyBlock
     const int g = lane / 4, t = lane % 4;
     const int mg = item % DQ_MGROUPS, ng = item / DQ_MGROUPS;
     float acc[DQ_MT][DQ_NT][4];
-#pragma unroll
-    for (int mt = 0; mt < DQ_MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < DQ_NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+    zero(acc);
     gemm_atb<DQ_MT, DQ_NT, BLOCK_N / 16>(acc, sdS, DS_ROW, mg * DQ_MT * 16, sK, ng * DQ_NT * 8);
     float* dq = p.dq_accum + blk.q_base(p, h);
 #pragma unroll
@@ -117,10 +114,8 @@ flash_bwd_dkdv(const FlashParams p) {
     cp_async_commit();
 
     float dk[DPART / 8][4], dv[DPART / 8][4];
-#pragma unroll
-    for (int i = 0; i < DPART / 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
+    zero(dk);
+    zero(dv);
     const elem_t* sKw = smem.k + slice * 16 * SROW;
     const elem_t* sVw = smem.v + slice * 16 * SROW;
     const int key0 = blk.n0 + slice * 16;
@@ -140,10 +135,8 @@ flash_bwd_dkdv(const FlashParams p) {
         const int m0 = blk.query_row(it);
 
         float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];
-#pragma unroll
-        for (int i = 0; i < BLOCK_M / 8; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[i][e] = dp[i][e] = 0.f;
+        zero(s);
+        zero(dp);
         gemm_abt<BLOCK_M / 8>(s, sKw, sQi);
 
         cp_async_wait<1>();

@@ -48,8 +48,7 @@ flash_bwd_dq(const FlashParams p) {
     }
 
     float dq[DPAD / 8][4];
-#pragma unroll
-    for (int i = 0; i < DPAD / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+    zero(dq);
     const elem_t* sQw = smem.q + warp * 16 * SROW;
     const elem_t* sdOw = smem.dout + warp * 16 * SROW;
 
@@ -64,10 +63,8 @@ flash_bwd_dq(const FlashParams p) {
         const int n0 = j * BLOCK_N;
 
         float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
-#pragma unroll
-        for (int i = 0; i < BLOCK_N / 8; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[i][e] = dp[i][e] = 0.f;
+        zero(s);
+        zero(dp);
         gemm_abt<BLOCK_N / 8>(s, sQw, sKj);
 
         cp_async_wait<1>();

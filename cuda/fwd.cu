@@ -42,12 +42,9 @@ flash_fwd(const FlashParams p) {
 
     float acc[M_TILES][DPAD / 8][4];
     OnlineSoftmax sm[M_TILES];
+    zero(acc);
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) {
-#pragma unroll
-        for (int i = 0; i < DPAD / 8; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.f;
-        sm[mt].init();
-    }
+    for (int mt = 0; mt < M_TILES; ++mt) sm[mt].init();
     const elem_t* sQw = smem.q + warp * 16 * M_TILES * SROW;
     const int row0 = blk.m0 + warp * 16 * M_TILES;
 
@@ -62,10 +59,7 @@ flash_fwd(const FlashParams p) {
         const int n0 = j * BLOCK_N;
 
         float s[M_TILES][BLOCK_N / 8][4];
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-            for (int i = 0; i < BLOCK_N / 8; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
+        zero(s);
         gemm_abt_mt<M_TILES, BLOCK_N / 8>(s, sQw, sKj);
         const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
 #pragma unroll

@@ -60,6 +60,15 @@ typedef float elem_t;
 typedef u16 elem_t;  // raw fp16 / bf16 bits
 #endif
 
+// Zeroes a register array of any rank, of float or float4.
+__device__ __forceinline__ void zero(float& x) { x = 0.f; }
+__device__ __forceinline__ void zero(float4& x) { x = make_float4(0.f, 0.f, 0.f, 0.f); }
+template <typename T, int N>
+__device__ __forceinline__ void zero(T (&a)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) zero(a[i]);
+}
+
 // All tensors are contiguous, row-major:
 //   q, o, do, dq  [B, Sq, H, D]      k, v, dk, dv  [B, Sk, Hkv, D]      lse, delta  [B, H, Sq]
 // The struct is passed by value; the host mirrors it field for field (#[repr(C)]).
