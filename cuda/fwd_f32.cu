@@ -28,14 +28,8 @@ flash_fwd(const FlashParams p) {
     load_tile_f32<BLOCK_M>(smem.q, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
 
     float acc[MR][DCOLS];
-    float m_i[MR], l_i[MR];
-#pragma unroll
-    for (int i = 0; i < MR; ++i) {
-        m_i[i] = NEG_INF;
-        l_i[i] = 0.f;
-#pragma unroll
-        for (int jd = 0; jd < DCOLS; ++jd) acc[i][jd] = 0.f;
-    }
+    OnlineSoftmaxRows<MR> sm;
+    sm.init(acc);
 
     for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
         __syncthreads();  // previous tile's K, V, P no longer read
@@ -43,32 +37,15 @@ flash_fwd(const FlashParams p) {
         load_tile_f32<BLOCK_N>(smem.v, v, n0, blk.Sk, blk.kv_stride);
         __syncthreads();
         float s[MR][MC];
-#pragma unroll
-        for (int i = 0; i < MR; ++i)
-#pragma unroll
-            for (int j = 0; j < MC; ++j) s[i][j] = 0.f;
+        zero(s);
         mm_abt_f32<MR, MC>(s, smem.q, smem.k);
         const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
-#pragma unroll
-        for (int i = 0; i < MR; ++i) {
-            const float alpha = softmax_row_step<MC>(s[i], m_i[i], l_i[i], smem.p + (ty + 16 * i) * PSTRIDE,
-                                                     blk.m0 + ty + 16 * i, n0, need_mask, p.scale_log2, blk.Sq, blk.Sk);
-#pragma unroll
-            for (int jd = 0; jd < DCOLS; ++jd) acc[i][jd] *= alpha;
-        }
+        sm.update<PSTRIDE>(s, acc, smem.p, blk.m0, n0, need_mask, p.scale_log2, blk.Sq, blk.Sk);
         __syncthreads();
         mm_pb_f32<MR, BLOCK_N>(acc, smem.p, PSTRIDE, smem.v);
     }
 
     float inv[MR];
-#pragma unroll
-    for (int i = 0; i < MR; ++i) {
-        const float sum = half_sum(l_i[i]);
-        const bool empty = !(sum > 0.f);
-        inv[i] = empty ? 0.f : 1.f / sum;
-        const int row = blk.m0 + ty + 16 * i;
-        if (tx == 0 && row < blk.Sq)
-            p.lse[blk.stat_base(p) + row] = empty ? NEG_INF : (m_i[i] + log2f(sum)) * LN2;
-    }
+    sm.finish(inv, p.lse, blk.stat_base(p), blk.m0, blk.Sq, ty, tx);
     store_rows_f32<MR>(p.o + blk.q_base(p), acc, inv, blk.m0, blk.Sq, blk.q_stride);
 }

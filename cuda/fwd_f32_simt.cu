@@ -41,14 +41,8 @@ flash_fwd(const FlashParams p) {
     cp_async_commit();
 
     float4 acc[MR][DV4];
-    float m_i[MR], l_i[MR];
-#pragma unroll
-    for (int i = 0; i < MR; ++i) {
-        m_i[i] = NEG_INF;
-        l_i[i] = 0.f;
-#pragma unroll
-        for (int jj = 0; jj < DV4; ++jj) acc[i][jj] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+    OnlineSoftmaxRows<MR> sm;
+    sm.init(acc);
 
     for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
         cp_async_wait<0>();
@@ -57,22 +51,11 @@ flash_fwd(const FlashParams p) {
         cp_async_commit();
 
         float s[MR][MC];
-#pragma unroll
-        for (int i = 0; i < MR; ++i)
-#pragma unroll
-            for (int j = 0; j < MC; ++j) s[i][j] = 0.f;
+        zero(s);
         mm_rows_f32<MR, MC, QS>(s, smem.q, smem.k);
 
         const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
-#pragma unroll
-        for (int i = 0; i < MR; ++i) {
-            const float alpha = softmax_row_step<MC>(s[i], m_i[i], l_i[i], smem.p + (ty + 16 * i) * PS,
-                                                     blk.m0 + ty + 16 * i, n0, need_mask, p.scale_log2, blk.Sq, blk.Sk);
-#pragma unroll
-            for (int jj = 0; jj < DV4; ++jj) {
-                acc[i][jj].x *= alpha; acc[i][jj].y *= alpha; acc[i][jj].z *= alpha; acc[i][jj].w *= alpha;
-            }
-        }
+        sm.update<PS>(s, acc, smem.p, blk.m0, n0, need_mask, p.scale_log2, blk.Sq, blk.Sk);
         cp_async_wait<0>();
         __syncthreads();  // V_j landed, P visible, every thread is done with K_j
         if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, k, n0 + BLOCK_N, blk.Sk, blk.kv_stride);
@@ -82,14 +65,6 @@ flash_fwd(const FlashParams p) {
     cp_async_wait<0>();
 
     float inv[MR];
-#pragma unroll
-    for (int i = 0; i < MR; ++i) {
-        const float sum = half_sum(l_i[i]);
-        const bool empty = !(sum > 0.f);
-        inv[i] = empty ? 0.f : 1.f / sum;
-        const int row = blk.m0 + ty + 16 * i;
-        if (tx == 0 && row < blk.Sq)
-            p.lse[blk.stat_base(p) + row] = empty ? NEG_INF : (m_i[i] + log2f(sum)) * LN2;
-    }
+    sm.finish(inv, p.lse, blk.stat_base(p), blk.m0, blk.Sq, ty, tx);
     store_rows4_f32<MR>(p.o + blk.q_base(p), acc, inv, blk.m0, blk.Sq, blk.q_stride);
 }

@@ -69,6 +69,20 @@ __device__ __forceinline__ void zero(T (&a)[N]) {
     for (int i = 0; i < N; ++i) zero(a[i]);
 }
 
+// Multiplies a register array of any rank, of float or float4, by f.
+__device__ __forceinline__ void rescale(float& x, float f) { x *= f; }
+__device__ __forceinline__ void rescale(float4& x, float f) {
+    x.x *= f;
+    x.y *= f;
+    x.z *= f;
+    x.w *= f;
+}
+template <typename T, int N>
+__device__ __forceinline__ void rescale(T (&a)[N], float f) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) rescale(a[i], f);
+}
+
 // All tensors are contiguous, row-major:
 //   q, o, do, dq  [B, Sq, H, D]      k, v, dk, dv  [B, Sk, Hkv, D]      lse, delta  [B, H, Sq]
 // The struct is passed by value; the host mirrors it field for field (#[repr(C)]).
