@@ -34,110 +34,79 @@ constexpr int DQ_ITEMS = DQ_MGROUPS * (DQ_NT_ALL / DQ_NT);
 
 // dq_accum[b, m0 + i, h, :] += sum_j dS[i][j] K[j][:] for one work item (DQ_MT query tiles x DQ_NT
 // column tiles) of the block's BLOCK_M x BLOCK_N tile of dS (stored transposed in sdS) and its keys.
-__device__ __forceinline__ void add_dq_item(const FlashParams& p, const elem_t* sdS, const elem_t* sK,
-                                            int b, int h, int m0, int item) {
+__device__ __forceinline__ void add_dq_item(const FlashParams& p, const KeyBlock& blk, const elem_t* sdS,
+                                            const elem_t* sK, int h, int m0, int item) {
     const int lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int mg = item % DQ_MGROUPS, ng = item / DQ_MGROUPS;
     float acc[DQ_MT][DQ_NT][4];
-#pragma unroll
-    for (int mt = 0; mt < DQ_MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < DQ_NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+    zero(acc);
     gemm_atb<DQ_MT, DQ_NT, BLOCK_N / 16>(acc, sdS, DS_ROW, mg * DQ_MT * 16, sK, ng * DQ_NT * 8);
-    const i64 q_stride = (i64)p.heads * HEAD_DIM;
-    float* dq = p.dq_accum + q_row_offset(p, b, 0, h);
+    float* dq = p.dq_accum + blk.q_base(p, h);
 #pragma unroll
     for (int mt = 0; mt < DQ_MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = m0 + (mg * DQ_MT + mt) * 16 + g + 8 * r;
-            if (row >= p.seqlen_q) continue;
+            if (row >= blk.Sq) continue;
 #pragma unroll
             for (int nt = 0; nt < DQ_NT; ++nt) {
                 const int col = (ng * DQ_NT + nt) * 8 + 2 * t;
-                if (col < HEAD_DIM) red_add_f32x2(dq + row * q_stride + col, acc[mt][nt][2 * r], acc[mt][nt][2 * r + 1]);
+                if (col < HEAD_DIM) red_add_f32x2(dq + row * blk.q_stride + col, acc[mt][nt][2 * r], acc[mt][nt][2 * r + 1]);
             }
         }
 }
 
-__device__ __forceinline__ void add_dq_tile(const FlashParams& p, const elem_t* sdS, const elem_t* sK,
-                                            int b, int h, int m0) {
+__device__ __forceinline__ void add_dq_tile(const FlashParams& p, const KeyBlock& blk, const elem_t* sdS,
+                                            const elem_t* sK, int h, int m0) {
     const int warp = threadIdx.x / 32;
     if constexpr (DQ_ITEMS == NUM_WARPS) {  // the usual tiles: one item per warp, no loop
-        add_dq_item(p, sdS, sK, b, h, m0, warp);
+        add_dq_item(p, blk, sdS, sK, h, m0, warp);
     } else {
 #pragma unroll 1
-        for (int item = warp; item < DQ_ITEMS; item += NUM_WARPS) add_dq_item(p, sdS, sK, b, h, m0, item);
+        for (int item = warp; item < DQ_ITEMS; item += NUM_WARPS) add_dq_item(p, blk, sdS, sK, h, m0, item);
     }
 }
 #endif
 
-// Shared memory, byte offsets.
-struct SmemLayout {
-    static constexpr int k = 0;                                              // [BLOCK_N][SROW]
-    static constexpr int v = k + bytes_of<elem_t>(BLOCK_N * SROW);           // [BLOCK_N][SROW]
-    static constexpr int q = v + bytes_of<elem_t>(BLOCK_N * SROW);           // [2][BLOCK_M][SROW]
-    static constexpr int dout = q + bytes_of<elem_t>(2 * BLOCK_M * SROW);    // [2][BLOCK_M][SROW]
-    static constexpr int lse = dout + bytes_of<elem_t>(2 * BLOCK_M * SROW);  // [2][BLOCK_M] f32
-    static constexpr int delta = lse + bytes_of<float>(2 * BLOCK_M);         // [2][BLOCK_M] f32
+// Shared memory: the block's K and V [BLOCK_N][SROW]; two buffers of the query tile's Q and dO
+// [2][BLOCK_M][SROW] and of its lse_log2 and delta [2][BLOCK_M]; with ATOMIC_DQ, dS^T [BLOCK_N][DS_ROW].
+struct Smem {
+    elem_t k[BLOCK_N * SROW], v[BLOCK_N * SROW], q[2 * BLOCK_M * SROW], dout[2 * BLOCK_M * SROW];
+    float lse[2 * BLOCK_M], delta[2 * BLOCK_M];
 #if ATOMIC_DQ
-    static constexpr int ds = delta + bytes_of<float>(2 * BLOCK_M);          // [BLOCK_N][DS_ROW]: dS^T
-    static constexpr int bytes = ds + bytes_of<elem_t>(BLOCK_N * DS_ROW);
-#else
-    static constexpr int bytes = delta + bytes_of<float>(2 * BLOCK_M);
+    elem_t ds[BLOCK_N * DS_ROW];
 #endif
 };
-FLASH_EXPORT_SMEM(SmemLayout::bytes)
+FLASH_EXPORT_SMEM(sizeof(Smem))
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dkdv(const FlashParams p) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    elem_t* sK = smem_at<elem_t>(smem_raw, SmemLayout::k);
-    elem_t* sV = smem_at<elem_t>(smem_raw, SmemLayout::v);
-    elem_t* sQ = smem_at<elem_t>(smem_raw, SmemLayout::q);
-    elem_t* sdO = smem_at<elem_t>(smem_raw, SmemLayout::dout);
-    float* sLse = smem_at<float>(smem_raw, SmemLayout::lse);
-    float* sDelta = smem_at<float>(smem_raw, SmemLayout::delta);
-#if ATOMIC_DQ
-    elem_t* sdS = smem_at<elem_t>(smem_raw, SmemLayout::ds);
-#endif
-
-    const int n_block = blockIdx.x, hkv = blockIdx.y, b = blockIdx.z;
-    const int n0 = n_block * BLOCK_N;
-    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    Smem& smem = shared_memory<Smem>();
+    const KeyBlock blk(p);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int slice = warp / D_SPLIT, part = warp % D_SPLIT;
+    const int n_iters = blk.n_iter;
 
-    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
-
-    // Query tiles that can see a key of this block: causal skips those above the diagonal.
-    const int m_first = first_query_tile(n0, BLOCK_M, Sq, Sk) / BLOCK_M;
-    const int m_tiles = (Sq + BLOCK_M - 1) / BLOCK_M;
-    const int per_head = m_tiles > m_first ? m_tiles - m_first : 0;
-    const int n_iters = per_head * GQA_GROUP;
-
-    load_tile_async<BLOCK_N>(sK, p.k + kv_row_offset(p, b, 0, hkv), n0, Sk, kv_stride);
-    load_tile_async<BLOCK_N>(sV, p.v + kv_row_offset(p, b, 0, hkv), n0, Sk, kv_stride);
+    load_tile_async<BLOCK_N>(smem.k, p.k + blk.kv_base(p), blk.n0, blk.Sk, blk.kv_stride);
+    load_tile_async<BLOCK_N>(smem.v, p.v + blk.kv_base(p), blk.n0, blk.Sk, blk.kv_stride);
 
     // Iteration it = (query head, query tile). Its Q tile (with lse, delta) and its dO tile go in
     // separate commit groups, so that S^T = K Q^T starts while dO is in flight. In flight at the
     // top of iteration it: Q_it, dO_it. lse/delta are plain stores, visible after the next barrier.
     auto load_q = [&](int it, int buf) {
-        const int h = hkv * GQA_GROUP + it / per_head;
-        const int m0 = (m_first + it % per_head) * BLOCK_M;
-        load_tile_async<BLOCK_M>(sQ + buf * BLOCK_M * SROW, p.q + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
-        const i64 so = stat_offset(p, b, h);
+        const int h = blk.head(it), m0 = blk.query_row(it);
+        load_tile_async<BLOCK_M>(smem.q + buf * BLOCK_M * SROW, p.q + blk.q_base(p, h), m0, blk.Sq, blk.q_stride);
+        const i64 so = blk.stat_base(p, h);
         for (int i = threadIdx.x; i < BLOCK_M; i += NUM_THREADS) {
-            const bool ok = m0 + i < Sq;
-            sLse[buf * BLOCK_M + i] = ok ? p.lse_log2[so + m0 + i] : POS_INF;
-            sDelta[buf * BLOCK_M + i] = ok ? p.delta[so + m0 + i] : 0.f;
+            const bool ok = m0 + i < blk.Sq;
+            smem.lse[buf * BLOCK_M + i] = ok ? p.lse_log2[so + m0 + i] : POS_INF;
+            smem.delta[buf * BLOCK_M + i] = ok ? p.delta[so + m0 + i] : 0.f;
         }
     };
     auto load_do = [&](int it, int buf) {
-        const int h = hkv * GQA_GROUP + it / per_head;
-        const int m0 = (m_first + it % per_head) * BLOCK_M;
-        load_tile_async<BLOCK_M>(sdO + buf * BLOCK_M * SROW, p.dout + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
+        const int h = blk.head(it), m0 = blk.query_row(it);
+        load_tile_async<BLOCK_M>(smem.dout + buf * BLOCK_M * SROW, p.dout + blk.q_base(p, h), m0, blk.Sq, blk.q_stride);
     };
     if (n_iters > 0) load_q(0, 0);
     cp_async_commit();  // with K and V
@@ -145,13 +114,11 @@ flash_bwd_dkdv(const FlashParams p) {
     cp_async_commit();
 
     float dk[DPART / 8][4], dv[DPART / 8][4];
-#pragma unroll
-    for (int i = 0; i < DPART / 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
-    const elem_t* sKw = sK + slice * 16 * SROW;
-    const elem_t* sVw = sV + slice * 16 * SROW;
-    const int key0 = n0 + slice * 16;
+    zero(dk);
+    zero(dv);
+    const elem_t* sKw = smem.k + slice * 16 * SROW;
+    const elem_t* sVw = smem.v + slice * 16 * SROW;
+    const int key0 = blk.n0 + slice * 16;
     const int col0 = part * DPART;
     const int g = lane / 4, t = lane % 4;
 
@@ -161,17 +128,15 @@ flash_bwd_dkdv(const FlashParams p) {
         __syncthreads();  // Q_it landed; every warp is done with iteration it-1's buffers
         if (it + 1 < n_iters) load_q(it + 1, buf ^ 1);
         cp_async_commit();
-        const elem_t* sQi = sQ + buf * BLOCK_M * SROW;
-        const elem_t* sdOi = sdO + buf * BLOCK_M * SROW;
-        const float* lse2 = sLse + buf * BLOCK_M;
-        const float* dlt = sDelta + buf * BLOCK_M;
-        const int m0 = (m_first + it % per_head) * BLOCK_M;
+        const elem_t* sQi = smem.q + buf * BLOCK_M * SROW;
+        const elem_t* sdOi = smem.dout + buf * BLOCK_M * SROW;
+        const float* lse2 = smem.lse + buf * BLOCK_M;
+        const float* dlt = smem.delta + buf * BLOCK_M;
+        const int m0 = blk.query_row(it);
 
         float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];
-#pragma unroll
-        for (int i = 0; i < BLOCK_M / 8; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[i][e] = dp[i][e] = 0.f;
+        zero(s);
+        zero(dp);
         gemm_abt<BLOCK_M / 8>(s, sKw, sQi);
 
         cp_async_wait<1>();
@@ -183,7 +148,7 @@ flash_bwd_dkdv(const FlashParams p) {
         for (int i = 0; i < BLOCK_M / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[i][e] *= p.scale_log2;
-        if (key_slice_needs_mask(key0, m0, Sq, Sk)) mask_tile_t<BLOCK_M / 8>(s, key0, m0, Sq, Sk);
+        if (key_slice_needs_mask(key0, m0, blk.Sq, blk.Sk)) mask_tile<BLOCK_M / 8, true>(s, key0, m0, blk.Sq, blk.Sk);
 #pragma unroll
         for (int i = 0; i < BLOCK_M / 8; ++i)
 #pragma unroll
@@ -201,15 +166,13 @@ flash_bwd_dkdv(const FlashParams p) {
             for (int i = 0; i < BLOCK_M / 8; ++i)
 #pragma unroll
                 for (int r = 0; r < 2; ++r)
-                    *reinterpret_cast<u32*>(sdS + (slice * 16 + g + 8 * r) * DS_ROW + i * 8 + 2 * t) =
+                    *reinterpret_cast<u32*>(smem.ds + (slice * 16 + g + 8 * r) * DS_ROW + i * 8 + 2 * t) =
                         pack2(dp[i][2 * r], dp[i][2 * r + 1]);
         }
         __syncthreads();  // dS^T complete (the next write follows the next iteration's first barrier)
-        add_dq_tile(p, sdS, sK, b, hkv * GQA_GROUP + it / per_head, m0);
+        add_dq_tile(p, blk, smem.ds, smem.k, blk.head(it), m0);
 #endif
     }
-    elem_t* out_dk = p.dk + kv_row_offset(p, b, 0, hkv);
-    elem_t* out_dv = p.dv + kv_row_offset(p, b, 0, hkv);
-    store_tile<DPART / 8>(out_dk, dk, p.scale, p.scale, key0, Sk, col0, kv_stride);
-    store_tile<DPART / 8>(out_dv, dv, 1.f, 1.f, key0, Sk, col0, kv_stride);
+    store_tile<DPART / 8>(p.dk + blk.kv_base(p), dk, p.scale, p.scale, key0, blk.Sk, col0, blk.kv_stride);
+    store_tile<DPART / 8>(p.dv + blk.kv_base(p), dv, 1.f, 1.f, key0, blk.Sk, col0, blk.kv_stride);
 }

@@ -12,40 +12,22 @@
 #define MC (BLOCK_M / 16)  // query columns per thread
 #define PSTRIDE (BLOCK_M + 1)
 
-// Shared memory, byte offsets.
-struct SmemLayout {
-    static constexpr int k = 0;                                          // [BLOCK_N][FSTRIDE]
-    static constexpr int v = k + bytes_of<float>(BLOCK_N * FSTRIDE);     // [BLOCK_N][FSTRIDE]
-    static constexpr int q = v + bytes_of<float>(BLOCK_N * FSTRIDE);     // [BLOCK_M][FSTRIDE]
-    static constexpr int dout = q + bytes_of<float>(BLOCK_M * FSTRIDE);  // [BLOCK_M][FSTRIDE]
-    static constexpr int p = dout + bytes_of<float>(BLOCK_M * FSTRIDE);  // [BLOCK_N][PSTRIDE]: P^T
-    static constexpr int ds = p + bytes_of<float>(BLOCK_N * PSTRIDE);    // [BLOCK_N][PSTRIDE]: dS^T
-    static constexpr int lse = ds + bytes_of<float>(BLOCK_N * PSTRIDE);  // [BLOCK_M]
-    static constexpr int delta = lse + bytes_of<float>(BLOCK_M);         // [BLOCK_M]
-    static constexpr int bytes = delta + bytes_of<float>(BLOCK_M);
+// Shared memory: K and V [BLOCK_N][FSTRIDE], Q and dO [BLOCK_M][FSTRIDE], P^T and dS^T
+// [BLOCK_N][PSTRIDE], the query tile's lse_log2 and delta [BLOCK_M].
+struct Smem {
+    float k[BLOCK_N * FSTRIDE], v[BLOCK_N * FSTRIDE], q[BLOCK_M * FSTRIDE], dout[BLOCK_M * FSTRIDE];
+    float p[BLOCK_N * PSTRIDE], ds[BLOCK_N * PSTRIDE], lse[BLOCK_M], delta[BLOCK_M];
 };
-FLASH_EXPORT_SMEM(SmemLayout::bytes)
+FLASH_EXPORT_SMEM(sizeof(Smem))
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dkdv(const FlashParams p) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* sK = smem_at<float>(smem_raw, SmemLayout::k);
-    float* sV = smem_at<float>(smem_raw, SmemLayout::v);
-    float* sQ = smem_at<float>(smem_raw, SmemLayout::q);
-    float* sdO = smem_at<float>(smem_raw, SmemLayout::dout);
-    float* sP = smem_at<float>(smem_raw, SmemLayout::p);
-    float* sdS = smem_at<float>(smem_raw, SmemLayout::ds);
-    float* sLse = smem_at<float>(smem_raw, SmemLayout::lse);
-    float* sDelta = smem_at<float>(smem_raw, SmemLayout::delta);
-
-    const int n0 = blockIdx.x * BLOCK_N, hkv = blockIdx.y, b = blockIdx.z;
-    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    Smem& smem = shared_memory<Smem>();
+    const KeyBlock blk(p);
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
-
-    const int m_start = first_query_tile(n0, BLOCK_M, Sq, Sk);
-    load_tile_f32<BLOCK_N>(sK, p.k + kv_row_offset(p, b, 0, hkv), n0, Sk, kv_stride);
-    load_tile_f32<BLOCK_N>(sV, p.v + kv_row_offset(p, b, 0, hkv), n0, Sk, kv_stride);
+    const int n0 = blk.n0, Sq = blk.Sq, Sk = blk.Sk;
+    load_tile_f32<BLOCK_N>(smem.k, p.k + blk.kv_base(p), n0, Sk, blk.kv_stride);
+    load_tile_f32<BLOCK_N>(smem.v, p.v + blk.kv_base(p), n0, Sk, blk.kv_stride);
 
     float dk[MR][DCOLS], dv[MR][DCOLS];
 #pragma unroll
@@ -54,16 +36,16 @@ flash_bwd_dkdv(const FlashParams p) {
         for (int jd = 0; jd < DCOLS; ++jd) dk[i][jd] = dv[i][jd] = 0.f;
 
     for (int g = 0; g < GQA_GROUP; ++g) {
-        const int h = hkv * GQA_GROUP + g;
-        const i64 so = stat_offset(p, b, h);
-        for (int m0 = m_start; m0 < Sq; m0 += BLOCK_M) {
+        const int h = blk.hkv * GQA_GROUP + g;
+        const i64 so = blk.stat_base(p, h);
+        for (int m0 = blk.m_start; m0 < Sq; m0 += BLOCK_M) {
             __syncthreads();
-            load_tile_f32<BLOCK_M>(sQ, p.q + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
-            load_tile_f32<BLOCK_M>(sdO, p.dout + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
+            load_tile_f32<BLOCK_M>(smem.q, p.q + blk.q_base(p, h), m0, Sq, blk.q_stride);
+            load_tile_f32<BLOCK_M>(smem.dout, p.dout + blk.q_base(p, h), m0, Sq, blk.q_stride);
             for (int i = threadIdx.x; i < BLOCK_M; i += NUM_THREADS) {
                 const bool ok = m0 + i < Sq;
-                sLse[i] = ok ? p.lse_log2[so + m0 + i] : POS_INF;
-                sDelta[i] = ok ? p.delta[so + m0 + i] : 0.f;
+                smem.lse[i] = ok ? p.lse_log2[so + m0 + i] : POS_INF;
+                smem.delta[i] = ok ? p.delta[so + m0 + i] : 0.f;
             }
             __syncthreads();
             float s[MR][MC], dp[MR][MC];
@@ -71,8 +53,8 @@ flash_bwd_dkdv(const FlashParams p) {
             for (int i = 0; i < MR; ++i)
 #pragma unroll
                 for (int j = 0; j < MC; ++j) s[i][j] = dp[i][j] = 0.f;
-            mm_abt_f32<MR, MC>(s, sK, sQ);
-            mm_abt_f32<MR, MC>(dp, sV, sdO);
+            mm_abt_f32<MR, MC>(s, smem.k, smem.q);
+            mm_abt_f32<MR, MC>(dp, smem.v, smem.dout);
 #pragma unroll
             for (int i = 0; i < MR; ++i) {
                 const int key = n0 + ty + 16 * i;
@@ -86,14 +68,14 @@ flash_bwd_dkdv(const FlashParams p) {
 #if ATOMIC_DQ && !EVEN_N
                     if (key >= Sk) x = NEG_INF;  // zero-filled keys must add nothing to dQ
 #endif
-                    const float pr = fast_exp2(x - sLse[qc]);
-                    sP[(ty + 16 * i) * PSTRIDE + qc] = pr;
-                    sdS[(ty + 16 * i) * PSTRIDE + qc] = pr * (dp[i][j] - sDelta[qc]);
+                    const float pr = fast_exp2(x - smem.lse[qc]);
+                    smem.p[(ty + 16 * i) * PSTRIDE + qc] = pr;
+                    smem.ds[(ty + 16 * i) * PSTRIDE + qc] = pr * (dp[i][j] - smem.delta[qc]);
                 }
             }
             __syncthreads();
-            mm_pb_f32<MR, BLOCK_M>(dv, sP, PSTRIDE, sdO);
-            mm_pb_f32<MR, BLOCK_M>(dk, sdS, PSTRIDE, sQ);
+            mm_pb_f32<MR, BLOCK_M>(dv, smem.p, PSTRIDE, smem.dout);
+            mm_pb_f32<MR, BLOCK_M>(dk, smem.ds, PSTRIDE, smem.q);
 #if ATOMIC_DQ
             {
                 // dQ rows m0 + ty + 16 i, columns tx + 16 jd: sum over keys c of dS^T[c][q] K[c][:]
@@ -106,18 +88,18 @@ flash_bwd_dkdv(const FlashParams p) {
                 for (int c = 0; c < BLOCK_N; ++c) {
                     float av[MC];
 #pragma unroll
-                    for (int i = 0; i < MC; ++i) av[i] = sdS[c * PSTRIDE + ty + 16 * i];
+                    for (int i = 0; i < MC; ++i) av[i] = smem.ds[c * PSTRIDE + ty + 16 * i];
 #pragma unroll
                     for (int jd = 0; jd < DCOLS; ++jd) {
                         const int col = tx + 16 * jd;
                         if (HEAD_DIM % 16 == 0 || col < HEAD_DIM) {
-                            const float bv = sK[c * FSTRIDE + col];
+                            const float bv = smem.k[c * FSTRIDE + col];
 #pragma unroll
                             for (int i = 0; i < MC; ++i) dq[i][jd] = fmaf(av[i], bv, dq[i][jd]);
                         }
                     }
                 }
-                float* dqa = p.dq_accum + q_row_offset(p, b, 0, h);
+                float* dqa = p.dq_accum + blk.q_base(p, h);
 #pragma unroll
                 for (int i = 0; i < MC; ++i) {
                     const int q = m0 + ty + 16 * i;
@@ -125,7 +107,7 @@ flash_bwd_dkdv(const FlashParams p) {
 #pragma unroll
                     for (int jd = 0; jd < DCOLS; ++jd) {
                         const int col = tx + 16 * jd;
-                        if (col < HEAD_DIM) atomicAdd(dqa + (i64)q * q_stride + col, dq[i][jd]);
+                        if (col < HEAD_DIM) atomicAdd(dqa + (i64)q * blk.q_stride + col, dq[i][jd]);
                     }
                 }
             }
@@ -135,6 +117,6 @@ flash_bwd_dkdv(const FlashParams p) {
     float one[MR], sc[MR];
 #pragma unroll
     for (int i = 0; i < MR; ++i) { one[i] = 1.f; sc[i] = p.scale; }
-    store_rows_f32<MR>(p.dk + kv_row_offset(p, b, 0, hkv), dk, sc, n0, Sk, kv_stride);
-    store_rows_f32<MR>(p.dv + kv_row_offset(p, b, 0, hkv), dv, one, n0, Sk, kv_stride);
+    store_rows_f32<MR>(p.dk + blk.kv_base(p), dk, sc, n0, Sk, blk.kv_stride);
+    store_rows_f32<MR>(p.dv + blk.kv_base(p), dv, one, n0, Sk, blk.kv_stride);
 }

@@ -25,52 +25,32 @@
 #error "the dQ product maps 4 queries to each of 16 half-warps: BLOCK_M must be 64"
 #endif
 
-// Shared memory, byte offsets.
-struct SmemLayout {
-    static constexpr int k = 0;                                          // [BLOCK_N][RSTRIDE]
-    static constexpr int v = k + bytes_of<float>(BLOCK_N * RSTRIDE);     // [BLOCK_N][RSTRIDE]
-    static constexpr int q = v + bytes_of<float>(BLOCK_N * RSTRIDE);     // [BLOCK_M][RSTRIDE]
-    static constexpr int dout = q + bytes_of<float>(BLOCK_M * RSTRIDE);  // [BLOCK_M][RSTRIDE]
-    static constexpr int p = dout + bytes_of<float>(BLOCK_M * RSTRIDE);  // [BLOCK_N][PS]: P^T
-    static constexpr int ds = p + bytes_of<float>(BLOCK_N * PS);         // [BLOCK_N][PS]: dS^T
-    static constexpr int lse = ds + bytes_of<float>(BLOCK_N * PS);       // [BLOCK_M]
-    static constexpr int delta = lse + bytes_of<float>(BLOCK_M);         // [BLOCK_M]
-    static constexpr int bytes = delta + bytes_of<float>(BLOCK_M);
+// Shared memory: K and V [BLOCK_N][RSTRIDE], Q and dO [BLOCK_M][RSTRIDE], P^T and dS^T
+// [BLOCK_N][PS], the query tile's lse_log2 and delta [BLOCK_M].
+struct Smem {
+    float k[BLOCK_N * RSTRIDE], v[BLOCK_N * RSTRIDE], q[BLOCK_M * RSTRIDE], dout[BLOCK_M * RSTRIDE];
+    float p[BLOCK_N * PS], ds[BLOCK_N * PS], lse[BLOCK_M], delta[BLOCK_M];
 };
-FLASH_EXPORT_SMEM(SmemLayout::bytes)
+FLASH_EXPORT_SMEM(sizeof(Smem))
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dkdv(const FlashParams p) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* sK = smem_at<float>(smem_raw, SmemLayout::k);
-    float* sV = smem_at<float>(smem_raw, SmemLayout::v);
-    float* sQ = smem_at<float>(smem_raw, SmemLayout::q);
-    float* sdO = smem_at<float>(smem_raw, SmemLayout::dout);
-    float* sP = smem_at<float>(smem_raw, SmemLayout::p);
-    float* sdS = smem_at<float>(smem_raw, SmemLayout::ds);
-    float* sLse = smem_at<float>(smem_raw, SmemLayout::lse);
-    float* sDelta = smem_at<float>(smem_raw, SmemLayout::delta);
-
-    const int n0 = blockIdx.x * BLOCK_N, hkv = blockIdx.y, b = blockIdx.z;
-    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    Smem& smem = shared_memory<Smem>();
+    const KeyBlock blk(p);
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
+    const int n0 = blk.n0, Sq = blk.Sq, Sk = blk.Sk, n_iter = blk.n_iter;
 
-    const int m_start = first_query_tile(n0, BLOCK_M, Sq, Sk);
-    const int n_m = m_start < Sq ? (Sq - m_start + BLOCK_M - 1) / BLOCK_M : 0;
-    const int n_iter = n_m * GQA_GROUP;
-
-    cp_rows_f32<BLOCK_N, RSTRIDE>(sK, p.k + kv_row_offset(p, b, 0, hkv), n0, Sk, kv_stride);
-    cp_rows_f32<BLOCK_N, RSTRIDE>(sV, p.v + kv_row_offset(p, b, 0, hkv), n0, Sk, kv_stride);
+    cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, p.k + blk.kv_base(p), n0, Sk, blk.kv_stride);
+    cp_rows_f32<BLOCK_N, RSTRIDE>(smem.v, p.v + blk.kv_base(p), n0, Sk, blk.kv_stride);
     if (n_iter > 0) {
-        const int h = hkv * GQA_GROUP;
-        cp_rows_f32<BLOCK_M, RSTRIDE>(sQ, p.q + q_row_offset(p, b, 0, h), m_start, Sq, q_stride);
-        cp_rows_f32<BLOCK_M, RSTRIDE>(sdO, p.dout + q_row_offset(p, b, 0, h), m_start, Sq, q_stride);
+        const int h = blk.head(0);
+        cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_base(p, h), blk.m_start, Sq, blk.q_stride);
+        cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_base(p, h), blk.m_start, Sq, blk.q_stride);
         if (threadIdx.x < BLOCK_M) {
-            const int q = m_start + threadIdx.x;
-            const i64 so = stat_offset(p, b, h);
-            sLse[threadIdx.x] = q < Sq ? p.lse_log2[so + q] : POS_INF;
-            sDelta[threadIdx.x] = q < Sq ? p.delta[so + q] : 0.f;
+            const int q = blk.m_start + threadIdx.x;
+            const i64 so = blk.stat_base(p, h);
+            smem.lse[threadIdx.x] = q < Sq ? p.lse_log2[so + q] : POS_INF;
+            smem.delta[threadIdx.x] = q < Sq ? p.delta[so + q] : 0.f;
         }
     }
     cp_async_commit();
@@ -82,8 +62,7 @@ flash_bwd_dkdv(const FlashParams p) {
         for (int jj = 0; jj < DV4; ++jj) dk[i][jj] = dv[i][jj] = make_float4(0.f, 0.f, 0.f, 0.f);
 
     for (int it = 0; it < n_iter; ++it) {
-        const int g = it / n_m;
-        const int m0 = m_start + (it - g * n_m) * BLOCK_M;
+        const int h = blk.head(it), m0 = blk.query_row(it);
         cp_async_wait<0>();
         __syncthreads();  // (A) Q, dO, lse, delta of this tile in place; last tile's dS^T reads done
 
@@ -92,14 +71,14 @@ flash_bwd_dkdv(const FlashParams p) {
         for (int i = 0; i < MR; ++i)
 #pragma unroll
             for (int j = 0; j < MC; ++j) s[i][j] = dp[i][j] = 0.f;
-        mm_rows_f32<MR, MC, RSTRIDE>(s, sK, sQ);
-        mm_rows_f32<MR, MC, RSTRIDE>(dp, sV, sdO);
+        mm_rows_f32<MR, MC, RSTRIDE>(s, smem.k, smem.q);
+        mm_rows_f32<MR, MC, RSTRIDE>(dp, smem.v, smem.dout);
 
         float lse2[MC], dlt[MC];
 #pragma unroll
         for (int j = 0; j < MC; ++j) {
-            lse2[j] = sLse[tx + 16 * j];
-            dlt[j] = sDelta[tx + 16 * j];
+            lse2[j] = smem.lse[tx + 16 * j];
+            dlt[j] = smem.delta[tx + 16 * j];
         }
 #if IS_CAUSAL || (ATOMIC_DQ && !EVEN_N)
         bool need_mask = false;
@@ -120,25 +99,23 @@ flash_bwd_dkdv(const FlashParams p) {
                 float x = s[i][j] * p.scale_log2;
                 if (need_mask && !visible(m0 + tx + 16 * j, key, Sq, Sk)) x = NEG_INF;
                 const float pr = fast_exp2(x - lse2[j]);
-                sP[(ty + 16 * i) * PS + tx + 16 * j] = pr;
-                sdS[(ty + 16 * i) * PS + tx + 16 * j] = pr * (dp[i][j] - dlt[j]);
+                smem.p[(ty + 16 * i) * PS + tx + 16 * j] = pr;
+                smem.ds[(ty + 16 * i) * PS + tx + 16 * j] = pr * (dp[i][j] - dlt[j]);
             }
         }
         __syncthreads();  // (B) P^T, dS^T visible
-        mm_pv_f32<MR, BLOCK_M, PS, RSTRIDE>(dv, sP, sdO);
-        mm_pv_f32<MR, BLOCK_M, PS, RSTRIDE>(dk, sdS, sQ);
+        mm_pv_f32<MR, BLOCK_M, PS, RSTRIDE>(dv, smem.p, smem.dout);
+        mm_pv_f32<MR, BLOCK_M, PS, RSTRIDE>(dk, smem.ds, smem.q);
 
 #if ATOMIC_DQ
         __syncthreads();  // (C) every thread is done with Q, dO, lse, delta: load the next tile's
         float nl = POS_INF, nd = 0.f;
         if (it + 1 < n_iter) {
-            const int g1 = (it + 1) / n_m;
-            const int m1 = m_start + (it + 1 - g1 * n_m) * BLOCK_M;
-            const int h1 = hkv * GQA_GROUP + g1;
-            cp_rows_f32<BLOCK_M, RSTRIDE>(sQ, p.q + q_row_offset(p, b, 0, h1), m1, Sq, q_stride);
-            cp_rows_f32<BLOCK_M, RSTRIDE>(sdO, p.dout + q_row_offset(p, b, 0, h1), m1, Sq, q_stride);
+            const int h1 = blk.head(it + 1), m1 = blk.query_row(it + 1);
+            cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_base(p, h1), m1, Sq, blk.q_stride);
+            cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_base(p, h1), m1, Sq, blk.q_stride);
             if (threadIdx.x < BLOCK_M && m1 + (int)threadIdx.x < Sq) {
-                const i64 idx = stat_offset(p, b, h1) + m1 + threadIdx.x;
+                const i64 idx = blk.stat_base(p, h1) + m1 + threadIdx.x;
                 nl = p.lse_log2[idx];
                 nd = p.delta[idx];
             }
@@ -151,8 +128,8 @@ flash_bwd_dkdv(const FlashParams p) {
             for (int r = 0; r < 4; ++r)
 #pragma unroll
                 for (int jj = 0; jj < DV4; ++jj) dq[r][jj] = make_float4(0.f, 0.f, 0.f, 0.f);
-            const float* a = sdS + 4 * ty;
-            const float* kb = sK + 4 * tx;
+            const float* a = smem.ds + 4 * ty;
+            const float* kb = smem.k + 4 * tx;
 #pragma unroll 4
             for (int c = 0; c < BLOCK_N; ++c) {
                 const float4 av = lds4(a + c * PS);
@@ -167,34 +144,31 @@ flash_bwd_dkdv(const FlashParams p) {
                     fma4(dq[3][jj], av.w, bv[jj]);
                 }
             }
-            const int h = hkv * GQA_GROUP + g;
-            float* dqa = p.dq_accum + q_row_offset(p, b, 0, h);
+            float* dqa = p.dq_accum + blk.q_base(p, h);
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 const int q = m0 + 4 * ty + r;
                 if (q < Sq) {
 #pragma unroll
-                    for (int jj = 0; jj < DV4; ++jj) red_add4(dqa + (i64)q * q_stride + 4 * (tx + 16 * jj), dq[r][jj]);
+                    for (int jj = 0; jj < DV4; ++jj) red_add4(dqa + (i64)q * blk.q_stride + 4 * (tx + 16 * jj), dq[r][jj]);
                 }
             }
         }
         if (threadIdx.x < BLOCK_M) {
-            sLse[threadIdx.x] = nl;
-            sDelta[threadIdx.x] = nd;
+            smem.lse[threadIdx.x] = nl;
+            smem.delta[threadIdx.x] = nd;
         }
 #else
         if (it + 1 < n_iter) {
             __syncthreads();  // (C) every thread is done with Q, dO, lse, delta
-            const int g1 = (it + 1) / n_m;
-            const int m1 = m_start + (it + 1 - g1 * n_m) * BLOCK_M;
-            const int h1 = hkv * GQA_GROUP + g1;
-            cp_rows_f32<BLOCK_M, RSTRIDE>(sQ, p.q + q_row_offset(p, b, 0, h1), m1, Sq, q_stride);
-            cp_rows_f32<BLOCK_M, RSTRIDE>(sdO, p.dout + q_row_offset(p, b, 0, h1), m1, Sq, q_stride);
+            const int h1 = blk.head(it + 1), m1 = blk.query_row(it + 1);
+            cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_base(p, h1), m1, Sq, blk.q_stride);
+            cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_base(p, h1), m1, Sq, blk.q_stride);
             if (threadIdx.x < BLOCK_M) {
                 const bool ok = m1 + (int)threadIdx.x < Sq;
-                const i64 idx = stat_offset(p, b, h1) + m1 + threadIdx.x;
-                sLse[threadIdx.x] = ok ? p.lse_log2[idx] : POS_INF;
-                sDelta[threadIdx.x] = ok ? p.delta[idx] : 0.f;
+                const i64 idx = blk.stat_base(p, h1) + m1 + threadIdx.x;
+                smem.lse[threadIdx.x] = ok ? p.lse_log2[idx] : POS_INF;
+                smem.delta[threadIdx.x] = ok ? p.delta[idx] : 0.f;
             }
             cp_async_commit();
         }
@@ -205,6 +179,6 @@ flash_bwd_dkdv(const FlashParams p) {
     float one[MR], sc[MR];
 #pragma unroll
     for (int i = 0; i < MR; ++i) { one[i] = 1.f; sc[i] = p.scale; }
-    store_rows4_f32<MR>(p.dk + kv_row_offset(p, b, 0, hkv), dk, sc, n0, Sk, kv_stride);
-    store_rows4_f32<MR>(p.dv + kv_row_offset(p, b, 0, hkv), dv, one, n0, Sk, kv_stride);
+    store_rows4_f32<MR>(p.dk + blk.kv_base(p), dk, sc, n0, Sk, blk.kv_stride);
+    store_rows4_f32<MR>(p.dv + blk.kv_base(p), dv, one, n0, Sk, blk.kv_stride);
 }

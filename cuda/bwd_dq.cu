@@ -11,91 +11,72 @@
 #error "dq: BLOCK_M must be 16 * NUM_WARPS"
 #endif
 
-// Shared memory, byte offsets.
-struct SmemLayout {
-    static constexpr int q = 0;                                          // [BLOCK_M][SROW]
-    static constexpr int dout = q + bytes_of<elem_t>(BLOCK_M * SROW);    // [BLOCK_M][SROW]
-    static constexpr int k = dout + bytes_of<elem_t>(BLOCK_M * SROW);    // [2][BLOCK_N][SROW]
-    static constexpr int v = k + bytes_of<elem_t>(2 * BLOCK_N * SROW);   // [2][BLOCK_N][SROW]
-    static constexpr int bytes = v + bytes_of<elem_t>(2 * BLOCK_N * SROW);
+// Shared memory: Q and dO [BLOCK_M][SROW]; K and V, two buffers [2][BLOCK_N][SROW] each.
+struct Smem {
+    elem_t q[BLOCK_M * SROW], dout[BLOCK_M * SROW], k[2 * BLOCK_N * SROW], v[2 * BLOCK_N * SROW];
 };
-FLASH_EXPORT_SMEM(SmemLayout::bytes)
+FLASH_EXPORT_SMEM(sizeof(Smem))
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dq(const FlashParams p) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    elem_t* sQ = smem_at<elem_t>(smem_raw, SmemLayout::q);
-    elem_t* sdO = smem_at<elem_t>(smem_raw, SmemLayout::dout);
-    elem_t* sK = smem_at<elem_t>(smem_raw, SmemLayout::k);
-    elem_t* sV = smem_at<elem_t>(smem_raw, SmemLayout::v);
-
-    const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z, hkv = h / GQA_GROUP;
-    const int m0 = m_block * BLOCK_M;
-    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    Smem& smem = shared_memory<Smem>();
+    const QueryBlock blk(p);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4;
-
-    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
-    const elem_t* k = p.k + kv_row_offset(p, b, 0, hkv);
-    const elem_t* v = p.v + kv_row_offset(p, b, 0, hkv);
-
-    const int n_end = key_end(m0, BLOCK_M, Sq, Sk);
-    const int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
+    const elem_t* k = p.k + blk.kv_base(p);
+    const elem_t* v = p.v + blk.kv_base(p);
+    const int n_tiles = blk.n_tiles();
 
     // Commit groups: (Q, dO, K_0), V_0, then K_{j+1} and V_{j+1} per tile, so that S = Q K^T
     // starts while V is in flight. In flight at the top of iteration j: K_j, V_j.
-    load_tile_async<BLOCK_M>(sQ, p.q + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
-    load_tile_async<BLOCK_M>(sdO, p.dout + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
-    if (n_tiles > 0) load_tile_async<BLOCK_N>(sK, k, 0, Sk, kv_stride);
+    load_tile_async<BLOCK_M>(smem.q, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
+    load_tile_async<BLOCK_M>(smem.dout, p.dout + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
+    if (n_tiles > 0) load_tile_async<BLOCK_N>(smem.k, k, 0, blk.Sk, blk.kv_stride);
     cp_async_commit();
-    if (n_tiles > 0) load_tile_async<BLOCK_N>(sV, v, 0, Sk, kv_stride);
+    if (n_tiles > 0) load_tile_async<BLOCK_N>(smem.v, v, 0, blk.Sk, blk.kv_stride);
     cp_async_commit();
 
     // Row statistics of this lane's two rows (rows past Sq: lse +inf gives P = 0).
-    const int row0 = m0 + warp * 16;
+    const int row0 = blk.m0 + warp * 16;
     float lse2[2], dlt[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = row0 + g + 8 * r;
-        const i64 idx = stat_offset(p, b, h) + row;
-        lse2[r] = row < Sq ? p.lse_log2[idx] : POS_INF;
-        dlt[r] = row < Sq ? p.delta[idx] : 0.f;
+        const i64 idx = blk.stat_base(p) + row;
+        lse2[r] = row < blk.Sq ? p.lse_log2[idx] : POS_INF;
+        dlt[r] = row < blk.Sq ? p.delta[idx] : 0.f;
     }
 
     float dq[DPAD / 8][4];
-#pragma unroll
-    for (int i = 0; i < DPAD / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
-    const elem_t* sQw = sQ + warp * 16 * SROW;
-    const elem_t* sdOw = sdO + warp * 16 * SROW;
+    zero(dq);
+    const elem_t* sQw = smem.q + warp * 16 * SROW;
+    const elem_t* sdOw = smem.dout + warp * 16 * SROW;
 
     for (int j = 0; j < n_tiles; ++j) {
         const int nb = (j + 1) & 1;
         cp_async_wait<1>();
         __syncthreads();  // K_j landed; every warp is done with K_{j-1}'s buffer
-        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(sK + nb * BLOCK_N * SROW, k, (j + 1) * BLOCK_N, Sk, kv_stride);
+        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(smem.k + nb * BLOCK_N * SROW, k, (j + 1) * BLOCK_N, blk.Sk, blk.kv_stride);
         cp_async_commit();
-        const elem_t* sKj = sK + (j & 1) * BLOCK_N * SROW;
-        const elem_t* sVj = sV + (j & 1) * BLOCK_N * SROW;
+        const elem_t* sKj = smem.k + (j & 1) * BLOCK_N * SROW;
+        const elem_t* sVj = smem.v + (j & 1) * BLOCK_N * SROW;
         const int n0 = j * BLOCK_N;
 
         float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
-#pragma unroll
-        for (int i = 0; i < BLOCK_N / 8; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[i][e] = dp[i][e] = 0.f;
+        zero(s);
+        zero(dp);
         gemm_abt<BLOCK_N / 8>(s, sQw, sKj);
 
         cp_async_wait<1>();
         __syncthreads();  // V_j landed; every warp is done with V_{j-1}'s buffer
-        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(sV + nb * BLOCK_N * SROW, v, (j + 1) * BLOCK_N, Sk, kv_stride);
+        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(smem.v + nb * BLOCK_N * SROW, v, (j + 1) * BLOCK_N, blk.Sk, blk.kv_stride);
         cp_async_commit();
         gemm_abt<BLOCK_N / 8>(dp, sdOw, sVj);
 #pragma unroll
         for (int i = 0; i < BLOCK_N / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[i][e] *= p.scale_log2;
-        if (tile_needs_mask(m0, n0, BLOCK_N, Sq, Sk)) mask_tile<BLOCK_N / 8>(s, row0, n0, Sq, Sk);
+        if (tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk)) mask_tile<BLOCK_N / 8>(s, row0, n0, blk.Sq, blk.Sk);
 #pragma unroll
         for (int i = 0; i < BLOCK_N / 8; ++i)
 #pragma unroll
@@ -105,5 +86,5 @@ flash_bwd_dq(const FlashParams p) {
             }
         gemm_pb<BLOCK_N / 16, DPAD / 8>(dq, s, sKj, 0);
     }
-    store_tile<DPAD / 8>(p.dq + q_row_offset(p, b, 0, h), dq, p.scale, p.scale, row0, Sq, 0, q_stride);
+    store_tile<DPAD / 8>(p.dq + blk.q_base(p), dq, p.scale, p.scale, row0, blk.Sq, 0, blk.q_stride);
 }

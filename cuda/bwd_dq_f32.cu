@@ -10,79 +10,64 @@
 #define MC (BLOCK_N / 16)
 #define PSTRIDE (BLOCK_N + 1)
 
-// Shared memory, byte offsets.
-struct SmemLayout {
-    static constexpr int q = 0;                                          // [BLOCK_M][FSTRIDE]
-    static constexpr int dout = q + bytes_of<float>(BLOCK_M * FSTRIDE);  // [BLOCK_M][FSTRIDE]
-    static constexpr int k = dout + bytes_of<float>(BLOCK_M * FSTRIDE);  // [BLOCK_N][FSTRIDE]
-    static constexpr int v = k + bytes_of<float>(BLOCK_N * FSTRIDE);     // [BLOCK_N][FSTRIDE]
-    static constexpr int ds = v + bytes_of<float>(BLOCK_N * FSTRIDE);    // [BLOCK_M][PSTRIDE]
-    static constexpr int bytes = ds + bytes_of<float>(BLOCK_M * PSTRIDE);
+// Shared memory: Q and dO [BLOCK_M][FSTRIDE], K and V [BLOCK_N][FSTRIDE], dS [BLOCK_M][PSTRIDE].
+struct Smem {
+    float q[BLOCK_M * FSTRIDE], dout[BLOCK_M * FSTRIDE], k[BLOCK_N * FSTRIDE], v[BLOCK_N * FSTRIDE];
+    float ds[BLOCK_M * PSTRIDE];
 };
-FLASH_EXPORT_SMEM(SmemLayout::bytes)
+FLASH_EXPORT_SMEM(sizeof(Smem))
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dq(const FlashParams p) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* sQ = smem_at<float>(smem_raw, SmemLayout::q);
-    float* sdO = smem_at<float>(smem_raw, SmemLayout::dout);
-    float* sK = smem_at<float>(smem_raw, SmemLayout::k);
-    float* sV = smem_at<float>(smem_raw, SmemLayout::v);
-    float* sdS = smem_at<float>(smem_raw, SmemLayout::ds);
-
-    const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z, hkv = h / GQA_GROUP;
-    const int m0 = m_block * BLOCK_M;
-    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    Smem& smem = shared_memory<Smem>();
+    const QueryBlock blk(p);
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
-    const float* k = p.k + kv_row_offset(p, b, 0, hkv);
-    const float* v = p.v + kv_row_offset(p, b, 0, hkv);
-
-    const int n_end = key_end(m0, BLOCK_M, Sq, Sk);
-    load_tile_f32<BLOCK_M>(sQ, p.q + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
-    load_tile_f32<BLOCK_M>(sdO, p.dout + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
+    const float* k = p.k + blk.kv_base(p);
+    const float* v = p.v + blk.kv_base(p);
+    const int n_end = blk.n_end();
+    load_tile_f32<BLOCK_M>(smem.q, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
+    load_tile_f32<BLOCK_M>(smem.dout, p.dout + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
 
     float lse2[MR], dlt[MR], acc[MR][DCOLS];
 #pragma unroll
     for (int i = 0; i < MR; ++i) {
-        const int row = m0 + ty + 16 * i;
-        const i64 idx = stat_offset(p, b, h) + row;
-        lse2[i] = row < Sq ? p.lse_log2[idx] : POS_INF;
-        dlt[i] = row < Sq ? p.delta[idx] : 0.f;
+        const int row = blk.m0 + ty + 16 * i;
+        const i64 idx = blk.stat_base(p) + row;
+        lse2[i] = row < blk.Sq ? p.lse_log2[idx] : POS_INF;
+        dlt[i] = row < blk.Sq ? p.delta[idx] : 0.f;
 #pragma unroll
         for (int jd = 0; jd < DCOLS; ++jd) acc[i][jd] = 0.f;
     }
 
     for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
         __syncthreads();
-        load_tile_f32<BLOCK_N>(sK, k, n0, Sk, kv_stride);
-        load_tile_f32<BLOCK_N>(sV, v, n0, Sk, kv_stride);
+        load_tile_f32<BLOCK_N>(smem.k, k, n0, blk.Sk, blk.kv_stride);
+        load_tile_f32<BLOCK_N>(smem.v, v, n0, blk.Sk, blk.kv_stride);
         __syncthreads();
         float s[MR][MC], dp[MR][MC];
 #pragma unroll
         for (int i = 0; i < MR; ++i)
 #pragma unroll
             for (int j = 0; j < MC; ++j) s[i][j] = dp[i][j] = 0.f;
-        mm_abt_f32<MR, MC>(s, sQ, sK);
-        mm_abt_f32<MR, MC>(dp, sdO, sV);
-        const bool need_mask = tile_needs_mask(m0, n0, BLOCK_N, Sq, Sk);
+        mm_abt_f32<MR, MC>(s, smem.q, smem.k);
+        mm_abt_f32<MR, MC>(dp, smem.dout, smem.v);
+        const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
 #pragma unroll
         for (int i = 0; i < MR; ++i) {
-            const int row = m0 + ty + 16 * i;
+            const int row = blk.m0 + ty + 16 * i;
 #pragma unroll
             for (int j = 0; j < MC; ++j) {
                 float x = s[i][j] * p.scale_log2;
-                if (need_mask && !visible(row, n0 + tx + 16 * j, Sq, Sk)) x = NEG_INF;
+                if (need_mask && !visible(row, n0 + tx + 16 * j, blk.Sq, blk.Sk)) x = NEG_INF;
                 const float pr = fast_exp2(x - lse2[i]);
-                sdS[(ty + 16 * i) * PSTRIDE + tx + 16 * j] = pr * (dp[i][j] - dlt[i]);
+                smem.ds[(ty + 16 * i) * PSTRIDE + tx + 16 * j] = pr * (dp[i][j] - dlt[i]);
             }
         }
         __syncthreads();
-        mm_pb_f32<MR, BLOCK_N>(acc, sdS, PSTRIDE, sK);
+        mm_pb_f32<MR, BLOCK_N>(acc, smem.ds, PSTRIDE, smem.k);
     }
     float mul[MR];
 #pragma unroll
     for (int i = 0; i < MR; ++i) mul[i] = p.scale;
-    store_rows_f32<MR>(p.dq + q_row_offset(p, b, 0, h), acc, mul, m0, Sq, q_stride);
+    store_rows_f32<MR>(p.dq + blk.q_base(p), acc, mul, blk.m0, blk.Sq, blk.q_stride);
 }

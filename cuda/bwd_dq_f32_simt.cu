@@ -18,41 +18,27 @@
 #define MC (BLOCK_N / 16)
 #define PS (BLOCK_N + 16)
 
-// Shared memory, byte offsets.
-struct SmemLayout {
-    static constexpr int q = 0;                                          // [BLOCK_M][RSTRIDE]
-    static constexpr int dout = q + bytes_of<float>(BLOCK_M * RSTRIDE);  // [BLOCK_M][RSTRIDE]
-    static constexpr int k = dout + bytes_of<float>(BLOCK_M * RSTRIDE);  // [2][BLOCK_N][RSTRIDE]
-    static constexpr int v = k + bytes_of<float>(2 * BLOCK_N * RSTRIDE); // [BLOCK_N][RSTRIDE]
-    static constexpr int ds = v + bytes_of<float>(BLOCK_N * RSTRIDE);    // [BLOCK_M][PS]
-    static constexpr int bytes = ds + bytes_of<float>(BLOCK_M * PS);
+// Shared memory: Q and dO [BLOCK_M][RSTRIDE], two buffers of K [2][BLOCK_N][RSTRIDE], V
+// [BLOCK_N][RSTRIDE], dS [BLOCK_M][PS].
+struct Smem {
+    float q[BLOCK_M * RSTRIDE], dout[BLOCK_M * RSTRIDE], k[2 * BLOCK_N * RSTRIDE], v[BLOCK_N * RSTRIDE];
+    float ds[BLOCK_M * PS];
 };
-FLASH_EXPORT_SMEM(SmemLayout::bytes)
+FLASH_EXPORT_SMEM(sizeof(Smem))
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dq(const FlashParams p) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* sQ = smem_at<float>(smem_raw, SmemLayout::q);
-    float* sdO = smem_at<float>(smem_raw, SmemLayout::dout);
-    float* sK0 = smem_at<float>(smem_raw, SmemLayout::k);
-    float* sV = smem_at<float>(smem_raw, SmemLayout::v);
-    float* sdS = smem_at<float>(smem_raw, SmemLayout::ds);
-
-    const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z, hkv = h / GQA_GROUP;
-    const int m0 = m_block * BLOCK_M;
-    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    Smem& smem = shared_memory<Smem>();
+    const QueryBlock blk(p);
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
-    const float* k = p.k + kv_row_offset(p, b, 0, hkv);
-    const float* v = p.v + kv_row_offset(p, b, 0, hkv);
-
-    const int n_end = key_end(m0, BLOCK_M, Sq, Sk);
-    cp_rows_f32<BLOCK_M, RSTRIDE>(sQ, p.q + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
-    cp_rows_f32<BLOCK_M, RSTRIDE>(sdO, p.dout + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
+    const float* k = p.k + blk.kv_base(p);
+    const float* v = p.v + blk.kv_base(p);
+    const int n_end = blk.n_end();
+    cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
+    cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
     if (n_end > 0) {
-        cp_rows_f32<BLOCK_N, RSTRIDE>(sK0, k, 0, Sk, kv_stride);
-        cp_rows_f32<BLOCK_N, RSTRIDE>(sV, v, 0, Sk, kv_stride);
+        cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, k, 0, blk.Sk, blk.kv_stride);
+        cp_rows_f32<BLOCK_N, RSTRIDE>(smem.v, v, 0, blk.Sk, blk.kv_stride);
     }
     cp_async_commit();
 
@@ -60,20 +46,20 @@ flash_bwd_dq(const FlashParams p) {
     float4 acc[MR][DV4];
 #pragma unroll
     for (int i = 0; i < MR; ++i) {
-        const int row = m0 + ty + 16 * i;
-        const i64 idx = stat_offset(p, b, h) + row;
-        lse2[i] = row < Sq ? p.lse_log2[idx] : POS_INF;
-        dlt[i] = row < Sq ? p.delta[idx] : 0.f;
+        const int row = blk.m0 + ty + 16 * i;
+        const i64 idx = blk.stat_base(p) + row;
+        lse2[i] = row < blk.Sq ? p.lse_log2[idx] : POS_INF;
+        dlt[i] = row < blk.Sq ? p.delta[idx] : 0.f;
 #pragma unroll
         for (int jj = 0; jj < DV4; ++jj) acc[i][jj] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
 
     int buf = 0;
     for (int n0 = 0; n0 < n_end; n0 += BLOCK_N, buf ^= 1) {
-        float* sK = sK0 + buf * BLOCK_N * RSTRIDE;
+        float* sK = smem.k + buf * BLOCK_N * RSTRIDE;
         cp_async_wait<0>();
         __syncthreads();  // (A) K_j, V_j in place; every thread is done with dS and K_{j-1}
-        if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(sK0 + (buf ^ 1) * BLOCK_N * RSTRIDE, k, n0 + BLOCK_N, Sk, kv_stride);
+        if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k + (buf ^ 1) * BLOCK_N * RSTRIDE, k, n0 + BLOCK_N, blk.Sk, blk.kv_stride);
         cp_async_commit();
 
         float s[MR][MC], dp[MR][MC];
@@ -81,28 +67,28 @@ flash_bwd_dq(const FlashParams p) {
         for (int i = 0; i < MR; ++i)
 #pragma unroll
             for (int j = 0; j < MC; ++j) s[i][j] = dp[i][j] = 0.f;
-        mm_rows_f32<MR, MC, RSTRIDE>(s, sQ, sK);
-        mm_rows_f32<MR, MC, RSTRIDE>(dp, sdO, sV);
-        const bool need_mask = tile_needs_mask(m0, n0, BLOCK_N, Sq, Sk);
+        mm_rows_f32<MR, MC, RSTRIDE>(s, smem.q, sK);
+        mm_rows_f32<MR, MC, RSTRIDE>(dp, smem.dout, smem.v);
+        const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
 #pragma unroll
         for (int i = 0; i < MR; ++i) {
-            const int row = m0 + ty + 16 * i;
+            const int row = blk.m0 + ty + 16 * i;
 #pragma unroll
             for (int j = 0; j < MC; ++j) {
                 float x = s[i][j] * p.scale_log2;
-                if (need_mask && !visible(row, n0 + tx + 16 * j, Sq, Sk)) x = NEG_INF;
+                if (need_mask && !visible(row, n0 + tx + 16 * j, blk.Sq, blk.Sk)) x = NEG_INF;
                 const float pr = fast_exp2(x - lse2[i]);
-                sdS[(ty + 16 * i) * PS + tx + 16 * j] = pr * (dp[i][j] - dlt[i]);
+                smem.ds[(ty + 16 * i) * PS + tx + 16 * j] = pr * (dp[i][j] - dlt[i]);
             }
         }
         __syncthreads();  // (B) dS visible; every thread is done with V_j
-        if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(sV, v, n0 + BLOCK_N, Sk, kv_stride);
+        if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.v, v, n0 + BLOCK_N, blk.Sk, blk.kv_stride);
         cp_async_commit();
-        mm_pv_f32<MR, BLOCK_N, PS, RSTRIDE>(acc, sdS, sK);
+        mm_pv_f32<MR, BLOCK_N, PS, RSTRIDE>(acc, smem.ds, sK);
     }
     cp_async_wait<0>();
     float mul[MR];
 #pragma unroll
     for (int i = 0; i < MR; ++i) mul[i] = p.scale;
-    store_rows4_f32<MR>(p.dq + q_row_offset(p, b, 0, h), acc, mul, m0, Sq, q_stride);
+    store_rows4_f32<MR>(p.dq + blk.q_base(p), acc, mul, blk.m0, blk.Sq, blk.q_stride);
 }

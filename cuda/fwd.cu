@@ -16,86 +16,65 @@
 #error "fwd: BLOCK_M must be 16 * M_TILES * NUM_WARPS"
 #endif
 
-// Shared memory, byte offsets.
-struct SmemLayout {
-    static constexpr int q = 0;                                          // [BLOCK_M][SROW]
-    static constexpr int k = q + bytes_of<elem_t>(BLOCK_M * SROW);       // [2][BLOCK_N][SROW]
-    static constexpr int v = k + bytes_of<elem_t>(2 * BLOCK_N * SROW);   // [2][BLOCK_N][SROW]
-    static constexpr int bytes = v + bytes_of<elem_t>(2 * BLOCK_N * SROW);
+// Shared memory: Q [BLOCK_M][SROW]; K and V, two buffers [2][BLOCK_N][SROW] each.
+struct Smem {
+    elem_t q[BLOCK_M * SROW], k[2 * BLOCK_N * SROW], v[2 * BLOCK_N * SROW];
 };
-FLASH_EXPORT_SMEM(SmemLayout::bytes)
+FLASH_EXPORT_SMEM(sizeof(Smem))
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_fwd(const FlashParams p) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    elem_t* sQ = smem_at<elem_t>(smem_raw, SmemLayout::q);
-    elem_t* sK = smem_at<elem_t>(smem_raw, SmemLayout::k);
-    elem_t* sV = smem_at<elem_t>(smem_raw, SmemLayout::v);
-
-    // Causal: the heaviest query blocks (last rows) start first.
-    const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z, hkv = h / GQA_GROUP;
-    const int m0 = m_block * BLOCK_M;
-    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    Smem& smem = shared_memory<Smem>();
+    const QueryBlock blk(p);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-
-    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
-    const elem_t* q = p.q + q_row_offset(p, b, 0, h);
-    const elem_t* k = p.k + kv_row_offset(p, b, 0, hkv);
-    const elem_t* v = p.v + kv_row_offset(p, b, 0, hkv);
-
-    const int n_end = key_end(m0, BLOCK_M, Sq, Sk);
-    const int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;
+    const elem_t* q = p.q + blk.q_base(p);
+    const elem_t* k = p.k + blk.kv_base(p);
+    const elem_t* v = p.v + blk.kv_base(p);
+    const int n_tiles = blk.n_tiles();
 
     // Two commit groups per tile, K then V, so that S = Q K^T starts while V is still in flight.
     // In flight at the top of iteration j: K_j, V_j (in that order).
-    load_tile_async<BLOCK_M>(sQ, q, m0, Sq, q_stride);
-    if (n_tiles > 0) load_tile_async<BLOCK_N>(sK, k, 0, Sk, kv_stride);
+    load_tile_async<BLOCK_M>(smem.q, q, blk.m0, blk.Sq, blk.q_stride);
+    if (n_tiles > 0) load_tile_async<BLOCK_N>(smem.k, k, 0, blk.Sk, blk.kv_stride);
     cp_async_commit();
-    if (n_tiles > 0) load_tile_async<BLOCK_N>(sV, v, 0, Sk, kv_stride);
+    if (n_tiles > 0) load_tile_async<BLOCK_N>(smem.v, v, 0, blk.Sk, blk.kv_stride);
     cp_async_commit();
 
     float acc[M_TILES][DPAD / 8][4];
     OnlineSoftmax sm[M_TILES];
+    zero(acc);
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) {
-#pragma unroll
-        for (int i = 0; i < DPAD / 8; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.f;
-        sm[mt].init();
-    }
-    const elem_t* sQw = sQ + warp * 16 * M_TILES * SROW;
-    const int row0 = m0 + warp * 16 * M_TILES;
+    for (int mt = 0; mt < M_TILES; ++mt) sm[mt].init();
+    const elem_t* sQw = smem.q + warp * 16 * M_TILES * SROW;
+    const int row0 = blk.m0 + warp * 16 * M_TILES;
 
     for (int j = 0; j < n_tiles; ++j) {
         const int nb = (j + 1) & 1;
         cp_async_wait<1>();
         __syncthreads();  // K_j landed; every warp is done with K_{j-1}'s buffer
-        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(sK + nb * BLOCK_N * SROW, k, (j + 1) * BLOCK_N, Sk, kv_stride);
+        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(smem.k + nb * BLOCK_N * SROW, k, (j + 1) * BLOCK_N, blk.Sk, blk.kv_stride);
         cp_async_commit();
-        const elem_t* sKj = sK + (j & 1) * BLOCK_N * SROW;
-        const elem_t* sVj = sV + (j & 1) * BLOCK_N * SROW;
+        const elem_t* sKj = smem.k + (j & 1) * BLOCK_N * SROW;
+        const elem_t* sVj = smem.v + (j & 1) * BLOCK_N * SROW;
         const int n0 = j * BLOCK_N;
 
         float s[M_TILES][BLOCK_N / 8][4];
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-            for (int i = 0; i < BLOCK_N / 8; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
+        zero(s);
         gemm_abt_mt<M_TILES, BLOCK_N / 8>(s, sQw, sKj);
-        const bool need_mask = tile_needs_mask(m0, n0, BLOCK_N, Sq, Sk);
+        const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
             for (int i = 0; i < BLOCK_N / 8; ++i)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[mt][i][e] *= p.scale_log2;
-            if (need_mask) mask_tile<BLOCK_N / 8>(s[mt], row0 + 16 * mt, n0, Sq, Sk);
+            if (need_mask) mask_tile<BLOCK_N / 8>(s[mt], row0 + 16 * mt, n0, blk.Sq, blk.Sk);
             sm[mt].update(s[mt], acc[mt]);
         }
 
         cp_async_wait<1>();
         __syncthreads();  // V_j landed; every warp is done with V_{j-1}'s buffer
-        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(sV + nb * BLOCK_N * SROW, v, (j + 1) * BLOCK_N, Sk, kv_stride);
+        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(smem.v + nb * BLOCK_N * SROW, v, (j + 1) * BLOCK_N, blk.Sk, blk.kv_stride);
         cp_async_commit();
         gemm_pb_mt<M_TILES, BLOCK_N / 16, DPAD / 8>(acc, s, sVj, 0);
     }
@@ -105,12 +84,12 @@ flash_fwd(const FlashParams p) {
         float inv[2], lse[2];
         sm[mt].finish(inv, lse);
         const int r0 = row0 + 16 * mt;
-        store_tile<DPAD / 8>(p.o + q_row_offset(p, b, 0, h), acc[mt], inv[0], inv[1], r0, Sq, 0, q_stride);
+        store_tile<DPAD / 8>(p.o + blk.q_base(p), acc[mt], inv[0], inv[1], r0, blk.Sq, 0, blk.q_stride);
         if (lane % 4 == 0) {
-            float* out_lse = p.lse + stat_offset(p, b, h);
+            float* out_lse = p.lse + blk.stat_base(p);
             const int g = lane / 4;
-            if (r0 + g < Sq) out_lse[r0 + g] = lse[0];
-            if (r0 + g + 8 < Sq) out_lse[r0 + g + 8] = lse[1];
+            if (r0 + g < blk.Sq) out_lse[r0 + g] = lse[0];
+            if (r0 + g + 8 < blk.Sq) out_lse[r0 + g + 8] = lse[1];
         }
     }
 }

@@ -11,78 +11,41 @@
 #define MC (BLOCK_N / 16)
 #define PSTRIDE (BLOCK_N + 1)
 
-// Shared memory, byte offsets.
-struct SmemLayout {
-    static constexpr int q = 0;                                      // [BLOCK_M][FSTRIDE]
-    static constexpr int k = q + bytes_of<float>(BLOCK_M * FSTRIDE); // [BLOCK_N][FSTRIDE]
-    static constexpr int v = k + bytes_of<float>(BLOCK_N * FSTRIDE); // [BLOCK_N][FSTRIDE]
-    static constexpr int p = v + bytes_of<float>(BLOCK_N * FSTRIDE); // [BLOCK_M][PSTRIDE]
-    static constexpr int bytes = p + bytes_of<float>(BLOCK_M * PSTRIDE);
+// Shared memory: Q [BLOCK_M][FSTRIDE], K and V [BLOCK_N][FSTRIDE], P [BLOCK_M][PSTRIDE].
+struct Smem {
+    float q[BLOCK_M * FSTRIDE], k[BLOCK_N * FSTRIDE], v[BLOCK_N * FSTRIDE], p[BLOCK_M * PSTRIDE];
 };
-FLASH_EXPORT_SMEM(SmemLayout::bytes)
+FLASH_EXPORT_SMEM(sizeof(Smem))
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_fwd(const FlashParams p) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* sQ = smem_at<float>(smem_raw, SmemLayout::q);
-    float* sK = smem_at<float>(smem_raw, SmemLayout::k);
-    float* sV = smem_at<float>(smem_raw, SmemLayout::v);
-    float* sP = smem_at<float>(smem_raw, SmemLayout::p);
-
-    const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z, hkv = h / GQA_GROUP;
-    const int m0 = m_block * BLOCK_M;
-    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    Smem& smem = shared_memory<Smem>();
+    const QueryBlock blk(p);
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
-    const float* k = p.k + kv_row_offset(p, b, 0, hkv);
-    const float* v = p.v + kv_row_offset(p, b, 0, hkv);
-
-    const int n_end = key_end(m0, BLOCK_M, Sq, Sk);
-    load_tile_f32<BLOCK_M>(sQ, p.q + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
+    const float* k = p.k + blk.kv_base(p);
+    const float* v = p.v + blk.kv_base(p);
+    const int n_end = blk.n_end();
+    load_tile_f32<BLOCK_M>(smem.q, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
 
     float acc[MR][DCOLS];
-    float m_i[MR], l_i[MR];
-#pragma unroll
-    for (int i = 0; i < MR; ++i) {
-        m_i[i] = NEG_INF;
-        l_i[i] = 0.f;
-#pragma unroll
-        for (int jd = 0; jd < DCOLS; ++jd) acc[i][jd] = 0.f;
-    }
+    OnlineSoftmaxRows<MR> sm;
+    sm.init(acc);
 
     for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
         __syncthreads();  // previous tile's K, V, P no longer read
-        load_tile_f32<BLOCK_N>(sK, k, n0, Sk, kv_stride);
-        load_tile_f32<BLOCK_N>(sV, v, n0, Sk, kv_stride);
+        load_tile_f32<BLOCK_N>(smem.k, k, n0, blk.Sk, blk.kv_stride);
+        load_tile_f32<BLOCK_N>(smem.v, v, n0, blk.Sk, blk.kv_stride);
         __syncthreads();
         float s[MR][MC];
-#pragma unroll
-        for (int i = 0; i < MR; ++i)
-#pragma unroll
-            for (int j = 0; j < MC; ++j) s[i][j] = 0.f;
-        mm_abt_f32<MR, MC>(s, sQ, sK);
-        const bool need_mask = tile_needs_mask(m0, n0, BLOCK_N, Sq, Sk);
-#pragma unroll
-        for (int i = 0; i < MR; ++i) {
-            const float alpha = softmax_row_step<MC>(s[i], m_i[i], l_i[i], sP + (ty + 16 * i) * PSTRIDE, m0 + ty + 16 * i,
-                                                     n0, need_mask, p.scale_log2, Sq, Sk);
-#pragma unroll
-            for (int jd = 0; jd < DCOLS; ++jd) acc[i][jd] *= alpha;
-        }
+        zero(s);
+        mm_abt_f32<MR, MC>(s, smem.q, smem.k);
+        const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
+        sm.update<PSTRIDE>(s, acc, smem.p, blk.m0, n0, need_mask, p.scale_log2, blk.Sq, blk.Sk);
         __syncthreads();
-        mm_pb_f32<MR, BLOCK_N>(acc, sP, PSTRIDE, sV);
+        mm_pb_f32<MR, BLOCK_N>(acc, smem.p, PSTRIDE, smem.v);
     }
 
     float inv[MR];
-#pragma unroll
-    for (int i = 0; i < MR; ++i) {
-        const float sum = half_sum(l_i[i]);
-        const bool empty = !(sum > 0.f);
-        inv[i] = empty ? 0.f : 1.f / sum;
-        const int row = m0 + ty + 16 * i;
-        if (tx == 0 && row < Sq)
-            p.lse[stat_offset(p, b, h) + row] = empty ? NEG_INF : (m_i[i] + log2f(sum)) * LN2;
-    }
-    store_rows_f32<MR>(p.o + q_row_offset(p, b, 0, h), acc, inv, m0, Sq, q_stride);
+    sm.finish(inv, p.lse, blk.stat_base(p), blk.m0, blk.Sq, ty, tx);
+    store_rows_f32<MR>(p.o + blk.q_base(p), acc, inv, blk.m0, blk.Sq, blk.q_stride);
 }

@@ -22,88 +22,49 @@
 #define VS HEAD_DIM
 #define PS (BLOCK_N + 16)  // rows ty and ty + 1 of one warp's scalar P stores land 16 banks apart
 
-// Shared memory, byte offsets.
-struct SmemLayout {
-    static constexpr int q = 0;                                      // [BLOCK_M][QS]
-    static constexpr int k = q + bytes_of<float>(BLOCK_M * QS);      // [BLOCK_N][RSTRIDE]
-    static constexpr int v = k + bytes_of<float>(BLOCK_N * RSTRIDE); // [BLOCK_N][VS]
-    static constexpr int p = v + bytes_of<float>(BLOCK_N * VS);      // [BLOCK_M][PS]
-    static constexpr int bytes = p + bytes_of<float>(BLOCK_M * PS);
+// Shared memory: Q [BLOCK_M][QS], K [BLOCK_N][RSTRIDE], V [BLOCK_N][VS], P [BLOCK_M][PS].
+struct Smem {
+    float q[BLOCK_M * QS], k[BLOCK_N * RSTRIDE], v[BLOCK_N * VS], p[BLOCK_M * PS];
 };
-FLASH_EXPORT_SMEM(SmemLayout::bytes)
+FLASH_EXPORT_SMEM(sizeof(Smem))
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_fwd(const FlashParams p) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* sQ = smem_at<float>(smem_raw, SmemLayout::q);
-    float* sK = smem_at<float>(smem_raw, SmemLayout::k);
-    float* sV = smem_at<float>(smem_raw, SmemLayout::v);
-    float* sP = smem_at<float>(smem_raw, SmemLayout::p);
-
-    const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z, hkv = h / GQA_GROUP;
-    const int m0 = m_block * BLOCK_M;
-    const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+    Smem& smem = shared_memory<Smem>();
+    const QueryBlock blk(p);
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const i64 q_stride = (i64)p.heads * HEAD_DIM, kv_stride = (i64)p.heads_kv * HEAD_DIM;
-    const float* k = p.k + kv_row_offset(p, b, 0, hkv);
-    const float* v = p.v + kv_row_offset(p, b, 0, hkv);
-
-    const int n_end = key_end(m0, BLOCK_M, Sq, Sk);
-    cp_rows_f32<BLOCK_M, QS>(sQ, p.q + q_row_offset(p, b, 0, h), m0, Sq, q_stride);
-    if (n_end > 0) cp_rows_f32<BLOCK_N, RSTRIDE>(sK, k, 0, Sk, kv_stride);
+    const float* k = p.k + blk.kv_base(p);
+    const float* v = p.v + blk.kv_base(p);
+    const int n_end = blk.n_end();
+    cp_rows_f32<BLOCK_M, QS>(smem.q, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
+    if (n_end > 0) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, k, 0, blk.Sk, blk.kv_stride);
     cp_async_commit();
 
     float4 acc[MR][DV4];
-    float m_i[MR], l_i[MR];
-#pragma unroll
-    for (int i = 0; i < MR; ++i) {
-        m_i[i] = NEG_INF;
-        l_i[i] = 0.f;
-#pragma unroll
-        for (int jj = 0; jj < DV4; ++jj) acc[i][jj] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+    OnlineSoftmaxRows<MR> sm;
+    sm.init(acc);
 
     for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
         cp_async_wait<0>();
         __syncthreads();  // K_j landed; every thread is done with V_{j-1} and P
-        cp_rows_f32<BLOCK_N, VS>(sV, v, n0, Sk, kv_stride);
+        cp_rows_f32<BLOCK_N, VS>(smem.v, v, n0, blk.Sk, blk.kv_stride);
         cp_async_commit();
 
         float s[MR][MC];
-#pragma unroll
-        for (int i = 0; i < MR; ++i)
-#pragma unroll
-            for (int j = 0; j < MC; ++j) s[i][j] = 0.f;
-        mm_rows_f32<MR, MC, QS>(s, sQ, sK);
+        zero(s);
+        mm_rows_f32<MR, MC, QS>(s, smem.q, smem.k);
 
-        const bool need_mask = tile_needs_mask(m0, n0, BLOCK_N, Sq, Sk);
-#pragma unroll
-        for (int i = 0; i < MR; ++i) {
-            const float alpha = softmax_row_step<MC>(s[i], m_i[i], l_i[i], sP + (ty + 16 * i) * PS, m0 + ty + 16 * i,
-                                                     n0, need_mask, p.scale_log2, Sq, Sk);
-#pragma unroll
-            for (int jj = 0; jj < DV4; ++jj) {
-                acc[i][jj].x *= alpha; acc[i][jj].y *= alpha; acc[i][jj].z *= alpha; acc[i][jj].w *= alpha;
-            }
-        }
+        const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
+        sm.update<PS>(s, acc, smem.p, blk.m0, n0, need_mask, p.scale_log2, blk.Sq, blk.Sk);
         cp_async_wait<0>();
         __syncthreads();  // V_j landed, P visible, every thread is done with K_j
-        if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(sK, k, n0 + BLOCK_N, Sk, kv_stride);
+        if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, k, n0 + BLOCK_N, blk.Sk, blk.kv_stride);
         cp_async_commit();
-        mm_pv_f32<MR, BLOCK_N, PS, VS>(acc, sP, sV);
+        mm_pv_f32<MR, BLOCK_N, PS, VS>(acc, smem.p, smem.v);
     }
     cp_async_wait<0>();
 
     float inv[MR];
-#pragma unroll
-    for (int i = 0; i < MR; ++i) {
-        const float sum = half_sum(l_i[i]);
-        const bool empty = !(sum > 0.f);
-        inv[i] = empty ? 0.f : 1.f / sum;
-        const int row = m0 + ty + 16 * i;
-        if (tx == 0 && row < Sq)
-            p.lse[stat_offset(p, b, h) + row] = empty ? NEG_INF : (m_i[i] + log2f(sum)) * LN2;
-    }
-    store_rows4_f32<MR>(p.o + q_row_offset(p, b, 0, h), acc, inv, m0, Sq, q_stride);
+    sm.finish(inv, p.lse, blk.stat_base(p), blk.m0, blk.Sq, ty, tx);
+    store_rows4_f32<MR>(p.o + blk.q_base(p), acc, inv, blk.m0, blk.Sq, blk.q_stride);
 }

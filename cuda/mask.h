@@ -12,8 +12,11 @@ __device__ __forceinline__ bool visible(int row, int col, int seqlen_q, int seql
 }
 
 // Sets invisible entries of a warp's 16 x (8*NT) accumulator tile to -inf. row0 is the tile's first
-// query row, col0 its first key; lane (g, t) holds rows g, g+8 and columns 8*nt + 2t, 2t+1.
-template <int NT>
+// row, col0 its first column; lane (g, t) holds rows g, g+8 and columns 8*nt + 2t, 2t+1. Rows are
+// queries and columns keys, or with KEY_ROWS (the dK/dV kernel's transposed S^T) the other way
+// round. There, queries past Sq need no mask (their lse is +inf, so their probabilities are zero);
+// keys past Sk only matter to the atomic dQ, whose dS K must not see exp2(0 - lse) there.
+template <int NT, bool KEY_ROWS = false>
 __device__ __forceinline__ void mask_tile(float (&s)[NT][4], int row0, int col0, int seqlen_q,
                                           int seqlen_k) {
     const int lane = threadIdx.x % 32;
@@ -24,31 +27,13 @@ __device__ __forceinline__ void mask_tile(float (&s)[NT][4], int row0, int col0,
         for (int e = 0; e < 4; ++e) {
             int row = row0 + g + (e / 2) * 8;
             int col = col0 + nt * 8 + 2 * t + (e % 2);
-            if (!visible(row, col, seqlen_q, seqlen_k)) s[nt][e] = NEG_INF;
+            const bool ok = KEY_ROWS ? visible(col, row, seqlen_q, seqlen_k) : visible(row, col, seqlen_q, seqlen_k);
+            if (!ok) s[nt][e] = NEG_INF;
         }
     }
 }
 
-// Transposed tile (rows = keys, columns = queries), used by the dK/dV kernel: a warp's 16 key rows
-// from key0. Queries past Sq need no mask (their lse is +inf, so their probabilities are zero);
-// keys past Sk only matter to the atomic dQ, whose dS K must not see exp2(0 - lse) there.
-template <int NT>
-__device__ __forceinline__ void mask_tile_t(float (&s)[NT][4], int key0, int query0, int seqlen_q,
-                                            int seqlen_k) {
-    const int lane = threadIdx.x % 32;
-    const int g = lane / 4, t = lane % 4;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            int key = key0 + g + (e / 2) * 8;
-            int query = query0 + nt * 8 + 2 * t + (e % 2);
-            if (!visible(query, key, seqlen_q, seqlen_k)) s[nt][e] = NEG_INF;
-        }
-    }
-}
-
-// Do a warp's 16 key rows from key0 need mask_tile_t against query tile m0?
+// Do a warp's 16 key rows from key0 need mask_tile<NT, true> against query tile m0?
 __device__ __forceinline__ bool key_slice_needs_mask(int key0, int m0, int seqlen_q, int seqlen_k) {
     bool need = false;
 #if ATOMIC_DQ && !EVEN_N
@@ -58,27 +43,6 @@ __device__ __forceinline__ bool key_slice_needs_mask(int key0, int m0, int seqle
     need = need || (key0 + 15 > m0 + seqlen_k - seqlen_q);
 #endif
     return need;
-}
-
-// First key tile after which no key is visible to any row of the query block [m0, m0 + BLOCK_M).
-__device__ __forceinline__ int key_end(int m0, int block_m, int seqlen_q, int seqlen_k) {
-#if IS_CAUSAL
-    int e = m0 + block_m + seqlen_k - seqlen_q;
-    return e < 0 ? 0 : (e < seqlen_k ? e : seqlen_k);
-#else
-    return seqlen_k;
-#endif
-}
-
-// First query row (a multiple of block_m) whose tile can see a key of the block starting at n0:
-// causal skips the query tiles above the diagonal. The dK/dV kernels' twin of key_end.
-__device__ __forceinline__ int first_query_tile(int n0, int block_m, int seqlen_q, int seqlen_k) {
-#if IS_CAUSAL
-    const int first_query = n0 - (seqlen_k - seqlen_q);
-    return first_query > 0 ? first_query / block_m * block_m : 0;
-#else
-    return 0;
-#endif
 }
 
 // Does key tile [n0, n0 + block_n) need masking for query block [m0, ...)? Only the diagonal tiles

@@ -8,9 +8,8 @@
 //   GQA_GROUP     H / Hkv, query heads per key/value head
 //   BLOCK_M       query rows per tile, BLOCK_N key rows per tile
 //   NUM_WARPS     warps per block
-//   EVEN_M/EVEN_N 1 when Sq (resp. Sk) is a multiple of BLOCK_M (resp. BLOCK_N). EVEN_N drops the
-//                 ragged-tile mask; EVEN_M is in the key but nothing branches on it (query rows past
-//                 Sq are zero-filled on load and never stored, which costs no branch)
+//   EVEN_N        1 when Sk is a multiple of BLOCK_N: drops the ragged-tile mask. Query rows need no
+//                 such flag: rows past Sq are zero-filled on load and never stored, at no branch
 //   MIN_BLOCKS    blocks per SM the register allocation must allow (default 1)
 //   M_TILES       (forward only) 16-row query tiles per warp, 1 or 2 (default 1)
 //   D_SPLIT       (dK/dV kernel only) warps that share one 16-row key slice, each owning HEAD_DIM/D_SPLIT
@@ -30,9 +29,6 @@
 #endif
 #ifndef GQA_GROUP
 #define GQA_GROUP 1
-#endif
-#ifndef EVEN_M
-#define EVEN_M 0
 #endif
 #ifndef EVEN_N
 #define EVEN_N 0
@@ -63,6 +59,29 @@ typedef float elem_t;
 #else
 typedef u16 elem_t;  // raw fp16 / bf16 bits
 #endif
+
+// Zeroes a register array of any rank, of float or float4.
+__device__ __forceinline__ void zero(float& x) { x = 0.f; }
+__device__ __forceinline__ void zero(float4& x) { x = make_float4(0.f, 0.f, 0.f, 0.f); }
+template <typename T, int N>
+__device__ __forceinline__ void zero(T (&a)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) zero(a[i]);
+}
+
+// Multiplies a register array of any rank, of float or float4, by f.
+__device__ __forceinline__ void rescale(float& x, float f) { x *= f; }
+__device__ __forceinline__ void rescale(float4& x, float f) {
+    x.x *= f;
+    x.y *= f;
+    x.z *= f;
+    x.w *= f;
+}
+template <typename T, int N>
+__device__ __forceinline__ void rescale(T (&a)[N], float f) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) rescale(a[i], f);
+}
 
 // All tensors are contiguous, row-major:
 //   q, o, do, dq  [B, Sq, H, D]      k, v, dk, dv  [B, Sk, Hkv, D]      lse, delta  [B, H, Sq]
@@ -107,22 +126,116 @@ __device__ __forceinline__ i64 stat_offset(const FlashParams& p, int b, int h) {
     return ((i64)b * p.heads + h) * p.seqlen_q;
 }
 
-// Shared memory. Each main kernel writes its layout once, as a `struct SmemLayout` of constexpr
-// byte offsets ending in `bytes`, carves its tiles from those offsets, and exports the total with
-// FLASH_EXPORT_SMEM(SmemLayout::bytes); the elementwise kernels export 0. The launcher reads the
-// symbol `flash_smem_bytes` (a 4-byte int in the cubin's .nv.global.init, or in the zero-filled
+// ---- the block's rows, lengths and offsets -------------------------------------------------------
+// Every tiled kernel opens with one of the two structs below, built from the params and blockIdx:
+// they are the one place where a block's query and key ranges, sequence lengths, strides and base
+// offsets are computed.
+
+// First key after which no key is visible to any row of the query block [m0, m0 + block_m).
+__device__ __forceinline__ int key_end(int m0, int block_m, int seqlen_q, int seqlen_k) {
+#if IS_CAUSAL
+    int e = m0 + block_m + seqlen_k - seqlen_q;
+    return e < 0 ? 0 : (e < seqlen_k ? e : seqlen_k);
+#else
+    return seqlen_k;
+#endif
+}
+
+// First query row (a multiple of block_m) whose tile can see a key of the block starting at n0:
+// causal skips the query tiles above the diagonal. The dK/dV kernels' twin of key_end.
+__device__ __forceinline__ int first_query_tile(int n0, int block_m, int seqlen_q, int seqlen_k) {
+#if IS_CAUSAL
+    const int first_query = n0 - (seqlen_k - seqlen_q);
+    return first_query > 0 ? first_query / block_m * block_m : 0;
+#else
+    return 0;
+#endif
+}
+
+#if defined(BLOCK_M) && defined(BLOCK_N)  // the tiled kernels
+// A block of a kernel gridded over query tiles (fwd, bwd_dq): grid (ceil(Sq / BLOCK_M), H, B).
+// It owns query rows [m0, m0 + BLOCK_M) of head h of batch b and reads keys [0, n_end()) of kv
+// head hkv. Causal grids run the heaviest blocks (the last rows) first. Offsets are computed where
+// they are asked for, as the kernels did before this struct (same code, same registers).
+struct QueryBlock {
+    int b, h, hkv;       // batch, query head, its key/value head
+    int m0;              // first query row
+    int Sq, Sk;          // query and key sequence lengths
+    i64 q_stride;        // element distance between rows of q, o, do, dq
+    i64 kv_stride;       // element distance between rows of k, v
+
+    __device__ __forceinline__ explicit QueryBlock(const FlashParams& p) {
+        const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+        h = blockIdx.y;
+        b = blockIdx.z;
+        hkv = h / GQA_GROUP;
+        m0 = m_block * BLOCK_M;
+        Sq = p.seqlen_q;
+        Sk = p.seqlen_k;
+        q_stride = (i64)p.heads * HEAD_DIM;
+        kv_stride = (i64)p.heads_kv * HEAD_DIM;
+    }
+    // Keys [0, n_end()) are visible to some row of the block: n_tiles() tiles of BLOCK_N.
+    __device__ __forceinline__ int n_end() const { return key_end(m0, BLOCK_M, Sq, Sk); }
+    __device__ __forceinline__ int n_tiles() const { return (n_end() + BLOCK_N - 1) / BLOCK_N; }
+    // Element offsets of (b, row 0, h) in q, o, do, dq; of (b, key 0, hkv) in k, v; and of
+    // (b, h, row 0) in lse, lse_log2, delta.
+    __device__ __forceinline__ i64 q_base(const FlashParams& p) const { return q_row_offset(p, b, 0, h); }
+    __device__ __forceinline__ i64 kv_base(const FlashParams& p) const { return kv_row_offset(p, b, 0, hkv); }
+    __device__ __forceinline__ i64 stat_base(const FlashParams& p) const { return stat_offset(p, b, h); }
+};
+
+// A block of a kernel gridded over key tiles (bwd_dkdv): grid (ceil(Sk / BLOCK_N), Hkv, B). It owns
+// keys [n0, n0 + BLOCK_N) of kv head hkv of batch b and visits n_iter (query head, query tile)
+// pairs: the GQA_GROUP query heads of hkv, and in each the m_tiles query tiles from m_start on.
+struct KeyBlock {
+    int b, hkv;          // batch, key/value head
+    int n0;              // first key row
+    int Sq, Sk;          // query and key sequence lengths
+    i64 q_stride;        // element distance between rows of q, do, dq_accum
+    i64 kv_stride;       // element distance between rows of k, v, dk, dv
+    int m_first;         // first query tile (index) with a row that sees a key of the block
+    int m_start;         // its first row, m_first * BLOCK_M
+    int m_tiles;         // query tiles per head from m_first on
+    int n_iter;          // m_tiles * GQA_GROUP
+
+    __device__ __forceinline__ explicit KeyBlock(const FlashParams& p) {
+        n0 = blockIdx.x * BLOCK_N;
+        hkv = blockIdx.y;
+        b = blockIdx.z;
+        Sq = p.seqlen_q;
+        Sk = p.seqlen_k;
+        q_stride = (i64)p.heads * HEAD_DIM;
+        kv_stride = (i64)p.heads_kv * HEAD_DIM;
+        m_first = first_query_tile(n0, BLOCK_M, Sq, Sk) / BLOCK_M;
+        const int all_tiles = (Sq + BLOCK_M - 1) / BLOCK_M;
+        m_tiles = all_tiles > m_first ? all_tiles - m_first : 0;
+        n_iter = m_tiles * GQA_GROUP;
+        m_start = m_first * BLOCK_M;
+    }
+    // Iteration it < n_iter: its query head, and the first row of its query tile.
+    __device__ __forceinline__ int head(int it) const { return hkv * GQA_GROUP + it / m_tiles; }
+    __device__ __forceinline__ int query_row(int it) const { return (m_first + it % m_tiles) * BLOCK_M; }
+    // Element offsets of (b, key 0, hkv) in k, v, dk, dv; of (b, row 0, h) in q, do, dq_accum; and
+    // of (b, h, row 0) in lse_log2, delta.
+    __device__ __forceinline__ i64 kv_base(const FlashParams& p) const { return kv_row_offset(p, b, 0, hkv); }
+    __device__ __forceinline__ i64 q_base(const FlashParams& p, int h) const { return q_row_offset(p, b, 0, h); }
+    __device__ __forceinline__ i64 stat_base(const FlashParams& p, int h) const { return stat_offset(p, b, h); }
+};
+#endif
+
+// ---- shared memory -----------------------------------------------------------------------------
+// Each main kernel writes its layout once, as `struct Smem` (its tiles as flat arrays, in order),
+// works on `Smem& smem = shared_memory<Smem>()`, and exports sizeof(Smem) with
+// FLASH_EXPORT_SMEM(sizeof(Smem)); the elementwise kernels export 0. The launcher reads the symbol
+// `flash_smem_bytes` from the cubin (a 4-byte object in .nv.global.init, or in the zero-filled
 // .nv.global when it is 0) and asks for that much dynamic shared memory: the kernel is the only
 // owner of its size. Every kernel source exports it exactly once.
 #define FLASH_EXPORT_SMEM(bytes) extern "C" __device__ const int flash_smem_bytes = (bytes);
 
-// Bytes of n elements of T, for the layouts' offsets.
+// The block's dynamic shared memory, laid out as the kernel's struct T.
 template <typename T>
-constexpr int bytes_of(int n) {
-    return n * (int)sizeof(T);
-}
-
-// The tile at byte offset `offset` of the dynamic shared memory.
-template <typename T>
-__device__ __forceinline__ T* smem_at(unsigned char* smem, int offset) {
-    return reinterpret_cast<T*>(smem + offset);
+__device__ __forceinline__ T& shared_memory() {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    return *reinterpret_cast<T*>(smem_raw);
 }

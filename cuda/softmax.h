@@ -60,35 +60,82 @@ struct OnlineSoftmax {
     }
 };
 
-// The fp32 kernels' layout (a half-warp shares a row; lane tx holds columns tx + 16 j): one online-
-// softmax step of one query row over a key tile starting at n0. Scales (and, with need_mask, masks)
-// the lane's scores s in place, writes their probabilities to p_row[tx + 16 j], updates the row's
-// running max m and this lane's part l of the sum, and returns exp2(m_old - m_new), the factor
-// the row's output accumulator must be rescaled by.
-template <int MC>
-__device__ __forceinline__ float softmax_row_step(float (&s)[MC], float& m, float& l, float* p_row, int row,
-                                                  int n0, bool need_mask, float scale_log2, int seqlen_q,
-                                                  int seqlen_k) {
-    const int tx = threadIdx.x % 16;
-    float mx = m;
+// The fp32 kernels' online softmax (16 x 16 threads; the half-warp ty shares query rows ty + 16 i,
+// lane tx holds their scores tx + 16 j): per row i, the running max m (scale*log2(e) domain) and
+// this lane's part l of the running sum.
+template <int MR>
+struct OnlineSoftmaxRows {
+    float l[MR];
+    float m[MR];
+
+    // Starts the rows, and zeroes their output accumulator acc (float or float4 columns).
+    template <typename T, int NC>
+    __device__ __forceinline__ void init(T (&acc)[MR][NC]) {
 #pragma unroll
-    for (int j = 0; j < MC; ++j) {
-        float x = s[j] * scale_log2;
-        if (need_mask && !visible(row, n0 + tx + 16 * j, seqlen_q, seqlen_k)) x = NEG_INF;
-        s[j] = x;
-        mx = fmaxf(mx, x);
+        for (int i = 0; i < MR; ++i) {
+            m[i] = NEG_INF;
+            l[i] = 0.f;
+            zero(acc[i]);
+        }
     }
-    mx = half_max(mx);
-    const float base = (mx == NEG_INF) ? 0.f : mx;  // a row with no visible key yet: P = 0, no NaN
-    const float alpha = fast_exp2(m - base);
-    m = mx;
-    float sum = 0.f;
+
+    // One key tile from n0 for query rows row0 + ty + 16 i: scales (and, with need_mask, masks) the
+    // scores s in place, writes their probabilities to p[(ty + 16 i) * PSTRIDE + tx + 16 j], and
+    // rescales each row of acc by exp2(m_old - m_new).
+    template <int PSTRIDE, int MC, typename T, int NC>
+    __device__ __forceinline__ void update(float (&s)[MR][MC], T (&acc)[MR][NC], float* p, int row0, int n0,
+                                           bool need_mask, float scale_log2, int seqlen_q, int seqlen_k) {
+        const int ty = threadIdx.x / 16;
 #pragma unroll
-    for (int j = 0; j < MC; ++j) {
-        const float e = fast_exp2(s[j] - base);
-        sum += e;
-        p_row[tx + 16 * j] = e;
+        for (int i = 0; i < MR; ++i) {
+            const float alpha = row_step(s[i], m[i], l[i], p + (ty + 16 * i) * PSTRIDE, row0 + ty + 16 * i, n0,
+                                         need_mask, scale_log2, seqlen_q, seqlen_k);
+            rescale(acc[i], alpha);
+        }
     }
-    l = l * alpha + sum;
-    return alpha;
-}
+
+    // One row of update: scales and masks the lane's scores s, writes their probabilities to
+    // p_row[tx + 16 j], updates the row's m and l, and returns exp2(m_old - m_new).
+    template <int MC>
+    __device__ __forceinline__ static float row_step(float (&s)[MC], float& m, float& l, float* p_row, int row,
+                                                     int n0, bool need_mask, float scale_log2, int seqlen_q,
+                                                     int seqlen_k) {
+        const int tx = threadIdx.x % 16;
+        float mx = m;
+#pragma unroll
+        for (int j = 0; j < MC; ++j) {
+            float x = s[j] * scale_log2;
+            if (need_mask && !visible(row, n0 + tx + 16 * j, seqlen_q, seqlen_k)) x = NEG_INF;
+            s[j] = x;
+            mx = fmaxf(mx, x);
+        }
+        mx = half_max(mx);
+        const float base = (mx == NEG_INF) ? 0.f : mx;  // a row with no visible key yet: P = 0, no NaN
+        const float alpha = fast_exp2(m - base);
+        m = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < MC; ++j) {
+            const float e = fast_exp2(s[j] - base);
+            sum += e;
+            p_row[tx + 16 * j] = e;
+        }
+        l = l * alpha + sum;
+        return alpha;
+    }
+
+    // Finishes rows row0 + ty + 16 i of the half-warp ty: inv[i] = 1/l (0 for a row with no visible
+    // key) and, from lane tx = 0, lse[offset + row] in natural log (-inf for such a row) for rows
+    // < seqlen_q.
+    __device__ __forceinline__ void finish(float (&inv)[MR], float* lse, i64 offset, int row0, int seqlen_q,
+                                           int ty, int tx) {
+#pragma unroll
+        for (int i = 0; i < MR; ++i) {
+            const float sum = half_sum(l[i]);
+            const bool empty = !(sum > 0.f);
+            inv[i] = empty ? 0.f : 1.f / sum;
+            const int row = row0 + ty + 16 * i;
+            if (tx == 0 && row < seqlen_q) lse[offset + row] = empty ? NEG_INF : (m[i] + log2f(sum)) * LN2;
+        }
+    }
+};

@@ -26,56 +26,23 @@ __device__ __forceinline__ void load_tile_async(elem_t* dst, const elem_t* src, 
 }
 
 #if FLASH_DTYPE != 2
-// acc[16 x 8*NT] += A[16 x DPAD] * B[8*NT x DPAD]^T, with A rows at a_tile (row stride SROW, the
-// warp's 16 rows) and B rows at b_tile. This is S = Q K^T, dP = dO V^T, S^T = K Q^T, dP^T = V dO^T.
-template <int NT>
-__device__ __forceinline__ void gemm_abt(float (&acc)[NT][4], const elem_t* a_tile,
-                                         const elem_t* b_tile) {
-    const int lane = threadIdx.x % 32;
-    const u32 a_base = smem_addr(a_tile + (lane % 16) * SROW + (lane / 16) * 8);
-    const u32 b_base = smem_addr(b_tile + ((lane % 8) + (lane / 16) * 8) * SROW + ((lane / 8) % 2) * 8);
+// A warp owns MT consecutive 16-row tiles (rows 16*mt..) of each product; every B fragment read
+// from shared memory feeds MT mma's (half the ldmatrix traffic at MT = 2). The single-tile forms
+// below are MT = 1.
+
+// acc[mt][2 nn] and acc[mt][2 nn + 1] += a[mt] * (the two 16 x 8 halves of fragment b), every mt.
+template <int MT, int NT>
+__device__ __forceinline__ void mma_b16(float (&acc)[MT][NT][4], const u32 (&a)[MT][4], const u32 (&b)[4],
+                                        int nn) {
 #pragma unroll
-    for (int kk = 0; kk < DPAD / 16; ++kk) {
-        u32 a[4];
-        ldmatrix_x4(a, a_base + kk * 32);
-#pragma unroll
-        for (int nn = 0; nn < NT / 2; ++nn) {
-            u32 b[4];
-            ldmatrix_x4(b, b_base + (nn * 16 * SROW) * 2 + kk * 32);
-            mma16816(acc[2 * nn], a, b[0], b[1]);
-            mma16816(acc[2 * nn + 1], a, b[2], b[3]);
-        }
+    for (int mt = 0; mt < MT; ++mt) {
+        mma16816(acc[mt][2 * nn], a[mt], b[0], b[1]);
+        mma16816(acc[mt][2 * nn + 1], a[mt], b[2], b[3]);
     }
 }
 
-// acc[16 x 8*NO] += P[16 x 16*KT] * B[16*KT x (cols col0 .. col0 + 8*NO)], where P is a register
-// tile in accumulator layout (converted to 16-bit here) and B rows live at b_tile. This is O += P V,
-// dQ += dS K, dV += P^T dO, dK += dS^T Q.
-template <int KT, int NO>
-__device__ __forceinline__ void gemm_pb(float (&acc)[NO][4], const float (&p)[2 * KT][4],
-                                        const elem_t* b_tile, int col0) {
-    const int lane = threadIdx.x % 32;
-    const u32 b_base =
-        smem_addr(b_tile + ((lane % 8) + ((lane / 8) % 2) * 8) * SROW + col0 + (lane / 16) * 8);
-#pragma unroll
-    for (int kk = 0; kk < KT; ++kk) {
-        u32 a[4];
-        a[0] = pack2(p[2 * kk][0], p[2 * kk][1]);
-        a[1] = pack2(p[2 * kk][2], p[2 * kk][3]);
-        a[2] = pack2(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-        a[3] = pack2(p[2 * kk + 1][2], p[2 * kk + 1][3]);
-#pragma unroll
-        for (int dd = 0; dd < NO / 2; ++dd) {
-            u32 b[4];
-            ldmatrix_x4_trans(b, b_base + (kk * 16 * SROW + dd * 16) * 2);
-            mma16816(acc[2 * dd], a, b[0], b[1]);
-            mma16816(acc[2 * dd + 1], a, b[2], b[3]);
-        }
-    }
-}
-
-// Multi-tile versions: a warp owns MT consecutive 16-row tiles (rows 16*mt..), so each B fragment
-// read from shared memory feeds MT mma's instead of one (half the ldmatrix traffic at MT = 2).
+// acc[16*MT x 8*NT] += A[16*MT x DPAD] * B[8*NT x DPAD]^T, with A rows at a_tile (row stride SROW,
+// the warp's rows) and B rows at b_tile. This is S = Q K^T, dP = dO V^T, S^T = K Q^T, dP^T = V dO^T.
 template <int MT, int NT>
 __device__ __forceinline__ void gemm_abt_mt(float (&acc)[MT][NT][4], const elem_t* a_tile,
                                             const elem_t* b_tile) {
@@ -91,15 +58,14 @@ __device__ __forceinline__ void gemm_abt_mt(float (&acc)[MT][NT][4], const elem_
         for (int nn = 0; nn < NT / 2; ++nn) {
             u32 b[4];
             ldmatrix_x4(b, b_base + (nn * 16 * SROW) * 2 + kk * 32);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                mma16816(acc[mt][2 * nn], a[mt], b[0], b[1]);
-                mma16816(acc[mt][2 * nn + 1], a[mt], b[2], b[3]);
-            }
+            mma_b16(acc, a, b, nn);
         }
     }
 }
 
+// acc[16*MT x 8*NO] += P[16*MT x 16*KT] * B[16*KT x (cols col0 .. col0 + 8*NO)], where P is a register
+// tile in accumulator layout (converted to 16-bit here) and B rows live at b_tile. This is O += P V,
+// dQ += dS K, dV += P^T dO, dK += dS^T Q.
 template <int MT, int KT, int NO>
 __device__ __forceinline__ void gemm_pb_mt(float (&acc)[MT][NO][4], const float (&p)[MT][2 * KT][4],
                                            const elem_t* b_tile, int col0) {
@@ -120,13 +86,21 @@ __device__ __forceinline__ void gemm_pb_mt(float (&acc)[MT][NO][4], const float 
         for (int dd = 0; dd < NO / 2; ++dd) {
             u32 b[4];
             ldmatrix_x4_trans(b, b_base + (kk * 16 * SROW + dd * 16) * 2);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                mma16816(acc[mt][2 * dd], a[mt], b[0], b[1]);
-                mma16816(acc[mt][2 * dd + 1], a[mt], b[2], b[3]);
-            }
+            mma_b16(acc, a, b, dd);
         }
     }
+}
+
+// The single-tile forms (MT = 1) on a warp's 16 rows.
+template <int NT>
+__device__ __forceinline__ void gemm_abt(float (&acc)[NT][4], const elem_t* a_tile, const elem_t* b_tile) {
+    gemm_abt_mt<1, NT>(reinterpret_cast<float (&)[1][NT][4]>(acc), a_tile, b_tile);
+}
+template <int KT, int NO>
+__device__ __forceinline__ void gemm_pb(float (&acc)[NO][4], const float (&p)[2 * KT][4], const elem_t* b_tile,
+                                        int col0) {
+    gemm_pb_mt<1, KT, NO>(reinterpret_cast<float (&)[1][NO][4]>(acc),
+                          reinterpret_cast<const float (&)[1][2 * KT][4]>(p), b_tile, col0);
 }
 
 // acc[MT][NT] += A[16*MT x K] * B[K x 8*NT] for K = 16*KT, with A stored TRANSPOSED in shared
@@ -149,11 +123,7 @@ __device__ __forceinline__ void gemm_atb(float (&acc)[MT][NT][4], const elem_t* 
         for (int nn = 0; nn < NT / 2; ++nn) {
             u32 b[4];
             ldmatrix_x4_trans(b, b_base + (kk * 16 * SROW + nn * 16) * 2);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                mma16816(acc[mt][2 * nn], a[mt], b[0], b[1]);
-                mma16816(acc[mt][2 * nn + 1], a[mt], b[2], b[3]);
-            }
+            mma_b16(acc, a, b, nn);
         }
     }
 }
