@@ -40,12 +40,7 @@ flash_bwd_dq(const FlashParams p) {
     const int row0 = blk.m0 + warp * 16;
     float lse2[2], dlt[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + g + 8 * r;
-        const i64 idx = blk.stat_base(p) + row;
-        lse2[r] = row < blk.Sq ? p.lse_log2[idx] : POS_INF;
-        dlt[r] = row < blk.Sq ? p.delta[idx] : 0.f;
-    }
+    for (int r = 0; r < 2; ++r) blk.row_stats(p, row0 + g + 8 * r, lse2[r], dlt[r]);
 
     float dq[DPAD / 8][4];
     zero(dq);

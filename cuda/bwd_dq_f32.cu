@@ -5,6 +5,7 @@
 //   memory), dQ += dS K;   finally dQ *= scale.
 #include "tile_f32.h"
 #include "mask.h"
+#include "softmax.h"
 
 #define MR (BLOCK_M / 16)
 #define MC (BLOCK_N / 16)
@@ -31,12 +32,8 @@ flash_bwd_dq(const FlashParams p) {
     float lse2[MR], dlt[MR], acc[MR][DCOLS];
 #pragma unroll
     for (int i = 0; i < MR; ++i) {
-        const int row = blk.m0 + ty + 16 * i;
-        const i64 idx = blk.stat_base(p) + row;
-        lse2[i] = row < blk.Sq ? p.lse_log2[idx] : POS_INF;
-        dlt[i] = row < blk.Sq ? p.delta[idx] : 0.f;
-#pragma unroll
-        for (int jd = 0; jd < DCOLS; ++jd) acc[i][jd] = 0.f;
+        blk.row_stats(p, blk.m0 + ty + 16 * i, lse2[i], dlt[i]);
+        zero(acc[i]);
     }
 
     for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
@@ -45,24 +42,12 @@ flash_bwd_dq(const FlashParams p) {
         load_tile_f32<BLOCK_N>(smem.v, v, n0, blk.Sk, blk.kv_stride);
         __syncthreads();
         float s[MR][MC], dp[MR][MC];
-#pragma unroll
-        for (int i = 0; i < MR; ++i)
-#pragma unroll
-            for (int j = 0; j < MC; ++j) s[i][j] = dp[i][j] = 0.f;
+        zero(s);
+        zero(dp);
         mm_abt_f32<MR, MC>(s, smem.q, smem.k);
         mm_abt_f32<MR, MC>(dp, smem.dout, smem.v);
         const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
-#pragma unroll
-        for (int i = 0; i < MR; ++i) {
-            const int row = blk.m0 + ty + 16 * i;
-#pragma unroll
-            for (int j = 0; j < MC; ++j) {
-                float x = s[i][j] * p.scale_log2;
-                if (need_mask && !visible(row, n0 + tx + 16 * j, blk.Sq, blk.Sk)) x = NEG_INF;
-                const float pr = fast_exp2(x - lse2[i]);
-                smem.ds[(ty + 16 * i) * PSTRIDE + tx + 16 * j] = pr * (dp[i][j] - dlt[i]);
-            }
-        }
+        store_ds_rows<PSTRIDE>(smem.ds, s, dp, lse2, dlt, blk.m0, n0, need_mask, p.scale_log2, blk.Sq, blk.Sk, ty, tx);
         __syncthreads();
         mm_pb_f32<MR, BLOCK_N>(acc, smem.ds, PSTRIDE, smem.k);
     }

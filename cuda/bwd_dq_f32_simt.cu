@@ -13,6 +13,7 @@
 #endif
 #include "simt_f32.h"
 #include "mask.h"
+#include "softmax.h"
 
 #define MR (BLOCK_M / 16)
 #define MC (BLOCK_N / 16)
@@ -46,12 +47,8 @@ flash_bwd_dq(const FlashParams p) {
     float4 acc[MR][DV4];
 #pragma unroll
     for (int i = 0; i < MR; ++i) {
-        const int row = blk.m0 + ty + 16 * i;
-        const i64 idx = blk.stat_base(p) + row;
-        lse2[i] = row < blk.Sq ? p.lse_log2[idx] : POS_INF;
-        dlt[i] = row < blk.Sq ? p.delta[idx] : 0.f;
-#pragma unroll
-        for (int jj = 0; jj < DV4; ++jj) acc[i][jj] = make_float4(0.f, 0.f, 0.f, 0.f);
+        blk.row_stats(p, blk.m0 + ty + 16 * i, lse2[i], dlt[i]);
+        zero(acc[i]);
     }
 
     int buf = 0;
@@ -63,24 +60,12 @@ flash_bwd_dq(const FlashParams p) {
         cp_async_commit();
 
         float s[MR][MC], dp[MR][MC];
-#pragma unroll
-        for (int i = 0; i < MR; ++i)
-#pragma unroll
-            for (int j = 0; j < MC; ++j) s[i][j] = dp[i][j] = 0.f;
+        zero(s);
+        zero(dp);
         mm_rows_f32<MR, MC, RSTRIDE>(s, smem.q, sK);
         mm_rows_f32<MR, MC, RSTRIDE>(dp, smem.dout, smem.v);
         const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
-#pragma unroll
-        for (int i = 0; i < MR; ++i) {
-            const int row = blk.m0 + ty + 16 * i;
-#pragma unroll
-            for (int j = 0; j < MC; ++j) {
-                float x = s[i][j] * p.scale_log2;
-                if (need_mask && !visible(row, n0 + tx + 16 * j, blk.Sq, blk.Sk)) x = NEG_INF;
-                const float pr = fast_exp2(x - lse2[i]);
-                smem.ds[(ty + 16 * i) * PS + tx + 16 * j] = pr * (dp[i][j] - dlt[i]);
-            }
-        }
+        store_ds_rows<PS>(smem.ds, s, dp, lse2, dlt, blk.m0, n0, need_mask, p.scale_log2, blk.Sq, blk.Sk, ty, tx);
         __syncthreads();  // (B) dS visible; every thread is done with V_j
         if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.v, v, n0 + BLOCK_N, blk.Sk, blk.kv_stride);
         cp_async_commit();

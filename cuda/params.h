@@ -183,6 +183,12 @@ struct QueryBlock {
     __device__ __forceinline__ i64 q_base(const FlashParams& p) const { return q_row_offset(p, b, 0, h); }
     __device__ __forceinline__ i64 kv_base(const FlashParams& p) const { return kv_row_offset(p, b, 0, hkv); }
     __device__ __forceinline__ i64 stat_base(const FlashParams& p) const { return stat_offset(p, b, h); }
+    // lse_log2 and delta of query row `row` (backward): +inf and 0 past Sq, so that P = 0 there.
+    __device__ __forceinline__ void row_stats(const FlashParams& p, int row, float& lse2, float& dlt) const {
+        const i64 idx = stat_base(p) + row;
+        lse2 = row < Sq ? p.lse_log2[idx] : POS_INF;
+        dlt = row < Sq ? p.delta[idx] : 0.f;
+    }
 };
 
 // A block of a kernel gridded over key tiles (bwd_dkdv): grid (ceil(Sk / BLOCK_N), Hkv, B). It owns

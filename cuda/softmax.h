@@ -60,6 +60,27 @@ struct OnlineSoftmax {
     }
 };
 
+// The fp32 kernels' dS = P * (dP - delta) with P = exp2(S * scale_log2 - lse_log2), for the thread's
+// scores s and dp of query rows row0 + ty + 16 i (lse2[i], dlt[i]) and keys n0 + tx + 16 j (masked
+// with need_mask), to ds[(ty + 16 i) * DS_STRIDE + tx + 16 j].
+template <int DS_STRIDE, int MR, int MC>
+__device__ __forceinline__ void store_ds_rows(float* ds, const float (&s)[MR][MC], const float (&dp)[MR][MC],
+                                              const float (&lse2)[MR], const float (&dlt)[MR], int row0, int n0,
+                                              bool need_mask, float scale_log2, int seqlen_q, int seqlen_k, int ty,
+                                              int tx) {
+#pragma unroll
+    for (int i = 0; i < MR; ++i) {
+        const int row = row0 + ty + 16 * i;
+#pragma unroll
+        for (int j = 0; j < MC; ++j) {
+            float x = s[i][j] * scale_log2;
+            if (need_mask && !visible(row, n0 + tx + 16 * j, seqlen_q, seqlen_k)) x = NEG_INF;
+            const float pr = fast_exp2(x - lse2[i]);
+            ds[(ty + 16 * i) * DS_STRIDE + tx + 16 * j] = pr * (dp[i][j] - dlt[i]);
+        }
+    }
+}
+
 // The fp32 kernels' online softmax (16 x 16 threads; the half-warp ty shares query rows ty + 16 i,
 // lane tx holds their scores tx + 16 j): per row i, the running max m (scale*log2(e) domain) and
 // this lane's part l of the running sum.
