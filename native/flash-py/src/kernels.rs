@@ -104,9 +104,13 @@ fn cuda_set_tile_override(
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(cuda_kernel_variants, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_compile_report, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_nvrtc, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_set_tile_override, m)?)?;
+    for f in [
+        wrap_pyfunction!(cuda_kernel_variants, m)?,
+        wrap_pyfunction!(cuda_compile_report, m)?,
+        wrap_pyfunction!(cuda_nvrtc, m)?,
+        wrap_pyfunction!(cuda_set_tile_override, m)?,
+    ] {
+        m.add_function(f)?;
+    }
     Ok(())
 }

@@ -21,16 +21,21 @@ pub fn transposed_ld(s: usize) -> usize {
     round_up(s, COL_PAD) + COL_PAD
 }
 
+/// A zeroed working buffer of `heads` matrices of `head_len` elements each, every matrix filled by
+/// `fill(batch index, head index, matrix)` in parallel.
+fn per_head(heads: usize, h: usize, head_len: usize, what: &str, fill: impl Fn(usize, usize, &mut [f32]) + Sync) -> Result<Buffer> {
+    let mut out = zeroed(heads * head_len, what)?;
+    if head_len > 0 {
+        out.par_chunks_mut(head_len).enumerate().for_each(|(bh, head)| fill(bh / h, bh % h, head));
+    }
+    Ok(out)
+}
+
 /// [B, S, H, D] elements of `dtype` -> rows layout [B·H, S, Dp], each element times `scale`.
 pub fn pack_rows(src: &[u8], dtype: DType, shape: [usize; 4], scale: f32, what: &str) -> Result<Buffer> {
     let [b, s, h, d] = shape;
     let dp = padded_dim(d);
-    let mut out = zeroed(b * h * s * dp, what)?;
-    if s == 0 {
-        return Ok(out);
-    }
-    out.par_chunks_mut(s * dp).enumerate().for_each(|(bh, head)| {
-        let (bi, hi) = (bh / h, bh % h);
+    per_head(b * h, h, s * dp, what, |bi, hi, head| {
         for (si, row) in head.chunks_exact_mut(dp).enumerate() {
             let row = &mut row[..d];
             dtype.load(src, ((bi * s + si) * h + hi) * d, row);
@@ -38,20 +43,14 @@ pub fn pack_rows(src: &[u8], dtype: DType, shape: [usize; 4], scale: f32, what: 
                 row.iter_mut().for_each(|x| *x *= scale);
             }
         }
-    });
-    Ok(out)
+    })
 }
 
 /// [B, S, H, D] elements of `dtype` -> transposed layout [B·H, D, Sp].
 pub fn pack_transposed(src: &[u8], dtype: DType, shape: [usize; 4], what: &str) -> Result<Buffer> {
     let [b, s, h, d] = shape;
     let sp = transposed_ld(s);
-    let mut out = zeroed(b * h * d * sp, what)?;
-    if d == 0 {
-        return Ok(out);
-    }
-    out.par_chunks_mut(d * sp).enumerate().for_each(|(bh, head)| {
-        let (bi, hi) = (bh / h, bh % h);
+    per_head(b * h, h, d * sp, what, |bi, hi, head| {
         let mut row = vec![0.0f32; d];
         for si in 0..s {
             dtype.load(src, ((bi * s + si) * h + hi) * d, &mut row);
@@ -59,8 +58,7 @@ pub fn pack_transposed(src: &[u8], dtype: DType, shape: [usize; 4], what: &str) 
                 head[di * sp + si] = x;
             }
         }
-    });
-    Ok(out)
+    })
 }
 
 /// Rows layout [B·H, S, Dp] times `scale` -> [B, S, H, D] elements of `dtype` in `dst`.
