@@ -3,6 +3,7 @@
 
 use crate::error::{FlashError, Result};
 use crate::io::{BackwardIo, ForwardIo};
+use crate::mask::MaskBuffers;
 use crate::problem::Problem;
 
 /// Runs `f`; a panic becomes `FlashError::Internal` naming the backend.
@@ -21,7 +22,8 @@ pub(crate) fn catch_panics<T>(backend: &str, f: impl FnOnce() -> Result<T>) -> R
 /// buffers; the kernels trust these sizes).
 pub(crate) fn check_forward_buffers(p: &Problem, io: &ForwardIo) -> Result<()> {
     let (qb, kvb, lb) = byte_sizes(p);
-    check(&[("q", io.q.len(), qb), ("k", io.k.len(), kvb), ("v", io.v.len(), kvb), ("o", io.o.len(), qb), ("lse", io.lse.len(), lb)])
+    check(&[("q", io.q.len(), qb), ("k", io.k.len(), kvb), ("v", io.v.len(), kvb), ("o", io.o.len(), qb), ("lse", io.lse.len(), lb)])?;
+    check_mask_buffers(p, &io.mask)
 }
 
 /// As [`check_forward_buffers`], for the backward's nine buffers.
@@ -37,12 +39,32 @@ pub(crate) fn check_backward_buffers(p: &Problem, io: &BackwardIo) -> Result<()>
         ("dq", io.dq.len(), qb),
         ("dk", io.dk.len(), kvb),
         ("dv", io.dv.len(), kvb),
-    ])
+    ])?;
+    check_mask_buffers(p, &io.mask)
+}
+
+/// Segment ids and the block mask are present exactly when the problem has them, at its sizes.
+pub(crate) fn check_mask_buffers(p: &Problem, m: &MaskBuffers) -> Result<()> {
+    let d = &p.dims;
+    let segs = p.mask.segments.then_some((d.batch * d.seq_q * 4, d.batch * d.seq_k * 4));
+    let blocks = p.mask.block_mask.map(|s| s.len());
+    let sizes = [("seg_q", m.seg_q, segs.map(|s| s.0)), ("seg_k", m.seg_k, segs.map(|s| s.1)), ("block_mask", m.block_mask, blocks)];
+    for (name, buf, want) in sizes {
+        match (buf, want) {
+            (Some(b), Some(w)) if b.len() == w => {}
+            (None, None) => {}
+            (b, w) => {
+                let got = b.map(<[u8]>::len);
+                return Err(FlashError::Internal(format!("{name} buffer: {got:?} bytes for a problem that needs {w:?}")));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn byte_sizes(p: &Problem) -> (usize, usize, usize) {
     let e = p.dtype.size_bytes();
-    (p.dims.q_len() * e, p.dims.kv_len() * e, p.dims.lse_len() * 4)
+    (p.q_len() * e, p.kv_len() * e, p.lse_len() * 4)
 }
 
 fn check(bufs: &[(&str, usize, usize)]) -> Result<()> {

@@ -1,6 +1,10 @@
 //! The host buffers of one call, named: native-endian, row-major, contiguous bytes whose sizes
 //! the call's [`Problem`](crate::Problem) implies (checked by every backend before it reads them).
 //! The CUDA backend's device-pointer twins are `cuda::ForwardPtrs` / `cuda::BackwardPtrs`.
+//! Shapes below are a padded call's; a varlen call's are [`Problem::q_shape`](crate::Problem::q_shape)
+//! and friends.
+
+use crate::mask::MaskBuffers;
 
 /// Forward: reads q, k, v in `p.dtype`; writes o (`p.dtype`) and lse (f32, natural log).
 #[derive(Debug)]
@@ -10,6 +14,8 @@ pub struct ForwardIo<'a> {
     pub v: &'a [u8],       // [B, Sk, Hkv, D]
     pub o: &'a mut [u8],   // [B, Sq, H, D]
     pub lse: &'a mut [u8], // [B, H, Sq]
+    /// Segment ids and block mask, when the problem has them.
+    pub mask: MaskBuffers<'a>,
 }
 
 /// Backward: reads the forward's inputs, its o and lse, and d_out (the gradient of o); writes
@@ -25,18 +31,30 @@ pub struct BackwardIo<'a> {
     pub dq: &'a mut [u8], // [B, Sq, H, D]
     pub dk: &'a mut [u8], // [B, Sk, Hkv, D]
     pub dv: &'a mut [u8], // [B, Sk, Hkv, D]
+    /// The forward's segment ids and block mask, when the problem has them.
+    pub mask: MaskBuffers<'a>,
 }
 
 impl<'a> ForwardIo<'a> {
     /// From the buffers in argument order: inputs [q, k, v], outputs [o, lse].
     pub fn new([q, k, v]: [&'a [u8]; 3], [o, lse]: [&'a mut [u8]; 2]) -> Self {
-        ForwardIo { q, k, v, o, lse }
+        ForwardIo { q, k, v, o, lse, mask: MaskBuffers::default() }
+    }
+
+    /// The same buffers with the call's mask data.
+    pub fn with_mask(self, mask: MaskBuffers<'a>) -> Self {
+        ForwardIo { mask, ..self }
     }
 }
 
 impl<'a> BackwardIo<'a> {
     /// From the buffers in argument order: inputs [d_out, q, k, v, o, lse], outputs [dq, dk, dv].
     pub fn new([d_out, q, k, v, o, lse]: [&'a [u8]; 6], [dq, dk, dv]: [&'a mut [u8]; 3]) -> Self {
-        BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv }
+        BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask: MaskBuffers::default() }
+    }
+
+    /// The same buffers with the forward's mask data.
+    pub fn with_mask(self, mask: MaskBuffers<'a>) -> Self {
+        BackwardIo { mask, ..self }
     }
 }

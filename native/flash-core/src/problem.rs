@@ -2,6 +2,7 @@
 
 use crate::dtype::DType;
 use crate::error::{FlashError, Result};
+use crate::mask::{self, IndexArg, Mask, MaskArgs, Window};
 
 /// Largest supported head dimension.
 pub const MAX_HEAD_DIM: usize = 256;
@@ -31,11 +32,13 @@ pub struct Options {
     /// Backward only: bit-identical gradients run to run. The CPU backward always is; on the GPU
     /// `false` (the default) lets dQ be summed with f32 atomics, which is faster.
     pub deterministic: bool,
+    /// Sliding window around the diagonal (see [`Window`]); the default sees every key.
+    pub window: Window,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { causal: true, scale: None, deterministic: false }
+        Options { causal: true, scale: None, deterministic: false, window: Window::default() }
     }
 }
 
@@ -81,7 +84,9 @@ impl Dims {
 }
 
 /// A validated call: every buffer the caller passed has the size these dims imply.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// For a varlen call `dims.batch` is the number of sequences and `dims.seq_q` / `dims.seq_k` the
+/// longest ones (the kernels' grid); the tensors' shapes are [`Problem::q_shape`] and friends.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Problem {
     pub dims: Dims,
     pub dtype: DType,
@@ -90,17 +95,46 @@ pub struct Problem {
     pub scale: f32,
     /// See [`Options::deterministic`].
     pub deterministic: bool,
+    /// Which keys each row sees (always set; [`Mask::is_plain`] when only `causal` masks).
+    pub mask: Mask,
 }
 
 impl Problem {
-    /// Validates the inputs of a forward call.
+    /// Validates the inputs of a forward call without mask tensors.
     pub fn forward(q: &TensorSpec, k: &TensorSpec, v: &TensorSpec, opts: &Options) -> Result<Problem> {
-        let (dims, dtype) = check_qkv(q, k, v)?;
-        Problem::finish(dims, dtype, opts)
+        Problem::forward_masked(q, k, v, opts, &MaskArgs::default())
     }
 
-    /// Validates the inputs of a backward call: the forward's inputs plus dO (like q), o (like q)
-    /// and lse ([B, H, Sq], float32).
+    /// Validates the inputs of a forward call and its mask tensors.
+    pub fn forward_masked(q: &TensorSpec, k: &TensorSpec, v: &TensorSpec, opts: &Options, masks: &MaskArgs) -> Result<Problem> {
+        let (dims, dtype) = check_qkv(q, k, v)?;
+        Problem::finish(dims, dtype, opts, masks)
+    }
+
+    /// Validates a packed variable-length forward: q `[total_q, H, D]`, k/v `[total_k, Hkv, D]`,
+    /// cu_seqlens `[B + 1]` int32.
+    pub fn varlen_forward(
+        q: &TensorSpec, k: &TensorSpec, v: &TensorSpec, cu_q: &IndexArg, cu_k: &IndexArg, opts: &Options,
+    ) -> Result<Problem> {
+        let (q4, k4, v4) = (varlen_shape(q)?, varlen_shape(k)?, varlen_shape(v)?);
+        let (dims, dtype) = check_qkv(&with_shape(q, &q4), &with_shape(k, &k4), &with_shape(v, &v4))?;
+        Problem::finish_varlen(dims, dtype, opts, cu_q, cu_k)
+    }
+
+    /// Validates a packed variable-length backward: the forward's inputs plus dO and o (like q)
+    /// and lse (`[H, total_q]`, float32).
+    #[allow(clippy::too_many_arguments)] // the call's six tensors, two offsets and its options
+    pub fn varlen_backward(
+        d_out: &TensorSpec, q: &TensorSpec, k: &TensorSpec, v: &TensorSpec, o: &TensorSpec, lse: &TensorSpec,
+        cu: [&IndexArg; 2], opts: &Options,
+    ) -> Result<Problem> {
+        let p = Problem::varlen_forward(q, k, v, cu[0], cu[1], opts)?;
+        check_like_q(&[d_out, o], q, &p.q_shape(), p.dtype)?;
+        check_lse(lse, &p.lse_shape())?;
+        Ok(p)
+    }
+
+    /// Validates the inputs of a backward call without mask tensors.
     pub fn backward(
         d_out: &TensorSpec,
         q: &TensorSpec,
@@ -110,34 +144,33 @@ impl Problem {
         lse: &TensorSpec,
         opts: &Options,
     ) -> Result<Problem> {
-        let (dims, dtype) = check_qkv(q, k, v)?;
-        let (qn, q_shape) = (q.name, dims.q_shape());
-        for t in [d_out, o] {
-            let (name, t_dtype) = (t.name, parse_dtype(t)?);
-            if t.shape != q_shape {
-                let shape = t.shape;
-                return Err(FlashError::Shape(format!("{name} has shape {shape:?}; it must match {qn}'s shape {q_shape:?}")));
-            }
-            if t_dtype != dtype {
-                let (got, want) = (t_dtype.name(), dtype.name());
-                return Err(FlashError::DType(format!("{name} has dtype {got}; it must match {qn}'s dtype {want}")));
-            }
-            check_nbytes(t, t_dtype)?;
-        }
-        check_lse_dtype(lse)?;
-        if lse.shape != dims.lse_shape() {
-            return Err(FlashError::Shape(format!(
-                "{} has shape {:?}; expected [batch, heads, seq_q] = {:?}",
-                lse.name,
-                lse.shape,
-                dims.lse_shape()
-            )));
-        }
-        check_nbytes(lse, DType::F32)?;
-        Problem::finish(dims, dtype, opts)
+        Problem::backward_masked([d_out, q, k, v, o, lse], opts, &MaskArgs::default())
     }
 
-    fn finish(dims: Dims, dtype: DType, opts: &Options) -> Result<Problem> {
+    /// Validates the inputs of a backward call, `[d_out, q, k, v, o, lse]`: the forward's inputs
+    /// plus dO (like q), o (like q) and lse ([B, H, Sq], float32), and the forward's mask tensors.
+    pub fn backward_masked(t: [&TensorSpec; 6], opts: &Options, masks: &MaskArgs) -> Result<Problem> {
+        let [d_out, q, k, v, o, lse] = t;
+        let (dims, dtype) = check_qkv(q, k, v)?;
+        check_like_q(&[d_out, o], q, &dims.q_shape(), dtype)?;
+        check_lse(lse, &dims.lse_shape())?;
+        Problem::finish(dims, dtype, opts, masks)
+    }
+
+    fn finish(dims: Dims, dtype: DType, opts: &Options, masks: &MaskArgs) -> Result<Problem> {
+        let shape = (dims.batch, dims.seq_q, dims.seq_k, dims.heads);
+        let mask = mask::padded(shape, opts.causal, opts.window, masks)?;
+        Problem::with_mask(dims, dtype, opts, mask)
+    }
+
+    fn finish_varlen(dims: Dims, dtype: DType, opts: &Options, cu_q: &IndexArg, cu_k: &IndexArg) -> Result<Problem> {
+        let totals = (dims.seq_q, dims.seq_k); // check_qkv saw [1, total, H, D]
+        let (mask, batch, max_q, max_k) = mask::varlen(totals, cu_q, cu_k, opts.causal, opts.window)?;
+        let dims = Dims { batch, seq_q: max_q, seq_k: max_k, ..dims };
+        Problem::with_mask(dims, dtype, opts, mask)
+    }
+
+    fn with_mask(dims: Dims, dtype: DType, opts: &Options, mask: Mask) -> Result<Problem> {
         let scale = match opts.scale {
             None => 1.0 / (dims.head_dim as f64).sqrt(),
             Some(s) if s.is_finite() && s > 0.0 => s,
@@ -147,7 +180,54 @@ impl Problem {
                 )))
             }
         };
-        Ok(Problem { dims, dtype, causal: opts.causal, scale: scale as f32, deterministic: opts.deterministic })
+        Ok(Problem { dims, dtype, causal: opts.causal, scale: scale as f32, deterministic: opts.deterministic, mask })
+    }
+
+    /// Shapes of the call's tensors: padded `[B, Sq, H, D]`, `[B, Sk, Hkv, D]`, `[B, H, Sq]`;
+    /// varlen `[total_q, H, D]`, `[total_k, Hkv, D]`, `[H, total_q]`.
+    pub fn q_shape(&self) -> Vec<usize> {
+        let d = &self.dims;
+        match self.mask.varlen {
+            Some(v) => vec![v.total_q, d.heads, d.head_dim],
+            None => d.q_shape().to_vec(),
+        }
+    }
+    pub fn kv_shape(&self) -> Vec<usize> {
+        let d = &self.dims;
+        match self.mask.varlen {
+            Some(v) => vec![v.total_k, d.kv_heads, d.head_dim],
+            None => d.kv_shape().to_vec(),
+        }
+    }
+    pub fn lse_shape(&self) -> Vec<usize> {
+        match self.mask.varlen {
+            Some(v) => vec![self.dims.heads, v.total_q],
+            None => self.dims.lse_shape().to_vec(),
+        }
+    }
+    /// Element counts of q (and o, dO, dq), of k (and v, dk, dv) and of lse.
+    pub fn q_len(&self) -> usize {
+        self.q_shape().iter().product()
+    }
+    pub fn kv_len(&self) -> usize {
+        self.kv_shape().iter().product()
+    }
+    pub fn lse_len(&self) -> usize {
+        self.lse_shape().iter().product()
+    }
+    /// Rows of q viewed as `[rows, H, D]` (B·Sq, or total_q) and of k as `[rows, Hkv, D]`.
+    pub fn q_rows(&self) -> usize {
+        self.q_len() / (self.dims.heads * self.dims.head_dim).max(1)
+    }
+    pub fn k_rows(&self) -> usize {
+        self.kv_len() / (self.dims.kv_heads * self.dims.head_dim).max(1)
+    }
+    /// Index in lse of (batch row b, head h, its query row 0): padded `[B, H, Sq]`, varlen `[H, total_q]`.
+    pub fn lse_base(&self, b: usize, h: usize) -> usize {
+        match self.mask.varlen {
+            Some(v) => h * v.total_q + self.mask.seq(b).q_start,
+            None => (b * self.dims.heads + h) * self.dims.seq_q,
+        }
     }
 
     /// Number of keys query row `row` may see (causal: a prefix; 0 when it sees none).
@@ -158,6 +238,48 @@ impl Problem {
         let last = row as isize + self.dims.diag_offset();
         (last + 1).clamp(0, self.dims.seq_k as isize) as usize
     }
+}
+
+/// dO and o must have q's shape and dtype.
+fn check_like_q(ts: &[&TensorSpec], q: &TensorSpec, q_shape: &[usize], dtype: DType) -> Result<()> {
+    let qn = q.name;
+    for t in ts {
+        let (name, t_dtype) = (t.name, parse_dtype(t)?);
+        if t.shape != q_shape {
+            let shape = t.shape;
+            return Err(FlashError::Shape(format!("{name} has shape {shape:?}; it must match {qn}'s shape {q_shape:?}")));
+        }
+        if t_dtype != dtype {
+            let (got, want) = (t_dtype.name(), dtype.name());
+            return Err(FlashError::DType(format!("{name} has dtype {got}; it must match {qn}'s dtype {want}")));
+        }
+        check_nbytes(t, t_dtype)?;
+    }
+    Ok(())
+}
+
+fn check_lse(lse: &TensorSpec, want: &[usize]) -> Result<()> {
+    check_lse_dtype(lse)?;
+    if lse.shape != want {
+        let layout = if want.len() == 2 { "[heads, total_q]" } else { "[batch, heads, seq_q]" };
+        return Err(FlashError::Shape(format!("{} has shape {:?}; expected {layout} = {want:?}", lse.name, lse.shape)));
+    }
+    check_nbytes(lse, DType::F32)
+}
+
+/// A varlen tensor `[total, heads, head_dim]` seen as `[1, total, heads, head_dim]`.
+fn varlen_shape(t: &TensorSpec) -> Result<[usize; 4]> {
+    match t.shape {
+        &[n, h, d] => Ok([1, n, h, d]),
+        s => Err(FlashError::Shape(format!(
+            "{} must have rank 3 [total, heads, head_dim] in a varlen call; got shape {s:?}",
+            t.name
+        ))),
+    }
+}
+
+fn with_shape<'a>(t: &TensorSpec<'a>, shape: &'a [usize]) -> TensorSpec<'a> {
+    TensorSpec { shape, ..*t }
 }
 
 fn parse_dtype(t: &TensorSpec) -> Result<DType> {

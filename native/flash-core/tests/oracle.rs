@@ -19,10 +19,10 @@ fn run(c: &Case) -> Outputs {
     // Poisoned outputs: every element must be written.
     let mut o = vec![0xA5u8; ql];
     let mut lse = vec![0xA5u8; ll];
-    forward_host(Device::Cpu, &c.p, ForwardIo { q: &c.q.0, k: &c.k.0, v: &c.v.0, o: &mut o, lse: &mut lse }).unwrap();
+    forward_host(Device::Cpu, &c.p, ForwardIo { q: &c.q.0, k: &c.k.0, v: &c.v.0, o: &mut o, lse: &mut lse, mask: Default::default() }).unwrap();
     let (mut dq, mut dk, mut dv) = (vec![0xA5u8; ql], vec![0xA5u8; kvl], vec![0xA5u8; kvl]);
     let (d_out, q, k, v) = (&c.d_out.0[..], &c.q.0[..], &c.k.0[..], &c.v.0[..]);
-    let io = BackwardIo { d_out, q, k, v, o: &o, lse: &lse, dq: &mut dq, dk: &mut dk, dv: &mut dv };
+    let io = BackwardIo { d_out, q, k, v, o: &o, lse: &lse, dq: &mut dq, dk: &mut dk, dv: &mut dv, mask: Default::default() };
     backward_host(Device::Cpu, &c.p, io).unwrap();
     Outputs { o, lse, dq, dk, dv }
 }

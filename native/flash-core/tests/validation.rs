@@ -3,7 +3,8 @@
 use flash_core::{DType, FlashError, Options, Problem, TensorSpec};
 
 fn named<'a>(name: &'a str, dtype: DType, shape: &'a [usize]) -> TensorSpec<'a> {
-    TensorSpec { name, dtype: dtype.name(), shape, nbytes: Some(shape.iter().product::<usize>() * dtype.size_bytes()) }
+    let nbytes = shape.iter().fold(dtype.size_bytes(), |a, &d| a.wrapping_mul(d));
+    TensorSpec { name, dtype: dtype.name(), shape, nbytes: Some(nbytes) }
 }
 
 fn spec(dtype: DType, shape: &[usize]) -> TensorSpec<'_> {
@@ -56,10 +57,10 @@ fn overflowing_sizes_are_out_of_memory() {
 fn scale_must_be_finite_and_positive() {
     let s = spec(DType::F32, &[1, 4, 2, 8]);
     for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
-        let err = Problem::forward(&s, &s, &s, &Options { causal: true, scale: Some(bad), deterministic: false }).unwrap_err();
+        let err = Problem::forward(&s, &s, &s, &Options { causal: true, scale: Some(bad), deterministic: false, ..Options::default() }).unwrap_err();
         assert_eq!(err.kind(), "unsupported");
     }
-    let p = Problem::forward(&s, &s, &s, &Options { causal: false, scale: None, deterministic: false }).unwrap();
+    let p = Problem::forward(&s, &s, &s, &Options { causal: false, scale: None, deterministic: false, ..Options::default() }).unwrap();
     assert!((p.scale - 8f32.sqrt().recip()).abs() < 1e-7);
 }
 

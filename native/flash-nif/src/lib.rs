@@ -34,7 +34,7 @@ fn options(causal: Term, scale: Term, device: Term) -> Result<(Options, Device),
     let device = device
         .atom_to_string()
         .map_err(|_| Reason::argument("device must be :auto, :cpu or :cuda".into()))?;
-    Ok((Options { causal, scale, deterministic: false }, Device::parse(&device)?))
+    Ok((Options { causal, scale, ..Options::default() }, Device::parse(&device)?))
 }
 
 /// `{nif_api, version}`: checked by the Elixir side right after loading (cheap, normal scheduler).

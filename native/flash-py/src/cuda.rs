@@ -29,7 +29,7 @@ fn cuda_forward_device(
     };
     let p = Problem::forward(&dev_spec(q, "q"), &dev_spec(k, "k"), &dev_spec(v, "v"), &crate::options(options)?)?;
     let [o, lse] = outputs;
-    let ptrs = ForwardPtrs { q: q.0, k: k.0, v: v.0, o, lse };
+    let ptrs = ForwardPtrs { q: q.0, k: k.0, v: v.0, o, lse, mask: Default::default() };
     // SAFETY: the Python layer passes pointers of contiguous arrays of these shapes on `device`,
     // kept alive by the caller until the stream has run.
     Ok(py.detach(|| unsafe { cuda::forward_device(&p, device, stream, ptrs) })?)
@@ -55,7 +55,7 @@ fn cuda_backward_device(
         &crate::options(options)?,
     )?;
     let [dq, dk, dv] = outputs;
-    let ptrs = BackwardPtrs { d_out: d_out.0, q: q.0, k: k.0, v: v.0, o: o.0, lse: lse.0, dq, dk, dv };
+    let ptrs = BackwardPtrs { d_out: d_out.0, q: q.0, k: k.0, v: v.0, o: o.0, lse: lse.0, dq, dk, dv, mask: Default::default() };
     // SAFETY: as cuda_forward_device.
     Ok(py.detach(|| unsafe { cuda::backward_device(&p, device, stream, ptrs) })?)
 }

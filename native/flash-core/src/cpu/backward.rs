@@ -36,7 +36,7 @@ struct Packed {
 
 /// Writes dq ([B, Sq, H, D]), dk and dv ([B, Sk, Hkv, D]) in p.dtype.
 pub fn run(p: &Problem, io: BackwardIo) -> Result<()> {
-    let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv } = io;
+    let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, .. } = io;
     let dims = p.dims;
     let packed = Packed {
         qs: pack_rows(q, p.dtype, dims.q_shape(), p.scale * LOG2_E, "packed q")?,

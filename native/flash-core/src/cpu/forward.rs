@@ -15,7 +15,7 @@ use std::f32::consts::{LN_2, LOG2_E};
 /// q: [B, Sq, H, D], k/v: [B, Sk, Hkv, D] in p.dtype; writes o ([B, Sq, H, D], p.dtype) and
 /// lse ([B, H, Sq], f32, natural log).
 pub fn run(p: &Problem, io: ForwardIo) -> Result<()> {
-    let ForwardIo { q, k, v, o, lse } = io;
+    let ForwardIo { q, k, v, o, lse, .. } = io;
     let dims = p.dims;
     let (sq, sk, dp) = (dims.seq_q, dims.seq_k, padded_dim(dims.head_dim));
     let skp = transposed_ld(sk);

@@ -34,6 +34,8 @@ pub fn read_i32(image: &[u8], name: &str) -> Result<i32> {
             return Err(bad("section index out of range"));
         }
         let at = offset(shoff, i * SECTION_HEADER)?;
+        // The header must lie inside the image before its fields' offsets are added.
+        let at = at.checked_add(SECTION_HEADER).filter(|&end| end <= image.len()).map(|_| at).ok_or_else(|| bad("section header out of range"))?;
         Ok(Section {
             kind: u32_at(image, at + 4)?,
             offset: u64_at(image, at + 24)?,

@@ -80,7 +80,7 @@ pub fn forward_host(p: &Problem, device: usize, io: ForwardIo) -> Result<()> {
     staged(p, device, |dev, s| {
         let (q, k, v) = (upload(io.q, s)?, upload(io.k, s)?, upload(io.v, s)?);
         let (o, lse) = (DeviceBuffer::alloc(io.o.len(), s.0)?, DeviceBuffer::alloc(io.lse.len(), s.0)?);
-        let ptrs = ForwardPtrs { q: q.ptr, k: k.ptr, v: v.ptr, o: o.ptr, lse: lse.ptr };
+        let ptrs = ForwardPtrs { q: q.ptr, k: k.ptr, v: v.ptr, o: o.ptr, lse: lse.ptr, mask: Default::default() };
         // SAFETY: buffers sized from the problem, on this device, ordered on stream s.
         unsafe { launch::forward(dev, p, s.0, ptrs)? };
         download(io.o, &o, s)?;
@@ -98,7 +98,7 @@ pub fn backward_host(p: &Problem, device: usize, io: BackwardIo) -> Result<()> {
         let (dq, dk, dv) = (dq?, dk?, dv?);
         let ptrs = BackwardPtrs {
             d_out: d_out.ptr, q: q.ptr, k: k.ptr, v: v.ptr, o: o.ptr, lse: lse.ptr,
-            dq: dq.ptr, dk: dk.ptr, dv: dv.ptr,
+            dq: dq.ptr, dk: dk.ptr, dv: dv.ptr, mask: Default::default(),
         };
         // SAFETY: buffers sized from the problem, on this device, ordered on stream s.
         unsafe { launch::backward(dev, p, s.0, ptrs)? };

@@ -39,6 +39,15 @@ struct FlashParams {
     _pad: i32,
 }
 
+/// Device pointers of the data-carrying masks ([`MaskBuffers`](crate::MaskBuffers)' layouts on
+/// one GPU); 0 = not given.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MaskPtrs {
+    pub seg_q: u64,      // [B, Sq] int32
+    pub seg_k: u64,      // [B, Sk] int32
+    pub block_mask: u64, // [Bm, Hm, ceil(Sq/128), ceil(Sk/128)] uint8
+}
+
 /// Device pointers of a forward call: [`ForwardIo`](crate::ForwardIo)'s buffers on one GPU (same
 /// layouts).
 #[derive(Debug, Clone, Copy)]
@@ -48,6 +57,7 @@ pub struct ForwardPtrs {
     pub v: u64,
     pub o: u64,
     pub lse: u64,
+    pub mask: MaskPtrs,
 }
 
 /// Device pointers of a backward call: [`BackwardIo`](crate::BackwardIo)'s buffers on one GPU.
@@ -62,9 +72,13 @@ pub struct BackwardPtrs {
     pub dq: u64,
     pub dk: u64,
     pub dv: u64,
+    pub mask: MaskPtrs,
 }
 
 fn check_supported(p: &Problem) -> Result<()> {
+    if !p.mask.is_plain() {
+        return Err(FlashError::Unsupported("the CUDA kernels do not take windows, padding, segment ids, block masks or varlen batches yet".into()));
+    }
     let d = p.dims.head_dim;
     if !d.is_multiple_of(8) {
         return Err(FlashError::Unsupported(format!(

@@ -32,7 +32,7 @@ use crate::guard::catch_panics;
 pub use compile::{cache_dir, nvrtc_version};
 pub use config::{all_variants, set_tile_override};
 pub use host::{backward_host, forward_host};
-pub use launch::{backward_device, forward_device, BackwardPtrs, ForwardPtrs};
+pub use launch::{backward_device, forward_device, BackwardPtrs, ForwardPtrs, MaskPtrs};
 pub use libs::{add_search_roots, ensure_nvrtc};
 pub use report::{compile_report, Report, Usage};
 pub use variant::{dtype_short, Kernel, TileSet, Tiles, Variant};

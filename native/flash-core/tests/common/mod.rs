@@ -125,7 +125,7 @@ pub fn case(dims: Dims, dtype: DType, causal: bool, seed: u64) -> Case {
     let (qs, kvs) = (dims.q_shape(), dims.kv_shape());
     let spec = |name, shape, bytes: &Vec<u8>| TensorSpec { name, dtype: dtype.name(), shape, nbytes: Some(bytes.len()) };
     let (q_spec, k_spec, v_spec) = (spec("q", &qs[..], &q.0), spec("k", &kvs[..], &k.0), spec("v", &kvs[..], &v.0));
-    let p = Problem::forward(&q_spec, &k_spec, &v_spec, &Options { causal, scale: None, deterministic: false }).unwrap();
+    let p = Problem::forward(&q_spec, &k_spec, &v_spec, &Options { causal, scale: None, deterministic: false, ..Options::default() }).unwrap();
     Case { p, q, k, v, d_out }
 }
 
