@@ -266,3 +266,105 @@ def test_handles_s2048_one_head_at_a_time(ref):
     o, lse = ref.forward_with_states(q, k, v)
     dq, dk, dv = ref.backward(do, q, k, v, o, lse)
     assert np.isfinite(o).all() and np.isfinite(dq).all() and np.isfinite(dk).all()
+
+
+# ---- masks and varlen (issue 10): the oracle's own semantics, checked by independent loops ----
+
+def _sees(i, j, *, sq, lo, hi, causal, window, seg=None, block=None):
+    """One (query, key) pair by the issue's rules, written out longhand."""
+    if not lo <= j < hi:
+        return False
+    rel, diag = j - lo, i + (hi - lo) - sq
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if left is not None and rel < diag - left:
+        return False
+    if right is not None and rel > diag + right:
+        return False
+    if seg is not None and seg[0][i] != seg[1][j]:
+        return False
+    return block is None or bool(block[i // 128, j // 128])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, (2, 1), (0, 0), (None, 3), (4, None)])
+def test_attention_mask_matches_the_rules(ref, causal, window):
+    rng = np.random.default_rng(5)
+    b, h, sq, sk = 2, 2, 7, 300  # 300 keys: three 128-blocks
+    seg_q, seg_k = rng.integers(0, 2, (b, sq)), rng.integers(0, 2, (b, sk))
+    used, pad = np.array([250, 300]), np.array([3, 0])
+    bm = rng.integers(0, 2, (1, h, 1, 3)).astype(bool)
+    m = ref.attention_mask(b, sq, sk, h, causal=causal, window=window, segment_ids=(seg_q, seg_k),
+                           seqused_k=used, leftpad_k=pad, block_mask=bm)
+    for bi in range(b):
+        for hi in range(h):
+            want = [[_sees(i, j, sq=sq, lo=pad[bi], hi=used[bi], causal=causal, window=window,
+                           seg=(seg_q[bi], seg_k[bi]), block=bm[0, hi]) for j in range(sk)] for i in range(sq)]
+            np.testing.assert_array_equal(m[bi, hi], np.array(want))
+
+
+def test_masked_backward_matches_finite_differences(ref):
+    q, k, v, do = _inputs(9, 1, 4, 6, 2, 1, 3)
+    masks = dict(window=(1, 1), segment_ids=(np.array([[0, 0, 1, 1]]), np.array([[0, 1, 1, 1, 0, 1]])),
+                 seqused_k=np.array([5]), leftpad_k=np.array([1]))
+    o, lse = ref.forward_with_states(q, k, v, causal=False, **masks)
+    grads = ref.backward(do, q, k, v, o, lse, causal=False, **masks)
+    eps, args = 1e-6, [q, k, v]
+    for which, grad in enumerate(grads):
+        fd = np.zeros_like(args[which])
+        for idx in np.ndindex(fd.shape):
+            plus, minus = [a.copy() for a in args], [a.copy() for a in args]
+            plus[which][idx] += eps
+            minus[which][idx] -= eps
+            fd[idx] = np.sum(do * (ref.forward(*plus, causal=False, **masks) - ref.forward(*minus, causal=False, **masks))) / (2 * eps)
+        np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8)
+
+
+def test_padding_equals_sliced_keys(ref):
+    q, k, v, do = _inputs(4, 1, 5, 9, 2, 2, 3)
+    o, lse = ref.forward_with_states(q, k, v, causal=True, seqused_k=[7], leftpad_k=[2])
+    o2, lse2 = ref.forward_with_states(q, k[:, 2:7], v[:, 2:7], causal=True)
+    np.testing.assert_allclose(o, o2, atol=1e-14)
+    np.testing.assert_allclose(lse, lse2, atol=1e-14)
+    dq, dk, dv = ref.backward(do, q, k, v, o, lse, causal=True, seqused_k=[7], leftpad_k=[2])
+    dq2, dk2, dv2 = ref.backward(do, q, k[:, 2:7], v[:, 2:7], o2, lse2, causal=True)
+    np.testing.assert_allclose(dq, dq2, atol=1e-14)
+    np.testing.assert_allclose(dk[:, 2:7], dk2, atol=1e-14)
+    assert not dk[:, :2].any() and not dv[:, 7:].any()
+
+
+def test_varlen_equals_each_sequence_alone_and_the_padded_batch(ref):
+    rng = np.random.default_rng(6)
+    lens_q, lens_k = [3, 0, 5], [4, 2, 6]
+    cu_q, cu_k = np.cumsum([0] + lens_q), np.cumsum([0] + lens_k)
+    q = rng.standard_normal((cu_q[-1], 2, 3))
+    k, v = rng.standard_normal((2, cu_k[-1], 1, 3))
+    o, lse = ref.varlen_forward_with_states(q, k, v, cu_q, cu_k, causal=True, window=(2, None))
+    assert o.shape == q.shape and lse.shape == (2, cu_q[-1])
+    for b in range(3):
+        ob, lb = ref.forward_with_states(q[None, cu_q[b]:cu_q[b + 1]], k[None, cu_k[b]:cu_k[b + 1]],
+                                         v[None, cu_k[b]:cu_k[b + 1]], causal=True, window=(2, None))
+        np.testing.assert_allclose(o[cu_q[b]:cu_q[b + 1]], ob[0], atol=1e-14)
+        np.testing.assert_allclose(lse[:, cu_q[b]:cu_q[b + 1]], lb[0], atol=1e-14)
+    # One query length for all sequences: the same as a padded batch with seqused_k.
+    lens_k = [4, 6, 1]
+    cu_q, cu_k = np.arange(4) * 5, np.cumsum([0] + lens_k)
+    q = rng.standard_normal((15, 2, 3))
+    k, v = rng.standard_normal((2, cu_k[-1], 1, 3))
+    kp, vp = np.zeros((3, 6, 1, 3)), np.zeros((3, 6, 1, 3))
+    for b in range(3):
+        kp[b, : lens_k[b]], vp[b, : lens_k[b]] = k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
+    o, lse = ref.varlen_forward_with_states(q, k, v, cu_q, cu_k, causal=True)
+    op, lp = ref.forward_with_states(q.reshape(3, 5, 2, 3), kp, vp, causal=True, seqused_k=lens_k)
+    np.testing.assert_allclose(o, op.reshape(15, 2, 3), atol=1e-14)
+    np.testing.assert_allclose(lse, lp.transpose(1, 0, 2).reshape(2, 15), atol=1e-14)
+
+
+def test_masked_rows_are_zero_never_nan(ref):
+    q, k, v, do = _inputs(7, 1, 3, 4, 1, 1, 2)
+    seg = (np.array([[0, 5, 1]]), np.array([[0, 0, 1, 1]]))  # row 1 has no key with id 5
+    o, lse = ref.forward_with_states(q, k, v, causal=False, segment_ids=seg)
+    assert np.isneginf(lse[0, 0, 1]) and not o[0, 1].any()
+    dq, dk, dv = ref.backward(do, q, k, v, o, lse, causal=False, segment_ids=seg)
+    assert not np.isnan(dq).any() and not dq[0, 1].any()

@@ -20,8 +20,17 @@ lse        ``[B, H, Sq]``        ``log(sum_j exp(scale * q_i . k_j))``
 * ``scale`` defaults to ``1 / sqrt(D)``.
 * ``causal`` is aligned bottom-right: query ``i`` sees key ``j`` iff
   ``j <= i + (Sk - Sq)``.
-* A row that sees no key (``causal`` with ``Sq > Sk``, or ``Sk == 0``) gives
-  ``o = 0``, ``lse = -inf`` and zero gradients, never NaN.
+* Masks intersect (:func:`attention_mask`): ``window=(left, right)`` keeps
+  relative keys in ``[i + off - left, i + off + right]`` (``None`` unbounded;
+  ``causal`` caps ``right`` at 0); ``segment_ids=(seg_q [B, Sq], seg_k [B, Sk])``
+  keeps equal ids; ``seqused_k`` / ``leftpad_k`` ``[B]`` keep keys in
+  ``[leftpad_k[b], seqused_k[b])``, whose relative index is ``j - leftpad_k[b]``
+  and ``off = seqused_k[b] - leftpad_k[b] - Sq``; ``block_mask``
+  ``[B or 1, H or 1, ceil(Sq/128), ceil(Sk/128)]`` hides 128 x 128 blocks.
+  :func:`varlen_forward_with_states` / :func:`varlen_backward` take packed
+  sequences (``cu_seqlens``), each attended on its own.
+* A row that sees no key (``causal`` with ``Sq > Sk``, or ``Sk == 0``, or a
+  mask) gives ``o = 0``, ``lse = -inf`` and zero gradients, never NaN.
 * Inputs may be float16, ``ml_dtypes.bfloat16``, float32 or float64; they are
   upcast to float64 and every output is float64.
 
@@ -34,7 +43,19 @@ import math
 
 import numpy as np
 
-__all__ = ["forward", "forward_with_states", "backward", "visible_mask"]
+__all__ = [
+    "forward",
+    "forward_with_states",
+    "backward",
+    "visible_mask",
+    "attention_mask",
+    "varlen_forward_with_states",
+    "varlen_forward",
+    "varlen_backward",
+    "MASK_BLOCK",
+]
+
+MASK_BLOCK = 128  # rows and columns of one block-mask entry (FlexAttention's block size)
 
 
 def _as_f64(name: str, x, ndim: int) -> np.ndarray:
@@ -66,16 +87,67 @@ def _scale(scale: float | None, d: int) -> float:
     return float(scale)
 
 
-def visible_mask(sq: int, sk: int, causal: bool) -> np.ndarray:
-    """Boolean ``[Sq, Sk]`` mask, True where query ``i`` may see key ``j``.
+def visible_mask(sq: int, sk: int, causal: bool, *, window=None, key_range=None) -> np.ndarray:
+    """Boolean ``[Sq, Sk]`` mask of one batch row, True where query ``i`` may see key ``j``.
 
-    Causal masking is aligned bottom-right: ``j <= i + (Sk - Sq)``.
+    ``key_range=(lo, hi)`` (default ``(0, Sk)``) are the valid keys; key ``j`` has relative index
+    ``j - lo`` and ``off = (hi - lo) - Sq`` aligns the diagonal bottom-right. Causal:
+    ``j - lo <= i + off``; ``window=(left, right)``: ``i + off - left <= j - lo <= i + off + right``
+    (``None`` is unbounded on that side; causal caps ``right`` at 0).
     """
-    if not causal:
-        return np.ones((sq, sk), dtype=bool)
+    lo, hi = (0, sk) if key_range is None else (int(key_range[0]), int(key_range[1]))
+    left, right = (None, None) if window is None else window
+    if causal:
+        right = 0 if right is None else min(int(right), 0)
     i = np.arange(sq)[:, None]
     j = np.arange(sk)[None, :]
-    return j <= i + (sk - sq)
+    rel, diag = j - lo, i + (hi - lo) - sq
+    ok = (j >= lo) & (j < hi)
+    if left is not None:
+        ok = ok & (rel >= diag - int(left))
+    if right is not None:
+        ok = ok & (rel <= diag + int(right))
+    return np.broadcast_to(ok, (sq, sk)).copy()
+
+
+def _check_window(window):
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"window must be (left, right), got {window!r}")
+    for side in window:
+        if side is not None and (int(side) != side or side < 0):
+            raise ValueError(f"window sides must be non-negative integers or None, got {window!r}")
+    return tuple(None if x is None else int(x) for x in window)
+
+
+def attention_mask(
+    b: int, sq: int, sk: int, h: int, *, causal: bool = True, window=None, segment_ids=None,
+    seqused_k=None, leftpad_k=None, block_mask=None,
+) -> np.ndarray:
+    """Boolean ``[B, H, Sq, Sk]``: True where query ``i`` of head ``h`` in batch row ``b`` sees key
+    ``j``; every given mask must allow it (see the module doc)."""
+    window = _check_window(window)
+    hi = np.full(b, sk) if seqused_k is None else np.asarray(seqused_k).reshape(b)
+    lo = np.zeros(b, dtype=np.int64) if leftpad_k is None else np.asarray(leftpad_k).reshape(b)
+    if np.any(lo < 0) or np.any(hi > sk) or np.any(lo > hi):
+        raise ValueError(f"need 0 <= leftpad_k <= seqused_k <= Sk = {sk}; got {lo}, {hi}")
+    rows = [visible_mask(sq, sk, causal, window=window, key_range=(lo[x], hi[x])) for x in range(b)]
+    out = np.stack(rows) if rows else np.zeros((0, sq, sk), dtype=bool)
+    out = np.broadcast_to(out[:, None], (b, h, sq, sk))
+    if segment_ids is not None:
+        seg_q, seg_k = (np.asarray(x) for x in segment_ids)
+        if seg_q.shape != (b, sq) or seg_k.shape != (b, sk):
+            raise ValueError(f"segment_ids must be [B, Sq] and [B, Sk]; got {seg_q.shape}, {seg_k.shape}")
+        out = out & (seg_q[:, None, :, None] == seg_k[:, None, None, :])
+    if block_mask is not None:
+        bm = np.asarray(block_mask).astype(bool)
+        nb_q, nb_k = -(-sq // MASK_BLOCK), -(-sk // MASK_BLOCK)
+        if bm.ndim != 4 or bm.shape[0] not in (1, b) or bm.shape[1] not in (1, h) or bm.shape[2:] != (nb_q, nb_k):
+            raise ValueError(f"block_mask must be [{b} or 1, {h} or 1, {nb_q}, {nb_k}]; got {bm.shape}")
+        full = bm.repeat(MASK_BLOCK, axis=2).repeat(MASK_BLOCK, axis=3)[:, :, :sq, :sk]
+        out = out & full
+    return np.broadcast_to(out, (b, h, sq, sk))
 
 
 def _head_forward(
@@ -98,7 +170,7 @@ def _head_forward(
     return o, lse
 
 
-def forward_with_states(q, k, v, *, causal: bool = True, scale: float | None = None):
+def forward_with_states(q, k, v, *, causal: bool = True, scale: float | None = None, **masks):
     """Attention forward pass, returning the output and the log-sum-exp.
 
     Args:
@@ -108,6 +180,8 @@ def forward_with_states(q, k, v, *, causal: bool = True, scale: float | None = N
         causal: bottom-right aligned causal mask (query ``i`` sees keys
             ``j <= i + Sk - Sq``).
         scale: softmax scale, default ``1 / sqrt(D)``.
+        masks: ``window``, ``segment_ids``, ``seqused_k``, ``leftpad_k``,
+            ``block_mask`` (see :func:`attention_mask`).
 
     Returns:
         ``(o, lse)``: ``o [B, Sq, H, D]`` float64 and ``lse [B, H, Sq]``
@@ -120,27 +194,27 @@ def forward_with_states(q, k, v, *, causal: bool = True, scale: float | None = N
     b, sq, sk, h, hkv, d = _check_qkv(q, k, v)
     sc = _scale(scale, d)
     group = h // hkv
-    mask = visible_mask(sq, sk, causal)
+    mask = attention_mask(b, sq, sk, h, causal=causal, **masks)
     o = np.zeros((b, sq, h, d))
     lse = np.full((b, h, sq), -np.inf)
     for bi in range(b):
         for hi in range(h):
             kv = hi // group
             o[bi, :, hi, :], lse[bi, hi, :] = _head_forward(
-                q[bi, :, hi, :], k[bi, :, kv, :], v[bi, :, kv, :], mask, sc
+                q[bi, :, hi, :], k[bi, :, kv, :], v[bi, :, kv, :], mask[bi, hi], sc
             )
     return o, lse
 
 
-def forward(q, k, v, *, causal: bool = True, scale: float | None = None) -> np.ndarray:
+def forward(q, k, v, *, causal: bool = True, scale: float | None = None, **masks) -> np.ndarray:
     """Attention forward pass: ``o [B, Sq, H, D]`` float64.
 
     Same arguments as :func:`forward_with_states`.
     """
-    return forward_with_states(q, k, v, causal=causal, scale=scale)[0]
+    return forward_with_states(q, k, v, causal=causal, scale=scale, **masks)[0]
 
 
-def backward(do, q, k, v, o, lse, *, causal: bool = True, scale: float | None = None):
+def backward(do, q, k, v, o, lse, *, causal: bool = True, scale: float | None = None, **masks):
     """Attention backward pass from the saved output and log-sum-exp.
 
     Follows the FlashAttention-2 recipe, using the given ``o`` and ``lse``
@@ -156,7 +230,7 @@ def backward(do, q, k, v, o, lse, *, causal: bool = True, scale: float | None = 
         o: ``[B, Sq, H, D]`` forward output.
         lse: ``[B, H, Sq]`` forward log-sum-exp (``-inf`` for rows that see
             no key; those rows get zero gradients).
-        causal, scale: as in :func:`forward_with_states`.
+        causal, scale, masks: as in :func:`forward_with_states`.
 
     Returns:
         ``(dq, dk, dv)`` float64: ``dq [B, Sq, H, D]``, ``dk`` and
@@ -177,7 +251,7 @@ def backward(do, q, k, v, o, lse, *, causal: bool = True, scale: float | None = 
         raise ValueError(f"lse shape {lse.shape} must be {(b, h, sq)}")
     sc = _scale(scale, d)
     group = h // hkv
-    mask = visible_mask(sq, sk, causal)
+    mask = attention_mask(b, sq, sk, h, causal=causal, **masks)
     dq = np.zeros_like(q)
     dk = np.zeros_like(k)
     dv = np.zeros_like(v)
@@ -191,11 +265,60 @@ def backward(do, q, k, v, o, lse, *, causal: bool = True, scale: float | None = 
             seen = ~np.isneginf(row_lse)
             lse_safe = np.where(seen, row_lse, 0.0)
             # exp(-inf) = 0 on masked entries and on rows that see no key
-            shifted = np.where(mask & seen[:, None], sc * (qh @ kh.T) - lse_safe[:, None], -np.inf)
+            shifted = np.where(mask[bi, hi] & seen[:, None], sc * (qh @ kh.T) - lse_safe[:, None], -np.inf)
             p = np.exp(shifted)  # [Sq, Sk]
             dv[bi, :, kv, :] += p.T @ doh
             dp = doh @ vh.T
             ds = p * (dp - delta[bi, hi, :, None])
             dq[bi, :, hi, :] = sc * (ds @ kh)
             dk[bi, :, kv, :] += sc * (ds.T @ qh)
+    return dq, dk, dv
+
+
+def _cu(name: str, cu, total: int) -> np.ndarray:
+    c = np.asarray(cu).astype(np.int64)
+    if c.ndim != 1 or c.size == 0 or c[0] != 0 or np.any(np.diff(c) < 0) or c[-1] != total:
+        raise ValueError(f"{name} must be [B + 1], 0 first, non-decreasing, ending at {total}; got {c}")
+    return c
+
+
+def _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+    cq, ck = _cu("cu_seqlens_q", cu_seqlens_q, q.shape[0]), _cu("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+    if cq.size != ck.size:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length; got {cq.size}, {ck.size}")
+    return list(zip(cq[:-1], cq[1:], ck[:-1], ck[1:]))
+
+
+def varlen_forward_with_states(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = True,
+                               scale: float | None = None, window=None):
+    """Packed variable-length forward: ``q [total_q, H, D]``, ``k, v [total_k, Hkv, D]``,
+    ``cu_seqlens_*`` ``[B + 1]``; sequence ``b`` is queries ``cu_q[b]:cu_q[b+1]`` against keys
+    ``cu_k[b]:cu_k[b+1]``, attended on its own (causal aligned bottom-right per sequence).
+    Returns ``(o [total_q, H, D], lse [H, total_q])`` float64."""
+    q, k, v = _as_f64("q", q, 3), _as_f64("k", k, 3), _as_f64("v", v, 3)
+    o = np.zeros(q.shape)
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    for q0, q1, k0, k1 in _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+        ob, lb = forward_with_states(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=causal,
+                                     scale=_scale(scale, q.shape[2]), window=window)
+        o[q0:q1], lse[:, q0:q1] = ob[0], lb[0]
+    return o, lse
+
+
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, **options) -> np.ndarray:
+    """``o [total_q, H, D]`` of :func:`varlen_forward_with_states`."""
+    return varlen_forward_with_states(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)[0]
+
+
+def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, causal: bool = True,
+                    scale: float | None = None, window=None):
+    """Packed variable-length backward: ``(dq [total_q, H, D], dk, dv [total_k, Hkv, D])``
+    float64 from the forward's ``o`` and ``lse [H, total_q]``."""
+    q, k, v = _as_f64("q", q, 3), _as_f64("k", k, 3), _as_f64("v", v, 3)
+    do, o, lse = _as_f64("do", do, 3), _as_f64("o", o, 3), _as_f64("lse", lse, 2)
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for q0, q1, k0, k1 in _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+        g = backward(do[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], o[None, q0:q1],
+                     lse[None, :, q0:q1], causal=causal, scale=_scale(scale, q.shape[2]), window=window)
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
     return dq, dk, dv
