@@ -5,8 +5,7 @@ defmodule FlashNif.OracleFixturesTest do
   # with their masks, and packed varlen batches.
   use ExUnit.Case, async: true
 
-  alias ExPhil.Native.FlashAttention, as: FA
-  alias FlashNif.{Fixtures, Numeric}
+  alias FlashNif.Fixtures
 
   @cases Fixtures.cases()
 

@@ -381,12 +381,13 @@ defmodule ExPhil.Native.FlashAttention do
   defp side(x), do: x
 
   # Mask values are tensors, checked when wired; nil means not given.
+  defp mask(_key, nil), do: :ok
   defp mask(:segment_ids, {_seg_q, _seg_k}), do: :ok
 
   defp mask(:segment_ids, other),
     do: unsupported("the :segment_ids option must be a tuple {seg_q, seg_k} of tensors, got: #{short(other)}")
 
-  defp mask(_key, _tensor_or_nil), do: :ok
+  defp mask(_key, _tensor), do: :ok
 
   defp unsupported(message), do: {:error, {:unsupported, message}}
 
