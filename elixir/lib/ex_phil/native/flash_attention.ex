@@ -12,6 +12,15 @@ defmodule ExPhil.Native.FlashAttention do
   | `q`, `output`, `d_out`, `dq` | `{batch, seq_q, heads, head_dim}` | `{:f, 32}`, `{:f, 16}` or `{:bf, 16}` |
   | `k`, `v`, `dk`, `dv` | `{batch, seq_k, kv_heads, head_dim}` | same as `q`                |
   | `logsumexp`          | `{batch, heads, seq_q}`       | always `{:f, 32}`                 |
+  | `:segment_ids`       | `{seg_q, seg_k}`: `{batch, seq_q}`, `{batch, seq_k}` | `{:s, 32}` |
+  | `:seqused_k`, `:leftpad_k` | `{batch}`               | `{:s, 32}`                        |
+  | `:block_mask`        | `{batch or 1, heads or 1, ceil(seq_q / 128), ceil(seq_k / 128)}` | `{:u, 8}` |
+
+  A varlen call (`varlen_forward_with_states/6`, `varlen_backward/9`) packs its sequences
+  instead: `q`, `output`, `d_out`, `dq` are `{total_q, heads, head_dim}`, `k`, `v`, `dk`, `dv`
+  `{total_k, kv_heads, head_dim}`, `logsumexp` `{heads, total_q}`, and `cu_seqlens_q`,
+  `cu_seqlens_k` are `{:s, 32}` `{batch + 1}` (0, then running totals: non-decreasing, ending
+  at `total_q` and `total_k`).
 
   A tensor is an `ExPhil.Native.FlashAttention.Tensor` (a binary, native-endian and row-major,
   with a shape and a type) or, when Nx is loaded, an `Nx.Tensor`; results take the form of `q`
@@ -22,8 +31,9 @@ defmodule ExPhil.Native.FlashAttention do
   ## Options
 
     * `:causal` — mask future keys (default `true`). With `seq_q != seq_k` the mask is aligned
-      bottom-right: query `i` sees keys `j <= i + seq_k - seq_q`. A row that sees no key gives
-      output 0, logsumexp `:neg_infinity` and zero gradients, never NaN.
+      bottom-right: query `i` sees keys `j <= i + seq_k - seq_q`. A row that sees no key (here
+      or by any mask below) gives output 0, logsumexp `:neg_infinity` and zero gradients, never
+      NaN.
     * `:scale` — softmax scale, a positive number (default `1 / sqrt(head_dim)`).
     * `:device` — `:cpu` (default, like NumPy arrays in the Python API), `:cuda` (an error when
       no GPU backend is available; never a silent CPU run) or `:auto` (the GPU when the library
@@ -32,8 +42,24 @@ defmodule ExPhil.Native.FlashAttention do
       CPU backward is always bit-identical run to run. On the GPU the default sums `dq` with f32
       atomics (faster; `dq` may differ in its last bits between runs, `dk` and `dv` never do);
       `true` takes the atomic-free path.
+    * `:window` — `{left, right}`, each a non-negative integer or `:infinity` (unbounded): query
+      `i` sees keys `j` with `i + off - left <= j <= i + off + right`, `off = seq_k - seq_q`
+      (bottom-right, like `:causal`, which caps `right` at 0). ExPhil's sliding window,
+      `causal: true, window: {60, 0}`, lets each query see itself and the 60 keys before it.
+    * `:segment_ids` — `{seg_q, seg_k}`: query `i` of batch row `b` sees key `j` only when
+      `seg_q[b][i] == seg_k[b][j]` (several documents packed in one row).
+    * `:seqused_k`, `:leftpad_k` — per batch row, the valid keys are
+      `leftpad_k[b] <= j < seqused_k[b]` (defaults 0 and `seq_k`; `0 <= leftpad_k[b] <=
+      seqused_k[b] <= seq_k`); `:causal` and `:window` then count from those keys:
+      `off = seqused_k[b] - leftpad_k[b] - seq_q` and key `j` sits at `j - leftpad_k[b]`.
+    * `:block_mask` — 0 hides a whole block of 128 queries × 128 keys (block `{m, n}`: queries
+      `128m..128m+127`, keys `128n..128n+127`) for that batch row and head; a size-1 batch or
+      head axis applies to all.
 
-  Pass the same options to the forward and the backward of one step.
+  Masks intersect: a key is seen only if every mask given allows it. `nil` for any of the last
+  five options is the same as leaving it out. A varlen call takes `:causal`, `:scale`,
+  `:device`, `:deterministic` and `:window` (aligned within each sequence), not the mask
+  tensors. Pass the same options to the forward and the backward of one step.
 
   ## Errors
 
@@ -43,10 +69,15 @@ defmodule ExPhil.Native.FlashAttention do
 
     * `:argument` — an argument is not a tensor (or its `data` is not a binary), or is a
       vectorized Nx tensor;
-    * `:shape` — wrong rank, mismatched sizes, a binary whose size does not match its shape and
-      type, or a shape that is not a tuple of non-negative integers;
-    * `:dtype` — an unsupported type, or tensors that should share a type do not;
-    * `:unsupported` — a bad option (unknown key, wrong value type, non-positive scale);
+    * `:shape` — wrong rank, mismatched sizes (mask tensors included), a binary whose size does
+      not match its shape and type, a shape that is not a tuple of non-negative integers,
+      `:seqused_k` or `:leftpad_k` values outside `[0, seq_k]` or a `leftpad_k` past its
+      `seqused_k`, `cu_seqlens` that do not start at 0, decrease, or do not end at the packed
+      row count;
+    * `:dtype` — an unsupported type (masks included: ids and lengths `{:s, 32}`, block masks
+      `{:u, 8}`), or tensors that should share a type do not;
+    * `:unsupported` — a bad option (unknown key, wrong value type, negative window side,
+      non-positive scale, a mask tensor given to a varlen call);
     * `:out_of_memory` — the outputs cannot be allocated;
     * `:cuda_unavailable`, `:cuda`, `:nvrtc` — GPU backend problems;
     * `:internal` — a bug (including a caught panic);
@@ -65,6 +96,59 @@ defmodule ExPhil.Native.FlashAttention do
       {1, 1, 1, 2}
       iex> Tensor.to_list(out) |> Enum.map(&Float.round(&1, 4))
       [2.0, 3.0]
+
+  ## Masks, by example
+
+  With one head of size 1, `q = k = v` and a scale near 0, every seen key weighs the same, so
+  each output is the mean of the values its query sees.
+
+  A window: with `causal: true, window: {1, 0}` query `i` sees keys `i - 1` and `i`.
+
+      iex> alias ExPhil.Native.FlashAttention, as: FA
+      iex> x = FA.Tensor.from_list([1.0, 2.0, 3.0, 4.0], {1, 4, 1, 1}, {:f, 32})
+      iex> {:ok, out} = FA.forward(x, x, x, causal: true, window: {1, 0}, scale: 1.0e-9)
+      iex> FA.Tensor.to_list(out) |> Enum.map(&Float.round(&1, 4))
+      [1.0, 1.5, 2.5, 3.5]
+
+  Segment ids: two documents packed in one row, each attending to itself only.
+
+      iex> alias ExPhil.Native.FlashAttention, as: FA
+      iex> x = FA.Tensor.from_list([1.0, 2.0, 3.0, 4.0], {1, 4, 1, 1}, {:f, 32})
+      iex> ids = FA.Tensor.from_list([0, 0, 1, 1], {1, 4}, {:s, 32})
+      iex> {:ok, out} = FA.forward(x, x, x, causal: false, segment_ids: {ids, ids}, scale: 1.0e-9)
+      iex> FA.Tensor.to_list(out) |> Enum.map(&Float.round(&1, 4))
+      [1.5, 1.5, 3.5, 3.5]
+
+  Padding: the valid keys of row 0 are 1 and 2 (`leftpad_k` 1, `seqused_k` 3).
+
+      iex> alias ExPhil.Native.FlashAttention, as: FA
+      iex> kv = FA.Tensor.from_list([1.0, 2.0, 3.0, 4.0], {1, 4, 1, 1}, {:f, 32})
+      iex> q = FA.Tensor.from_list([1.0], {1, 1, 1, 1}, {:f, 32})
+      iex> [used, pad] = for n <- [3, 1], do: FA.Tensor.from_list([n], {1}, {:s, 32})
+      iex> {:ok, out} = FA.forward(q, kv, kv, causal: false, seqused_k: used, leftpad_k: pad, scale: 1.0e-9)
+      iex> FA.Tensor.to_list(out) |> Enum.map(&Float.round(&1, 4))
+      [2.5]
+
+  A block mask: 200 keys are two blocks of 128; `[1, 0]` hides the second.
+
+      iex> alias ExPhil.Native.FlashAttention, as: FA
+      iex> kv = FA.Tensor.from_list(List.duplicate(1.0, 128) ++ List.duplicate(100.0, 72), {1, 200, 1, 1}, {:f, 32})
+      iex> q = FA.Tensor.from_list([1.0], {1, 1, 1, 1}, {:f, 32})
+      iex> block_mask = FA.Tensor.from_list([1, 0], {1, 1, 1, 2}, {:u, 8})
+      iex> {:ok, out} = FA.forward(q, kv, kv, causal: false, block_mask: block_mask, scale: 1.0e-9)
+      iex> FA.Tensor.to_list(out) |> Enum.map(&Float.round(&1, 4))
+      [1.0]
+
+  A varlen batch: sequences of 2 and 3 rows packed in 5, each attended on its own.
+
+      iex> alias ExPhil.Native.FlashAttention, as: FA
+      iex> x = FA.Tensor.from_list([1.0, 2.0, 3.0, 4.0, 5.0], {5, 1, 1}, {:f, 32})
+      iex> cu = FA.Tensor.from_list([0, 2, 5], {3}, {:s, 32})
+      iex> {:ok, out, lse} = FA.varlen_forward_with_states(x, x, x, cu, cu, causal: false, scale: 1.0e-9)
+      iex> {out.shape, lse.shape}
+      {{5, 1, 1}, {1, 5}}
+      iex> FA.Tensor.to_list(out) |> Enum.map(&Float.round(&1, 4))
+      [1.5, 1.5, 4.0, 4.0, 4.0]
   """
 
   alias ExPhil.Native.FlashAttention.{Error, Nif, Tensor}
