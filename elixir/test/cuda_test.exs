@@ -297,9 +297,9 @@ defmodule FlashNif.CudaTest do
     t = c.tensors
     opts = [{:device, :cuda} | c.opts]
 
-    with {:ok, o, lse} <- FA.forward_with_states(t.q, t.k, t.v, opts),
-         {:ok, dq, dk, dv} <- FA.backward(t.d_out, t.q, t.k, t.v, t.o_in, t.lse_in, opts),
-         {:ok, dq2, dk2, dv2} <- FA.backward(t.d_out, t.q, t.k, t.v, o, lse, opts) do
+    with {:ok, o, lse} <- Fixtures.forward(c, opts),
+         {:ok, dq, dk, dv} <- Fixtures.backward(c, t.o_in, t.lse_in, opts),
+         {:ok, dq2, dk2, dv2} <- Fixtures.backward(c, o, lse, opts) do
       {:ok, Fixtures.errors(t, {o, lse}, {dq, dk, dv}, {dq2, dk2, dv2})}
     end
   end

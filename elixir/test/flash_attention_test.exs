@@ -8,6 +8,8 @@ defmodule FlashNif.FlashAttentionTest do
   alias ExPhil.Native.FlashAttention.Tensor
   alias FlashNif.Numeric
 
+  defp to_nx(%Tensor{data: d, shape: s, type: t}), do: d |> Nx.from_binary(t) |> Nx.reshape(s)
+
   setup_all do
     q = Numeric.random({2, 7, 4, 16}, {:f, 32}, 11)
     k = Numeric.random({2, 9, 2, 16}, {:f, 32}, 12)
@@ -90,11 +92,103 @@ defmodule FlashNif.FlashAttentionTest do
     assert :cpu in backends
   end
 
+  describe "masks" do
+    # The oracle fixtures check each mask's numbers; these check how options are read.
+    defp s32(list, shape), do: Tensor.from_list(list, shape, {:s, 32})
+    defp close?(a, b), do: Numeric.rel_err(a, b) <= 1.0e-6
+
+    test "window: {:infinity, :infinity} and nil masks are no mask at all", %{q: q, k: k, v: v} do
+      {:ok, o, lse} = FA.forward_with_states(q, k, v)
+      none = [window: nil, segment_ids: nil, seqused_k: nil, leftpad_k: nil, block_mask: nil]
+      assert {:ok, ^o, ^lse} = FA.forward_with_states(q, k, v, window: {:infinity, :infinity})
+      assert {:ok, ^o, ^lse} = FA.forward_with_states(q, k, v, none)
+      assert FA.backward(o, q, k, v, o, lse, none) == FA.backward(o, q, k, v, o, lse)
+    end
+
+    test ":infinity is an unbounded side: {:infinity, 0} is the causal mask", %{q: q, k: k, v: v} do
+      {:ok, causal} = FA.forward(q, k, v)
+      {:ok, windowed} = FA.forward(q, k, v, causal: false, window: {:infinity, 0})
+      assert close?(windowed, causal)
+      {:ok, wide} = FA.forward(q, k, v, causal: false, window: {1_000_000, 1_000_000})
+      {:ok, full} = FA.forward(q, k, v, causal: false)
+      assert close?(wide, full)
+      {:ok, narrow} = FA.forward(q, k, v, causal: false, window: {1, 0})
+      refute close?(narrow, causal)
+    end
+
+    test "window: {0, 0} with Sq == Sk: every query sees its own key only, output = v" do
+      v = Numeric.random({1, 6, 2, 8}, {:f, 32}, 21)
+      q = Numeric.random({1, 6, 2, 8}, {:f, 32}, 22)
+      {:ok, o} = FA.forward(q, q, v, causal: false, window: {0, 0})
+      assert close?(o, v)
+    end
+
+    test "padding that covers every key is no padding; a short one changes the result", ctx do
+      %{q: q, k: k, v: v} = ctx
+      {:ok, o} = FA.forward(q, k, v)
+      {:ok, padded} = FA.forward(q, k, v, seqused_k: s32([9, 9], {2}), leftpad_k: s32([0, 0], {2}))
+      assert close?(padded, o)
+      {:ok, short} = FA.forward(q, k, v, seqused_k: s32([9, 5], {2}))
+      refute close?(short, o)
+    end
+
+    test "mask tensors may be Nx tensors, whatever the form of q", %{q: q, k: k, v: v} do
+      seg_q = s32([0, 0, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1], {2, 7})
+      seg_k = s32([0, 0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 1], {2, 9})
+      bm = Tensor.from_list([1, 0, 1, 1], {1, 4, 1, 1}, {:u, 8})
+      opts = [segment_ids: {seg_q, seg_k}, block_mask: bm, seqused_k: s32([9, 8], {2})]
+
+      nx_opts = [
+        segment_ids: {to_nx(seg_q), to_nx(seg_k)},
+        block_mask: to_nx(bm),
+        seqused_k: to_nx(s32([9, 8], {2}))
+      ]
+
+      {:ok, o, lse} = FA.forward_with_states(q, k, v, opts)
+      assert {:ok, ^o, ^lse} = FA.forward_with_states(q, k, v, nx_opts)
+      {:ok, nx_o} = FA.forward(to_nx(q), to_nx(k), to_nx(v), nx_opts)
+      assert Nx.to_binary(nx_o) == o.data
+      assert FA.backward(o, q, k, v, o, lse, nx_opts) == FA.backward(o, q, k, v, o, lse, opts)
+    end
+
+    test "varlen: one sequence is the padded call of batch 1; lse is {heads, total_q}" do
+      q = Numeric.random({1, 7, 4, 16}, {:f, 32}, 31)
+      k = Numeric.random({1, 9, 2, 16}, {:f, 32}, 32)
+      d_out = Numeric.random({1, 7, 4, 16}, {:f, 32}, 33)
+      packed = fn %Tensor{shape: {1, s, h, d}} = t -> %{t | shape: {s, h, d}} end
+      {cu_q, cu_k} = {s32([0, 7], {2}), s32([0, 9], {2})}
+
+      {:ok, o, lse} = FA.forward_with_states(q, k, k, window: {3, :infinity})
+
+      {:ok, vo, vlse} =
+        FA.varlen_forward_with_states(packed.(q), packed.(k), packed.(k), cu_q, cu_k, window: {3, :infinity})
+
+      assert vo.shape == {7, 4, 16} and vlse.shape == {4, 7}
+      assert close?(vo, packed.(o)) and close?(vlse, %{lse | shape: {4, 7}})
+
+      assert {:ok, ^vo} =
+               FA.varlen_forward(packed.(q), packed.(k), packed.(k), cu_q, cu_k, window: {3, :infinity})
+
+      {:ok, dq, dk, _} = FA.backward(d_out, q, k, k, o, lse, window: {3, :infinity})
+
+      {:ok, vdq, vdk, vdv} =
+        FA.varlen_backward(packed.(d_out), packed.(q), packed.(k), packed.(k), vo, vlse, cu_q, cu_k,
+          window: {3, :infinity}
+        )
+
+      assert close?(vdq, packed.(dq)) and close?(vdk, packed.(dk)) and vdv.shape == {9, 2, 16}
+
+      assert {^vo, ^vlse} =
+               FA.varlen_forward_with_states!(packed.(q), packed.(k), packed.(k), cu_q, cu_k,
+                 window: {3, :infinity}
+               )
+    end
+  end
+
   describe "Nx interop" do
     # Nx cannot be installed here (hex.pm is unreachable): these run against the stand-in in
     # test/support/fake_nx.ex, which checks the plumbing; with a real Nx on the code path they run
     # against it (they pass with Nx 0.7.2, see the README's Nx section).
-    defp to_nx(%Tensor{data: d, shape: s, type: t}), do: d |> Nx.from_binary(t) |> Nx.reshape(s)
 
     test "Nx tensors in, Nx tensors out, same numbers", %{q: q, k: k, v: v} do
       {:ok, o, lse} = FA.forward_with_states(q, k, v)

@@ -13,11 +13,21 @@ defmodule FlashNif.GradientCheckTest do
   for {label, opts, dims} <- [
         {"causal GQA, Sq < Sk", [causal: true], {1, 3, 4, 2, 1, 4}},
         {"full attention, Sq > Sk, explicit scale", [causal: false, scale: 0.7], {2, 3, 2, 2, 2, 3}},
-        {"causal, Sq > Sk (a row that sees no key)", [causal: true], {1, 3, 2, 2, 1, 2}}
+        {"causal, Sq > Sk (a row that sees no key)", [causal: true], {1, 3, 2, 2, 1, 2}},
+        {"two-sided window, Sq < Sk", [causal: false, window: {1, 0}], {1, 3, 4, 2, 1, 4}},
+        # Row 2 (id 1) finds no id-1 key among the first seqused_k = 3: it sees nothing.
+        {"segment ids and padding",
+         [
+           causal: false,
+           segment_ids:
+             {Tensor.from_list([0, 0, 1], {1, 3}, {:s, 32}), Tensor.from_list([0, 0, 0, 1], {1, 4}, {:s, 32})},
+           seqused_k: Tensor.from_list([3], {1}, {:s, 32}),
+           leftpad_k: Tensor.from_list([1], {1}, {:s, 32})
+         ], {1, 3, 4, 2, 1, 4}}
       ] do
     test "gradients match finite differences: #{label}" do
       {b, sq, sk, h, hkv, d} = unquote(Macro.escape(dims))
-      opts = unquote(opts)
+      opts = unquote(Macro.escape(opts))
       q = Numeric.random({b, sq, h, d}, {:f, 32}, 1)
       k = Numeric.random({b, sk, hkv, d}, {:f, 32}, 2)
       v = Numeric.random({b, sk, hkv, d}, {:f, 32}, 3)

@@ -3,13 +3,17 @@ defmodule FlashNif.Fixtures do
   # Reads tests/fixtures/attention/ (written by tests/fixtures/generate.py from the float64
   # oracle): every case with its tensors as ExPhil.Native.FlashAttention.Tensor structs.
 
+  alias ExPhil.Native.FlashAttention, as: FA
   alias ExPhil.Native.FlashAttention.Tensor
 
   @dir Path.expand("../../../tests/fixtures/attention", __DIR__)
 
   def dir, do: @dir
 
-  @doc "All cases: maps with :name, :dtype, :causal, :scale, :tol (a map) and :tensors (a map)."
+  @doc """
+  All cases: maps with :name, :dtype, :causal, :scale, :window, :masks, :varlen, :tol (a map),
+  :tensors (a map) and :opts, the options to call it with (masks included).
+  """
   def cases do
     {:ok, terms} = :file.consult(String.to_charlist(Path.join(@dir, "manifest.eterm")))
     {:header, %{byte_order: "little"}} = hd(terms)
@@ -26,12 +30,41 @@ defmodule FlashNif.Fixtures do
         {String.to_atom(t.name), %Tensor{data: data, shape: List.to_tuple(t.shape), type: type}}
       end)
 
-    %{c | tensors: tensors} |> Map.put(:opts, causal: c.causal, scale: c.scale)
+    %{c | tensors: tensors} |> Map.put(:opts, opts(c, tensors))
+  end
+
+  # The manifest's window ([left, right], nil for an unbounded side) and mask names as options.
+  defp opts(c, t) do
+    window = if c.window, do: [window: c.window |> Enum.map(&(&1 || :infinity)) |> List.to_tuple()], else: []
+
+    masks =
+      for key <- c.masks do
+        case String.to_atom(key) do
+          :segment_ids -> {:segment_ids, {t.seg_q, t.seg_k}}
+          key -> {key, Map.fetch!(t, key)}
+        end
+      end
+
+    [causal: c.causal, scale: c.scale] ++ window ++ masks
   end
 
   def type("float32"), do: {:f, 32}
   def type("float16"), do: {:f, 16}
   def type("bfloat16"), do: {:bf, 16}
+  def type("int32"), do: {:s, 32}
+  def type("uint8"), do: {:u, 8}
+
+  @doc "A case's forward on its inputs with `opts` (padded or varlen): `{:ok, o, lse}` or the error."
+  def forward(%{varlen: true, tensors: t}, opts),
+    do: FA.varlen_forward_with_states(t.q, t.k, t.v, t.cu_seqlens_q, t.cu_seqlens_k, opts)
+
+  def forward(%{tensors: t}, opts), do: FA.forward_with_states(t.q, t.k, t.v, opts)
+
+  @doc "A case's backward from the states `o`, `lse`: `{:ok, dq, dk, dv}` or the error."
+  def backward(%{varlen: true, tensors: t}, o, lse, opts),
+    do: FA.varlen_backward(t.d_out, t.q, t.k, t.v, o, lse, t.cu_seqlens_q, t.cu_seqlens_k, opts)
+
+  def backward(%{tensors: t}, o, lse, opts), do: FA.backward(t.d_out, t.q, t.k, t.v, o, lse, opts)
 
   defp little_to_native(bin, size) do
     case :erlang.system_info(:endian) do

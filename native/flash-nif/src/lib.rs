@@ -6,36 +6,22 @@
 //! are `{binary, shape_tuple}` pairs (see [`tensor`]). The library is loaded by the Elixir module
 //! itself with `:erlang.load_nif/2`, so only the rustler crate is needed, not the hex package.
 
+mod args;
 mod reply;
 mod tensor;
 
-use flash_core::{backward_host, forward_host, BackwardIo, DType, Device, ForwardIo, Options, Problem};
+use args::{options, Masks};
+use flash_core::{backward_host, forward_host, BackwardIo, DType, Device, ForwardIo, MaskBuffers, Problem};
 use reply::{guard, Reason};
 use rustler::{Encoder, Env, Term};
-use tensor::{HostTensor, Output};
+use tensor::{HostTensor, IndexTensor, Output};
 
 /// The contract between this library and the Elixir stubs (function set and term formats).
 /// Bump it on any change: the Elixir side refuses a library that reports another number,
 /// which is how a stale build in `priv/` is detected.
-const NIF_API: u32 = 2;
+const NIF_API: u32 = 3;
 
 rustler::init!("Elixir.ExPhil.Native.FlashAttention.Nif");
-
-/// Decodes `causal` (boolean), `scale` (`nil` or a float) and `device` (`:auto | :cpu | :cuda`).
-/// The Elixir wrapper validates these first with friendlier messages; this is the backstop.
-/// `deterministic` is set by the backward alone.
-fn options(causal: Term, scale: Term, device: Term) -> Result<(Options, Device), Reason> {
-    let causal: bool = causal
-        .decode()
-        .map_err(|_| Reason::argument("causal must be a boolean".into()))?;
-    let scale: Option<f64> = scale
-        .decode()
-        .map_err(|_| Reason::argument("scale must be nil or a float".into()))?;
-    let device = device
-        .atom_to_string()
-        .map_err(|_| Reason::argument("device must be :auto, :cpu or :cuda".into()))?;
-    Ok((Options { causal, scale, ..Options::default() }, Device::parse(&device)?))
-}
 
 /// `{nif_api, version}`: checked by the Elixir side right after loading (cheap, normal scheduler).
 #[rustler::nif]
@@ -55,61 +41,102 @@ fn info(env: Env) -> Term {
     })
 }
 
-/// Decodes the input tensors `terms`, named for messages.
-fn inputs<'a, const N: usize>(terms: [Term<'a>; N], names: [&'a str; N]) -> Result<[HostTensor<'a>; N], Reason> {
-    let tensors: Vec<HostTensor> =
-        terms.into_iter().zip(names).map(|(t, name)| HostTensor::decode(t, name)).collect::<Result<_, _>>()?;
-    Ok(tensors.try_into().unwrap_or_else(|_| unreachable!("one tensor per term")))
+/// The list `terms` of N tensor terms, named `names` in messages.
+fn tensors<'a, const N: usize>(terms: Term<'a>, names: [&'static str; N]) -> Result<[Term<'a>; N], Reason> {
+    let list: Vec<Term<'a>> = terms.decode().map_err(|_| Reason::argument(format!("expected the list {names:?}")))?;
+    list.try_into().map_err(|_| Reason::argument(format!("expected the list {names:?}")))
 }
 
-/// `{:ok, {o, o_shape}, {lse, lse_shape}}` for q `[B, Sq, H, D]`, k and v `[B, Sk, Hkv, D]`.
+/// The list `terms` of N tensors, decoded.
+fn inputs<'a, const N: usize>(terms: Term<'a>, names: [&'static str; N]) -> Result<[HostTensor<'a>; N], Reason> {
+    let decoded: Vec<HostTensor> =
+        tensors(terms, names)?.into_iter().zip(names).map(|(t, name)| HostTensor::decode(t, name)).collect::<Result<_, _>>()?;
+    Ok(decoded.try_into().unwrap_or_else(|_| unreachable!("one tensor per term")))
+}
+
+/// `[cu_seqlens_q, cu_seqlens_k]`.
+fn cu_seqlens(terms: Term) -> Result<[IndexTensor; 2], Reason> {
+    let names = ["cu_seqlens_q", "cu_seqlens_k"];
+    let [q, k] = tensors(terms, names)?;
+    Ok([IndexTensor::decode(q, names[0])?, IndexTensor::decode(k, names[1])?])
+}
+
+/// Runs a validated forward: `[o, lse]` as `{binary, shape}` terms.
+fn run_forward<'a>(
+    env: Env<'a>, device: Device, p: &Problem, t: &[HostTensor; 3], masks: MaskBuffers,
+) -> Result<Vec<Term<'a>>, Reason> {
+    let mut o = Output::alloc("o", &p.q_shape(), p.dtype)?;
+    let mut lse = Output::alloc("lse", &p.lse_shape(), DType::F32)?;
+    let io = ForwardIo::new(t.each_ref().map(HostTensor::bytes), [o.bytes_mut(), lse.bytes_mut()]).with_mask(masks);
+    forward_host(device, p, io)?;
+    Ok(vec![o.encode(env), lse.encode(env)])
+}
+
+/// Runs a validated backward: `[dq, dk, dv]`.
+fn run_backward<'a>(
+    env: Env<'a>, device: Device, p: &Problem, a: &[HostTensor; 6], masks: MaskBuffers,
+) -> Result<Vec<Term<'a>>, Reason> {
+    let mut dq = Output::alloc("dq", &p.q_shape(), p.dtype)?;
+    let mut dk = Output::alloc("dk", &p.kv_shape(), p.dtype)?;
+    let mut dv = Output::alloc("dv", &p.kv_shape(), p.dtype)?;
+    let outs = [dq.bytes_mut(), dk.bytes_mut(), dv.bytes_mut()];
+    backward_host(device, p, BackwardIo::new(a.each_ref().map(HostTensor::bytes), outs).with_mask(masks))?;
+    Ok(vec![dq.encode(env), dk.encode(env), dv.encode(env)])
+}
+
+const FORWARD: [&str; 3] = ["q", "k", "v"];
+const BACKWARD: [&str; 6] = ["d_out", "q", "k", "v", "o", "lse"];
+
+/// `forward([q, k, v], masks, options)` → `{:ok, {o, o_shape}, {lse, lse_shape}}` for q
+/// `[B, Sq, H, D]`, k and v `[B, Sk, Hkv, D]` (masks and options: see [`args`]).
 #[rustler::nif(schedule = "DirtyCpu")]
-fn forward<'a>(
-    env: Env<'a>, q: Term<'a>, k: Term<'a>, v: Term<'a>, causal: Term<'a>, scale: Term<'a>, device: Term<'a>,
-) -> Term<'a> {
+fn forward<'a>(env: Env<'a>, tensors: Term<'a>, masks: Term<'a>, opts: Term<'a>) -> Term<'a> {
     guard(env, || {
-        let (opts, device) = options(causal, scale, device)?;
-        let [q, k, v] = inputs([q, k, v], ["q", "k", "v"])?;
-        let p = Problem::forward(&q.spec(), &k.spec(), &v.spec(), &opts)?;
-        let mut o = Output::alloc("o", &p.dims.q_shape(), p.dtype)?;
-        let mut lse = Output::alloc("lse", &p.dims.lse_shape(), DType::F32)?;
-        let io = ForwardIo::new([&q, &k, &v].map(HostTensor::bytes), [o.bytes_mut(), lse.bytes_mut()]);
-        forward_host(device, &p, io)?;
-        Ok(vec![o.encode(env), lse.encode(env)])
+        let (opts, device) = options(opts)?;
+        let t = inputs(tensors, FORWARD)?;
+        let masks = Masks::decode(masks)?;
+        let p = Problem::forward_masked(&t[0].spec(), &t[1].spec(), &t[2].spec(), &opts, &masks.args())?;
+        run_forward(env, device, &p, &t, masks.buffers())
     })
 }
 
-/// `{:ok, {dq, q_shape}, {dk, kv_shape}, {dv, kv_shape}}` from the forward's inputs, its output
-/// `o`, its `lse` (`[B, H, Sq]`, float32) and the output gradient `d_out`.
+/// `backward([d_out, q, k, v, o, lse], masks, options)` → `{:ok, {dq, q_shape}, {dk, kv_shape},
+/// {dv, kv_shape}}`, from the forward's inputs, masks and options, its output `o`, its `lse`
+/// (`[B, H, Sq]`, float32) and the output gradient `d_out`.
 #[rustler::nif(schedule = "DirtyCpu")]
-#[allow(clippy::too_many_arguments)] // one Rust parameter per argument of the Elixir stub Nif.backward/10
-fn backward<'a>(
-    env: Env<'a>,
-    d_out: Term<'a>,
-    q: Term<'a>,
-    k: Term<'a>,
-    v: Term<'a>,
-    o: Term<'a>,
-    lse: Term<'a>,
-    causal: Term<'a>,
-    scale: Term<'a>,
-    device: Term<'a>,
-    deterministic: Term<'a>,
-) -> Term<'a> {
+fn backward<'a>(env: Env<'a>, tensors: Term<'a>, masks: Term<'a>, opts: Term<'a>) -> Term<'a> {
     guard(env, || {
-        let (mut opts, device) = options(causal, scale, device)?;
-        opts.deterministic = deterministic
-            .decode()
-            .map_err(|_| Reason::argument("deterministic must be a boolean".into()))?;
-        let a = inputs([d_out, q, k, v, o, lse], ["d_out", "q", "k", "v", "o", "lse"])?;
-        let [d_out, q, k, v, o, lse] = &a;
-        let p = Problem::backward(&d_out.spec(), &q.spec(), &k.spec(), &v.spec(), &o.spec(), &lse.spec(), &opts)?;
-        let mut dq = Output::alloc("dq", &p.dims.q_shape(), p.dtype)?;
-        let mut dk = Output::alloc("dk", &p.dims.kv_shape(), p.dtype)?;
-        let mut dv = Output::alloc("dv", &p.dims.kv_shape(), p.dtype)?;
-        let io = BackwardIo::new(a.each_ref().map(HostTensor::bytes), [dq.bytes_mut(), dk.bytes_mut(), dv.bytes_mut()]);
-        backward_host(device, &p, io)?;
-        Ok(vec![dq.encode(env), dk.encode(env), dv.encode(env)])
+        let (opts, device) = options(opts)?;
+        let t = inputs(tensors, BACKWARD)?;
+        let masks = Masks::decode(masks)?;
+        let p = Problem::backward_masked(t.each_ref().map(HostTensor::spec).each_ref(), &opts, &masks.args())?;
+        run_backward(env, device, &p, &t, masks.buffers())
+    })
+}
+
+/// `varlen_forward([q, k, v], [cu_seqlens_q, cu_seqlens_k], options)`: packed sequences, q
+/// `[total_q, H, D]`, k and v `[total_k, Hkv, D]`; lse comes back `[H, total_q]`.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn varlen_forward<'a>(env: Env<'a>, tensors: Term<'a>, cu: Term<'a>, opts: Term<'a>) -> Term<'a> {
+    guard(env, || {
+        let (opts, device) = options(opts)?;
+        let t = inputs(tensors, FORWARD)?;
+        let [cu_q, cu_k] = cu_seqlens(cu)?;
+        let p = Problem::varlen_forward(&t[0].spec(), &t[1].spec(), &t[2].spec(), &cu_q.arg(), &cu_k.arg(), &opts)?;
+        run_forward(env, device, &p, &t, MaskBuffers::default())
+    })
+}
+
+/// `varlen_backward([d_out, q, k, v, o, lse], [cu_seqlens_q, cu_seqlens_k], options)`.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn varlen_backward<'a>(env: Env<'a>, tensors: Term<'a>, cu: Term<'a>, opts: Term<'a>) -> Term<'a> {
+    guard(env, || {
+        let (opts, device) = options(opts)?;
+        let t = inputs(tensors, BACKWARD)?;
+        let [cu_q, cu_k] = cu_seqlens(cu)?;
+        let [d_out, q, k, v, o, lse] = t.each_ref().map(HostTensor::spec);
+        let p = Problem::varlen_backward(&d_out, &q, &k, &v, &o, &lse, [&cu_q.arg(), &cu_k.arg()], &opts)?;
+        run_backward(env, device, &p, &t, MaskBuffers::default())
     })
 }
 

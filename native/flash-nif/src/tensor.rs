@@ -2,11 +2,12 @@
 //!
 //! In: `{data, [d0, d1, ...], dtype_name}` where `data` is a native-endian, row-major binary
 //! (any alignment; sub-binaries are fine) and `dtype_name` is "float32", "float16" or "bfloat16"
-//! (anything else reaches the core's validation, which names the accepted types).
+//! ("int32" and "uint8" for masks; anything else reaches the core's validation, which names the
+//! accepted types).
 //! Out: `{data, {d0, d1, ...}}`, `data` a fresh binary written in place by the core.
 
 use crate::reply::Reason;
-use flash_core::{DType, FlashError, TensorSpec};
+use flash_core::{DType, FlashError, IndexArg, TensorSpec};
 use rustler::sys::{enif_alloc_binary, ErlNifBinary};
 use rustler::types::tuple::make_tuple;
 use rustler::{Binary, Encoder, Env, OwnedBinary, Term};
@@ -47,6 +48,26 @@ impl<'a> HostTensor<'a> {
 
     pub fn bytes(&self) -> &[u8] {
         self.data.as_slice()
+    }
+}
+
+/// A small int32 tensor whose values the core reads on the host (`seqused_k`, `leftpad_k`,
+/// `cu_seqlens_*`).
+pub struct IndexTensor<'a> {
+    tensor: HostTensor<'a>,
+    values: Vec<i32>,
+}
+
+impl<'a> IndexTensor<'a> {
+    pub fn decode(term: Term<'a>, name: &'a str) -> Result<IndexTensor<'a>, Reason> {
+        let tensor = HostTensor::decode(term, name)?;
+        // Read as int32 whatever the dtype: the core checks dtype and byte count before the values.
+        let values = tensor.bytes().chunks_exact(4).map(|c| i32::from_ne_bytes([c[0], c[1], c[2], c[3]])).collect();
+        Ok(IndexTensor { tensor, values })
+    }
+
+    pub fn arg(&self) -> IndexArg<'_> {
+        IndexArg { spec: self.tensor.spec(), values: &self.values }
     }
 }
 

@@ -12,6 +12,15 @@ defmodule ExPhil.Native.FlashAttention do
   | `q`, `output`, `d_out`, `dq` | `{batch, seq_q, heads, head_dim}` | `{:f, 32}`, `{:f, 16}` or `{:bf, 16}` |
   | `k`, `v`, `dk`, `dv` | `{batch, seq_k, kv_heads, head_dim}` | same as `q`                |
   | `logsumexp`          | `{batch, heads, seq_q}`       | always `{:f, 32}`                 |
+  | `:segment_ids`       | `{seg_q, seg_k}`: `{batch, seq_q}`, `{batch, seq_k}` | `{:s, 32}` |
+  | `:seqused_k`, `:leftpad_k` | `{batch}`               | `{:s, 32}`                        |
+  | `:block_mask`        | `{batch or 1, heads or 1, ceil(seq_q / 128), ceil(seq_k / 128)}` | `{:u, 8}` |
+
+  A varlen call (`varlen_forward_with_states/6`, `varlen_backward/9`) packs its sequences
+  instead: `q`, `output`, `d_out`, `dq` are `{total_q, heads, head_dim}`, `k`, `v`, `dk`, `dv`
+  `{total_k, kv_heads, head_dim}`, `logsumexp` `{heads, total_q}`, and `cu_seqlens_q`,
+  `cu_seqlens_k` are `{:s, 32}` `{batch + 1}` (0, then running totals: non-decreasing, ending
+  at `total_q` and `total_k`).
 
   A tensor is an `ExPhil.Native.FlashAttention.Tensor` (a binary, native-endian and row-major,
   with a shape and a type) or, when Nx is loaded, an `Nx.Tensor`; results take the form of `q`
@@ -22,8 +31,9 @@ defmodule ExPhil.Native.FlashAttention do
   ## Options
 
     * `:causal` — mask future keys (default `true`). With `seq_q != seq_k` the mask is aligned
-      bottom-right: query `i` sees keys `j <= i + seq_k - seq_q`. A row that sees no key gives
-      output 0, logsumexp `:neg_infinity` and zero gradients, never NaN.
+      bottom-right: query `i` sees keys `j <= i + seq_k - seq_q`. A row that sees no key (here
+      or by any mask below) gives output 0, logsumexp `:neg_infinity` and zero gradients, never
+      NaN.
     * `:scale` — softmax scale, a positive number (default `1 / sqrt(head_dim)`).
     * `:device` — `:cpu` (default, like NumPy arrays in the Python API), `:cuda` (an error when
       no GPU backend is available; never a silent CPU run) or `:auto` (the GPU when the library
@@ -32,8 +42,24 @@ defmodule ExPhil.Native.FlashAttention do
       CPU backward is always bit-identical run to run. On the GPU the default sums `dq` with f32
       atomics (faster; `dq` may differ in its last bits between runs, `dk` and `dv` never do);
       `true` takes the atomic-free path.
+    * `:window` — `{left, right}`, each a non-negative integer or `:infinity` (unbounded): query
+      `i` sees keys `j` with `i + off - left <= j <= i + off + right`, `off = seq_k - seq_q`
+      (bottom-right, like `:causal`, which caps `right` at 0). ExPhil's sliding window,
+      `causal: true, window: {60, 0}`, lets each query see itself and the 60 keys before it.
+    * `:segment_ids` — `{seg_q, seg_k}`: query `i` of batch row `b` sees key `j` only when
+      `seg_q[b][i] == seg_k[b][j]` (several documents packed in one row).
+    * `:seqused_k`, `:leftpad_k` — per batch row, the valid keys are
+      `leftpad_k[b] <= j < seqused_k[b]` (defaults 0 and `seq_k`; `0 <= leftpad_k[b] <=
+      seqused_k[b] <= seq_k`); `:causal` and `:window` then count from those keys:
+      `off = seqused_k[b] - leftpad_k[b] - seq_q` and key `j` sits at `j - leftpad_k[b]`.
+    * `:block_mask` — 0 hides a whole block of 128 queries × 128 keys (block `{m, n}`: queries
+      `128m..128m+127`, keys `128n..128n+127`) for that batch row and head; a size-1 batch or
+      head axis applies to all.
 
-  Pass the same options to the forward and the backward of one step.
+  Masks intersect: a key is seen only if every mask given allows it. `nil` for any of the last
+  five options is the same as leaving it out. A varlen call takes `:causal`, `:scale`,
+  `:device`, `:deterministic` and `:window` (aligned within each sequence), not the mask
+  tensors. Pass the same options to the forward and the backward of one step.
 
   ## Errors
 
@@ -43,10 +69,15 @@ defmodule ExPhil.Native.FlashAttention do
 
     * `:argument` — an argument is not a tensor (or its `data` is not a binary), or is a
       vectorized Nx tensor;
-    * `:shape` — wrong rank, mismatched sizes, a binary whose size does not match its shape and
-      type, or a shape that is not a tuple of non-negative integers;
-    * `:dtype` — an unsupported type, or tensors that should share a type do not;
-    * `:unsupported` — a bad option (unknown key, wrong value type, non-positive scale);
+    * `:shape` — wrong rank, mismatched sizes (mask tensors included), a binary whose size does
+      not match its shape and type, a shape that is not a tuple of non-negative integers,
+      `:seqused_k` or `:leftpad_k` values outside `[0, seq_k]` or a `leftpad_k` past its
+      `seqused_k`, `cu_seqlens` that do not start at 0, decrease, or do not end at the packed
+      row count;
+    * `:dtype` — an unsupported type (masks included: ids and lengths `{:s, 32}`, block masks
+      `{:u, 8}`), or tensors that should share a type do not;
+    * `:unsupported` — a bad option (unknown key, wrong value type, negative window side,
+      non-positive scale, a mask tensor given to a varlen call);
     * `:out_of_memory` — the outputs cannot be allocated;
     * `:cuda_unavailable`, `:cuda`, `:nvrtc` — GPU backend problems;
     * `:internal` — a bug (including a caught panic);
@@ -65,6 +96,59 @@ defmodule ExPhil.Native.FlashAttention do
       {1, 1, 1, 2}
       iex> Tensor.to_list(out) |> Enum.map(&Float.round(&1, 4))
       [2.0, 3.0]
+
+  ## Masks, by example
+
+  With one head of size 1, `q = k = v` and a scale near 0, every seen key weighs the same, so
+  each output is the mean of the values its query sees.
+
+  A window: with `causal: true, window: {1, 0}` query `i` sees keys `i - 1` and `i`.
+
+      iex> alias ExPhil.Native.FlashAttention, as: FA
+      iex> x = FA.Tensor.from_list([1.0, 2.0, 3.0, 4.0], {1, 4, 1, 1}, {:f, 32})
+      iex> {:ok, out} = FA.forward(x, x, x, causal: true, window: {1, 0}, scale: 1.0e-9)
+      iex> FA.Tensor.to_list(out) |> Enum.map(&Float.round(&1, 4))
+      [1.0, 1.5, 2.5, 3.5]
+
+  Segment ids: two documents packed in one row, each attending to itself only.
+
+      iex> alias ExPhil.Native.FlashAttention, as: FA
+      iex> x = FA.Tensor.from_list([1.0, 2.0, 3.0, 4.0], {1, 4, 1, 1}, {:f, 32})
+      iex> ids = FA.Tensor.from_list([0, 0, 1, 1], {1, 4}, {:s, 32})
+      iex> {:ok, out} = FA.forward(x, x, x, causal: false, segment_ids: {ids, ids}, scale: 1.0e-9)
+      iex> FA.Tensor.to_list(out) |> Enum.map(&Float.round(&1, 4))
+      [1.5, 1.5, 3.5, 3.5]
+
+  Padding: the valid keys of row 0 are 1 and 2 (`leftpad_k` 1, `seqused_k` 3).
+
+      iex> alias ExPhil.Native.FlashAttention, as: FA
+      iex> kv = FA.Tensor.from_list([1.0, 2.0, 3.0, 4.0], {1, 4, 1, 1}, {:f, 32})
+      iex> q = FA.Tensor.from_list([1.0], {1, 1, 1, 1}, {:f, 32})
+      iex> [used, pad] = for n <- [3, 1], do: FA.Tensor.from_list([n], {1}, {:s, 32})
+      iex> {:ok, out} = FA.forward(q, kv, kv, causal: false, seqused_k: used, leftpad_k: pad, scale: 1.0e-9)
+      iex> FA.Tensor.to_list(out) |> Enum.map(&Float.round(&1, 4))
+      [2.5]
+
+  A block mask: 200 keys are two blocks of 128; `[1, 0]` hides the second.
+
+      iex> alias ExPhil.Native.FlashAttention, as: FA
+      iex> kv = FA.Tensor.from_list(List.duplicate(1.0, 128) ++ List.duplicate(100.0, 72), {1, 200, 1, 1}, {:f, 32})
+      iex> q = FA.Tensor.from_list([1.0], {1, 1, 1, 1}, {:f, 32})
+      iex> block_mask = FA.Tensor.from_list([1, 0], {1, 1, 1, 2}, {:u, 8})
+      iex> {:ok, out} = FA.forward(q, kv, kv, causal: false, block_mask: block_mask, scale: 1.0e-9)
+      iex> FA.Tensor.to_list(out) |> Enum.map(&Float.round(&1, 4))
+      [1.0]
+
+  A varlen batch: sequences of 2 and 3 rows packed in 5, each attended on its own.
+
+      iex> alias ExPhil.Native.FlashAttention, as: FA
+      iex> x = FA.Tensor.from_list([1.0, 2.0, 3.0, 4.0, 5.0], {5, 1, 1}, {:f, 32})
+      iex> cu = FA.Tensor.from_list([0, 2, 5], {3}, {:s, 32})
+      iex> {:ok, out, lse} = FA.varlen_forward_with_states(x, x, x, cu, cu, causal: false, scale: 1.0e-9)
+      iex> {out.shape, lse.shape}
+      {{5, 1, 1}, {1, 5}}
+      iex> FA.Tensor.to_list(out) |> Enum.map(&Float.round(&1, 4))
+      [1.5, 1.5, 4.0, 4.0, 4.0]
   """
 
   alias ExPhil.Native.FlashAttention.{Error, Nif, Tensor}
@@ -72,6 +156,11 @@ defmodule ExPhil.Native.FlashAttention do
   # Nx is optional and never a compile-time dependency: an Nx.Tensor is recognised by its struct
   # name and converted through Nx's public functions, which exist whenever one was built.
   # (mix.exs's `xref: [exclude: [Nx]]` keeps the compiler quiet with Nx and without it.)
+
+  # Options by call: a varlen call takes no mask tensors (its packing is its padding).
+  @mask_keys [:segment_ids, :seqused_k, :leftpad_k, :block_mask]
+  @varlen_keys [:causal, :scale, :device, :deterministic, :window]
+  @padded_keys @varlen_keys ++ @mask_keys
 
   @type tensor :: Tensor.t() | struct
   @type kind ::
@@ -86,11 +175,24 @@ defmodule ExPhil.Native.FlashAttention do
           | :internal
           | :nif_not_loaded
   @type reason :: {kind, String.t()}
+  @type side :: non_neg_integer | :infinity
   @type option ::
           {:causal, boolean}
           | {:scale, number | nil}
           | {:device, :auto | :cpu | :cuda}
           | {:deterministic, boolean}
+          | {:window, {side, side} | nil}
+          | {:segment_ids, {tensor, tensor} | nil}
+          | {:seqused_k, tensor | nil}
+          | {:leftpad_k, tensor | nil}
+          | {:block_mask, tensor | nil}
+  @typedoc "The options of a varlen call: those of `t:option/0` but the mask tensors."
+  @type varlen_option ::
+          {:causal, boolean}
+          | {:scale, number | nil}
+          | {:device, :auto | :cpu | :cuda}
+          | {:deterministic, boolean}
+          | {:window, {side, side} | nil}
 
   @doc """
   Attention output for `q` `{b, seq_q, heads, d}`, `k` and `v` `{b, seq_k, kv_heads, d}`:
@@ -104,24 +206,26 @@ defmodule ExPhil.Native.FlashAttention do
   @doc """
   Attention output and the row log-sum-exp the backward needs: `{:ok, output, logsumexp}`,
   output `{b, seq_q, heads, d}` in `q`'s type and logsumexp `{b, heads, seq_q}` in `{:f, 32}`
-  (natural log of each row's sum of `exp(scale * q·k)`).
+  (natural log of each row's sum of `exp(scale * q·k)` over the keys it sees).
   """
   @spec forward_with_states(tensor, tensor, tensor, [option]) ::
           {:ok, tensor, tensor} | {:error, reason}
   def forward_with_states(q, k, v, opts \\ []) do
-    with {:ok, {causal, scale, device, _deterministic}} <- options(opts),
-         {:ok, [qw, kw, vw]} <- wire(q: q, k: k, v: v),
+    with {:ok, options, masks} <- options(opts, @padded_keys),
+         {:ok, tensors} <- wire(q: q, k: k, v: v),
+         {:ok, masks} <- wire_masks(masks),
          :ok <- loaded(),
-         {:ok, {o, o_shape}, {lse, lse_shape}} <- Nif.forward(qw, kw, vw, causal, scale, device) do
-      {:ok, result(q, o, o_shape, type_of(q)), result(q, lse, lse_shape, {:f, 32})}
+         {:ok, o, lse} <- Nif.forward(tensors, masks, options) do
+      {:ok, result(q, o, type_of(q)), result(q, lse, {:f, 32})}
     end
   end
 
   @doc """
   Gradients of a loss with respect to `q`, `k` and `v`, given `d_out` (its gradient with respect
   to `output`, shaped like `q`) and the `output` and `logsumexp` that `forward_with_states/4`
-  returned for the same inputs and options: `{:ok, dq, dk, dv}` with `dq` shaped like `q` and
-  `dk`, `dv` like `k`, in `q`'s type. Error messages call `output` and `logsumexp` `o` and `lse`.
+  returned for the same inputs and options (masks included): `{:ok, dq, dk, dv}` with `dq` shaped
+  like `q` and `dk`, `dv` like `k`, in `q`'s type. Error messages call `output` and `logsumexp`
+  `o` and `lse`.
   """
   @spec backward(tensor, tensor, tensor, tensor, tensor, tensor, [option]) ::
           {:ok, tensor, tensor, tensor} | {:error, reason}
@@ -129,13 +233,64 @@ defmodule ExPhil.Native.FlashAttention do
     # Named as the core names them, so every message about these arguments uses one name.
     args = [d_out: d_out, q: q, k: k, v: v, o: output, lse: logsumexp]
 
-    with {:ok, {causal, scale, device, deterministic}} <- options(opts),
-         {:ok, [dow, qw, kw, vw, ow, lw]} <- wire(args),
+    with {:ok, options, masks} <- options(opts, @padded_keys),
+         {:ok, tensors} <- wire(args),
+         {:ok, masks} <- wire_masks(masks),
          :ok <- loaded(),
-         {:ok, {dq, q_shape}, {dk, kv_shape}, {dv, _}} <-
-           Nif.backward(dow, qw, kw, vw, ow, lw, causal, scale, device, deterministic) do
+         {:ok, dq, dk, dv} <- Nif.backward(tensors, masks, options) do
       type = type_of(q)
-      {:ok, result(q, dq, q_shape, type), result(q, dk, kv_shape, type), result(q, dv, kv_shape, type)}
+      {:ok, result(q, dq, type), result(q, dk, type), result(q, dv, type)}
+    end
+  end
+
+  @doc """
+  Attention over a packed batch of sequences of different lengths: `q` `{total_q, heads, d}`,
+  `k` and `v` `{total_k, kv_heads, d}`, and `cu_seqlens_q`, `cu_seqlens_k` (`{:s, 32}`,
+  `{batch + 1}`: 0, then the running totals of the lengths): sequence `b` is query rows
+  `cu_seqlens_q[b]` to `cu_seqlens_q[b + 1] - 1` against key rows `cu_seqlens_k[b]` to
+  `cu_seqlens_k[b + 1] - 1`, attended on its own (`:causal` and `:window` aligned bottom-right
+  within it). `{:ok, output}` with output `{total_q, heads, d}` in `q`'s type.
+  """
+  @spec varlen_forward(tensor, tensor, tensor, tensor, tensor, [varlen_option]) ::
+          {:ok, tensor} | {:error, reason}
+  def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, opts \\ []) do
+    with {:ok, output, _logsumexp} <- varlen_forward_with_states(q, k, v, cu_seqlens_q, cu_seqlens_k, opts),
+         do: {:ok, output}
+  end
+
+  @doc """
+  `varlen_forward/6` with the row log-sum-exp the backward needs: `{:ok, output, logsumexp}`,
+  logsumexp `{heads, total_q}` in `{:f, 32}`.
+  """
+  @spec varlen_forward_with_states(tensor, tensor, tensor, tensor, tensor, [varlen_option]) ::
+          {:ok, tensor, tensor} | {:error, reason}
+  def varlen_forward_with_states(q, k, v, cu_seqlens_q, cu_seqlens_k, opts \\ []) do
+    with {:ok, options, _no_masks} <- options(opts, @varlen_keys),
+         {:ok, tensors} <- wire(q: q, k: k, v: v),
+         {:ok, cu} <- wire(cu_seqlens_q: cu_seqlens_q, cu_seqlens_k: cu_seqlens_k),
+         :ok <- loaded(),
+         {:ok, o, lse} <- Nif.varlen_forward(tensors, cu, options) do
+      {:ok, result(q, o, type_of(q)), result(q, lse, {:f, 32})}
+    end
+  end
+
+  @doc """
+  Gradients for a packed batch, as `backward/7` for `varlen_forward_with_states/6`: `d_out` and
+  `output` `{total_q, heads, d}`, `logsumexp` `{heads, total_q}`, and the forward's
+  `cu_seqlens_q`, `cu_seqlens_k` and options: `{:ok, dq, dk, dv}` shaped like `q`, `k` and `k`.
+  """
+  @spec varlen_backward(tensor, tensor, tensor, tensor, tensor, tensor, tensor, tensor, [varlen_option]) ::
+          {:ok, tensor, tensor, tensor} | {:error, reason}
+  def varlen_backward(d_out, q, k, v, output, logsumexp, cu_seqlens_q, cu_seqlens_k, opts \\ []) do
+    args = [d_out: d_out, q: q, k: k, v: v, o: output, lse: logsumexp]
+
+    with {:ok, options, _no_masks} <- options(opts, @varlen_keys),
+         {:ok, tensors} <- wire(args),
+         {:ok, cu} <- wire(cu_seqlens_q: cu_seqlens_q, cu_seqlens_k: cu_seqlens_k),
+         :ok <- loaded(),
+         {:ok, dq, dk, dv} <- Nif.varlen_backward(tensors, cu, options) do
+      type = type_of(q)
+      {:ok, result(q, dq, type), result(q, dk, type), result(q, dv, type)}
     end
   end
 
@@ -151,6 +306,23 @@ defmodule ExPhil.Native.FlashAttention do
   @spec backward!(tensor, tensor, tensor, tensor, tensor, tensor, [option]) :: {tensor, tensor, tensor}
   def backward!(d_out, q, k, v, output, logsumexp, opts \\ []),
     do: d_out |> backward(q, k, v, output, logsumexp, opts) |> unwrap!()
+
+  @doc "Like `varlen_forward/6`, but returns the output and raises on error."
+  @spec varlen_forward!(tensor, tensor, tensor, tensor, tensor, [varlen_option]) :: tensor
+  def varlen_forward!(q, k, v, cu_seqlens_q, cu_seqlens_k, opts \\ []),
+    do: q |> varlen_forward(k, v, cu_seqlens_q, cu_seqlens_k, opts) |> unwrap!()
+
+  @doc "Like `varlen_forward_with_states/6`, but returns `{output, logsumexp}` and raises on error."
+  @spec varlen_forward_with_states!(tensor, tensor, tensor, tensor, tensor, [varlen_option]) ::
+          {tensor, tensor}
+  def varlen_forward_with_states!(q, k, v, cu_seqlens_q, cu_seqlens_k, opts \\ []),
+    do: q |> varlen_forward_with_states(k, v, cu_seqlens_q, cu_seqlens_k, opts) |> unwrap!()
+
+  @doc "Like `varlen_backward/9`, but returns `{dq, dk, dv}` and raises on error."
+  @spec varlen_backward!(tensor, tensor, tensor, tensor, tensor, tensor, tensor, tensor, [varlen_option]) ::
+          {tensor, tensor, tensor}
+  def varlen_backward!(d_out, q, k, v, output, logsumexp, cu_seqlens_q, cu_seqlens_k, opts \\ []),
+    do: d_out |> varlen_backward(q, k, v, output, logsumexp, cu_seqlens_q, cu_seqlens_k, opts) |> unwrap!()
 
   @doc """
   What the native library offers: `{:ok, %{version: String.t, backends: [:cpu | :cuda]}}`.
@@ -211,52 +383,95 @@ defmodule ExPhil.Native.FlashAttention do
 
   ## Options
 
-  @option_keys [:causal, :scale, :device, :deterministic]
   @devices [:auto, :cpu, :cuda]
+  # The NIF's options map: every key, defaults filled (the one place they are set).
+  @defaults %{causal: true, scale: nil, device: :cpu, deterministic: false, window: {nil, nil}}
+  @max_i64 0x7FFFFFFFFFFFFFFF
 
-  # {:ok, {causal, scale_or_nil, device, deterministic}}: types are checked here, values
-  # (scale > 0) in the core.
-  defp options(opts) when is_list(opts) do
-    Enum.reduce_while(opts, {:ok, {true, nil, :cpu, false}}, fn
-      {:causal, c}, {:ok, {_, s, d, x}} when is_boolean(c) ->
-        {:cont, {:ok, {c, s, d, x}}}
+  # {:ok, options_map, masks}: the NIF's options, and the mask options given (a keyword list of
+  # the caller's tensors). Types are checked here, values (scale > 0, mask shapes) in the core.
+  defp options(opts, keys) when is_list(opts) do
+    Enum.reduce_while(opts, {:ok, @defaults, []}, fn
+      {key, value}, {:ok, options, masks} when is_atom(key) ->
+        cond do
+          key not in keys and key in @mask_keys ->
+            {:halt,
+             unsupported(
+               "the #{inspect(key)} option does not apply to a varlen call (each packed sequence " <>
+                 "is attended on its own); the options are #{inspect(keys)}"
+             )}
 
-      {:scale, s}, {:ok, {c, _, d, x}} when is_float(s) ->
-        {:cont, {:ok, {c, s, d, x}}}
+          key not in keys ->
+            {:halt, unsupported("unknown option #{inspect(key)}; the options are #{inspect(keys)}")}
 
-      {:scale, s}, {:ok, {c, _, d, x}} when is_integer(s) and abs(s) < 1.0e300 ->
-        {:cont, {:ok, {c, s * 1.0, d, x}}}
+          key in @mask_keys ->
+            case mask(key, value) do
+              :ok when value == nil -> {:cont, {:ok, options, Keyword.delete(masks, key)}}
+              :ok -> {:cont, {:ok, options, Keyword.put(masks, key, value)}}
+              error -> {:halt, error}
+            end
 
-      {:scale, nil}, {:ok, {c, _, d, x}} ->
-        {:cont, {:ok, {c, nil, d, x}}}
-
-      {:device, d}, {:ok, {c, s, _, x}} when d in @devices ->
-        {:cont, {:ok, {c, s, d, x}}}
-
-      {:deterministic, x}, {:ok, {c, s, d, _}} when is_boolean(x) ->
-        {:cont, {:ok, {c, s, d, x}}}
-
-      {:causal, c}, _ ->
-        {:halt, unsupported("the :causal option must be true or false, got: #{inspect(c)}")}
-
-      {:scale, s}, _ ->
-        {:halt, unsupported("the :scale option must be a positive number or nil, got: #{inspect(s)}")}
-
-      {:device, d}, _ ->
-        {:halt, unsupported("the :device option must be :auto, :cpu or :cuda, got: #{inspect(d)}")}
-
-      {:deterministic, x}, _ ->
-        {:halt, unsupported("the :deterministic option must be true or false, got: #{inspect(x)}")}
-
-      {key, _}, _ when is_atom(key) ->
-        {:halt, unsupported("unknown option #{inspect(key)}; the options are #{inspect(@option_keys)}")}
+          true ->
+            case option(key, value) do
+              {:ok, v} -> {:cont, {:ok, Map.put(options, key, v), masks}}
+              error -> {:halt, error}
+            end
+        end
 
       other, _ ->
         {:halt, unsupported("options must be a keyword list, got the element #{inspect(other)}")}
     end)
   end
 
-  defp options(opts), do: unsupported("options must be a keyword list, got: #{inspect(opts)}")
+  defp options(opts, _keys), do: unsupported("options must be a keyword list, got: #{inspect(opts)}")
+
+  # One option's value as the NIF takes it.
+  defp option(:causal, c) when is_boolean(c), do: {:ok, c}
+  defp option(:scale, s) when is_float(s) or is_nil(s), do: {:ok, s}
+  defp option(:scale, s) when is_integer(s) and abs(s) < 1.0e300, do: {:ok, s * 1.0}
+  defp option(:device, d) when d in @devices, do: {:ok, d}
+  defp option(:deterministic, x) when is_boolean(x), do: {:ok, x}
+  defp option(:window, nil), do: {:ok, {nil, nil}}
+
+  defp option(:window, {left, right} = w) do
+    if side?(left) and side?(right),
+      do: {:ok, {side(left), side(right)}},
+      else: window_error(w)
+  end
+
+  defp option(:causal, c), do: unsupported("the :causal option must be true or false, got: #{inspect(c)}")
+
+  defp option(:scale, s),
+    do: unsupported("the :scale option must be a positive number or nil, got: #{inspect(s)}")
+
+  defp option(:device, d),
+    do: unsupported("the :device option must be :auto, :cpu or :cuda, got: #{inspect(d)}")
+
+  defp option(:deterministic, x),
+    do: unsupported("the :deterministic option must be true or false, got: #{inspect(x)}")
+
+  defp option(:window, w), do: window_error(w)
+
+  defp window_error(w) do
+    unsupported(
+      "the :window option must be {left, right}, each a non-negative integer or :infinity " <>
+        "(or nil for no window), got: #{inspect(w)}"
+    )
+  end
+
+  # :infinity (unbounded) travels as nil; larger integers than the core's i64 are refused.
+  defp side?(x), do: x == :infinity or (is_integer(x) and x >= 0 and x <= @max_i64)
+  defp side(:infinity), do: nil
+  defp side(x), do: x
+
+  # Mask values are tensors, checked when wired; nil means not given.
+  defp mask(_key, nil), do: :ok
+  defp mask(:segment_ids, {_seg_q, _seg_k}), do: :ok
+
+  defp mask(:segment_ids, other),
+    do: unsupported("the :segment_ids option must be a tuple {seg_q, seg_k} of tensors, got: #{short(other)}")
+
+  defp mask(_key, _tensor), do: :ok
 
   defp unsupported(message), do: {:error, {:unsupported, message}}
 
@@ -273,6 +488,26 @@ defmodule ExPhil.Native.FlashAttention do
     |> case do
       {:ok, acc} -> {:ok, Enum.reverse(acc)}
       error -> error
+    end
+  end
+
+  # The NIF's masks map from the mask options: segment ids travel as {seg_q, seg_k}, named
+  # seg_q and seg_k in messages.
+  defp wire_masks(masks) do
+    named =
+      Enum.flat_map(masks, fn
+        {:segment_ids, {seg_q, seg_k}} -> [seg_q: seg_q, seg_k: seg_k]
+        other -> [other]
+      end)
+
+    with {:ok, wired} <- wire(named) do
+      {segments, rest} =
+        named |> Keyword.keys() |> Enum.zip(wired) |> Map.new() |> Map.split([:seg_q, :seg_k])
+
+      case segments do
+        %{seg_q: q, seg_k: k} -> {:ok, Map.put(rest, :segment_ids, {q, k})}
+        _ -> {:ok, rest}
+      end
     end
   end
 
@@ -326,16 +561,18 @@ defmodule ExPhil.Native.FlashAttention do
   defp type_name({:f, 32}), do: "float32"
   defp type_name({:f, 16}), do: "float16"
   defp type_name({:bf, 16}), do: "bfloat16"
+  defp type_name({:s, 32}), do: "int32"
+  defp type_name({:u, 8}), do: "uint8"
   defp type_name(other), do: inspect(other)
 
   defp type_of(%Tensor{type: type}), do: type
   defp type_of(%{__struct__: Nx.Tensor} = t), do: Nx.type(t)
 
-  # Results take the form of q: Nx tensors when q is one, Tensor structs otherwise.
-  defp result(%{__struct__: Nx.Tensor}, data, shape, type),
+  # A NIF output {data, shape} in the form of q: an Nx tensor when q is one, else a Tensor struct.
+  defp result(%{__struct__: Nx.Tensor}, {data, shape}, type),
     do: data |> Nx.from_binary(type) |> Nx.reshape(shape)
 
-  defp result(_q, data, shape, type), do: %Tensor{data: data, shape: shape, type: type}
+  defp result(_q, {data, shape}, type), do: %Tensor{data: data, shape: shape, type: type}
 
   defp short(term), do: inspect(term, limit: 5, printable_limit: 40)
 end

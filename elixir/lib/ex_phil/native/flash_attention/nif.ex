@@ -2,9 +2,11 @@ defmodule ExPhil.Native.FlashAttention.Nif do
   @moduledoc false
   # The NIF stubs and their loading. Use ExPhil.Native.FlashAttention instead.
   #
-  # Wire format (see native/flash-nif/src/tensor.rs): a tensor goes in as
-  # {data, [dim, ...], dtype_name} and comes out as {data, {dim, ...}}; every call returns
-  # {:ok, ...} or {:error, {kind, message}}.
+  # Wire format (see native/flash-nif/src/tensor.rs and args.rs): a tensor goes in as
+  # {data, [dim, ...], dtype_name} and comes out as {data, {dim, ...}}. A compute function takes
+  # the list of its tensors, its masks (a map of mask tensors: :segment_ids => {seg_q, seg_k},
+  # :seqused_k, :leftpad_k, :block_mask; or, varlen, the list [cu_seqlens_q, cu_seqlens_k]) and
+  # the map of every option. Every call returns {:ok, ...} or {:error, {kind, message}}.
   #
   # Loading never fails the module: @on_load records why the library could not be used (missing,
   # unloadable, or stale) in :persistent_term and logs it, and status/0 reports it, so the public
@@ -12,7 +14,7 @@ defmodule ExPhil.Native.FlashAttention.Nif do
 
   @on_load :load
   # Must equal NIF_API in native/flash-nif/src/lib.rs; bump both together.
-  @nif_api 2
+  @nif_api 3
   @status_key {__MODULE__, :status}
   # The project's version is the Rust workspace's (see mix.exs), so it must equal the library's.
   @external_resource Path.expand("../../../../../Cargo.toml", __DIR__)
@@ -73,10 +75,10 @@ defmodule ExPhil.Native.FlashAttention.Nif do
   # Stubs, replaced by the NIF when it loads.
   def nif_api, do: :erlang.nif_error(:nif_not_loaded)
   def info, do: :erlang.nif_error(:nif_not_loaded)
-  def forward(_q, _k, _v, _causal, _scale, _device), do: :erlang.nif_error(:nif_not_loaded)
-
-  def backward(_d_out, _q, _k, _v, _o, _lse, _causal, _scale, _device, _deterministic),
-    do: :erlang.nif_error(:nif_not_loaded)
+  def forward(_tensors, _masks, _options), do: :erlang.nif_error(:nif_not_loaded)
+  def backward(_tensors, _masks, _options), do: :erlang.nif_error(:nif_not_loaded)
+  def varlen_forward(_tensors, _cu_seqlens, _options), do: :erlang.nif_error(:nif_not_loaded)
+  def varlen_backward(_tensors, _cu_seqlens, _options), do: :erlang.nif_error(:nif_not_loaded)
 
   def debug_panic, do: :erlang.nif_error(:nif_not_loaded)
 end

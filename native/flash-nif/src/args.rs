@@ -1,0 +1,97 @@
+//! The non-tensor halves of a call: its options map and its mask tensors. The Elixir wrapper
+//! checks options first, with messages in its own terms, and fills every default; what fails
+//! here is a term the wrapper never sends (the stubs module called directly): an `:argument` error.
+
+use crate::reply::Reason;
+use crate::tensor::{HostTensor, IndexTensor};
+use flash_core::{Device, MaskArgs, MaskBuffers, Options, Window};
+use rustler::{Atom, Decoder, Term};
+
+rustler::atoms! {
+    causal,
+    scale,
+    device,
+    deterministic,
+    window,
+    segment_ids,
+    seqused_k,
+    leftpad_k,
+    block_mask,
+}
+
+fn field<'a, T: Decoder<'a>>(map: Term<'a>, key: Atom, name: &str, what: &str) -> Result<T, Reason> {
+    map.map_get(key)
+        .and_then(|t| t.decode())
+        .map_err(|_| Reason::argument(format!("options must be a map whose {name} is {what}")))
+}
+
+/// `%{causal: boolean, scale: nil | float, device: :auto | :cpu | :cuda, deterministic: boolean,
+/// window: {nil | integer, nil | integer}}` (`nil`: unbounded side), every key present.
+pub fn options(map: Term) -> Result<(Options, Device), Reason> {
+    let (left, right): (Option<i64>, Option<i64>) =
+        field(map, window(), "window", "{nil | integer, nil | integer}")?;
+    let opts = Options {
+        causal: field(map, causal(), "causal", "a boolean")?,
+        scale: field(map, scale(), "scale", "nil or a float")?,
+        deterministic: field(map, deterministic(), "deterministic", "a boolean")?,
+        window: Window { left, right },
+    };
+    let device: Term = field(map, device(), "device", "an atom")?;
+    let device = device
+        .atom_to_string()
+        .map_err(|_| Reason::argument("options.device must be :auto, :cpu or :cuda".into()))?;
+    Ok((opts, Device::parse(&device)?))
+}
+
+/// The mask tensors of a padded call, borrowing the caller's binaries.
+pub struct Masks<'a> {
+    segment_ids: Option<(HostTensor<'a>, HostTensor<'a>)>,
+    seqused_k: Option<IndexTensor<'a>>,
+    leftpad_k: Option<IndexTensor<'a>>,
+    block_mask: Option<HostTensor<'a>>,
+}
+
+impl<'a> Masks<'a> {
+    /// `%{segment_ids: {seg_q, seg_k}, seqused_k: t, leftpad_k: t, block_mask: t}`, each key
+    /// optional (absent: not given).
+    pub fn decode(map: Term<'a>) -> Result<Masks<'a>, Reason> {
+        if !map.is_map() {
+            return Err(Reason::argument("masks must be a map".into()));
+        }
+        let get = |key: Atom| map.map_get(key).ok();
+        let segment_ids = match get(segment_ids()) {
+            None => None,
+            Some(pair) => {
+                let (q, k): (Term, Term) = pair
+                    .decode()
+                    .map_err(|_| Reason::argument("masks.segment_ids must be a tuple {seg_q, seg_k}".into()))?;
+                Some((HostTensor::decode(q, "seg_q")?, HostTensor::decode(k, "seg_k")?))
+            }
+        };
+        Ok(Masks {
+            segment_ids,
+            seqused_k: get(seqused_k()).map(|t| IndexTensor::decode(t, "seqused_k")).transpose()?,
+            leftpad_k: get(leftpad_k()).map(|t| IndexTensor::decode(t, "leftpad_k")).transpose()?,
+            block_mask: get(block_mask()).map(|t| HostTensor::decode(t, "block_mask")).transpose()?,
+        })
+    }
+
+    /// What the core validates.
+    pub fn args(&self) -> MaskArgs<'_> {
+        MaskArgs {
+            segment_ids: self.segment_ids.as_ref().map(|(q, k)| (q.spec(), k.spec())),
+            seqused_k: self.seqused_k.as_ref().map(IndexTensor::arg),
+            leftpad_k: self.leftpad_k.as_ref().map(IndexTensor::arg),
+            block_mask: self.block_mask.as_ref().map(HostTensor::spec),
+        }
+    }
+
+    /// What the kernels read.
+    pub fn buffers(&self) -> MaskBuffers<'_> {
+        MaskBuffers {
+            seg_q: self.segment_ids.as_ref().map(|(q, _)| q.bytes()),
+            seg_k: self.segment_ids.as_ref().map(|(_, k)| k.bytes()),
+            block_mask: self.block_mask.as_ref().map(HostTensor::bytes),
+        }
+    }
+}
