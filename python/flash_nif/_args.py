@@ -53,7 +53,8 @@ def masks(segment_ids, seqused_k, leftpad_k, block_mask) -> dict:
     named = {}
     if segment_ids is not None:
         if not (isinstance(segment_ids, tuple) and len(segment_ids) == 2):
-            raise UnsupportedError(f"segment_ids must be a (seg_q, seg_k) tuple of arrays; got {type(segment_ids).__name__}")
+            got = f"a tuple of {len(segment_ids)}" if isinstance(segment_ids, tuple) else type(segment_ids).__name__
+            raise UnsupportedError(f"segment_ids must be a (seg_q, seg_k) tuple of arrays; got {got}")
         named.update(zip(SEGMENT_NAMES, segment_ids))
     named.update((n, x) for n, x in zip(INDEX_NAMES, (seqused_k, leftpad_k)) if x is not None)
     if block_mask is not None:
@@ -89,7 +90,7 @@ def host_array(x, name: str) -> np.ndarray:
 def check_int32_range(name: str, dtype, lo: int, hi: int) -> None:
     """Values [lo, hi] of an integer array of another dtype must fit int32 to be converted."""
     if lo < _INT32.min or hi > _INT32.max:
-        raise DTypeError(f"{name} has dtype {dtype} with values outside int32's range [{lo}, {hi}]; it must be int32")
+        raise DTypeError(f"{name} has dtype {dtype} and values in [{lo}, {hi}], outside int32's range; it must be int32")
 
 
 def host_int32(x, name: str) -> np.ndarray:

@@ -128,7 +128,9 @@ class _Tensors:
         return (self.ptr(a), _shape(a), _dtype_name(a))
 
     def int32(self, a, name):
-        """a as int32 on its device: another integer dtype is converted when its values fit."""
+        """a as int32 on its device: another integer dtype is converted when its values fit. The
+        copy replaces t[name], so it lives as long as the call's other arrays (its pointer is
+        passed on; freed earlier, its memory could be handed to the next conversion)."""
         if self.kind == "torch":
             import torch
 
@@ -137,15 +139,18 @@ class _Tensors:
                 return a  # the core names any other dtype in a DTypeError
             if a.numel():
                 _args.check_int32_range(name, _dtype_name(a), int(a.min()), int(a.max()))
-            return a.to(torch.int32)
-        if a.dtype.kind not in "iu" or a.dtype == np.int32:
-            return a
-        import cupy
+            a = a.to(torch.int32)
+        else:
+            if a.dtype.kind not in "iu" or a.dtype == np.int32:
+                return a
+            import cupy
 
-        with cupy.cuda.Device(self.device):
-            if a.size:
-                _args.check_int32_range(name, a.dtype, int(a.min()), int(a.max()))
-            return a.astype(np.int32)
+            with cupy.cuda.Device(self.device):
+                if a.size:
+                    _args.check_int32_range(name, a.dtype, int(a.min()), int(a.max()))
+                a = a.astype(np.int32)
+        self.named[name] = a
+        return a
 
     def host_int32(self, a, name) -> np.ndarray:
         """An int32 NumPy copy of a small index array (the core reads its values)."""

@@ -133,9 +133,9 @@ pub fn parse<'py, T>(
             ("scale", _) => opts.scale = value.extract().map_err(|_| bad("scale must be a number or None"))?,
             ("deterministic", _) => opts.deterministic = value.extract().map_err(|_| bad("deterministic must be a bool"))?,
             ("window", _) => {
-                let (left, right) = value
-                    .extract()
-                    .map_err(|_| bad("window must be a (left, right) tuple of non-negative ints or None"))?;
+                let (left, right) = value.extract().map_err(|_| {
+                    bad(&format!("window must be a (left, right) tuple of non-negative ints or None; got {value}"))
+                })?;
                 opts.window = Window { left, right };
             }
             ("segment_ids", Some(read)) => {
