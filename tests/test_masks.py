@@ -118,7 +118,7 @@ def i32(*xs):
 CASES = {
     "window": ((2, 37, 53, 4, 2, 16), False, lambda r: dict(window=(8, 3))),
     "window-causal-left": ((2, 53, 37, 2, 2, 16), True, lambda r: dict(window=(5, None))),
-    "window-diagonal": ((1, 40, 40, 2, 1, 8), False, lambda r: dict(window=(0, 0))),
+    "window-narrow": ((1, 40, 40, 2, 1, 8), False, lambda r: dict(window=(1, 1))),  # (0, 0): dq = 0 exactly
     "window-right-only": ((1, 30, 50, 2, 2, 8), False, lambda r: dict(window=(None, 4))),
     "window-causal-unbounded": ((1, 33, 33, 2, 2, 8), True, lambda r: dict(window=(None, None))),
     "segments": ((2, 45, 45, 2, 1, 16), True, lambda r: dict(segment_ids=(documents(r, 2, 45, 4),) * 2)),
