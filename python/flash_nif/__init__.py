@@ -22,8 +22,6 @@ Masks (sliding windows, segment ids, key padding, block masks) are keyword optio
 
 from __future__ import annotations
 
-import numpy as np
-
 from . import _args, _native
 from . import _cuda  # GPU arrays (CuPy, torch, DLPack) dispatch
 from . import varlen  # packed variable-length batches (cu_seqlens)

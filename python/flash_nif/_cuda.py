@@ -7,6 +7,10 @@ producers on a CUDA device are viewed through ``cupy.from_dlpack`` (zero copy) a
 Nothing is synchronised: the kernels are queued on that stream like the library's own work.
 Non-contiguous inputs are made contiguous by the array library first.
 
+Mask arrays and cu_seqlens are inputs like the others (same library, same device); the small
+index arrays (seqused_k, leftpad_k, cu_seqlens) are then copied to the host, since the core checks
+their values and sizes the launch from them.
+
 NumPy inputs with ``device="cuda"`` do not come here: the core copies them to GPU 0 and back.
 Mixing kinds (NumPy with CuPy) or devices (two GPUs) raises DeviceError; there is never a silent
 fallback from a requested GPU to the CPU.
