@@ -14,14 +14,17 @@ lse            [B, H, Sq]           float32, natural log of each row's sum
 j <= i + Sk - Sq); ``scale`` defaults to 1/sqrt(D). A row that sees no key gives
 o = 0, lse = -inf and zero gradients. Arithmetic is f32 whatever the storage dtype.
 Non-contiguous or byte-swapped inputs are copied to C order first, never misread.
+
+Masks (sliding windows, segment ids, key padding, block masks) are keyword options of
+:func:`forward_with_states`, :func:`forward` and :func:`backward`; packed variable-length batches
+(``cu_seqlens``) are :mod:`flash_nif.varlen`.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
+from . import _args, _native
 from . import _cuda  # GPU arrays (CuPy, torch, DLPack) dispatch
-from . import _native
+from . import varlen  # packed variable-length batches (cu_seqlens)
 from . import errors, reference  # reference: the float64 oracle, flash_nif.reference.forward(...)
 from .errors import (
     CompileError,
@@ -37,46 +40,71 @@ from .errors import (
 __version__ = _native.info()["version"]
 
 
-def _host_array(x, name: str) -> np.ndarray:
-    """A C-contiguous, native-byte-order NumPy array with x's values (a copy only if needed)."""
-    if not isinstance(x, np.ndarray):
-        raise DTypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
-    try:
-        if not x.dtype.isnative:
-            x = x.astype(x.dtype.newbyteorder("="))
-        return np.ascontiguousarray(x)
-    except MemoryError as e:
-        raise OutOfMemoryError(f"cannot make a contiguous copy of {name} with shape {x.shape}") from e
-
-
-def _options(causal, scale, device) -> tuple[bool, float | None, str]:
-    """Checks the keyword options' Python types; the core checks their values."""
-    if not isinstance(causal, (bool, np.bool_)):
-        raise UnsupportedError(f"causal must be a bool, got {causal!r}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer))):
-        raise UnsupportedError(f"scale must be a number or None, got {scale!r}")
-    if device is not None and not isinstance(device, str):
-        raise UnsupportedError(f"device must be None, 'cpu', 'cuda' or 'auto'; got {device!r}")
-    # NumPy data runs on the CPU unless a device is asked for by name.
-    return bool(causal), None if scale is None else float(scale), device or "cpu"
-
-
-def forward_with_states(q, k, v, *, causal: bool = True, scale: float | None = None, device: str | None = None):
+def forward_with_states(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    segment_ids=None,
+    seqused_k=None,
+    leftpad_k=None,
+    block_mask=None,
+    device: str | None = None,
+):
     """Attention output and log-sum-exp.
 
     q: [B, Sq, H, D]; k, v: [B, Sk, Hkv, D]. Returns (o [B, Sq, H, D] in q's dtype,
-    lse [B, H, Sq] float32). Keep both for :func:`backward`.
+    lse [B, H, Sq] float32). Keep both for :func:`backward`, with the same options and masks.
+
+    Masks (all optional, all intersect; ``causal`` too):
+
+    * ``window=(left, right)``: query i sees relative keys in ``[i + off - left, i + off + right]``,
+      ``off`` aligning the diagonal bottom-right as ``causal`` does; each side an int >= 0, or None
+      for unbounded. ``causal`` caps ``right`` at 0.
+    * ``segment_ids=(seg_q [B, Sq], seg_k [B, Sk])``: query i sees key j only where
+      ``seg_q[b, i] == seg_k[b, j]`` (documents packed into one row).
+    * ``seqused_k [B]``, ``leftpad_k [B]``: batch row b's valid keys are
+      ``[leftpad_k[b], seqused_k[b])`` (defaults 0 and Sk); the diagonal and window are counted from
+      ``leftpad_k[b]``, with ``off = seqused_k[b] - leftpad_k[b] - Sq``.
+    * ``block_mask [B or 1, H or 1, ceil(Sq/128), ceil(Sk/128)]`` bool or uint8: 0 hides the
+      128 x 128 tile of queries and keys (FlexAttention's block size).
+
+    Index arrays are int32; an array of another integer dtype is converted when its values fit.
+    NumPy arrays with NumPy data; with GPU data, arrays of the same library on the same device
+    (seqused_k and leftpad_k are copied to the host: the core checks their values).
+    A row that sees no key gives o = 0, lse = -inf and zero gradients.
     """
-    opts = _options(causal, scale, device)
-    if _cuda.any_gpu(q, k, v):
-        return _cuda.forward_with_states(q, k, v, opts[0], opts[1], device)
-    q, k, v = (_host_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    return _native.forward_host_arrays([q, k, v], opts[2], causal=opts[0], scale=opts[1])
+    opts, host_device = _args.options(causal, scale, window, device)
+    masks = _args.masks(segment_ids, seqused_k, leftpad_k, block_mask)
+    if _cuda.any_gpu(q, k, v, *masks.values()):
+        return _cuda.forward_with_states((q, k, v), opts, device, masks)
+    q, k, v = (_args.host_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    return _native.forward_host_arrays([q, k, v], host_device, **opts, **_args.host_masks(masks))
 
 
-def forward(q, k, v, *, causal: bool = True, scale: float | None = None, device: str | None = None):
-    """Attention output o [B, Sq, H, D] (q's dtype) for q [B, Sq, H, D], k, v [B, Sk, Hkv, D]."""
-    return forward_with_states(q, k, v, causal=causal, scale=scale, device=device)[0]
+def forward(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    segment_ids=None,
+    seqused_k=None,
+    leftpad_k=None,
+    block_mask=None,
+    device: str | None = None,
+):
+    """Attention output o [B, Sq, H, D] (q's dtype) for q [B, Sq, H, D], k, v [B, Sk, Hkv, D];
+    options and masks as :func:`forward_with_states`."""
+    return forward_with_states(
+        q, k, v, causal=causal, scale=scale, window=window, segment_ids=segment_ids, seqused_k=seqused_k,
+        leftpad_k=leftpad_k, block_mask=block_mask, device=device,
+    )[0]
 
 
 def backward(
@@ -89,26 +117,32 @@ def backward(
     *,
     causal: bool = True,
     scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    segment_ids=None,
+    seqused_k=None,
+    leftpad_k=None,
+    block_mask=None,
     device: str | None = None,
     deterministic: bool = False,
 ):
     """Gradients (dq [B, Sq, H, D], dk [B, Sk, Hkv, D], dv [B, Sk, Hkv, D]) in q's dtype.
 
     do is the gradient of the loss with respect to o; o and lse are what
-    :func:`forward_with_states` returned for the same q, k, v and options.
-    dk and dv sum over the query heads that share each kv head.
+    :func:`forward_with_states` returned for the same q, k, v, options and masks.
+    dk and dv sum over the query heads that share each kv head. Masks as
+    :func:`forward_with_states` (the forward's own).
 
     The CPU backward is always bit-identical run to run (and across thread counts). On a GPU the
     default sums dQ with float32 atomics (faster; dq may differ in its last bits from run to run,
     dk and dv never do); ``deterministic=True`` takes the atomic-free path instead.
     """
-    opts = _options(causal, scale, device)
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise UnsupportedError(f"deterministic must be a bool, got {deterministic!r}")
-    if _cuda.any_gpu(do, q, k, v, o, lse):
-        return _cuda.backward(do, q, k, v, o, lse, opts[0], opts[1], device, bool(deterministic))
-    arrays = [_host_array(x, n) for x, n in ((do, "do"), (q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"))]
-    return _native.backward_host_arrays(arrays, opts[2], causal=opts[0], scale=opts[1], deterministic=bool(deterministic))
+    opts, host_device = _args.options(causal, scale, window, device, deterministic)
+    masks = _args.masks(segment_ids, seqused_k, leftpad_k, block_mask)
+    if _cuda.any_gpu(do, q, k, v, o, lse, *masks.values()):
+        return _cuda.backward((do, q, k, v, o, lse), opts, device, masks)
+    names = ("do", "q", "k", "v", "o", "lse")
+    arrays = [_args.host_array(x, n) for x, n in zip((do, q, k, v, o, lse), names)]
+    return _native.backward_host_arrays(arrays, host_device, **opts, **_args.host_masks(masks))
 
 
 def info() -> dict:
@@ -123,6 +157,7 @@ def cuda_available() -> bool:
 
 
 __all__ = [
+    "varlen",
     "forward",
     "forward_with_states",
     "backward",

@@ -7,6 +7,10 @@ producers on a CUDA device are viewed through ``cupy.from_dlpack`` (zero copy) a
 Nothing is synchronised: the kernels are queued on that stream like the library's own work.
 Non-contiguous inputs are made contiguous by the array library first.
 
+Mask arrays and cu_seqlens are inputs like the others (same library, same device); the small
+index arrays (seqused_k, leftpad_k, cu_seqlens) are then copied to the host, since the core checks
+their values and sizes the launch from them.
+
 NumPy inputs with ``device="cuda"`` do not come here: the core copies them to GPU 0 and back.
 Mixing kinds (NumPy with CuPy) or devices (two GPUs) raises DeviceError; there is never a silent
 fallback from a requested GPU to the CPU.
@@ -18,7 +22,7 @@ import sys
 
 import numpy as np
 
-from . import _native
+from . import _args, _native
 from .errors import DeviceError, DTypeError, UnsupportedError  # noqa: F401
 
 _KDL_CUDA = 2  # DLPack device type of CUDA memory
@@ -58,14 +62,10 @@ def any_gpu(*xs) -> bool:
 
 
 def _dtype_name(x) -> str:
-    kind = _kind(x)
-    if kind == "torch":
-        import torch
-
-        names = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-        if x.dtype not in names:
-            raise DTypeError(f"unsupported dtype {x.dtype}; expected float32, float16 or bfloat16")
-        return names[x.dtype]
+    """The dtype's name as NumPy spells it ("float32", "bfloat16", "int32", "bool"); the core
+    judges it and names the argument."""
+    if _kind(x) == "torch":
+        return str(x.dtype).removeprefix("torch.")
     return np.dtype(x.dtype).name
 
 
@@ -74,9 +74,10 @@ def _device_id(x) -> int:
 
 
 class _Tensors:
-    """Inputs of one call, all of one kind on one device, made contiguous."""
+    """Arrays of one call by name, all of one kind on one device, made contiguous."""
 
-    def __init__(self, names, arrays):
+    def __init__(self, named: dict):
+        names, arrays = list(named), list(named.values())
         kinds = {_kind(a) for a in arrays}
         if len(kinds) != 1 or not kinds <= set(_GPU_KINDS):
             desc = ", ".join(f"{n}: {_kind(a)}" for n, a in zip(names, arrays))
@@ -96,7 +97,7 @@ class _Tensors:
         self.kind = kind
         self.device = devices.pop()
         if kind == "torch":
-            self.arrays = [a.detach().contiguous() for a in arrays]
+            arrays = [a.detach().contiguous() for a in arrays]
             import torch
 
             self.stream = torch.cuda.current_stream(self.device).cuda_stream
@@ -104,61 +105,128 @@ class _Tensors:
             import cupy
 
             with cupy.cuda.Device(self.device):
-                self.arrays = [cupy.ascontiguousarray(a) for a in arrays]
+                arrays = [cupy.ascontiguousarray(a) for a in arrays]
                 self.stream = cupy.cuda.get_current_stream().ptr
+        self.named = dict(zip(names, arrays))
 
-    def empty(self, shape, like=None, float32=False):
-        ref = self.arrays[0] if like is None else like
+    def __getitem__(self, name):
+        return self.named[name]
+
+    def empty(self, shape, like, float32=False):
         if self.kind == "torch":
             import torch
 
-            return torch.empty(tuple(shape), dtype=torch.float32 if float32 else ref.dtype, device=ref.device)
+            return torch.empty(tuple(shape), dtype=torch.float32 if float32 else like.dtype, device=like.device)
         import cupy
 
         with cupy.cuda.Device(self.device):
-            return cupy.empty(tuple(shape), dtype=np.float32 if float32 else ref.dtype)
+            return cupy.empty(tuple(shape), dtype=np.float32 if float32 else like.dtype)
 
     def ptr(self, a) -> int:
         if a is None:
             return 0
         return a.data_ptr() if self.kind == "torch" else a.data.ptr
 
-    def describe(self, names):
-        """[(pointer, shape, dtype name)] of the inputs, for the core's validation."""
-        return [(self.ptr(a), _shape(a), _dtype_name(a)) for a in self.arrays]
+    def describe(self, a, name=None):
+        """(pointer, shape, dtype name) of a GPU array, for the core's validation."""
+        return (self.ptr(a), _shape(a), _dtype_name(a))
+
+    def int32(self, a, name):
+        """a as int32 on its device: another integer dtype is converted when its values fit. The
+        copy replaces t[name], so it lives as long as the call's other arrays (its pointer is
+        passed on; freed earlier, its memory could be handed to the next conversion)."""
+        if self.kind == "torch":
+            import torch
+
+            integer = not (a.dtype.is_floating_point or a.dtype.is_complex or a.dtype == torch.bool)
+            if not integer or a.dtype == torch.int32:
+                return a  # the core names any other dtype in a DTypeError
+            if a.numel():
+                _args.check_int32_range(name, _dtype_name(a), int(a.min()), int(a.max()))
+            a = a.to(torch.int32)
+        else:
+            if a.dtype.kind not in "iu" or a.dtype == np.int32:
+                return a
+            import cupy
+
+            with cupy.cuda.Device(self.device):
+                if a.size:
+                    _args.check_int32_range(name, a.dtype, int(a.min()), int(a.max()))
+                a = a.astype(np.int32)
+        self.named[name] = a
+        return a
+
+    def host_int32(self, a, name) -> np.ndarray:
+        """An int32 NumPy copy of a small index array (the core reads its values)."""
+        a = self.int32(a, name)
+        if self.kind == "torch":
+            if _dtype_name(a) != "int32":  # not every torch dtype has a NumPy twin to hand the core
+                raise DTypeError(f"{name} has dtype {_dtype_name(a)}; it must be int32")
+            return np.ascontiguousarray(a.cpu().numpy())
+        import cupy
+
+        return np.ascontiguousarray(cupy.asnumpy(a))
 
 
 def _shape(a):
     return [int(s) for s in a.shape]
 
 
-def forward_with_states(q, k, v, causal, scale, device):
-    """(o, lse) on a GPU; see flash_nif.forward_with_states."""
+def _check_device(device):
     if device not in (None, "cuda", "auto"):
         raise DeviceError(f"device={device!r} was requested but the inputs live on a GPU; copy them to NumPy first")
-    t = _Tensors(("q", "k", "v"), (q, k, v))
-    q, k, v = t.arrays
-    desc = t.describe(("q", "k", "v"))  # the core validates shapes and dtypes from these
-    o = t.empty(q.shape) if len(q.shape) == 4 else None
-    lse = t.empty((q.shape[0], q.shape[2], q.shape[1]), float32=True) if len(q.shape) == 4 else None
-    _native.cuda_forward_device(desc, [t.ptr(o), t.ptr(lse)], t.device, t.stream, causal=causal, scale=scale)
+
+
+def _masks(t: _Tensors, names) -> dict:
+    """The native keyword arguments of the mask arrays `names` in t: segment ids and the block mask
+    as descriptions on the device, seqused_k / leftpad_k as host copies."""
+    return _args.mask_kwargs({n: t[n] for n in names}, int32=t.int32, place=t.describe, index=t.host_int32)
+
+
+def forward_with_states(qkv, opts, device, masks, cu_seqlens=None):
+    """(o, lse) on a GPU; see flash_nif.forward_with_states. ``cu_seqlens`` = (cu_q, cu_k) makes it
+    a packed varlen call (flash_nif.varlen): q [total_q, H, D] gives lse [H, total_q]."""
+    _check_device(device)
+    names = ("q", "k", "v")
+    t = _Tensors({**dict(zip(names, qkv)), **masks, **dict(zip(_args.CU_NAMES, cu_seqlens or ()))})
+    q = t["q"]
+    desc = [t.describe(t[n]) for n in names]  # the core validates shapes and dtypes from these
+    rank = 3 if cu_seqlens else 4
+    o = t.empty(q.shape, q) if q.ndim == rank else None
+    if o is None:
+        lse = None
+    elif cu_seqlens:
+        lse = t.empty((q.shape[1], q.shape[0]), q, float32=True)
+    else:
+        lse = t.empty((q.shape[0], q.shape[2], q.shape[1]), q, float32=True)
+    outputs = [t.ptr(o), t.ptr(lse)]
+    if cu_seqlens:
+        cu = [t.host_int32(t[n], n) for n in _args.CU_NAMES]
+        _native.cuda_varlen_forward_device(desc, outputs, cu, t.device, t.stream, **opts)
+    else:
+        _native.cuda_forward_device(desc, outputs, t.device, t.stream, **opts, **_masks(t, masks))
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, causal, scale, device, deterministic=False):
-    """(dq, dk, dv) on a GPU; see flash_nif.backward."""
-    if device not in (None, "cuda", "auto"):
-        raise DeviceError(f"device={device!r} was requested but the inputs live on a GPU; copy them to NumPy first")
+def backward(arrays, opts, device, masks, cu_seqlens=None):
+    """(dq, dk, dv) on a GPU; see flash_nif.backward (and flash_nif.varlen.backward with
+    ``cu_seqlens``)."""
+    _check_device(device)
     names = ("do", "q", "k", "v", "o", "lse")
-    t = _Tensors(names, (do, q, k, v, o, lse))
-    desc = t.describe(names)  # the core validates every shape and dtype from these
-    q, k = t.arrays[1], t.arrays[2]
-    ok = len(q.shape) == 4 and len(k.shape) == 4
-    dq = t.empty(q.shape) if ok else None
-    dk = t.empty(k.shape, like=k) if ok else None
-    dv = t.empty(k.shape, like=k) if ok else None
+    t = _Tensors({**dict(zip(names, arrays)), **masks, **dict(zip(_args.CU_NAMES, cu_seqlens or ()))})
+    desc = [t.describe(t[n]) for n in names]  # the core validates every shape and dtype from these
+    q, k = t["q"], t["k"]
+    rank = 3 if cu_seqlens else 4
+    ok = q.ndim == rank and k.ndim == rank
+    dq = t.empty(q.shape, q) if ok else None
+    dk = t.empty(k.shape, k) if ok else None
+    dv = t.empty(k.shape, k) if ok else None
     outputs = [t.ptr(dq), t.ptr(dk), t.ptr(dv)]
-    _native.cuda_backward_device(desc, outputs, t.device, t.stream, causal=causal, scale=scale, deterministic=deterministic)
+    if cu_seqlens:
+        cu = [t.host_int32(t[n], n) for n in _args.CU_NAMES]
+        _native.cuda_varlen_backward_device(desc, outputs, cu, t.device, t.stream, **opts)
+    else:
+        _native.cuda_backward_device(desc, outputs, t.device, t.stream, **opts, **_masks(t, masks))
     return dq, dk, dv
 
 

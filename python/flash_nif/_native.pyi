@@ -13,19 +13,39 @@ class _Options(TypedDict, total=False):
     causal: bool  # default True
     scale: float | None  # default None: 1/sqrt(D)
     deterministic: bool  # backward only; default False
+    window: tuple[int | None, int | None]  # (left, right); None = unbounded on that side
+
+class _HostMasks(_Options, total=False):
+    """Mask arrays of a padded host call (NumPy, C-contiguous); names as flash_nif.forward's."""
+
+    segment_ids: tuple[np.ndarray, np.ndarray]  # int32 [B, Sq], [B, Sk]
+    seqused_k: np.ndarray  # int32 [B]
+    leftpad_k: np.ndarray  # int32 [B]
+    block_mask: np.ndarray  # bool / uint8 [B or 1, H or 1, ceil(Sq/128), ceil(Sk/128)]
 
 # --- host (NumPy) arrays, any device ------------------------------------------------------------
 
 def forward_host_arrays(
-    inputs: Sequence[np.ndarray], device: str, **options: Unpack[_Options]
+    inputs: Sequence[np.ndarray], device: str, **options: Unpack[_HostMasks]
 ) -> tuple[np.ndarray, np.ndarray]:
     """(o [B, Sq, H, D] like q, lse [B, H, Sq] float32) for inputs [q, k, v], each C-contiguous in
     native byte order."""
 
 def backward_host_arrays(
-    inputs: Sequence[np.ndarray], device: str, **options: Unpack[_Options]
+    inputs: Sequence[np.ndarray], device: str, **options: Unpack[_HostMasks]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(dq like q, dk like k, dv like v) for inputs [do, q, k, v, o, lse]."""
+    """(dq like q, dk like k, dv like v) for inputs [do, q, k, v, o, lse] and the forward's masks."""
+
+def varlen_forward_host_arrays(
+    inputs: Sequence[np.ndarray], cu_seqlens: Sequence[np.ndarray], device: str, **options: Unpack[_Options]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(o [total_q, H, D] like q, lse [H, total_q] float32) for packed inputs [q [total_q, H, D],
+    k, v [total_k, Hkv, D]] and cu_seqlens [cu_seqlens_q, cu_seqlens_k] (int32 [B + 1])."""
+
+def varlen_backward_host_arrays(
+    inputs: Sequence[np.ndarray], cu_seqlens: Sequence[np.ndarray], device: str, **options: Unpack[_Options]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dq like q, dk like k, dv like v) for packed inputs [do, q, k, v, o, lse]."""
 
 def info() -> dict[str, Any]:
     """version, backends, threads, cpu_isa."""
@@ -34,15 +54,36 @@ def info() -> dict[str, Any]:
 
 DevTensor = tuple[int, Sequence[int], str]  # (pointer, shape, dtype name)
 
+class _DeviceMasks(_Options, total=False):
+    """Mask arguments of a padded device call: data on the device, index arrays as host copies."""
+
+    segment_ids: tuple[DevTensor, DevTensor]  # int32 [B, Sq], [B, Sk]
+    seqused_k: np.ndarray  # int32 [B], NumPy
+    leftpad_k: np.ndarray  # int32 [B], NumPy
+    block_mask: DevTensor  # bool / uint8 [B or 1, H or 1, ceil(Sq/128), ceil(Sk/128)]
+
 def cuda_forward_device(
-    inputs: list[DevTensor], outputs: list[int], device: int, stream: int, **options: Unpack[_Options]
+    inputs: list[DevTensor], outputs: list[int], device: int, stream: int, **options: Unpack[_DeviceMasks]
 ) -> None:
     """inputs [q, k, v]; outputs [o, lse] (pointers, preallocated on the same device)."""
 
 def cuda_backward_device(
-    inputs: list[DevTensor], outputs: list[int], device: int, stream: int, **options: Unpack[_Options]
+    inputs: list[DevTensor], outputs: list[int], device: int, stream: int, **options: Unpack[_DeviceMasks]
 ) -> None:
     """inputs [do, q, k, v, o, lse]; outputs [dq, dk, dv] (pointers)."""
+
+def cuda_varlen_forward_device(
+    inputs: list[DevTensor], outputs: list[int], cu_seqlens: Sequence[np.ndarray], device: int, stream: int,
+    **options: Unpack[_Options],
+) -> None:
+    """Packed inputs [q, k, v]; outputs [o [total_q, H, D], lse [H, total_q]]; cu_seqlens as NumPy
+    int32 [B + 1] host copies."""
+
+def cuda_varlen_backward_device(
+    inputs: list[DevTensor], outputs: list[int], cu_seqlens: Sequence[np.ndarray], device: int, stream: int,
+    **options: Unpack[_Options],
+) -> None:
+    """Packed inputs [do, q, k, v, o, lse]; outputs [dq, dk, dv]."""
 
 def cuda_set_search_roots(paths: list[str]) -> None: ...
 def cuda_info(device: int = 0) -> dict[str, Any]: ...

@@ -3,61 +3,102 @@
 //! device ordinal and the caller's stream), and `cuda_info`. NumPy with `device="cuda"` goes
 //! through the core's `forward_host` / `backward_host`. Validation is the core's `Problem`; errors map like the CPU's.
 
-use flash_core::cuda::{self, BackwardPtrs, ForwardPtrs};
+use flash_core::cuda::{self, BackwardPtrs, ForwardPtrs, MaskPtrs};
 use flash_core::{FlashError, Problem, TensorSpec};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::PyFlashError;
-
-/// A GPU tensor as the Python layer describes it: (device pointer, shape, dtype name).
-type DevTensor = (u64, Vec<usize>, String);
+use crate::masks::{self, DevArray, DevTensor};
 
 fn dev_spec<'a>(t: &'a DevTensor, name: &'a str) -> TensorSpec<'a> {
     TensorSpec { name, dtype: &t.2, shape: &t.1, nbytes: None }
 }
 
+fn dev_specs<'a, const N: usize>(inputs: &'a [DevTensor], names: [&'a str; N]) -> Result<[TensorSpec<'a>; N], FlashError> {
+    match <&[DevTensor; N]>::try_from(inputs) {
+        Ok(ts) => Ok(std::array::from_fn(|i| dev_spec(&ts[i], names[i]))),
+        Err(_) => Err(FlashError::Internal(format!("expected the {N} tensors {names:?}, got {}", inputs.len()))),
+    }
+}
+
 /// Forward on device pointers. `inputs` = [q, k, v]; `outputs` = [o (like q), lse ([B, H, Sq] f32)],
-/// preallocated by the caller on the same device.
+/// preallocated by the caller on the same device. Mask options: segment ids and the block mask as
+/// (pointer, shape, dtype) on that device, seqused_k / leftpad_k as NumPy int32 copies.
 #[pyfunction]
 #[pyo3(signature = (inputs, outputs, device, stream, **options))]
 fn cuda_forward_device(
     py: Python<'_>, inputs: Vec<DevTensor>, outputs: [u64; 2], device: usize, stream: usize, options: Option<&Bound<'_, PyDict>>,
 ) -> Result<(), PyFlashError> {
-    let [q, k, v] = inputs.as_slice() else {
-        return Err(FlashError::Internal("cuda_forward_device takes [q, k, v]".into()).into());
-    };
-    let p = Problem::forward(&dev_spec(q, "q"), &dev_spec(k, "k"), &dev_spec(v, "v"), &crate::options(options)?)?;
-    let [o, lse] = outputs;
-    let ptrs = ForwardPtrs { q: q.0, k: k.0, v: v.0, o, lse, mask: Default::default() };
-    // SAFETY: the Python layer passes pointers of contiguous arrays of these shapes on `device`,
-    // kept alive by the caller until the stream has run.
-    Ok(py.detach(|| unsafe { cuda::forward_device(&p, device, stream, ptrs) })?)
+    let [q, k, v] = dev_specs(&inputs, ["q", "k", "v"])?;
+    let (opts, masks) = masks::parse(options, Some(&DevArray::extract))?;
+    let p = Problem::forward_masked(&q, &k, &v, &opts, &masks.args())?;
+    run_forward(py, &p, &inputs, outputs, device, stream, masks.ptrs())
 }
 
 /// Backward on device pointers. `inputs` = [do, q, k, v, o, lse]; `outputs` = [dq (like q), dk, dv
-/// (like k)], preallocated by the caller on the same device.
+/// (like k)], preallocated by the caller on the same device; the forward's mask options.
 #[pyfunction]
 #[pyo3(signature = (inputs, outputs, device, stream, **options))]
 fn cuda_backward_device(
     py: Python<'_>, inputs: Vec<DevTensor>, outputs: [u64; 3], device: usize, stream: usize, options: Option<&Bound<'_, PyDict>>,
 ) -> Result<(), PyFlashError> {
-    let [d_out, q, k, v, o, lse] = inputs.as_slice() else {
-        return Err(FlashError::Internal("cuda_backward_device takes [do, q, k, v, o, lse]".into()).into());
-    };
-    let p = Problem::backward(
-        &dev_spec(d_out, "do"),
-        &dev_spec(q, "q"),
-        &dev_spec(k, "k"),
-        &dev_spec(v, "v"),
-        &dev_spec(o, "o"),
-        &dev_spec(lse, "lse"),
-        &crate::options(options)?,
-    )?;
-    let [dq, dk, dv] = outputs;
-    let ptrs = BackwardPtrs { d_out: d_out.0, q: q.0, k: k.0, v: v.0, o: o.0, lse: lse.0, dq, dk, dv, mask: Default::default() };
-    // SAFETY: as cuda_forward_device.
-    Ok(py.detach(|| unsafe { cuda::backward_device(&p, device, stream, ptrs) })?)
+    let specs = dev_specs(&inputs, ["do", "q", "k", "v", "o", "lse"])?;
+    let (opts, masks) = masks::parse(options, Some(&DevArray::extract))?;
+    let p = Problem::backward_masked(specs.each_ref(), &opts, &masks.args())?;
+    run_backward(py, &p, &inputs, outputs, device, stream, masks.ptrs())
+}
+
+/// Packed variable-length forward on device pointers: `inputs` = [q [total_q, H, D], k, v
+/// [total_k, Hkv, D]]; `outputs` = [o (like q), lse ([H, total_q] f32)]; `cu_seqlens` =
+/// [cu_seqlens_q, cu_seqlens_k] as NumPy int32 [B + 1] (host copies: they size the grid).
+#[pyfunction]
+#[pyo3(signature = (inputs, outputs, cu_seqlens, device, stream, **options))]
+fn cuda_varlen_forward_device<'py>(
+    py: Python<'py>, inputs: Vec<DevTensor>, outputs: [u64; 2], cu_seqlens: Vec<Bound<'py, PyAny>>, device: usize,
+    stream: usize, options: Option<&Bound<'py, PyDict>>,
+) -> Result<(), PyFlashError> {
+    let [q, k, v] = dev_specs(&inputs, ["q", "k", "v"])?;
+    let [cu_q, cu_k] = crate::cu_seqlens_arrays(&cu_seqlens)?;
+    let p = Problem::varlen_forward(&q, &k, &v, &cu_q.arg(), &cu_k.arg(), &masks::options(options)?)?;
+    run_forward(py, &p, &inputs, outputs, device, stream, MaskPtrs::default())
+}
+
+/// Packed variable-length backward on device pointers: `inputs` = [do, q, k, v, o, lse],
+/// `outputs` = [dq, dk, dv], `cu_seqlens` as the forward's.
+#[pyfunction]
+#[pyo3(signature = (inputs, outputs, cu_seqlens, device, stream, **options))]
+fn cuda_varlen_backward_device<'py>(
+    py: Python<'py>, inputs: Vec<DevTensor>, outputs: [u64; 3], cu_seqlens: Vec<Bound<'py, PyAny>>, device: usize,
+    stream: usize, options: Option<&Bound<'py, PyDict>>,
+) -> Result<(), PyFlashError> {
+    let [d_out, q, k, v, o, lse] = dev_specs(&inputs, ["do", "q", "k", "v", "o", "lse"])?;
+    let [cu_q, cu_k] = crate::cu_seqlens_arrays(&cu_seqlens)?;
+    let cu = [&cu_q.arg(), &cu_k.arg()];
+    let p = Problem::varlen_backward(&d_out, &q, &k, &v, &o, &lse, cu, &masks::options(options)?)?;
+    run_backward(py, &p, &inputs, outputs, device, stream, MaskPtrs::default())
+}
+
+/// Queues the forward of `p` on `stream` without the GIL (`inputs` checked by `p` already).
+fn run_forward(
+    py: Python<'_>, p: &Problem, inputs: &[DevTensor], [o, lse]: [u64; 2], device: usize, stream: usize, mask: MaskPtrs,
+) -> Result<(), PyFlashError> {
+    let [q, k, v] = [0, 1, 2].map(|i| inputs[i].0);
+    let ptrs = ForwardPtrs { q, k, v, o, lse, mask };
+    // SAFETY: the Python layer passes pointers of contiguous arrays of these shapes on `device`,
+    // kept alive by the caller until the stream has run.
+    Ok(py.detach(|| unsafe { cuda::forward_device(p, device, stream, ptrs) })?)
+}
+
+/// Queues the backward of `p` on `stream` without the GIL.
+fn run_backward(
+    py: Python<'_>, p: &Problem, inputs: &[DevTensor], [dq, dk, dv]: [u64; 3], device: usize, stream: usize,
+    mask: MaskPtrs,
+) -> Result<(), PyFlashError> {
+    let [d_out, q, k, v, o, lse] = [0, 1, 2, 3, 4, 5].map(|i| inputs[i].0);
+    let ptrs = BackwardPtrs { d_out, q, k, v, o, lse, dq, dk, dv, mask };
+    // SAFETY: as run_forward.
+    Ok(py.detach(|| unsafe { cuda::backward_device(p, device, stream, ptrs) })?)
 }
 
 /// Registers directories (Python's sys.path) where pip's `nvidia/*/lib` NVRTC may be found.
@@ -86,9 +127,15 @@ fn cuda_info(py: Python<'_>, device: usize) -> PyResult<Bound<'_, PyDict>> {
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(cuda_forward_device, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_backward_device, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_set_search_roots, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_info, m)?)?;
+    for f in [
+        wrap_pyfunction!(cuda_forward_device, m)?,
+        wrap_pyfunction!(cuda_backward_device, m)?,
+        wrap_pyfunction!(cuda_varlen_forward_device, m)?,
+        wrap_pyfunction!(cuda_varlen_backward_device, m)?,
+        wrap_pyfunction!(cuda_set_search_roots, m)?,
+        wrap_pyfunction!(cuda_info, m)?,
+    ] {
+        m.add_function(f)?;
+    }
     Ok(())
 }

@@ -5,14 +5,16 @@ mod arrays;
 mod cuda;
 mod errors;
 mod kernels;
+mod masks;
 
 use arrays::{empty_f32, empty_like_dtype, HostArray};
 use errors::PyFlashError;
-use flash_core::{backward_host, cpu, forward_host, BackwardIo, Device, FlashError, ForwardIo, Options, Problem};
+use flash_core::{backward_host, cpu, forward_host, BackwardIo, Device, FlashError, ForwardIo, MaskBuffers, Problem};
+use masks::Index;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-/// Both Python functions return NumPy arrays.
+/// The host functions take and return NumPy arrays.
 type Array<'py> = Bound<'py, PyAny>;
 
 /// The NumPy arrays of one call, named for messages; `inputs` must hold exactly N of them.
@@ -25,23 +27,8 @@ fn host_arrays<'py, const N: usize>(inputs: &[Array<'py>], names: [&'static str;
     Ok(arrays.try_into().unwrap_or_else(|_| unreachable!("length checked above")))
 }
 
-/// The core's [`Options`] from a call's keyword arguments (`causal`, `scale`, `deterministic`);
-/// one left out keeps the core's default. The Python layer has checked their types already.
-pub(crate) fn options(kwargs: Option<&Bound<'_, PyDict>>) -> Result<Options, FlashError> {
-    let mut opts = Options::default();
-    let bad = |what: &str| FlashError::Unsupported(what.to_string());
-    for (key, value) in kwargs.into_iter().flat_map(|d| d.iter()) {
-        match key.extract::<String>().unwrap_or_default().as_str() {
-            "causal" => opts.causal = value.extract().map_err(|_| bad("causal must be a bool"))?,
-            "scale" => opts.scale = value.extract().map_err(|_| bad("scale must be a number or None"))?,
-            "deterministic" => opts.deterministic = value.extract().map_err(|_| bad("deterministic must be a bool"))?,
-            other => return Err(FlashError::Unsupported(format!("unknown option {other:?}"))),
-        }
-    }
-    Ok(opts)
-}
-
-/// (o, lse) for NumPy `inputs` = [q, k, v], computed on `device` ("cpu", "cuda" or "auto").
+/// (o, lse) for NumPy `inputs` = [q, k, v], computed on `device` ("cpu", "cuda" or "auto"), with
+/// the options and mask arrays in `options` (see masks.rs).
 #[pyfunction]
 #[pyo3(signature = (inputs, device, **options))]
 fn forward_host_arrays<'py>(
@@ -49,15 +36,13 @@ fn forward_host_arrays<'py>(
 ) -> Result<(Array<'py>, Array<'py>), PyFlashError> {
     let device = Device::parse(device)?;
     let [q, k, v] = host_arrays(&inputs, ["q", "k", "v"])?;
-    let p = Problem::forward(&q.spec(), &k.spec(), &v.spec(), &self::options(options)?)?;
-    let o = empty_like_dtype(py, &p.dims.q_shape(), &q)?;
-    let lse = empty_f32(py, &p.dims.lse_shape())?;
-    let io = ForwardIo::new([&q, &k, &v].map(HostArray::bytes), [o.bytes_mut(), lse.bytes_mut()]);
-    py.detach(|| forward_host(device, &p, io))?;
-    Ok((o.array.into_any(), lse.array.into_any()))
+    let (opts, masks) = masks::parse(options, Some(&HostArray::extract))?;
+    let p = Problem::forward_masked(&q.spec(), &k.spec(), &v.spec(), &opts, &masks.args())?;
+    run_forward(py, device, &p, [q, k, v], masks.buffers())
 }
 
-/// (dq, dk, dv) for NumPy `inputs` = [do, q, k, v, o, lse], computed on `device`.
+/// (dq, dk, dv) for NumPy `inputs` = [do, q, k, v, o, lse], computed on `device`, with the
+/// forward's options and mask arrays.
 #[pyfunction]
 #[pyo3(signature = (inputs, device, **options))]
 fn backward_host_arrays<'py>(
@@ -65,14 +50,72 @@ fn backward_host_arrays<'py>(
 ) -> Result<(Array<'py>, Array<'py>, Array<'py>), PyFlashError> {
     let device = Device::parse(device)?;
     let a = host_arrays(&inputs, ["do", "q", "k", "v", "o", "lse"])?;
-    let [d_out, q, k, v, o, lse] = &a;
-    let opts = self::options(options)?;
-    let p = Problem::backward(&d_out.spec(), &q.spec(), &k.spec(), &v.spec(), &o.spec(), &lse.spec(), &opts)?;
-    let dq = empty_like_dtype(py, &p.dims.q_shape(), q)?;
-    let dk = empty_like_dtype(py, &p.dims.kv_shape(), k)?;
-    let dv = empty_like_dtype(py, &p.dims.kv_shape(), v)?;
-    let io = BackwardIo::new(a.each_ref().map(HostArray::bytes), [dq.bytes_mut(), dk.bytes_mut(), dv.bytes_mut()]);
-    py.detach(|| backward_host(device, &p, io))?;
+    let (opts, masks) = masks::parse(options, Some(&HostArray::extract))?;
+    let p = Problem::backward_masked(a.each_ref().map(HostArray::spec).each_ref(), &opts, &masks.args())?;
+    run_backward(py, device, &p, a, masks.buffers())
+}
+
+/// (o [total_q, H, D], lse [H, total_q]) for packed NumPy `inputs` = [q, k, v] and
+/// `cu_seqlens` = [cu_seqlens_q, cu_seqlens_k] (int32 [B + 1]).
+#[pyfunction]
+#[pyo3(signature = (inputs, cu_seqlens, device, **options))]
+fn varlen_forward_host_arrays<'py>(
+    py: Python<'py>, inputs: Vec<Array<'py>>, cu_seqlens: Vec<Array<'py>>, device: &str,
+    options: Option<&Bound<'py, PyDict>>,
+) -> Result<(Array<'py>, Array<'py>), PyFlashError> {
+    let device = Device::parse(device)?;
+    let [q, k, v] = host_arrays(&inputs, ["q", "k", "v"])?;
+    let [cu_q, cu_k] = cu_seqlens_arrays(&cu_seqlens)?;
+    let p = Problem::varlen_forward(&q.spec(), &k.spec(), &v.spec(), &cu_q.arg(), &cu_k.arg(), &masks::options(options)?)?;
+    run_forward(py, device, &p, [q, k, v], MaskBuffers::default())
+}
+
+/// (dq, dk, dv) of a packed call: `inputs` = [do, q, k, v, o, lse], `cu_seqlens` as the forward's.
+#[pyfunction]
+#[pyo3(signature = (inputs, cu_seqlens, device, **options))]
+fn varlen_backward_host_arrays<'py>(
+    py: Python<'py>, inputs: Vec<Array<'py>>, cu_seqlens: Vec<Array<'py>>, device: &str,
+    options: Option<&Bound<'py, PyDict>>,
+) -> Result<(Array<'py>, Array<'py>, Array<'py>), PyFlashError> {
+    let device = Device::parse(device)?;
+    let a = host_arrays(&inputs, ["do", "q", "k", "v", "o", "lse"])?;
+    let [cu_q, cu_k] = cu_seqlens_arrays(&cu_seqlens)?;
+    let [d_out, q, k, v, o, lse] = a.each_ref().map(HostArray::spec);
+    let cu = [&cu_q.arg(), &cu_k.arg()];
+    let p = Problem::varlen_backward(&d_out, &q, &k, &v, &o, &lse, cu, &masks::options(options)?)?;
+    run_backward(py, device, &p, a, MaskBuffers::default())
+}
+
+/// The two cumulative-length arrays of a varlen call.
+pub(crate) fn cu_seqlens_arrays<'py>(arrays: &[Array<'py>]) -> Result<[Index<'py>; 2], FlashError> {
+    match arrays {
+        [q, k] => Ok([Index::extract(q, "cu_seqlens_q")?, Index::extract(k, "cu_seqlens_k")?]),
+        _ => Err(FlashError::Internal(format!("expected [cu_seqlens_q, cu_seqlens_k], got {} arrays", arrays.len()))),
+    }
+}
+
+/// Allocates o and lse for `p` and runs the forward without the GIL.
+fn run_forward<'py>(
+    py: Python<'py>, device: Device, p: &Problem, [q, k, v]: [HostArray<'py>; 3], mask: MaskBuffers,
+) -> Result<(Array<'py>, Array<'py>), PyFlashError> {
+    let o = empty_like_dtype(py, &p.q_shape(), &q)?;
+    let lse = empty_f32(py, &p.lse_shape())?;
+    let io = ForwardIo::new([&q, &k, &v].map(HostArray::bytes), [o.bytes_mut(), lse.bytes_mut()]).with_mask(mask);
+    py.detach(|| forward_host(device, p, io))?;
+    Ok((o.array.into_any(), lse.array.into_any()))
+}
+
+/// Allocates dq, dk, dv for `p` and runs the backward without the GIL.
+fn run_backward<'py>(
+    py: Python<'py>, device: Device, p: &Problem, a: [HostArray<'py>; 6], mask: MaskBuffers,
+) -> Result<(Array<'py>, Array<'py>, Array<'py>), PyFlashError> {
+    let [_, q, k, v, ..] = &a;
+    let dq = empty_like_dtype(py, &p.q_shape(), q)?;
+    let dk = empty_like_dtype(py, &p.kv_shape(), k)?;
+    let dv = empty_like_dtype(py, &p.kv_shape(), v)?;
+    let io = BackwardIo::new(a.each_ref().map(HostArray::bytes), [dq.bytes_mut(), dk.bytes_mut(), dv.bytes_mut()])
+        .with_mask(mask);
+    py.detach(|| backward_host(device, p, io))?;
     Ok((dq.array.into_any(), dk.array.into_any(), dv.array.into_any()))
 }
 
@@ -93,9 +136,15 @@ fn info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(forward_host_arrays, m)?)?;
-    m.add_function(wrap_pyfunction!(backward_host_arrays, m)?)?;
-    m.add_function(wrap_pyfunction!(info, m)?)?;
+    for f in [
+        wrap_pyfunction!(forward_host_arrays, m)?,
+        wrap_pyfunction!(backward_host_arrays, m)?,
+        wrap_pyfunction!(varlen_forward_host_arrays, m)?,
+        wrap_pyfunction!(varlen_backward_host_arrays, m)?,
+        wrap_pyfunction!(info, m)?,
+    ] {
+        m.add_function(f)?;
+    }
     cuda::register(m)?;
     kernels::register(m)?;
     Ok(())

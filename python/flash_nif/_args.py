@@ -1,0 +1,109 @@
+"""Arguments of the public functions: Python types checked, arrays converted for ``_native``.
+
+The core validates values (shapes, dtypes, ranges) and names the argument in its messages; this
+module checks only what the core cannot see (Python types) and does the friendly conversions:
+NumPy arrays to C order, integer index arrays to int32. Shared by ``flash_nif`` (padded calls),
+``flash_nif.varlen`` and ``flash_nif._cuda`` (GPU arrays).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import DTypeError, OutOfMemoryError, UnsupportedError
+
+# The mask arrays of a padded call, by the names the core's messages use for them.
+SEGMENT_NAMES = ("segment_ids[0]", "segment_ids[1]")  # [B, Sq], [B, Sk] int32
+INDEX_NAMES = ("seqused_k", "leftpad_k")  # [B] int32, read on the host (they bound the grid)
+BLOCK_NAME = "block_mask"  # bool / uint8 [B or 1, H or 1, ceil(Sq/128), ceil(Sk/128)]
+CU_NAMES = ("cu_seqlens_q", "cu_seqlens_k")  # varlen: [B + 1] int32, read on the host
+
+_INT32 = np.iinfo(np.int32)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def options(causal, scale, window, device, deterministic=None) -> tuple[dict, str]:
+    """(the native keyword options, the host device name). ``deterministic`` only for backward."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise UnsupportedError(f"causal must be a bool, got {causal!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer))):
+        raise UnsupportedError(f"scale must be a number or None, got {scale!r}")
+    if device is not None and not isinstance(device, str):
+        raise UnsupportedError(f"device must be None, 'cpu', 'cuda' or 'auto'; got {device!r}")
+    if window is not None and not (
+        isinstance(window, tuple) and len(window) == 2 and all(s is None or _is_int(s) for s in window)
+    ):
+        raise UnsupportedError(f"window must be a (left, right) tuple of non-negative ints or None; got {window!r}")
+    opts = {"causal": bool(causal), "scale": None if scale is None else float(scale)}
+    if window is not None:  # the core checks the sides are >= 0
+        opts["window"] = tuple(None if s is None else int(s) for s in window)
+    if deterministic is not None:
+        if not isinstance(deterministic, (bool, np.bool_)):
+            raise UnsupportedError(f"deterministic must be a bool, got {deterministic!r}")
+        opts["deterministic"] = bool(deterministic)
+    # NumPy data runs on the CPU unless a device is asked for by name.
+    return opts, device or "cpu"
+
+
+def masks(segment_ids, seqused_k, leftpad_k, block_mask) -> dict:
+    """The mask arrays given (None = not given), by name (SEGMENT_NAMES, INDEX_NAMES, BLOCK_NAME)."""
+    named = {}
+    if segment_ids is not None:
+        if not (isinstance(segment_ids, tuple) and len(segment_ids) == 2):
+            got = f"a tuple of {len(segment_ids)}" if isinstance(segment_ids, tuple) else type(segment_ids).__name__
+            raise UnsupportedError(f"segment_ids must be a (seg_q, seg_k) tuple of arrays; got {got}")
+        named.update(zip(SEGMENT_NAMES, segment_ids))
+    named.update((n, x) for n, x in zip(INDEX_NAMES, (seqused_k, leftpad_k)) if x is not None)
+    if block_mask is not None:
+        named[BLOCK_NAME] = block_mask
+    return named
+
+
+def mask_kwargs(named: dict, *, int32, place, index) -> dict:
+    """The native keyword arguments of the masks in ``named`` (see :func:`masks`). Each array goes
+    through ``place(x, name)`` (a host array, or a GPU array's description); segment ids first
+    through ``int32(x, name)``; seqused_k / leftpad_k through ``index(x, name)`` (a host int32 copy)."""
+    kw = {}
+    if SEGMENT_NAMES[0] in named:
+        kw["segment_ids"] = tuple(place(int32(named[n], n), n) for n in SEGMENT_NAMES)
+    kw.update((n, index(named[n], n)) for n in INDEX_NAMES if n in named)
+    if BLOCK_NAME in named:
+        kw[BLOCK_NAME] = place(named[BLOCK_NAME], BLOCK_NAME)
+    return kw
+
+
+def host_array(x, name: str) -> np.ndarray:
+    """A C-contiguous, native-byte-order NumPy array with x's values (a copy only if needed)."""
+    if not isinstance(x, np.ndarray):
+        raise DTypeError(f"{name} must be a NumPy array, got {type(x).__name__}")
+    try:
+        if not x.dtype.isnative:
+            x = x.astype(x.dtype.newbyteorder("="))
+        return np.ascontiguousarray(x)
+    except MemoryError as e:
+        raise OutOfMemoryError(f"cannot make a contiguous copy of {name} with shape {x.shape}") from e
+
+
+def check_int32_range(name: str, dtype, lo: int, hi: int) -> None:
+    """Values [lo, hi] of an integer array of another dtype must fit int32 to be converted."""
+    if lo < _INT32.min or hi > _INT32.max:
+        raise DTypeError(f"{name} has dtype {dtype} and values in [{lo}, {hi}], outside int32's range; it must be int32")
+
+
+def host_int32(x, name: str) -> np.ndarray:
+    """``host_array`` of an int32 argument: another integer dtype is converted when its values fit
+    int32; any other dtype is passed on for the core's DTypeError."""
+    x = host_array(x, name)
+    if x.dtype.kind in "iu" and x.dtype != np.int32:
+        if x.size:
+            check_int32_range(name, x.dtype, int(x.min()), int(x.max()))
+        x = x.astype(np.int32)
+    return x
+
+
+def host_masks(named: dict) -> dict:
+    """The native keyword arguments of NumPy mask arrays."""
+    return mask_kwargs(named, int32=host_int32, place=host_array, index=host_int32)
