@@ -117,7 +117,8 @@ impl Problem {
         q: &TensorSpec, k: &TensorSpec, v: &TensorSpec, cu_q: &IndexArg, cu_k: &IndexArg, opts: &Options,
     ) -> Result<Problem> {
         let (q4, k4, v4) = (varlen_shape(q)?, varlen_shape(k)?, varlen_shape(v)?);
-        let (dims, dtype) = check_qkv(&with_shape(q, &q4), &with_shape(k, &k4), &with_shape(v, &v4))?;
+        let (dims, dtype) = check_qkv(&with_shape(q, &q4), &with_shape(k, &k4), &with_shape(v, &v4))
+            .map_err(|e| shown_as_given(e, &[(&q4, q.shape), (&k4, k.shape), (&v4, v.shape)]))?;
         Problem::finish_varlen(dims, dtype, opts, cu_q, cu_k)
     }
 
@@ -275,6 +276,22 @@ fn varlen_shape(t: &TensorSpec) -> Result<[usize; 4]> {
             "{} must have rank 3 [total, heads, head_dim] in a varlen call; got shape {s:?}",
             t.name
         ))),
+    }
+}
+
+/// check_qkv's messages name the [1, total, H, D] views; the caller gave [total, H, D].
+fn shown_as_given(e: FlashError, views: &[(&[usize; 4], &[usize])]) -> FlashError {
+    let fix = |mut m: String| {
+        for (view, given) in views {
+            m = m.replace(&format!("{view:?}"), &format!("{given:?}"));
+        }
+        m.replace("must have rank 4 [batch, seq, heads, head_dim]", "must have rank 3 [total, heads, head_dim]")
+    };
+    match e {
+        FlashError::Shape(m) => FlashError::Shape(fix(m)),
+        FlashError::DType(m) => FlashError::DType(fix(m)),
+        FlashError::Unsupported(m) => FlashError::Unsupported(fix(m)),
+        other => other,
     }
 }
 
