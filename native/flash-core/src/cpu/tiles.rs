@@ -11,7 +11,7 @@ use std::iter::StepBy;
 use std::ops::Range;
 
 // A query tile and a key block each fall inside one block-mask entry.
-const _: () = assert!(MASK_BLOCK % BLOCK_Q == 0 && MASK_BLOCK % BLOCK_K == 0);
+const _: () = assert!(MASK_BLOCK.is_multiple_of(BLOCK_Q) && MASK_BLOCK.is_multiple_of(BLOCK_K));
 
 /// Query rows `[r0, r1)` (local, r0 a multiple of BLOCK_Q) of batch row b, head h.
 #[derive(Debug, Clone, Copy)]
