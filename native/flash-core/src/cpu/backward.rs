@@ -1,7 +1,7 @@
 //! Backward from the saved LSE, without atomics (so results are bit-identical run to run):
 //!
 //! * delta = rowsum(dO ∘ O);
-//! * for every (query block i, key block j) tile that some row sees (see [`tiles`](super::tiles)):
+//! * for every (query block i, key block j) tile that some row sees (see module `tiles`):
 //!   P = exp2(Qs·Kᵀ - lse2), dP = dO·Vᵀ, dS = P ∘ (dP - delta), then dV_j += Pᵀ·dO_i,
 //!   dK_j += dSᵀ·Q_i and dQ_i += dS·K_j.
 //!

@@ -1,5 +1,5 @@
 //! The CPU backend: multithreaded (rayon) tiled FlashAttention in f32, O(B·H·S·D) extra memory.
-//! Every mask of [`Mask`](crate::Mask) is taken; tiles it hides are skipped ([`tiles`]).
+//! Every mask of [`Mask`](crate::Mask) is taken; the tiles it hides are skipped (module `tiles`).
 
 mod backward;
 mod batch;
