@@ -1,10 +1,12 @@
-//! Forward: for each (batch, head, block of query rows), a pass over key blocks with an online
-//! softmax in the exp2 domain; O and LSE are written once per row block.
+//! Forward: for each (batch row, head, block of query rows), a pass over the key tiles it may see
+//! with an online softmax in the exp2 domain; O and LSE are written once per row block.
 
+use super::batch::{query_runs, split_rows, Geometry};
 use super::layout::{pack_rows, pack_transposed, padded_dim, transposed_ld, unpack_rows};
 use super::matmul::{matmul, Mat};
 use super::simd;
-use super::workspace::{filled, zeroed, BLOCK_K, BLOCK_Q};
+use super::tiles::{RowBlock, Visibility};
+use super::workspace::{filled, zeroed, Buffer, BLOCK_K, BLOCK_Q};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::io::ForwardIo;
@@ -12,64 +14,69 @@ use crate::problem::Problem;
 use rayon::prelude::*;
 use std::f32::consts::{LN_2, LOG2_E};
 
-/// q: [B, Sq, H, D], k/v: [B, Sk, Hkv, D] in p.dtype; writes o ([B, Sq, H, D], p.dtype) and
-/// lse ([B, H, Sq], f32, natural log).
+/// Inputs in the working layouts (see [`Geometry`]).
+struct Packed {
+    qs: Buffer, // [PB·H, Rq, Dp], times scale·log2(e) so that Q·Kᵀ is already in exp2 units
+    kt: Buffer, // [PB·Hkv, D, Rkp]
+    v: Buffer,  // [PB·Hkv, Rk, Dp]
+}
+
+/// q, k, v in p.dtype (shapes [`Problem::q_shape`] and [`Problem::kv_shape`]); writes o
+/// (p.dtype, like q) and lse (f32, natural log, [`Problem::lse_shape`]).
 pub fn run(p: &Problem, io: ForwardIo) -> Result<()> {
-    let ForwardIo { q, k, v, o, lse, .. } = io;
-    let dims = p.dims;
-    let (sq, sk, dp) = (dims.seq_q, dims.seq_k, padded_dim(dims.head_dim));
-    let skp = transposed_ld(sk);
-    // Q is pre-multiplied by scale * log2(e) so that Q·Kᵀ is already in exp2 units.
-    let qs = pack_rows(q, p.dtype, dims.q_shape(), p.scale * LOG2_E, "packed q")?; // [B·H, Sq, Dp]
-    let kt = pack_transposed(k, p.dtype, dims.kv_shape(), "packed k")?; // [B·Hkv, D, Skp]
-    let vr = pack_rows(v, p.dtype, dims.kv_shape(), 1.0, "packed v")?; // [B·Hkv, Sk, Dp]
-    let mut o_acc = zeroed(dims.batch * dims.heads * sq * dp, "output accumulator")?; // [B·H, Sq, Dp]
-    let mut lse_acc = filled(dims.lse_len(), f32::NEG_INFINITY, "lse")?; // [B·H, Sq]
+    let ForwardIo { q, k, v, o, lse, mask } = io;
+    let geo = Geometry::new(p);
+    let dp = padded_dim(geo.head_dim);
+    let x = Packed {
+        qs: pack_rows(q, p.dtype, geo.q4(), p.scale * LOG2_E, "packed q")?,
+        kt: pack_transposed(k, p.dtype, geo.kv4(), "packed k")?,
+        v: pack_rows(v, p.dtype, geo.kv4(), 1.0, "packed v")?,
+    };
+    let vis = Visibility::new(p, &mask);
+    let mut o_acc = zeroed(geo.batches * geo.heads * geo.q_rows * dp, "output accumulator")?; // [PB·H, Rq, Dp]
+    let mut lse_acc = filled(p.lse_len(), f32::NEG_INFINITY, "lse")?; // [PB·H, Rq], lse's own layout
 
-    if sq > 0 {
-        o_acc.par_chunks_mut(sq * dp).zip(lse_acc.par_chunks_mut(sq)).enumerate().for_each(|(bh, (o_head, lse_head))| {
-            let bkv = (bh / dims.heads) * dims.kv_heads + (bh % dims.heads) / dims.group();
-            let q_head = &qs[bh * sq * dp..(bh + 1) * sq * dp];
-            let kt_head = &kt[bkv * dims.head_dim * skp..(bkv + 1) * dims.head_dim * skp];
-            let v_head = &vr[bkv * sk * dp..(bkv + 1) * sk * dp];
-            o_head
-                .par_chunks_mut(BLOCK_Q * dp)
-                .zip(lse_head.par_chunks_mut(BLOCK_Q))
-                .enumerate()
-                .for_each(|(blk, (o_rows, lse_rows))| {
-                    let r0 = blk * BLOCK_Q;
-                    let q_rows = &q_head[r0 * dp..r0 * dp + o_rows.len()];
-                    row_block(p, r0, q_rows, kt_head, v_head, o_rows, lse_rows);
-                });
-        });
+    let runs = query_runs(p);
+    let o_seqs = split_rows(&mut o_acc, dp, &runs);
+    let lse_seqs = split_rows(&mut lse_acc, 1, &runs);
+    let mut tasks = Vec::new(); // one per (batch row, head, query block)
+    for (bh, (o_seq, lse_seq)) in o_seqs.into_iter().zip(lse_seqs).enumerate() {
+        let (b, h) = (bh / geo.heads, bh % geo.heads);
+        let blocks = o_seq.chunks_mut(BLOCK_Q * dp).zip(lse_seq.chunks_mut(BLOCK_Q));
+        tasks.extend(blocks.enumerate().map(|(i, (o_rows, lse_rows))| (RowBlock::new(b, h, p.mask.seq(b), i * BLOCK_Q), o_rows, lse_rows)));
     }
+    tasks.into_par_iter().for_each(|(rb, o_rows, lse_rows)| row_block(p, &geo, &vis, &x, &rb, o_rows, lse_rows));
 
-    unpack_rows(&o_acc, o, p.dtype, dims.q_shape(), 1.0);
+    unpack_rows(&o_acc, o, p.dtype, geo.q4(), 1.0);
     DType::F32.store(&lse_acc, lse, 0);
     Ok(())
 }
 
-/// One block of query rows starting at row r0 of one head.
-/// q: [br, Dp] (scaled), kt: [D, Skp], v: [Sk, Dp], o: [br, Dp] (zeroed; receives O), lse: [br].
-fn row_block(p: &Problem, r0: usize, q: &[f32], kt: &[f32], v: &[f32], o: &mut [f32], lse: &mut [f32]) {
-    let (d, dp) = (p.dims.head_dim, padded_dim(p.dims.head_dim));
-    let skp = kt.len() / d;
-    let br = lse.len();
-    let key_end = p.keys_visible(r0 + br - 1);
+/// One block of query rows: o [br, Dp] (zeroed; receives O), lse [br].
+fn row_block(p: &Problem, geo: &Geometry, vis: &Visibility, x: &Packed, rb: &RowBlock, o: &mut [f32], lse: &mut [f32]) {
+    let (d, dp) = (geo.head_dim, padded_dim(geo.head_dim));
+    let skp = transposed_ld(geo.k_rows);
+    let br = rb.rows();
+    let hkv = rb.h / p.dims.group();
+    let row = p.lse_base(rb.b, rb.h) + rb.r0;
+    let q = &x.qs[row * dp..(row + br) * dp]; // [br, Dp]
+    let kt_head = &x.kt[geo.kv_matrix(rb.b, hkv) * d * skp..][..d * skp]; // [D, Skp]
+    let key0 = geo.key_offset(&rb.seq, rb.b); // column (kt) and row (v) of the batch row's key 0
+    let v_head = &x.v[geo.kv_matrix(rb.b, hkv) * geo.k_rows * dp..][..geo.k_rows * dp]; // [Rk, Dp]
     let mut s = vec![0.0f32; br * BLOCK_K]; // [br, BLOCK_K] scores, then probabilities
     let mut m = vec![f32::NEG_INFINITY; br];
     let mut l = vec![0.0f32; br];
     let mut alpha = vec![0.0f32; br];
 
-    for c0 in (0..key_end).step_by(BLOCK_K) {
-        let bc = BLOCK_K.min(key_end - c0);
-        matmul(br, bc, d, &mut s, BLOCK_K, false, Mat::rows(q, dp), &kt[c0..], skp);
-        if p.causal {
-            mask_causal(&mut s, br, bc, r0 as isize + p.dims.diag_offset() - c0 as isize);
+    for t in vis.key_blocks(rb).filter_map(|blk| vis.tile(rb, blk)) {
+        let (c0, bc) = (key0 + t.c0, t.cols());
+        matmul(br, bc, d, &mut s, BLOCK_K, false, Mat::rows(q, dp), &kt_head[c0..], skp);
+        if t.masked() {
+            vis.mask_scores(&mut s, BLOCK_K, rb, &t);
         }
         simd::online_softmax(&mut s, bc, BLOCK_K, &mut m, &mut l, &mut alpha);
         simd::scale_rows(o, dp, &alpha);
-        matmul(br, d, bc, o, dp, true, Mat::rows(&s, BLOCK_K), &v[c0 * dp..], dp);
+        matmul(br, d, bc, o, dp, true, Mat::rows(&s, BLOCK_K), &v_head[c0 * dp..], dp);
     }
 
     for r in 0..br {
@@ -83,17 +90,5 @@ fn row_block(p: &Problem, r0: usize, q: &[f32], kt: &[f32], v: &[f32], o: &mut [
             row.iter_mut().for_each(|x| *x *= inv);
             lse[r] = (m[r] + l[r].log2()) * LN_2;
         }
-    }
-}
-
-/// Sets to -inf the scores a causal row may not see. s: [rows, BLOCK_K]; local row r sees local
-/// columns c <= first_limit + r.
-pub fn mask_causal(s: &mut [f32], rows: usize, cols: usize, first_limit: isize) {
-    if first_limit + 1 >= cols as isize {
-        return; // every row of the tile sees every column
-    }
-    for r in 0..rows {
-        let first_hidden = (first_limit + r as isize + 1).clamp(0, cols as isize) as usize;
-        s[r * BLOCK_K + first_hidden..r * BLOCK_K + cols].fill(f32::NEG_INFINITY);
     }
 }

@@ -1,11 +1,14 @@
 //! The CPU backend: multithreaded (rayon) tiled FlashAttention in f32, O(B·H·S·D) extra memory.
+//! Every mask of [`Mask`](crate::Mask) is taken; the tiles it hides are skipped (module `tiles`).
 
 mod backward;
+mod batch;
 mod forward;
 mod layout;
 #[doc(hidden)]
 pub mod matmul;
 pub mod simd;
+mod tiles;
 mod vector;
 mod workspace;
 
@@ -17,23 +20,13 @@ use crate::problem::Problem;
 /// Forward on the CPU (layouts in [`ForwardIo`]).
 pub fn forward(p: &Problem, io: ForwardIo) -> Result<()> {
     check_forward_buffers(p, &io)?;
-    not_yet(p)?;
     catch_panics("CPU", || forward::run(p, io))
 }
 
 /// Backward on the CPU from the forward's o and lse (layouts in [`BackwardIo`]).
 pub fn backward(p: &Problem, io: BackwardIo) -> Result<()> {
     check_backward_buffers(p, &io)?;
-    not_yet(p)?;
     catch_panics("CPU", || backward::run(p, io))
-}
-
-fn not_yet(p: &Problem) -> Result<()> {
-    if p.mask.is_plain() {
-        Ok(())
-    } else {
-        Err(crate::FlashError::Unsupported("the CPU kernels do not take windows, padding, segment ids, block masks or varlen batches yet".into()))
-    }
 }
 
 /// Number of threads the CPU kernels run on.

@@ -2,7 +2,7 @@
 
 #![allow(dead_code)]
 
-use flash_core::{DType, Dims, Options, Problem, TensorSpec};
+use flash_core::{DType, Dims, IndexArg, MaskArgs, MaskBuffers, Options, Problem, TensorSpec, Window};
 
 /// Deterministic pseudo-random normals (xorshift + Box-Muller); never all zeros.
 pub struct Rng(u64);
@@ -64,41 +64,116 @@ pub struct Reference {
     pub dv: Vec<f64>,
 }
 
-/// Materialised float64 attention forward and backward (the oracle for the core's own tests).
+/// Every mask of a call, as the caller gives it; the oracle reads the rules from these alone.
+#[derive(Debug, Clone, Default)]
+pub struct Masks {
+    pub causal: bool,
+    pub window: (Option<usize>, Option<usize>),
+    pub seqused_k: Option<Vec<i32>>,              // [B]
+    pub leftpad_k: Option<Vec<i32>>,              // [B]
+    pub segments: Option<(Vec<i32>, Vec<i32>)>,   // [B, Sq], [B, Sk]
+    pub block_mask: Option<(Vec<u8>, [usize; 4])>, // [B or 1, H or 1, ceil(Sq/128), ceil(Sk/128)]
+    pub cu_seqlens: Option<(Vec<i32>, Vec<i32>)>, // varlen: [B + 1] each
+}
+
+/// One batch row in q viewed as [rows, H, D] and k as [rows, Hkv, D]: its first query row and
+/// count, its first key row and count, and its valid keys [k_lo, k_hi) (local positions).
+#[derive(Debug, Clone, Copy)]
+pub struct Span {
+    pub q0: usize,
+    pub q_len: usize,
+    pub k0: usize,
+    pub k_len: usize,
+    pub k_lo: usize,
+    pub k_hi: usize,
+}
+
+impl Masks {
+    /// The batch rows of a call with q [B, Sq, ...] / k [B, Sk, ...] (or the varlen offsets).
+    pub fn spans(&self, batch: usize, seq_q: usize, seq_k: usize) -> Vec<Span> {
+        if let Some((cq, ck)) = &self.cu_seqlens {
+            let n = |v: &[i32], b: usize| (v[b] as usize, (v[b + 1] - v[b]) as usize);
+            return (0..cq.len() - 1)
+                .map(|b| {
+                    let ((q0, q_len), (k0, k_len)) = (n(cq, b), n(ck, b));
+                    Span { q0, q_len, k0, k_len, k_lo: 0, k_hi: k_len }
+                })
+                .collect();
+        }
+        (0..batch)
+            .map(|b| {
+                let k_hi = self.seqused_k.as_ref().map_or(seq_k, |u| u[b] as usize);
+                let k_lo = self.leftpad_k.as_ref().map_or(0, |l| l[b] as usize);
+                Span { q0: b * seq_q, q_len: seq_q, k0: b * seq_k, k_len: seq_k, k_lo, k_hi }
+            })
+            .collect()
+    }
+
+    /// The rule, brute force: key j of batch row b visible to its query i of head h.
+    pub fn sees(&self, s: &Span, (b, h, i, j): (usize, usize, usize, usize), (seq_q, seq_k): (usize, usize)) -> bool {
+        if j < s.k_lo || j >= s.k_hi {
+            return false;
+        }
+        let rel = j as i64 - s.k_lo as i64;
+        let diag = i as i64 + (s.k_hi - s.k_lo) as i64 - s.q_len as i64;
+        let (left, right) = self.window;
+        let window = left.is_none_or(|l| rel >= diag - l as i64) && right.is_none_or(|r| rel <= diag + r as i64);
+        let segment = self.segments.as_ref().is_none_or(|(sq, sk)| sq[b * seq_q + i] == sk[b * seq_k + j]);
+        let block = self.block_mask.as_ref().is_none_or(|(bm, [mb, mh, rows, cols])| {
+            let (bb, hh) = (if *mb == 1 { 0 } else { b }, if *mh == 1 { 0 } else { h });
+            bm[((bb * mh + hh) * rows + i / 128) * cols + j / 128] != 0
+        });
+        (!self.causal || rel <= diag) && window && segment && block
+    }
+}
+
+/// Materialised float64 attention forward and backward without masks beyond `causal`.
 pub fn reference(p: &Problem, q: &[f32], k: &[f32], v: &[f32], d_out: &[f32]) -> Reference {
+    reference_masked(p, &Masks { causal: p.causal, ..Masks::default() }, q, k, v, d_out)
+}
+
+/// Materialised float64 attention forward and backward under `m` (the oracle for the core's own
+/// tests). Only p's sizes and scale are read; lse is [B, H, Sq] padded, [H, total_q] varlen.
+pub fn reference_masked(p: &Problem, m: &Masks, q: &[f32], k: &[f32], v: &[f32], d_out: &[f32]) -> Reference {
     let Dims { batch, seq_q, seq_k, heads, kv_heads, head_dim: d } = p.dims;
     let g = heads / kv_heads;
-    let qi = |b: usize, i: usize, h: usize, x: usize| ((b * seq_q + i) * heads + h) * d + x;
-    let ki = |b: usize, j: usize, h: usize, x: usize| ((b * seq_k + j) * kv_heads + h / g) * d + x;
-    let (mut o, mut lse) = (vec![0.0; q.len()], vec![f64::NEG_INFINITY; batch * heads * seq_q]);
+    let spans = m.spans(batch, seq_q, seq_k);
+    let total_q = q.len() / (heads * d);
+    let qi = |row: usize, h: usize, x: usize| (row * heads + h) * d + x;
+    let ki = |row: usize, h: usize, x: usize| (row * kv_heads + h / g) * d + x;
+    let lse_at = |b: usize, h: usize, i: usize| match m.cu_seqlens {
+        Some(_) => h * total_q + spans[b].q0 + i,
+        None => (b * heads + h) * seq_q + i,
+    };
+    let (mut o, mut lse) = (vec![0.0; q.len()], vec![f64::NEG_INFINITY; total_q * heads]);
     let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; k.len()]);
     let scale = p.scale as f64;
-    for b in 0..batch {
+    for (b, s) in spans.iter().enumerate() {
         for h in 0..heads {
-            for i in 0..seq_q {
-                let visible = p.keys_visible(i);
-                if visible == 0 {
+            for i in 0..s.q_len {
+                let keys: Vec<usize> = (0..s.k_len).filter(|&j| m.sees(s, (b, h, i, j), (seq_q, seq_k))).collect();
+                if keys.is_empty() {
                     continue;
                 }
-                let s: Vec<f64> = (0..visible)
-                    .map(|j| (0..d).map(|x| q[qi(b, i, h, x)] as f64 * k[ki(b, j, h, x)] as f64).sum::<f64>() * scale)
-                    .collect();
-                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let l: f64 = s.iter().map(|x| (x - m).exp()).sum();
-                let pr: Vec<f64> = s.iter().map(|x| (x - m).exp() / l).collect();
-                lse[(b * heads + h) * seq_q + i] = m + l.ln();
+                let (qr, kr) = (s.q0 + i, |j: usize| s.k0 + j);
+                let sc: Vec<f64> =
+                    keys.iter().map(|&j| (0..d).map(|x| q[qi(qr, h, x)] as f64 * k[ki(kr(j), h, x)] as f64).sum::<f64>() * scale).collect();
+                let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let l: f64 = sc.iter().map(|x| (x - mx).exp()).sum();
+                let pr: Vec<f64> = sc.iter().map(|x| (x - mx).exp() / l).collect();
+                lse[lse_at(b, h, i)] = mx + l.ln();
                 for x in 0..d {
-                    o[qi(b, i, h, x)] = (0..visible).map(|j| pr[j] * v[ki(b, j, h, x)] as f64).sum();
+                    o[qi(qr, h, x)] = keys.iter().zip(&pr).map(|(&j, pj)| pj * v[ki(kr(j), h, x)] as f64).sum();
                 }
-                let dov: Vec<f64> = (0..d).map(|x| d_out[qi(b, i, h, x)] as f64).collect();
-                let delta: f64 = (0..d).map(|x| dov[x] * o[qi(b, i, h, x)]).sum();
-                for j in 0..visible {
-                    let dp: f64 = (0..d).map(|x| dov[x] * v[ki(b, j, h, x)] as f64).sum();
-                    let ds = pr[j] * (dp - delta);
+                let dov: Vec<f64> = (0..d).map(|x| d_out[qi(qr, h, x)] as f64).collect();
+                let delta: f64 = (0..d).map(|x| dov[x] * o[qi(qr, h, x)]).sum();
+                for (&j, &pj) in keys.iter().zip(&pr) {
+                    let dp: f64 = (0..d).map(|x| dov[x] * v[ki(kr(j), h, x)] as f64).sum();
+                    let ds = pj * (dp - delta);
                     for x in 0..d {
-                        dq[qi(b, i, h, x)] += scale * ds * k[ki(b, j, h, x)] as f64;
-                        dk[ki(b, j, h, x)] += scale * ds * q[qi(b, i, h, x)] as f64;
-                        dv[ki(b, j, h, x)] += pr[j] * dov[x];
+                        dq[qi(qr, h, x)] += scale * ds * k[ki(kr(j), h, x)] as f64;
+                        dk[ki(kr(j), h, x)] += scale * ds * q[qi(qr, h, x)] as f64;
+                        dv[ki(kr(j), h, x)] += pj * dov[x];
                     }
                 }
             }
@@ -131,4 +206,87 @@ pub fn case(dims: Dims, dtype: DType, causal: bool, seed: u64) -> Case {
 
 pub fn dims(batch: usize, seq_q: usize, seq_k: usize, heads: usize, kv_heads: usize, head_dim: usize) -> Dims {
     Dims { batch, seq_q, seq_k, heads, kv_heads, head_dim }
+}
+
+/// A masked (or varlen) problem with random inputs rounded to `dtype`. For varlen, `dims` gives
+/// heads and head_dim; the row counts come from `m.cu_seqlens`.
+pub struct MaskedCase {
+    pub p: Problem,
+    pub m: Masks,
+    pub q: (Vec<u8>, Vec<f32>),
+    pub k: (Vec<u8>, Vec<f32>),
+    pub v: (Vec<u8>, Vec<f32>),
+    pub d_out: (Vec<u8>, Vec<f32>),
+    pub seg_bytes: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+fn i32_bytes(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+}
+
+impl MaskedCase {
+    /// The mask buffers of the call.
+    pub fn buffers(&self) -> MaskBuffers<'_> {
+        MaskBuffers {
+            seg_q: self.seg_bytes.as_ref().map(|s| &s.0[..]),
+            seg_k: self.seg_bytes.as_ref().map(|s| &s.1[..]),
+            block_mask: self.m.block_mask.as_ref().map(|b| &b.0[..]),
+        }
+    }
+
+    pub fn reference(&self) -> Reference {
+        reference_masked(&self.p, &self.m, &self.q.1, &self.k.1, &self.v.1, &self.d_out.1)
+    }
+}
+
+pub fn masked_case(dims: Dims, m: Masks, dtype: DType, seed: u64) -> MaskedCase {
+    let (q_shape, kv_shape): (Vec<usize>, Vec<usize>) = match &m.cu_seqlens {
+        Some((cq, ck)) => {
+            let (tq, tk) = (*cq.last().unwrap() as usize, *ck.last().unwrap() as usize);
+            (vec![tq, dims.heads, dims.head_dim], vec![tk, dims.kv_heads, dims.head_dim])
+        }
+        None => (dims.q_shape().to_vec(), dims.kv_shape().to_vec()),
+    };
+    let (ql, kl) = (q_shape.iter().product(), kv_shape.iter().product());
+    let mut rng = Rng::new(seed);
+    let q = encode(dtype, &rng.normals(ql));
+    let k = encode(dtype, &rng.normals(kl));
+    let v = encode(dtype, &rng.normals(kl));
+    let d_out = encode(dtype, &rng.normals(ql));
+    let p = masked_problem(&m, dtype, (&q_shape, &kv_shape));
+    let seg_bytes = m.segments.as_ref().map(|(sq, sk)| (i32_bytes(sq), i32_bytes(sk)));
+    MaskedCase { p, m, q, k, v, d_out, seg_bytes }
+}
+
+fn int_arg<'a>(name: &'a str, values: &'a [i32], shape: &'a [usize]) -> IndexArg<'a> {
+    IndexArg { spec: TensorSpec { name, dtype: "int32", shape, nbytes: Some(values.len() * 4) }, values }
+}
+
+/// Validates the call through the public entry points (forward_masked or varlen_forward).
+fn masked_problem(m: &Masks, dtype: DType, (q_shape, kv_shape): (&[usize], &[usize])) -> Problem {
+    let elems = |s: &[usize]| s.iter().product::<usize>();
+    let spec = |name, shape| TensorSpec { name, dtype: dtype.name(), shape, nbytes: Some(elems(shape) * dtype.size_bytes()) };
+    let (q, k, v) = (spec("q", q_shape), spec("k", kv_shape), spec("v", kv_shape));
+    let window = Window { left: m.window.0.map(|x| x as i64), right: m.window.1.map(|x| x as i64) };
+    let opts = Options { causal: m.causal, scale: None, deterministic: false, window };
+    let int_shapes: Vec<[usize; 1]> = [&m.seqused_k, &m.leftpad_k].iter().map(|a| [a.as_ref().map_or(0, |v| v.len())]).collect();
+    if let Some((cq, ck)) = &m.cu_seqlens {
+        let shape = [cq.len()];
+        return Problem::varlen_forward(&q, &k, &v, &int_arg("cu_seqlens_q", cq, &shape), &int_arg("cu_seqlens_k", ck, &shape), &opts).unwrap();
+    }
+    let (b, sq) = (q_shape[0], q_shape[1]);
+    let (seg_q_shape, seg_k_shape) = ([b, sq], [b, kv_shape[1]]);
+    let segment_ids = m.segments.as_ref().map(|(a, c)| {
+        let int = |name, shape, n: usize| TensorSpec { name, dtype: "int32", shape, nbytes: Some(n * 4) };
+        (int("q_segment_ids", &seg_q_shape[..], a.len()), int("kv_segment_ids", &seg_k_shape[..], c.len()))
+    });
+    let block_mask =
+        m.block_mask.as_ref().map(|(bytes, shape)| TensorSpec { name: "block_mask", dtype: "uint8", shape: &shape[..], nbytes: Some(bytes.len()) });
+    let args = MaskArgs {
+        segment_ids,
+        seqused_k: m.seqused_k.as_ref().map(|u| int_arg("seqused_k", u, &int_shapes[0])),
+        leftpad_k: m.leftpad_k.as_ref().map(|l| int_arg("leftpad_k", l, &int_shapes[1])),
+        block_mask,
+    };
+    Problem::forward_masked(&q, &k, &v, &opts, &args).unwrap()
 }
