@@ -22,6 +22,7 @@
 #   FLASH_NIF_LIB    a prebuilt libflash_nif.so to install into priv/ first (e.g. one built from
 #                    a clean checkout and carried in an ignored folder such as elixir/.gpu_nif)
 #   GPU_TEST_ONLY=1  run only `mix test --only cuda`, not the whole suite afterwards
+#   GPU_BENCH=1      then run bench/exphil.exs on the GPU and on the CPU (logged to exphil.log)
 set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"   # the elixir/ project
@@ -81,6 +82,13 @@ if [ "${GPU_TEST_ONLY:-0}" != "1" ]; then
   mix test 2>&1 | log gpu_test.log
   rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && status=$rc
   echo "== mix test: exit $rc" | log gpu_test.log
+fi
+
+if [ "${GPU_BENCH:-0}" = "1" ]; then
+  for dev in cuda cpu; do
+    echo "== bench/exphil.exs --device $dev" | log exphil.log
+    mix run ../bench/exphil.exs --device "$dev" 2>&1 | log exphil.log
+  done
 fi
 
 rm -rf "$root"
