@@ -138,7 +138,7 @@ struct QueryBlock {
             const int lo = seq.key_lo(m0), hi = seq.key_hi(r_end - 1);  // bounds grow with the row
             n_lo = lo / BLOCK_N * BLOCK_N;
             n_hi = lo < hi ? hi : n_lo;
-            if (seq.seg_q) ids = id_range(seq.seg_q, m0, r_end);
+            if (seq.has_segments()) ids = id_range(seq.seg_q(), m0, r_end);
         }
 #else
         Sq = p.seqlen_q;
@@ -240,14 +240,12 @@ struct KeyBlock {
         ids = {0, 0};
         const int c0 = imax(n0, seq.k_lo), c1 = imin(n0 + BLOCK_N, seq.k_hi);  // the valid keys
         if (c0 < c1) {
-            // Rows that may see a key of [c0, c1): mask.rs's query_range.
-            const int r0 = imax(0, c0 - seq.right - seq.diag0);
-            const int r1 = imin(Sq, c1 - 1 + seq.left - seq.diag0 + 1);
+            const int r0 = seq.row_lo(c0), r1 = seq.row_hi(c1);
             if (r0 < r1) {
                 m_first = r0 / BLOCK_M;
                 m_tiles = (r1 + BLOCK_M - 1) / BLOCK_M - m_first;
             }
-            if (seq.seg_q) ids = id_range(seq.seg_k, c0, c1);
+            if (seq.has_segments()) ids = id_range(seq.seg_k(), c0, c1);
         }
 #else
         Sq = p.seqlen_q;

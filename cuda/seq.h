@@ -63,44 +63,42 @@ __device__ __forceinline__ IdMatch id_match(const int* ids, int i0, int i1, IdRa
     return {__any_sync(0xffffffffu, any) != 0, __all_sync(0xffffffffu, all) != 0};
 }
 
+// One batch row: its six numbers from the host's table, the rest read from the params where it is
+// used (param reads are free operands, so they take no register across the kernels' loops).
 struct SeqMask {
+    const FlashParams* p;
+    int b;
     int q_start, q_len, k_start, k_len, k_lo, k_hi;
-    int diag0, left, right;
-    const int* seg_q;          // [q_len] this batch row's segment ids, or null
-    const int* seg_k;          // [k_len]
-    const unsigned char* bm;   // [Mb, Nb] this batch row's block mask at head 0, or null
-    i64 bm_head;               // entries between its heads (0: broadcast)
-    int bm_cols;               // Nb
 
     __device__ __forceinline__ static SeqMask load(const FlashParams& p, int b) {
         const int* s = p.seqs + 6 * b;
-        SeqMask m;
-        m.q_start = s[0];
-        m.q_len = s[1];
-        m.k_start = s[2];
-        m.k_len = s[3];
-        m.k_lo = s[4];
-        m.k_hi = s[5];
-        m.diag0 = m.k_hi - m.q_len;
-        m.left = p.win_left;
-        m.right = p.win_right;
-        m.seg_q = p.seg_q ? p.seg_q + (i64)b * p.seqlen_q : nullptr;
-        m.seg_k = p.seg_k ? p.seg_k + (i64)b * p.seqlen_k : nullptr;
-        m.bm = p.block_mask ? p.block_mask + (i64)b * p.bm_batch_stride : nullptr;
-        m.bm_head = p.bm_head_stride;
-        m.bm_cols = p.bm_cols;
-        return m;
+        return {&p, b, s[0], s[1], s[2], s[3], s[4], s[5]};
     }
+    __device__ __forceinline__ int diag0() const { return k_hi - q_len; }  // row 0's diagonal key
+    __device__ __forceinline__ int left() const { return p->win_left; }
+    __device__ __forceinline__ int right() const { return p->win_right; }
+    // This batch row's segment ids ([q_len], [k_len]; null when none) and its block mask at head h
+    // ([Mb, Nb]; null when none).
+    __device__ __forceinline__ const int* seg_q() const { return p->seg_q + (i64)b * p->seqlen_q; }
+    __device__ __forceinline__ const int* seg_k() const { return p->seg_k + (i64)b * p->seqlen_k; }
+    __device__ __forceinline__ const unsigned char* block_mask(int h) const {
+        return p->block_mask ? p->block_mask + (i64)b * p->bm_batch_stride + (i64)h * p->bm_head_stride : nullptr;
+    }
+    __device__ __forceinline__ bool has_segments() const { return p->seg_q != nullptr; }
 
     // Keys [key_lo(i), key_hi(i)) pass row i's window and padding (none when lo >= hi).
-    __device__ __forceinline__ int key_lo(int i) const { return imax(k_lo, diag0 + i - left); }
-    __device__ __forceinline__ int key_hi(int i) const { return imin(k_hi, diag0 + i + right + 1); }
+    __device__ __forceinline__ int key_lo(int i) const { return imax(k_lo, diag0() + i - left()); }
+    __device__ __forceinline__ int key_hi(int i) const { return imin(k_hi, diag0() + i + right() + 1); }
+    // Rows [row_lo(c0), row_hi(c1)) may see some key of [c0, c1) (valid keys; mask.rs's query_range).
+    __device__ __forceinline__ int row_lo(int c0) const { return imax(0, c0 - right() - diag0()); }
+    __device__ __forceinline__ int row_hi(int c1) const { return imin(q_len, c1 - 1 + left() - diag0() + 1); }
 
     // Does row i (of head h) see key j? Rows past q_len see nothing: a tile's rows may run past it.
     __device__ __forceinline__ bool sees(int h, int i, int j) const {
         if (i >= q_len || j < key_lo(i) || j >= key_hi(i)) return false;
-        if (seg_q && seg_q[i] != seg_k[j]) return false;
-        return !bm || bm[h * bm_head + (i64)(i / MASK_BLOCK) * bm_cols + j / MASK_BLOCK] != 0;
+        if (has_segments() && seg_q()[i] != seg_k()[j]) return false;
+        const unsigned char* bm = block_mask(h);
+        return !bm || bm[(i64)(i / MASK_BLOCK) * p->bm_cols + j / MASK_BLOCK] != 0;
     }
 
     // Rows [r0, r1) (r1 <= q_len) x keys [c0, c1) of head h, by window and padding, then block mask,
@@ -111,19 +109,19 @@ struct SeqMask {
         const int v0 = imax(c0, k_lo), v1 = imin(c1, k_hi);  // the tile's valid keys
         if (r0 >= r1 || v0 >= v1) return {false, false};
         bool inside = key_lo(r1 - 1) <= c0 && c1 <= key_hi(r0);  // the last row's lo, the first's hi
-        if (bm) {
+        if (const unsigned char* bm = block_mask(h)) {
             bool any = false, all = true;
             for (int bi = r0 / MASK_BLOCK; bi <= (r1 - 1) / MASK_BLOCK; ++bi)
                 for (int bj = v0 / MASK_BLOCK; bj <= (v1 - 1) / MASK_BLOCK; ++bj) {
-                    const bool on = bm[h * bm_head + (i64)bi * bm_cols + bj] != 0;
+                    const bool on = bm[(i64)bi * p->bm_cols + bj] != 0;
                     any = any || on;
                     all = all && on;
                 }
             if (!any) return {false, false};
             inside = inside && all;
         }
-        if (seg_q) {
-            const IdMatch m = scan_keys ? id_match(seg_k, v0, v1, own) : id_match(seg_q, r0, r1, own);
+        if (has_segments()) {
+            const IdMatch m = scan_keys ? id_match(seg_k(), v0, v1, own) : id_match(seg_q(), r0, r1, own);
             if (!m.any) return {false, false};
             inside = inside && m.all;
         }
