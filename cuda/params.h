@@ -1,4 +1,5 @@
 // params.h — the one parameter struct shared by every kernel, and the compile-time configuration.
+// The tiled kernels' blocks (their rows, keys, offsets and tile walks) are block.h's.
 //
 // Every kernel is compiled by NVRTC with its configuration baked in as -D defines (no CUDA headers are
 // needed, so NVRTC runs with no include path):

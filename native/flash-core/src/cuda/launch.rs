@@ -272,13 +272,15 @@ pub(super) fn prepare(p: &Problem, device: usize) -> Result<(Arc<Device>, Contex
     Ok((dev, ctx))
 }
 
-/// Forward on device memory: o = softmax(scale q k^T) v, lse = its logsumexp.
+/// Forward on device memory: o = softmax(scale q k^T) v, lse = its logsumexp, under `p.mask`
+/// (windows, padding, segment ids, block masks and varlen batches run the MASKED kernels).
 ///
 /// # Safety
 /// The pointers must be device memory of GPU `device` with the sizes `p` implies (q/o
-/// [B,Sq,H,D], k/v [B,Sk,Hkv,D] in `p.dtype`, lse [B,H,Sq] f32), valid until `stream` reaches this
-/// work; `stream` (a CUstream as an integer, 0 = legacy default) must belong to that device's
-/// primary context.
+/// `p.q_shape()`, k/v `p.kv_shape()` in `p.dtype`, lse `p.lse_shape()` f32; the mask pointers
+/// [`MaskPtrs`]' layouts, given exactly when `p` has those masks), valid until `stream` reaches
+/// this work; `stream` (a CUstream as an integer, 0 = legacy default) must belong to that
+/// device's primary context.
 pub unsafe fn forward_device(p: &Problem, device: usize, stream: usize, ptrs: ForwardPtrs) -> Result<()> {
     catch_panics("CUDA", || {
         let (dev, _ctx) = prepare(p, device)?;
@@ -287,9 +289,9 @@ pub unsafe fn forward_device(p: &Problem, device: usize, stream: usize, ptrs: Fo
     })
 }
 
-/// Backward on device memory: dq, dk, dv from dO, q, k, v, o and lse. Allocates 2·B·H·Sq floats
-/// of workspace (stream-ordered) for delta and the log2-domain lse, and on the atomic-dQ path
-/// B·Sq·H·D more for the f32 dQ sums.
+/// Backward on device memory: dq, dk, dv from dO, q, k, v, o and lse. Allocates two lse-sized f32
+/// buffers of workspace (stream-ordered) for delta and the log2-domain lse, and on the atomic-dQ
+/// path a q-sized one more for the f32 dQ sums (and, masked, the [B, 6] int32 batch-row table).
 ///
 /// # Safety
 /// As [`forward_device`], for every pointer in `ptrs`.
