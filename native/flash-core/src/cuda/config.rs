@@ -51,9 +51,20 @@ pub fn variant(spec: &Spec, set: TileSet) -> Variant {
     let t = match set {
         TileSet::Default => tiles(default_tiles(k, dt, d)),
         TileSet::Small => tiles(small_tiles(k, dt, d)),
-        TileSet::Override => tile_override(k, dt, d).unwrap_or_else(|| tiles(default_tiles(k, dt, d))),
+        TileSet::Override => return make_variant(spec, tile_override(k, dt, d).unwrap_or_else(|| tiles(default_tiles(k, dt, d))), set),
     };
+    let t = if spec.masked { masked_tiles(k, dt, d, t) } else { t };
     make_variant(spec, t, set)
+}
+
+/// The masked kernels' tiles: the plain ones, except where the run-time masks' registers make
+/// them spill (the fp32 SIMT forward's 128 x 128 tile, on sm_80).
+fn masked_tiles(kernel: Kernel, dtype: DType, d: usize, t: Tiles) -> Tiles {
+    if kernel == Kernel::Fwd && dtype == DType::F32 && simt_f32(d) && t.block_n > 64 {
+        Tiles { block_n: 64, ..t }
+    } else {
+        t
+    }
 }
 
 /// Every (kernel, dtype, head dim, causal or masked) the library launches, default and small tiles
