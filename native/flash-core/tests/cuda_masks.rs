@@ -11,6 +11,9 @@ use flash_core::cuda::config::{candidates, Spec};
 use flash_core::cuda::{self, Kernel};
 use flash_core::{BackwardIo, DType, ForwardIo, IndexArg, MaskArgs, MaskBuffers, Options, Problem, TensorSpec, Window, MASK_BLOCK};
 
+/// A block mask's entry of (b, h, m, n).
+type BlockFn = fn(usize, usize, usize, usize) -> u8;
+
 /// One masked call's layout: padded (`[B, Sq, ...]` with optional padding, segment ids, block mask)
 /// or varlen (lengths of each sequence).
 #[derive(Clone)]
@@ -24,7 +27,7 @@ enum Layout {
         /// Segment ids of each batch row's queries and keys, from (batch row, position).
         segments: Option<fn(usize, usize) -> i32>,
         /// Block mask heads (1 = broadcast) and its entries from (b, h, m, n).
-        block_mask: Option<(usize, fn(usize, usize, usize, usize) -> u8)>,
+        block_mask: Option<(usize, BlockFn)>,
     },
     Varlen { q_lens: Vec<usize>, k_lens: Vec<usize> },
 }
@@ -104,12 +107,10 @@ fn build(s: &Scenario, dtype: DType, head_dim: usize, seed: u64) -> Call {
                 }
                 (bh, out)
             });
-            let bshape = [1usize, 1];
             let used_arg = seqused_k.as_ref().map(|u| (u.clone(), [b]));
             let pad_arg = leftpad_k.as_ref().map(|u| (u.clone(), [b]));
             let (sqs, sks) = ([b, sq], [b, sk]);
             let bm_shape = bm.as_ref().map(|(bh, _)| [b, *bh, mb, nb]);
-            let _ = bshape;
             let args = MaskArgs {
                 segment_ids: seg_q.as_ref().map(|_| {
                     (TensorSpec { name: "seg_q", dtype: "int32", shape: &sqs, nbytes: None }, TensorSpec { name: "seg_k", dtype: "int32", shape: &sks, nbytes: None })
