@@ -12,7 +12,7 @@
 // f32 atomics — 5 tile GEMMs per (query, key) tile pair instead of the 7 of separate dQ and dK/dV
 // kernels, at the price of a run-to-run order of the additions (bwd_dq_convert finishes dQ).
 #include "tile.h"
-#include "mask.h"
+#include "block.h"
 
 #if BLOCK_N * D_SPLIT != 16 * NUM_WARPS
 #error "dkdv: BLOCK_N * D_SPLIT must be 16 * NUM_WARPS"
@@ -84,9 +84,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dkdv(const FlashParams p) {
     Smem& smem = shared_memory<Smem>();
     const KeyBlock blk(p);
+    if (blk.empty()) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int slice = warp / D_SPLIT, part = warp % D_SPLIT;
-    const int n_iters = blk.n_iter;
+    QueryWalk w = blk.query_walk();
 
     load_tile_async<BLOCK_N>(smem.k, p.k + blk.kv_base(p), blk.n0, blk.Sk, blk.kv_stride);
     load_tile_async<BLOCK_N>(smem.v, p.v + blk.kv_base(p), blk.n0, blk.Sk, blk.kv_stride);
@@ -108,9 +109,9 @@ flash_bwd_dkdv(const FlashParams p) {
         const int h = blk.head(it), m0 = blk.query_row(it);
         load_tile_async<BLOCK_M>(smem.dout + buf * BLOCK_M * SROW, p.dout + blk.q_base(p, h), m0, blk.Sq, blk.q_stride);
     };
-    if (n_iters > 0) load_q(0, 0);
+    if (w.more()) load_q(w.it(), 0);
     cp_async_commit();  // with K and V
-    if (n_iters > 0) load_do(0, 0);
+    if (w.more()) load_do(w.it(), 0);
     cp_async_commit();
 
     float dk[DPART / 8][4], dv[DPART / 8][4];
@@ -122,11 +123,12 @@ flash_bwd_dkdv(const FlashParams p) {
     const int col0 = part * DPART;
     const int g = lane / 4, t = lane % 4;
 
-    for (int it = 0; it < n_iters; ++it) {
-        const int buf = it & 1;
+    for (; w.more(); w.advance()) {
+        blk.look_ahead(w);
+        const int it = w.it(), buf = w.buf();
         cp_async_wait<1>();
-        __syncthreads();  // Q_it landed; every warp is done with iteration it-1's buffers
-        if (it + 1 < n_iters) load_q(it + 1, buf ^ 1);
+        __syncthreads();  // Q_it landed; every warp is done with the previous iteration's buffers
+        if (w.has_next()) load_q(w.next_it(), buf ^ 1);
         cp_async_commit();
         const elem_t* sQi = smem.q + buf * BLOCK_M * SROW;
         const elem_t* sdOi = smem.dout + buf * BLOCK_M * SROW;
@@ -141,14 +143,14 @@ flash_bwd_dkdv(const FlashParams p) {
 
         cp_async_wait<1>();
         __syncthreads();  // dO_it landed
-        if (it + 1 < n_iters) load_do(it + 1, buf ^ 1);
+        if (w.has_next()) load_do(w.next_it(), buf ^ 1);
         cp_async_commit();
         gemm_abt<BLOCK_M / 8>(dp, sVw, sdOi);
 #pragma unroll
         for (int i = 0; i < BLOCK_M / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[i][e] *= p.scale_log2;
-        if (key_slice_needs_mask(key0, m0, blk.Sq, blk.Sk)) mask_tile<BLOCK_M / 8, true>(s, key0, m0, blk.Sq, blk.Sk);
+        if (blk.slice_mask(w, key0)) mask_tile<BLOCK_M / 8, true>(s, key0, m0, blk.vis(blk.head(it)));
 #pragma unroll
         for (int i = 0; i < BLOCK_M / 8; ++i)
 #pragma unroll

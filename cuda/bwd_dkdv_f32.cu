@@ -6,7 +6,7 @@
 //   S^T = K Q^T, P^T = exp2(S^T * scale_log2 - lse_log2), dP^T = V dO^T, dS^T = P^T * (dP^T - delta)
 //   dV += P^T dO, dK += dS^T Q;   finally dK *= scale.
 #include "tile_f32.h"
-#include "mask.h"
+#include "block.h"
 
 #define MR (BLOCK_N / 16)  // key rows per thread
 #define MC (BLOCK_M / 16)  // query columns per thread
@@ -24,6 +24,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dkdv(const FlashParams p) {
     Smem& smem = shared_memory<Smem>();
     const KeyBlock blk(p);
+    if (blk.empty()) return;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
     const int n0 = blk.n0, Sq = blk.Sq, Sk = blk.Sk;
     load_tile_f32<BLOCK_N>(smem.k, p.k + blk.kv_base(p), n0, Sk, blk.kv_stride);
@@ -38,7 +39,12 @@ flash_bwd_dkdv(const FlashParams p) {
     for (int g = 0; g < GQA_GROUP; ++g) {
         const int h = blk.hkv * GQA_GROUP + g;
         const i64 so = blk.stat_base(p, h);
-        for (int m0 = blk.m_start; m0 < Sq; m0 += BLOCK_M) {
+#if MASKED
+        const Visibility vis = blk.vis(h);
+#endif
+        for (int m0 = blk.m_start; m0 < blk.m_stop(); m0 += BLOCK_M) {
+            const TileTest tile = blk.query_tile(h, m0);
+            if (!tile.visit) continue;
             __syncthreads();
             load_tile_f32<BLOCK_M>(smem.q, p.q + blk.q_base(p, h), m0, Sq, blk.q_stride);
             load_tile_f32<BLOCK_M>(smem.dout, p.dout + blk.q_base(p, h), m0, Sq, blk.q_stride);
@@ -65,8 +71,11 @@ flash_bwd_dkdv(const FlashParams p) {
 #if IS_CAUSAL
                     if (key > m0 + qc + Sk - Sq) x = NEG_INF;
 #endif
-#if ATOMIC_DQ && !EVEN_N
+#if ATOMIC_DQ && !EVEN_N && !MASKED
                     if (key >= Sk) x = NEG_INF;  // zero-filled keys must add nothing to dQ
+#endif
+#if MASKED
+                    if (tile.mask && !vis(m0 + qc, key)) x = NEG_INF;
 #endif
                     const float pr = fast_exp2(x - smem.lse[qc]);
                     smem.p[(ty + 16 * i) * PSTRIDE + qc] = pr;

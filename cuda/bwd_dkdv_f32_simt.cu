@@ -15,7 +15,7 @@
 #define SIMT_UNROLL_R 4
 #endif
 #include "simt_f32.h"
-#include "mask.h"
+#include "block.h"
 
 #define MR (BLOCK_N / 16)  // key rows per thread
 #define MC (BLOCK_M / 16)  // query columns per thread
@@ -37,17 +37,19 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dkdv(const FlashParams p) {
     Smem& smem = shared_memory<Smem>();
     const KeyBlock blk(p);
+    if (blk.empty()) return;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const int n0 = blk.n0, Sq = blk.Sq, Sk = blk.Sk, n_iter = blk.n_iter;
+    const int n0 = blk.n0, Sq = blk.Sq, Sk = blk.Sk;
+    QueryWalk w = blk.query_walk();
 
     cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, p.k + blk.kv_base(p), n0, Sk, blk.kv_stride);
     cp_rows_f32<BLOCK_N, RSTRIDE>(smem.v, p.v + blk.kv_base(p), n0, Sk, blk.kv_stride);
-    if (n_iter > 0) {
-        const int h = blk.head(0);
-        cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_base(p, h), blk.m_start, Sq, blk.q_stride);
-        cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_base(p, h), blk.m_start, Sq, blk.q_stride);
+    if (w.more()) {
+        const int h = blk.head(w.it()), m0 = blk.query_row(w.it());
+        cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_base(p, h), m0, Sq, blk.q_stride);
+        cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_base(p, h), m0, Sq, blk.q_stride);
         if (threadIdx.x < BLOCK_M) {
-            const int q = blk.m_start + threadIdx.x;
+            const int q = m0 + threadIdx.x;
             const i64 so = blk.stat_base(p, h);
             smem.lse[threadIdx.x] = q < Sq ? p.lse_log2[so + q] : POS_INF;
             smem.delta[threadIdx.x] = q < Sq ? p.delta[so + q] : 0.f;
@@ -61,8 +63,9 @@ flash_bwd_dkdv(const FlashParams p) {
 #pragma unroll
         for (int jj = 0; jj < DV4; ++jj) dk[i][jj] = dv[i][jj] = make_float4(0.f, 0.f, 0.f, 0.f);
 
-    for (int it = 0; it < n_iter; ++it) {
-        const int h = blk.head(it), m0 = blk.query_row(it);
+    for (; w.more(); w.advance()) {
+        blk.look_ahead(w);
+        const int h = blk.head(w.it()), m0 = blk.query_row(w.it());
         cp_async_wait<0>();
         __syncthreads();  // (A) Q, dO, lse, delta of this tile in place; last tile's dS^T reads done
 
@@ -80,7 +83,10 @@ flash_bwd_dkdv(const FlashParams p) {
             lse2[j] = smem.lse[tx + 16 * j];
             dlt[j] = smem.delta[tx + 16 * j];
         }
-#if IS_CAUSAL || (ATOMIC_DQ && !EVEN_N)
+#if MASKED
+        const bool need_mask = blk.tile_mask(w);
+        const Visibility vis = blk.vis(h);
+#elif IS_CAUSAL || (ATOMIC_DQ && !EVEN_N)
         bool need_mask = false;
 #if IS_CAUSAL
         need_mask = n0 + BLOCK_N - 1 > m0 + Sk - Sq;
@@ -97,7 +103,11 @@ flash_bwd_dkdv(const FlashParams p) {
 #pragma unroll
             for (int j = 0; j < MC; ++j) {
                 float x = s[i][j] * p.scale_log2;
+#if MASKED
+                if (need_mask && !vis(m0 + tx + 16 * j, key)) x = NEG_INF;
+#else
                 if (need_mask && !visible(m0 + tx + 16 * j, key, Sq, Sk)) x = NEG_INF;
+#endif
                 const float pr = fast_exp2(x - lse2[j]);
                 smem.p[(ty + 16 * i) * PS + tx + 16 * j] = pr;
                 smem.ds[(ty + 16 * i) * PS + tx + 16 * j] = pr * (dp[i][j] - dlt[j]);
@@ -110,8 +120,8 @@ flash_bwd_dkdv(const FlashParams p) {
 #if ATOMIC_DQ
         __syncthreads();  // (C) every thread is done with Q, dO, lse, delta: load the next tile's
         float nl = POS_INF, nd = 0.f;
-        if (it + 1 < n_iter) {
-            const int h1 = blk.head(it + 1), m1 = blk.query_row(it + 1);
+        if (w.has_next()) {
+            const int h1 = blk.head(w.next_it()), m1 = blk.query_row(w.next_it());
             cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_base(p, h1), m1, Sq, blk.q_stride);
             cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_base(p, h1), m1, Sq, blk.q_stride);
             if (threadIdx.x < BLOCK_M && m1 + (int)threadIdx.x < Sq) {
@@ -159,9 +169,9 @@ flash_bwd_dkdv(const FlashParams p) {
             smem.delta[threadIdx.x] = nd;
         }
 #else
-        if (it + 1 < n_iter) {
+        if (w.has_next()) {
             __syncthreads();  // (C) every thread is done with Q, dO, lse, delta
-            const int h1 = blk.head(it + 1), m1 = blk.query_row(it + 1);
+            const int h1 = blk.head(w.next_it()), m1 = blk.query_row(w.next_it());
             cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_base(p, h1), m1, Sq, blk.q_stride);
             cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_base(p, h1), m1, Sq, blk.q_stride);
             if (threadIdx.x < BLOCK_M) {

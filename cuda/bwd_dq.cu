@@ -5,7 +5,7 @@
 //   S = Q K^T, P = exp2(S * scale_log2 - lse_log2), dP = dO V^T, dS = P * (dP - delta), dQ += dS K
 // and finally dQ *= scale.
 #include "tile.h"
-#include "mask.h"
+#include "block.h"
 
 #if BLOCK_M != 16 * NUM_WARPS
 #error "dq: BLOCK_M must be 16 * NUM_WARPS"
@@ -21,19 +21,20 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dq(const FlashParams p) {
     Smem& smem = shared_memory<Smem>();
     const QueryBlock blk(p);
+    if (blk.empty()) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4;
     const elem_t* k = p.k + blk.kv_base(p);
     const elem_t* v = p.v + blk.kv_base(p);
-    const int n_tiles = blk.n_tiles();
+    KeyWalk w = blk.key_walk();
 
     // Commit groups: (Q, dO, K_0), V_0, then K_{j+1} and V_{j+1} per tile, so that S = Q K^T
     // starts while V is in flight. In flight at the top of iteration j: K_j, V_j.
     load_tile_async<BLOCK_M>(smem.q, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
     load_tile_async<BLOCK_M>(smem.dout, p.dout + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
-    if (n_tiles > 0) load_tile_async<BLOCK_N>(smem.k, k, 0, blk.Sk, blk.kv_stride);
+    if (w.more()) load_tile_async<BLOCK_N>(smem.k, k, w.n0(), blk.Sk, blk.kv_stride);
     cp_async_commit();
-    if (n_tiles > 0) load_tile_async<BLOCK_N>(smem.v, v, 0, blk.Sk, blk.kv_stride);
+    if (w.more()) load_tile_async<BLOCK_N>(smem.v, v, w.n0(), blk.Sk, blk.kv_stride);
     cp_async_commit();
 
     // Row statistics of this lane's two rows (rows past Sq: lse +inf gives P = 0).
@@ -47,15 +48,16 @@ flash_bwd_dq(const FlashParams p) {
     const elem_t* sQw = smem.q + warp * 16 * SROW;
     const elem_t* sdOw = smem.dout + warp * 16 * SROW;
 
-    for (int j = 0; j < n_tiles; ++j) {
-        const int nb = (j + 1) & 1;
+    for (; w.more(); w.advance()) {
+        blk.look_ahead(w);
+        const int nb = w.next_buf();
         cp_async_wait<1>();
         __syncthreads();  // K_j landed; every warp is done with K_{j-1}'s buffer
-        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(smem.k + nb * BLOCK_N * SROW, k, (j + 1) * BLOCK_N, blk.Sk, blk.kv_stride);
+        if (w.has_next()) load_tile_async<BLOCK_N>(smem.k + nb * BLOCK_N * SROW, k, w.next_n0(), blk.Sk, blk.kv_stride);
         cp_async_commit();
-        const elem_t* sKj = smem.k + (j & 1) * BLOCK_N * SROW;
-        const elem_t* sVj = smem.v + (j & 1) * BLOCK_N * SROW;
-        const int n0 = j * BLOCK_N;
+        const elem_t* sKj = smem.k + w.buf() * BLOCK_N * SROW;
+        const elem_t* sVj = smem.v + w.buf() * BLOCK_N * SROW;
+        const int n0 = w.n0();
 
         float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
         zero(s);
@@ -64,14 +66,14 @@ flash_bwd_dq(const FlashParams p) {
 
         cp_async_wait<1>();
         __syncthreads();  // V_j landed; every warp is done with V_{j-1}'s buffer
-        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(smem.v + nb * BLOCK_N * SROW, v, (j + 1) * BLOCK_N, blk.Sk, blk.kv_stride);
+        if (w.has_next()) load_tile_async<BLOCK_N>(smem.v + nb * BLOCK_N * SROW, v, w.next_n0(), blk.Sk, blk.kv_stride);
         cp_async_commit();
         gemm_abt<BLOCK_N / 8>(dp, sdOw, sVj);
 #pragma unroll
         for (int i = 0; i < BLOCK_N / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[i][e] *= p.scale_log2;
-        if (tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk)) mask_tile<BLOCK_N / 8>(s, row0, n0, blk.Sq, blk.Sk);
+        if (blk.tile_mask(w)) mask_tile<BLOCK_N / 8>(s, row0, n0, blk.vis());
 #pragma unroll
         for (int i = 0; i < BLOCK_N / 8; ++i)
 #pragma unroll

@@ -4,7 +4,7 @@
 //   S = Q K^T, P = exp2(S * scale_log2 - lse_log2), dP = dO V^T, dS = P * (dP - delta) (to shared
 //   memory), dQ += dS K;   finally dQ *= scale.
 #include "tile_f32.h"
-#include "mask.h"
+#include "block.h"
 #include "softmax.h"
 
 #define MR (BLOCK_M / 16)
@@ -22,6 +22,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dq(const FlashParams p) {
     Smem& smem = shared_memory<Smem>();
     const QueryBlock blk(p);
+    if (blk.empty()) return;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
     const float* k = p.k + blk.kv_base(p);
     const float* v = p.v + blk.kv_base(p);
@@ -36,7 +37,8 @@ flash_bwd_dq(const FlashParams p) {
         zero(acc[i]);
     }
 
-    for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
+    for (KeyTile tile = blk.first_tile(); tile.n0 < n_end; tile = blk.next_tile(tile)) {
+        const int n0 = tile.n0;
         __syncthreads();
         load_tile_f32<BLOCK_N>(smem.k, k, n0, blk.Sk, blk.kv_stride);
         load_tile_f32<BLOCK_N>(smem.v, v, n0, blk.Sk, blk.kv_stride);
@@ -46,8 +48,7 @@ flash_bwd_dq(const FlashParams p) {
         zero(dp);
         mm_abt_f32<MR, MC>(s, smem.q, smem.k);
         mm_abt_f32<MR, MC>(dp, smem.dout, smem.v);
-        const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
-        store_ds_rows<PSTRIDE>(smem.ds, s, dp, lse2, dlt, blk.m0, n0, need_mask, p.scale_log2, blk.Sq, blk.Sk, ty, tx);
+        store_ds_rows<PSTRIDE>(smem.ds, s, dp, lse2, dlt, blk.m0, n0, blk.tile_mask(tile), p.scale_log2, blk.vis(), ty, tx);
         __syncthreads();
         mm_pb_f32<MR, BLOCK_N>(acc, smem.ds, PSTRIDE, smem.k);
     }

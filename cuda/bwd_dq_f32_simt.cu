@@ -12,7 +12,7 @@
 #define SIMT_UNROLL_R 4
 #endif
 #include "simt_f32.h"
-#include "mask.h"
+#include "block.h"
 #include "softmax.h"
 
 #define MR (BLOCK_M / 16)
@@ -31,15 +31,17 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_bwd_dq(const FlashParams p) {
     Smem& smem = shared_memory<Smem>();
     const QueryBlock blk(p);
+    if (blk.empty()) return;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
     const float* k = p.k + blk.kv_base(p);
     const float* v = p.v + blk.kv_base(p);
     const int n_end = blk.n_end();
+    KeyTile tile = blk.first_tile();
     cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
     cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
-    if (n_end > 0) {
-        cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, k, 0, blk.Sk, blk.kv_stride);
-        cp_rows_f32<BLOCK_N, RSTRIDE>(smem.v, v, 0, blk.Sk, blk.kv_stride);
+    if (tile.n0 < n_end) {
+        cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, k, tile.n0, blk.Sk, blk.kv_stride);
+        cp_rows_f32<BLOCK_N, RSTRIDE>(smem.v, v, tile.n0, blk.Sk, blk.kv_stride);
     }
     cp_async_commit();
 
@@ -52,11 +54,13 @@ flash_bwd_dq(const FlashParams p) {
     }
 
     int buf = 0;
-    for (int n0 = 0; n0 < n_end; n0 += BLOCK_N, buf ^= 1) {
+    for (; tile.n0 < n_end; buf ^= 1) {
+        const KeyTile next = blk.next_tile(tile);
+        const int n0 = tile.n0;
         float* sK = smem.k + buf * BLOCK_N * RSTRIDE;
         cp_async_wait<0>();
         __syncthreads();  // (A) K_j, V_j in place; every thread is done with dS and K_{j-1}
-        if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k + (buf ^ 1) * BLOCK_N * RSTRIDE, k, n0 + BLOCK_N, blk.Sk, blk.kv_stride);
+        if (next.n0 < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k + (buf ^ 1) * BLOCK_N * RSTRIDE, k, next.n0, blk.Sk, blk.kv_stride);
         cp_async_commit();
 
         float s[MR][MC], dp[MR][MC];
@@ -64,12 +68,12 @@ flash_bwd_dq(const FlashParams p) {
         zero(dp);
         mm_rows_f32<MR, MC, RSTRIDE>(s, smem.q, sK);
         mm_rows_f32<MR, MC, RSTRIDE>(dp, smem.dout, smem.v);
-        const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
-        store_ds_rows<PS>(smem.ds, s, dp, lse2, dlt, blk.m0, n0, need_mask, p.scale_log2, blk.Sq, blk.Sk, ty, tx);
+        store_ds_rows<PS>(smem.ds, s, dp, lse2, dlt, blk.m0, n0, blk.tile_mask(tile), p.scale_log2, blk.vis(), ty, tx);
         __syncthreads();  // (B) dS visible; every thread is done with V_j
-        if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.v, v, n0 + BLOCK_N, blk.Sk, blk.kv_stride);
+        if (next.n0 < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.v, v, next.n0, blk.Sk, blk.kv_stride);
         cp_async_commit();
         mm_pv_f32<MR, BLOCK_N, PS, RSTRIDE>(acc, smem.ds, sK);
+        tile = next;
     }
     cp_async_wait<0>();
     float mul[MR];

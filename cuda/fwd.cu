@@ -4,9 +4,10 @@
 // (BLOCK_M = 16 * M_TILES * NUM_WARPS; with M_TILES = 2 each K/V fragment feeds two mma's). The Q tile is loaded once; K/V tiles of BLOCK_N rows stream through two shared-memory
 // buffers (cp.async, K and V in separate groups, the next tile in flight while the current one is used). Per tile:
 //   S = Q K^T (mma), mask the diagonal / ragged tile, online softmax in the exp2 domain, O += P V.
-// O and LSE are written once at the end. Causal blocks skip every key tile past their last row.
+// O and LSE are written once at the end. Causal blocks skip every key tile past their last row;
+// MASKED blocks visit only the key tiles some row sees (block.h).
 #include "tile.h"
-#include "mask.h"
+#include "block.h"
 #include "softmax.h"
 
 #ifndef M_TILES
@@ -26,18 +27,19 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_fwd(const FlashParams p) {
     Smem& smem = shared_memory<Smem>();
     const QueryBlock blk(p);
+    if (blk.empty()) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const elem_t* q = p.q + blk.q_base(p);
     const elem_t* k = p.k + blk.kv_base(p);
     const elem_t* v = p.v + blk.kv_base(p);
-    const int n_tiles = blk.n_tiles();
+    KeyWalk w = blk.key_walk();
 
     // Two commit groups per tile, K then V, so that S = Q K^T starts while V is still in flight.
     // In flight at the top of iteration j: K_j, V_j (in that order).
     load_tile_async<BLOCK_M>(smem.q, q, blk.m0, blk.Sq, blk.q_stride);
-    if (n_tiles > 0) load_tile_async<BLOCK_N>(smem.k, k, 0, blk.Sk, blk.kv_stride);
+    if (w.more()) load_tile_async<BLOCK_N>(smem.k, k, w.n0(), blk.Sk, blk.kv_stride);
     cp_async_commit();
-    if (n_tiles > 0) load_tile_async<BLOCK_N>(smem.v, v, 0, blk.Sk, blk.kv_stride);
+    if (w.more()) load_tile_async<BLOCK_N>(smem.v, v, w.n0(), blk.Sk, blk.kv_stride);
     cp_async_commit();
 
     float acc[M_TILES][DPAD / 8][4];
@@ -48,33 +50,34 @@ flash_fwd(const FlashParams p) {
     const elem_t* sQw = smem.q + warp * 16 * M_TILES * SROW;
     const int row0 = blk.m0 + warp * 16 * M_TILES;
 
-    for (int j = 0; j < n_tiles; ++j) {
-        const int nb = (j + 1) & 1;
+    for (; w.more(); w.advance()) {
+        blk.look_ahead(w);
+        const int nb = w.next_buf();
         cp_async_wait<1>();
         __syncthreads();  // K_j landed; every warp is done with K_{j-1}'s buffer
-        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(smem.k + nb * BLOCK_N * SROW, k, (j + 1) * BLOCK_N, blk.Sk, blk.kv_stride);
+        if (w.has_next()) load_tile_async<BLOCK_N>(smem.k + nb * BLOCK_N * SROW, k, w.next_n0(), blk.Sk, blk.kv_stride);
         cp_async_commit();
-        const elem_t* sKj = smem.k + (j & 1) * BLOCK_N * SROW;
-        const elem_t* sVj = smem.v + (j & 1) * BLOCK_N * SROW;
-        const int n0 = j * BLOCK_N;
+        const elem_t* sKj = smem.k + w.buf() * BLOCK_N * SROW;
+        const elem_t* sVj = smem.v + w.buf() * BLOCK_N * SROW;
+        const int n0 = w.n0();
 
         float s[M_TILES][BLOCK_N / 8][4];
         zero(s);
         gemm_abt_mt<M_TILES, BLOCK_N / 8>(s, sQw, sKj);
-        const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
+        const bool need_mask = blk.tile_mask(w);
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
             for (int i = 0; i < BLOCK_N / 8; ++i)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[mt][i][e] *= p.scale_log2;
-            if (need_mask) mask_tile<BLOCK_N / 8>(s[mt], row0 + 16 * mt, n0, blk.Sq, blk.Sk);
+            if (need_mask) mask_tile<BLOCK_N / 8>(s[mt], row0 + 16 * mt, n0, blk.vis());
             sm[mt].update(s[mt], acc[mt]);
         }
 
         cp_async_wait<1>();
         __syncthreads();  // V_j landed; every warp is done with V_{j-1}'s buffer
-        if (j + 1 < n_tiles) load_tile_async<BLOCK_N>(smem.v + nb * BLOCK_N * SROW, v, (j + 1) * BLOCK_N, blk.Sk, blk.kv_stride);
+        if (w.has_next()) load_tile_async<BLOCK_N>(smem.v + nb * BLOCK_N * SROW, v, w.next_n0(), blk.Sk, blk.kv_stride);
         cp_async_commit();
         gemm_pb_mt<M_TILES, BLOCK_N / 16, DPAD / 8>(acc, s, sVj, 0);
     }

@@ -4,7 +4,7 @@
 // mask, online softmax in the exp2 domain (rows reduced over half-warps), P to shared memory,
 // O += P V. O and LSE are written once.
 #include "tile_f32.h"
-#include "mask.h"
+#include "block.h"
 #include "softmax.h"
 
 #define MR (BLOCK_M / 16)
@@ -21,6 +21,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_fwd(const FlashParams p) {
     Smem& smem = shared_memory<Smem>();
     const QueryBlock blk(p);
+    if (blk.empty()) return;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
     const float* k = p.k + blk.kv_base(p);
     const float* v = p.v + blk.kv_base(p);
@@ -31,7 +32,8 @@ flash_fwd(const FlashParams p) {
     OnlineSoftmaxRows<MR> sm;
     sm.init(acc);
 
-    for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
+    for (KeyTile tile = blk.first_tile(); tile.n0 < n_end; tile = blk.next_tile(tile)) {
+        const int n0 = tile.n0;
         __syncthreads();  // previous tile's K, V, P no longer read
         load_tile_f32<BLOCK_N>(smem.k, k, n0, blk.Sk, blk.kv_stride);
         load_tile_f32<BLOCK_N>(smem.v, v, n0, blk.Sk, blk.kv_stride);
@@ -39,8 +41,7 @@ flash_fwd(const FlashParams p) {
         float s[MR][MC];
         zero(s);
         mm_abt_f32<MR, MC>(s, smem.q, smem.k);
-        const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
-        sm.update<PSTRIDE>(s, acc, smem.p, blk.m0, n0, need_mask, p.scale_log2, blk.Sq, blk.Sk);
+        sm.update<PSTRIDE>(s, acc, smem.p, blk.m0, n0, blk.tile_mask(tile), p.scale_log2, blk.vis());
         __syncthreads();
         mm_pb_f32<MR, BLOCK_N>(acc, smem.p, PSTRIDE, smem.v);
     }

@@ -13,7 +13,7 @@
 #define SIMT_UNROLL_R 2
 #endif
 #include "simt_f32.h"
-#include "mask.h"
+#include "block.h"
 #include "softmax.h"
 
 #define MR (BLOCK_M / 16)
@@ -32,19 +32,23 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 flash_fwd(const FlashParams p) {
     Smem& smem = shared_memory<Smem>();
     const QueryBlock blk(p);
+    if (blk.empty()) return;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
     const float* k = p.k + blk.kv_base(p);
     const float* v = p.v + blk.kv_base(p);
     const int n_end = blk.n_end();
+    KeyTile tile = blk.first_tile();
     cp_rows_f32<BLOCK_M, QS>(smem.q, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
-    if (n_end > 0) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, k, 0, blk.Sk, blk.kv_stride);
+    if (tile.n0 < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, k, tile.n0, blk.Sk, blk.kv_stride);
     cp_async_commit();
 
     float4 acc[MR][DV4];
     OnlineSoftmaxRows<MR> sm;
     sm.init(acc);
 
-    for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
+    while (tile.n0 < n_end) {
+        const KeyTile next = blk.next_tile(tile);
+        const int n0 = tile.n0;
         cp_async_wait<0>();
         __syncthreads();  // K_j landed; every thread is done with V_{j-1} and P
         cp_rows_f32<BLOCK_N, VS>(smem.v, v, n0, blk.Sk, blk.kv_stride);
@@ -54,13 +58,13 @@ flash_fwd(const FlashParams p) {
         zero(s);
         mm_rows_f32<MR, MC, QS>(s, smem.q, smem.k);
 
-        const bool need_mask = tile_needs_mask(blk.m0, n0, BLOCK_N, blk.Sq, blk.Sk);
-        sm.update<PS>(s, acc, smem.p, blk.m0, n0, need_mask, p.scale_log2, blk.Sq, blk.Sk);
+        sm.update<PS>(s, acc, smem.p, blk.m0, n0, blk.tile_mask(tile), p.scale_log2, blk.vis());
         cp_async_wait<0>();
         __syncthreads();  // V_j landed, P visible, every thread is done with K_j
-        if (n0 + BLOCK_N < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, k, n0 + BLOCK_N, blk.Sk, blk.kv_stride);
+        if (next.n0 < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, k, next.n0, blk.Sk, blk.kv_stride);
         cp_async_commit();
         mm_pv_f32<MR, BLOCK_N, PS, VS>(acc, smem.p, smem.v);
+        tile = next;
     }
     cp_async_wait<0>();
 

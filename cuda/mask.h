@@ -2,6 +2,15 @@
 #pragma once
 #include "params.h"
 
+// A tile's verdict: does the block visit it at all, and if so, does it need the element mask?
+struct TileTest {
+    bool visit, mask;
+};
+
+#if MASKED
+#include "seq.h"
+#endif
+
 // Causal alignment is bottom-right: query i sees key j iff j <= i + (Sk - Sq).
 __device__ __forceinline__ bool visible(int row, int col, int seqlen_q, int seqlen_k) {
     bool ok = col < seqlen_k;
@@ -11,14 +20,27 @@ __device__ __forceinline__ bool visible(int row, int col, int seqlen_q, int seql
     return ok;
 }
 
+// Which (query row, key) pairs of one head a block may use: a functor, so that every element mask
+// below takes plain and MASKED kernels alike. The plain kernels' is `visible` on the lengths;
+// the MASKED kernels' asks the batch row's SeqMask (seq.h).
+struct Visibility {
+#if MASKED
+    const SeqMask* seq;
+    int h;
+    __device__ __forceinline__ bool operator()(int row, int col) const { return seq->sees(h, row, col); }
+#else
+    int seqlen_q, seqlen_k;
+    __device__ __forceinline__ bool operator()(int row, int col) const { return visible(row, col, seqlen_q, seqlen_k); }
+#endif
+};
+
 // Sets invisible entries of a warp's 16 x (8*NT) accumulator tile to -inf. row0 is the tile's first
 // row, col0 its first column; lane (g, t) holds rows g, g+8 and columns 8*nt + 2t, 2t+1. Rows are
 // queries and columns keys, or with KEY_ROWS (the dK/dV kernel's transposed S^T) the other way
-// round. There, queries past Sq need no mask (their lse is +inf, so their probabilities are zero);
+// round. Plain kernels: there, queries past Sq need no mask (their lse is +inf, so their probabilities are zero);
 // keys past Sk only matter to the atomic dQ, whose dS K must not see exp2(0 - lse) there.
 template <int NT, bool KEY_ROWS = false>
-__device__ __forceinline__ void mask_tile(float (&s)[NT][4], int row0, int col0, int seqlen_q,
-                                          int seqlen_k) {
+__device__ __forceinline__ void mask_tile(float (&s)[NT][4], int row0, int col0, const Visibility& vis) {
     const int lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
@@ -27,7 +49,7 @@ __device__ __forceinline__ void mask_tile(float (&s)[NT][4], int row0, int col0,
         for (int e = 0; e < 4; ++e) {
             int row = row0 + g + (e / 2) * 8;
             int col = col0 + nt * 8 + 2 * t + (e % 2);
-            const bool ok = KEY_ROWS ? visible(col, row, seqlen_q, seqlen_k) : visible(row, col, seqlen_q, seqlen_k);
+            const bool ok = KEY_ROWS ? vis(col, row) : vis(row, col);
             if (!ok) s[nt][e] = NEG_INF;
         }
     }

@@ -1,4 +1,5 @@
 // params.h — the one parameter struct shared by every kernel, and the compile-time configuration.
+// The tiled kernels' blocks (their rows, keys, offsets and tile walks) are block.h's.
 //
 // Every kernel is compiled by NVRTC with its configuration baked in as -D defines (no CUDA headers are
 // needed, so NVRTC runs with no include path):
@@ -16,6 +17,9 @@
 //                 columns of dK and dV — keeps the accumulators in registers for D > 128
 //   ATOMIC_DQ     (dK/dV kernel only) 1: also add dS K into dq_accum with f32 atomics (the default,
 //                 non-deterministic backward); 0: dQ comes from the separate bwd_dq kernel
+//   MASKED        (tiled kernels) 1: windows, padding, segment ids, block masks and varlen batches,
+//                 all read at run time from the params (seq.h); IS_CAUSAL and EVEN_N are then 0
+//                 (causal is the window's right side 0). 0: exactly the plain kernels
 #pragma once
 
 #ifndef FLASH_DTYPE
@@ -39,12 +43,18 @@
 #ifndef ATOMIC_DQ
 #define ATOMIC_DQ 0
 #endif
+#ifndef MASKED
+#define MASKED 0
+#endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1  // __launch_bounds__ minimum resident blocks per SM (caps registers)
 #endif
 
 #if HEAD_DIM % 8 != 0 || HEAD_DIM > 256 || HEAD_DIM <= 0
 #error "HEAD_DIM must be a multiple of 8 in [8, 256]"
+#endif
+#if MASKED && (IS_CAUSAL || EVEN_N)
+#error "MASKED kernels take causal as a window and mask ragged tiles themselves: IS_CAUSAL = EVEN_N = 0"
 #endif
 
 #define NUM_THREADS (NUM_WARPS * 32)
@@ -85,6 +95,9 @@ __device__ __forceinline__ void rescale(T (&a)[N], float f) {
 
 // All tensors are contiguous, row-major:
 //   q, o, do, dq  [B, Sq, H, D]      k, v, dk, dv  [B, Sk, Hkv, D]      lse, delta  [B, H, Sq]
+// A varlen call packs its sequences instead: q, o, do, dq [total_q, H, D], k, v, dk, dv
+// [total_k, Hkv, D], lse, delta [H, total_q], with B the number of sequences and Sq, Sk the longest
+// (only the MASKED kernels, which find each batch row's rows in `seqs`, take those).
 // The struct is passed by value; the host mirrors it field for field (#[repr(C)]).
 struct FlashParams {
     const elem_t* q;       // [B, Sq, H, D]
@@ -108,6 +121,19 @@ struct FlashParams {
     float scale;           // softmax scale applied to q.k
     float scale_log2;      // scale * log2(e): scores go to the exp2 domain with one multiply
     int _pad;              // keeps sizeof a multiple of 8 on every compiler
+#if MASKED
+    // Masks (seq.h): the MASKED kernels' params extend the plain ones, which stay as they were.
+    const int* seqs;                  // [B, 6] per batch row: q_start, q_len, k_start, k_len, k_lo, k_hi
+    const int* seg_q;                 // [B, Sq] segment ids, or null
+    const int* seg_k;                 // [B, Sk] segment ids, or null
+    const unsigned char* block_mask;  // [Bm, Hm, ceil(Sq/128), ceil(Sk/128)], 0 = hidden; or null
+    i64 bm_batch_stride;              // entries between the block mask's batch rows (0: broadcast)
+    i64 bm_head_stride;               // entries between its heads (0: broadcast)
+    int bm_cols;                      // ceil(Sk / 128)
+    int win_left, win_right;          // window sides; the host caps them at Sq + Sk (= unbounded)
+    int stat_q_mul, stat_h_stride;    // lse index of (b, h, i): q_start * stat_q_mul + h * stat_h_stride + i
+    int _pad2;
+#endif
 };
 
 #define LOG2E 1.4426950408889634f
@@ -125,110 +151,6 @@ __device__ __forceinline__ i64 kv_row_offset(const FlashParams& p, int b, int s,
 __device__ __forceinline__ i64 stat_offset(const FlashParams& p, int b, int h) {
     return ((i64)b * p.heads + h) * p.seqlen_q;
 }
-
-// ---- the block's rows, lengths and offsets -------------------------------------------------------
-// Every tiled kernel opens with one of the two structs below, built from the params and blockIdx:
-// they are the one place where a block's query and key ranges, sequence lengths, strides and base
-// offsets are computed.
-
-// First key after which no key is visible to any row of the query block [m0, m0 + block_m).
-__device__ __forceinline__ int key_end(int m0, int block_m, int seqlen_q, int seqlen_k) {
-#if IS_CAUSAL
-    int e = m0 + block_m + seqlen_k - seqlen_q;
-    return e < 0 ? 0 : (e < seqlen_k ? e : seqlen_k);
-#else
-    return seqlen_k;
-#endif
-}
-
-// First query row (a multiple of block_m) whose tile can see a key of the block starting at n0:
-// causal skips the query tiles above the diagonal. The dK/dV kernels' twin of key_end.
-__device__ __forceinline__ int first_query_tile(int n0, int block_m, int seqlen_q, int seqlen_k) {
-#if IS_CAUSAL
-    const int first_query = n0 - (seqlen_k - seqlen_q);
-    return first_query > 0 ? first_query / block_m * block_m : 0;
-#else
-    return 0;
-#endif
-}
-
-#if defined(BLOCK_M) && defined(BLOCK_N)  // the tiled kernels
-// A block of a kernel gridded over query tiles (fwd, bwd_dq): grid (ceil(Sq / BLOCK_M), H, B).
-// It owns query rows [m0, m0 + BLOCK_M) of head h of batch b and reads keys [0, n_end()) of kv
-// head hkv. Causal grids run the heaviest blocks (the last rows) first. Offsets are computed where
-// they are asked for, as the kernels did before this struct (same code, same registers).
-struct QueryBlock {
-    int b, h, hkv;       // batch, query head, its key/value head
-    int m0;              // first query row
-    int Sq, Sk;          // query and key sequence lengths
-    i64 q_stride;        // element distance between rows of q, o, do, dq
-    i64 kv_stride;       // element distance between rows of k, v
-
-    __device__ __forceinline__ explicit QueryBlock(const FlashParams& p) {
-        const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
-        h = blockIdx.y;
-        b = blockIdx.z;
-        hkv = h / GQA_GROUP;
-        m0 = m_block * BLOCK_M;
-        Sq = p.seqlen_q;
-        Sk = p.seqlen_k;
-        q_stride = (i64)p.heads * HEAD_DIM;
-        kv_stride = (i64)p.heads_kv * HEAD_DIM;
-    }
-    // Keys [0, n_end()) are visible to some row of the block: n_tiles() tiles of BLOCK_N.
-    __device__ __forceinline__ int n_end() const { return key_end(m0, BLOCK_M, Sq, Sk); }
-    __device__ __forceinline__ int n_tiles() const { return (n_end() + BLOCK_N - 1) / BLOCK_N; }
-    // Element offsets of (b, row 0, h) in q, o, do, dq; of (b, key 0, hkv) in k, v; and of
-    // (b, h, row 0) in lse, lse_log2, delta.
-    __device__ __forceinline__ i64 q_base(const FlashParams& p) const { return q_row_offset(p, b, 0, h); }
-    __device__ __forceinline__ i64 kv_base(const FlashParams& p) const { return kv_row_offset(p, b, 0, hkv); }
-    __device__ __forceinline__ i64 stat_base(const FlashParams& p) const { return stat_offset(p, b, h); }
-    // lse_log2 and delta of query row `row` (backward): +inf and 0 past Sq, so that P = 0 there.
-    __device__ __forceinline__ void row_stats(const FlashParams& p, int row, float& lse2, float& dlt) const {
-        const i64 idx = stat_base(p) + row;
-        lse2 = row < Sq ? p.lse_log2[idx] : POS_INF;
-        dlt = row < Sq ? p.delta[idx] : 0.f;
-    }
-};
-
-// A block of a kernel gridded over key tiles (bwd_dkdv): grid (ceil(Sk / BLOCK_N), Hkv, B). It owns
-// keys [n0, n0 + BLOCK_N) of kv head hkv of batch b and visits n_iter (query head, query tile)
-// pairs: the GQA_GROUP query heads of hkv, and in each the m_tiles query tiles from m_start on.
-struct KeyBlock {
-    int b, hkv;          // batch, key/value head
-    int n0;              // first key row
-    int Sq, Sk;          // query and key sequence lengths
-    i64 q_stride;        // element distance between rows of q, do, dq_accum
-    i64 kv_stride;       // element distance between rows of k, v, dk, dv
-    int m_first;         // first query tile (index) with a row that sees a key of the block
-    int m_start;         // its first row, m_first * BLOCK_M
-    int m_tiles;         // query tiles per head from m_first on
-    int n_iter;          // m_tiles * GQA_GROUP
-
-    __device__ __forceinline__ explicit KeyBlock(const FlashParams& p) {
-        n0 = blockIdx.x * BLOCK_N;
-        hkv = blockIdx.y;
-        b = blockIdx.z;
-        Sq = p.seqlen_q;
-        Sk = p.seqlen_k;
-        q_stride = (i64)p.heads * HEAD_DIM;
-        kv_stride = (i64)p.heads_kv * HEAD_DIM;
-        m_first = first_query_tile(n0, BLOCK_M, Sq, Sk) / BLOCK_M;
-        const int all_tiles = (Sq + BLOCK_M - 1) / BLOCK_M;
-        m_tiles = all_tiles > m_first ? all_tiles - m_first : 0;
-        n_iter = m_tiles * GQA_GROUP;
-        m_start = m_first * BLOCK_M;
-    }
-    // Iteration it < n_iter: its query head, and the first row of its query tile.
-    __device__ __forceinline__ int head(int it) const { return hkv * GQA_GROUP + it / m_tiles; }
-    __device__ __forceinline__ int query_row(int it) const { return (m_first + it % m_tiles) * BLOCK_M; }
-    // Element offsets of (b, key 0, hkv) in k, v, dk, dv; of (b, row 0, h) in q, do, dq_accum; and
-    // of (b, h, row 0) in lse_log2, delta.
-    __device__ __forceinline__ i64 kv_base(const FlashParams& p) const { return kv_row_offset(p, b, 0, hkv); }
-    __device__ __forceinline__ i64 q_base(const FlashParams& p, int h) const { return q_row_offset(p, b, 0, h); }
-    __device__ __forceinline__ i64 stat_base(const FlashParams& p, int h) const { return stat_offset(p, b, h); }
-};
-#endif
 
 // ---- shared memory -----------------------------------------------------------------------------
 // Each main kernel writes its layout once, as `struct Smem` (its tiles as flat arrays, in order),

@@ -62,11 +62,11 @@ struct OnlineSoftmax {
 
 // The fp32 kernels' dS = P * (dP - delta) with P = exp2(S * scale_log2 - lse_log2), for the thread's
 // scores s and dp of query rows row0 + ty + 16 i (lse2[i], dlt[i]) and keys n0 + tx + 16 j (masked
-// with need_mask), to ds[(ty + 16 i) * DS_STRIDE + tx + 16 j].
+// by vis when need_mask), to ds[(ty + 16 i) * DS_STRIDE + tx + 16 j].
 template <int DS_STRIDE, int MR, int MC>
 __device__ __forceinline__ void store_ds_rows(float* ds, const float (&s)[MR][MC], const float (&dp)[MR][MC],
                                               const float (&lse2)[MR], const float (&dlt)[MR], int row0, int n0,
-                                              bool need_mask, float scale_log2, int seqlen_q, int seqlen_k, int ty,
+                                              bool need_mask, float scale_log2, const Visibility& vis, int ty,
                                               int tx) {
 #pragma unroll
     for (int i = 0; i < MR; ++i) {
@@ -74,7 +74,7 @@ __device__ __forceinline__ void store_ds_rows(float* ds, const float (&s)[MR][MC
 #pragma unroll
         for (int j = 0; j < MC; ++j) {
             float x = s[i][j] * scale_log2;
-            if (need_mask && !visible(row, n0 + tx + 16 * j, seqlen_q, seqlen_k)) x = NEG_INF;
+            if (need_mask && !vis(row, n0 + tx + 16 * j)) x = NEG_INF;
             const float pr = fast_exp2(x - lse2[i]);
             ds[(ty + 16 * i) * DS_STRIDE + tx + 16 * j] = pr * (dp[i][j] - dlt[i]);
         }
@@ -100,17 +100,17 @@ struct OnlineSoftmaxRows {
         }
     }
 
-    // One key tile from n0 for query rows row0 + ty + 16 i: scales (and, with need_mask, masks) the
+    // One key tile from n0 for query rows row0 + ty + 16 i: scales (and, with need_mask, masks by vis) the
     // scores s in place, writes their probabilities to p[(ty + 16 i) * PSTRIDE + tx + 16 j], and
     // rescales each row of acc by exp2(m_old - m_new).
     template <int PSTRIDE, int MC, typename T, int NC>
     __device__ __forceinline__ void update(float (&s)[MR][MC], T (&acc)[MR][NC], float* p, int row0, int n0,
-                                           bool need_mask, float scale_log2, int seqlen_q, int seqlen_k) {
+                                           bool need_mask, float scale_log2, const Visibility& vis) {
         const int ty = threadIdx.x / 16;
 #pragma unroll
         for (int i = 0; i < MR; ++i) {
             const float alpha = row_step(s[i], m[i], l[i], p + (ty + 16 * i) * PSTRIDE, row0 + ty + 16 * i, n0,
-                                         need_mask, scale_log2, seqlen_q, seqlen_k);
+                                         need_mask, scale_log2, vis);
             rescale(acc[i], alpha);
         }
     }
@@ -119,14 +119,14 @@ struct OnlineSoftmaxRows {
     // p_row[tx + 16 j], updates the row's m and l, and returns exp2(m_old - m_new).
     template <int MC>
     __device__ __forceinline__ static float row_step(float (&s)[MC], float& m, float& l, float* p_row, int row,
-                                                     int n0, bool need_mask, float scale_log2, int seqlen_q,
-                                                     int seqlen_k) {
+                                                     int n0, bool need_mask, float scale_log2,
+                                                     const Visibility& vis) {
         const int tx = threadIdx.x % 16;
         float mx = m;
 #pragma unroll
         for (int j = 0; j < MC; ++j) {
             float x = s[j] * scale_log2;
-            if (need_mask && !visible(row, n0 + tx + 16 * j, seqlen_q, seqlen_k)) x = NEG_INF;
+            if (need_mask && !vis(row, n0 + tx + 16 * j)) x = NEG_INF;
             s[j] = x;
             mx = fmaxf(mx, x);
         }

@@ -1,5 +1,5 @@
-//! Variant choice, the launcher's one table: for a kernel, dtype, head dim, causal flag, GQA group
-//! and key length, which source file, which tiles and which -D defines. `_native.cuda_kernel_variants`
+//! Variant choice, the launcher's one table: for a kernel, dtype, head dim, causal flag, mask flag,
+//! GQA group and key length, which source file, which tiles and which -D defines. `_native.cuda_kernel_variants`
 //! exposes it and tests/golden/kernel_variants.json pins it. Shared memory is not decided here:
 //! each kernel declares its own (elf.rs reads it from the cubin) and device.rs falls back to the
 //! small tiles when the default's does not fit the GPU.
@@ -17,6 +17,9 @@ pub struct Spec {
     pub dtype: DType,
     pub head_dim: usize,
     pub causal: bool,
+    /// Windows, padding, segment ids, block masks or varlen (`!Mask::is_plain`): the MASKED kernels,
+    /// which take every mask at run time (causal among them, as a window).
+    pub masked: bool,
     /// Query heads per key/value head.
     pub group: usize,
     /// Sk: EVEN_N drops the ragged-tile mask when it divides BLOCK_N.
@@ -48,24 +51,36 @@ pub fn variant(spec: &Spec, set: TileSet) -> Variant {
     let t = match set {
         TileSet::Default => tiles(default_tiles(k, dt, d)),
         TileSet::Small => tiles(small_tiles(k, dt, d)),
-        TileSet::Override => tile_override(k, dt, d).unwrap_or_else(|| tiles(default_tiles(k, dt, d))),
+        TileSet::Override => return make_variant(spec, tile_override(k, dt, d).unwrap_or_else(|| tiles(default_tiles(k, dt, d))), set),
     };
+    let t = if spec.masked { masked_tiles(k, dt, d, t) } else { t };
     make_variant(spec, t, set)
 }
 
-/// Every (kernel, dtype, head dim, causal) the library launches, default and small tiles (when
-/// they differ), at GQA group 1 with a ragged key length: the group and EVEN_N change a loop bound
-/// or fold a branch, not the code's shape. Tile overrides do not show here.
+/// The masked kernels' tiles: the plain ones, except where the run-time masks' registers make
+/// them spill (the fp32 SIMT forward's 128 x 128 tile, on sm_80).
+fn masked_tiles(kernel: Kernel, dtype: DType, d: usize, t: Tiles) -> Tiles {
+    if kernel == Kernel::Fwd && dtype == DType::F32 && simt_f32(d) && t.block_n > 64 {
+        Tiles { block_n: 64, ..t }
+    } else {
+        t
+    }
+}
+
+/// Every (kernel, dtype, head dim, causal or masked) the library launches, default and small tiles
+/// (when they differ), at GQA group 1 with a ragged key length: the group and EVEN_N change a loop
+/// bound or fold a branch, not the code's shape. The elementwise kernels have no masked variant
+/// (masks change only their launch). Tile overrides do not show here.
 pub fn all_variants(head_dims: &[usize]) -> Vec<Variant> {
     let mut out = Vec::new();
     for dtype in [DType::F16, DType::BF16, DType::F32] {
         for &head_dim in head_dims {
-            let spec = |kernel, causal| Spec { kernel, dtype, head_dim, causal, group: 1, seq_k: 1 };
-            out.push(variant(&spec(Kernel::BwdPreprocess, false), TileSet::Default));
-            out.push(variant(&spec(Kernel::BwdDqConvert, false), TileSet::Default));
+            let spec = |kernel, causal, masked| Spec { kernel, dtype, head_dim, causal, masked, group: 1, seq_k: 1 };
+            out.push(variant(&spec(Kernel::BwdPreprocess, false, false), TileSet::Default));
+            out.push(variant(&spec(Kernel::BwdDqConvert, false, false), TileSet::Default));
             for k in [Kernel::Fwd, Kernel::BwdDq, Kernel::BwdDkdv, Kernel::BwdDkdvDq] {
-                for causal in [false, true] {
-                    out.extend(table_candidates(&spec(k, causal)));
+                for (causal, masked) in [(false, false), (true, false), (false, true)] {
+                    out.extend(table_candidates(&spec(k, causal, masked)));
                 }
             }
         }
@@ -184,16 +199,20 @@ fn dtype_code(d: DType) -> i64 {
 }
 
 fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
-    let Spec { kernel, dtype, head_dim, causal, group, seq_k } = *spec;
+    let Spec { kernel, dtype, head_dim, causal, masked, group, seq_k } = *spec;
     let mut defines: Vec<(&'static str, i64)> =
         vec![("FLASH_DTYPE", dtype_code(dtype)), ("HEAD_DIM", head_dim as i64), ("NUM_WARPS", t.num_warps as i64)];
     if !kernel.is_elementwise() {
+        // Masked kernels take causal as a window and mask ragged key tiles at run time.
+        defines.push(("IS_CAUSAL", (causal && !masked) as i64));
+        if masked {
+            defines.push(("MASKED", 1));
+        }
         defines.extend([
-            ("IS_CAUSAL", causal as i64),
             ("GQA_GROUP", group as i64),
             ("BLOCK_M", t.block_m as i64),
             ("BLOCK_N", t.block_n as i64),
-            ("EVEN_N", (seq_k % t.block_n == 0) as i64),
+            ("EVEN_N", (!masked && seq_k % t.block_n == 0) as i64),
         ]);
         if (kernel == Kernel::BwdDkdv || kernel == Kernel::BwdDkdvDq) && dtype != DType::F32 {
             defines.push(("D_SPLIT", t.d_split as i64));
@@ -239,7 +258,7 @@ mod tests {
     use super::*;
 
     fn spec(kernel: Kernel, dtype: DType, head_dim: usize) -> Spec {
-        Spec { kernel, dtype, head_dim, causal: true, group: 2, seq_k: 97 }
+        Spec { kernel, dtype, head_dim, causal: true, masked: false, group: 2, seq_k: 97 }
     }
 
     #[test]
@@ -266,6 +285,18 @@ mod tests {
         let v = variant(&spec(Kernel::Fwd, DType::BF16, 64), TileSet::Default);
         assert!(v.defines.contains(&("EVEN_N", 0)));
         assert!(!v.defines.iter().any(|(k, _)| *k == "EVEN_M"));
+    }
+
+    #[test]
+    fn masked_variants_fold_causal_and_the_ragged_tile_into_run_time() {
+        let v = variant(&Spec { masked: true, seq_k: 256, ..spec(Kernel::Fwd, DType::BF16, 64) }, TileSet::Default);
+        for d in [("MASKED", 1), ("IS_CAUSAL", 0), ("EVEN_N", 0)] {
+            assert!(v.defines.contains(&d), "{:?}", v.defines);
+        }
+        let plain = variant(&spec(Kernel::Fwd, DType::BF16, 64), TileSet::Default);
+        assert!(!plain.defines.iter().any(|(k, _)| *k == "MASKED"), "plain names stay as they were");
+        let e = variant(&Spec { masked: true, ..spec(Kernel::BwdPreprocess, DType::BF16, 64) }, TileSet::Default);
+        assert!(!e.defines.iter().any(|(k, _)| *k == "MASKED"));
     }
 
     #[test]

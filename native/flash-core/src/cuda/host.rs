@@ -6,10 +6,11 @@ use std::ffi::c_void;
 use cudarc::driver::sys as cu;
 
 use super::device::{self, Device, DeviceBuffer};
-use super::launch::{self, BackwardPtrs, ForwardPtrs};
+use super::launch::{self, BackwardPtrs, ForwardPtrs, MaskPtrs};
 use crate::error::Result;
 use crate::guard::{catch_panics, check_backward_buffers, check_forward_buffers};
 use crate::io::{BackwardIo, ForwardIo};
+use crate::mask::MaskBuffers;
 use crate::problem::Problem;
 
 /// A private stream for host-memory calls, destroyed on drop.
@@ -53,6 +54,25 @@ fn upload(src: &[u8], s: &Stream) -> Result<DeviceBuffer> {
     Ok(buf)
 }
 
+/// Device copies of the mask data the call has, and their pointers (0 where absent).
+struct MaskUpload {
+    _bufs: Vec<DeviceBuffer>,
+    ptrs: MaskPtrs,
+}
+
+fn upload_masks(m: &MaskBuffers, s: &Stream) -> Result<MaskUpload> {
+    let mut bufs = Vec::new();
+    let mut put = |src: Option<&[u8]>| -> Result<u64> {
+        let Some(src) = src else { return Ok(0) };
+        let b = upload(src, s)?;
+        let ptr = b.ptr;
+        bufs.push(b);
+        Ok(ptr)
+    };
+    let ptrs = MaskPtrs { seg_q: put(m.seg_q)?, seg_k: put(m.seg_k)?, block_mask: put(m.block_mask)? };
+    Ok(MaskUpload { _bufs: bufs, ptrs })
+}
+
 fn download(dst: &mut [u8], buf: &DeviceBuffer, s: &Stream) -> Result<()> {
     if dst.is_empty() {
         return Ok(());
@@ -79,8 +99,9 @@ pub fn forward_host(p: &Problem, device: usize, io: ForwardIo) -> Result<()> {
     check_forward_buffers(p, &io)?;
     staged(p, device, |dev, s| {
         let (q, k, v) = (upload(io.q, s)?, upload(io.k, s)?, upload(io.v, s)?);
+        let mask = upload_masks(&io.mask, s)?;
         let (o, lse) = (DeviceBuffer::alloc(io.o.len(), s.0)?, DeviceBuffer::alloc(io.lse.len(), s.0)?);
-        let ptrs = ForwardPtrs { q: q.ptr, k: k.ptr, v: v.ptr, o: o.ptr, lse: lse.ptr, mask: Default::default() };
+        let ptrs = ForwardPtrs { q: q.ptr, k: k.ptr, v: v.ptr, o: o.ptr, lse: lse.ptr, mask: mask.ptrs };
         // SAFETY: buffers sized from the problem, on this device, ordered on stream s.
         unsafe { launch::forward(dev, p, s.0, ptrs)? };
         download(io.o, &o, s)?;
@@ -94,11 +115,12 @@ pub fn backward_host(p: &Problem, device: usize, io: BackwardIo) -> Result<()> {
     staged(p, device, |dev, s| {
         let (d_out, q, k) = (upload(io.d_out, s)?, upload(io.q, s)?, upload(io.k, s)?);
         let (v, o, lse) = (upload(io.v, s)?, upload(io.o, s)?, upload(io.lse, s)?);
+        let mask = upload_masks(&io.mask, s)?;
         let [dq, dk, dv] = [io.dq.len(), io.dk.len(), io.dv.len()].map(|n| DeviceBuffer::alloc(n, s.0));
         let (dq, dk, dv) = (dq?, dk?, dv?);
         let ptrs = BackwardPtrs {
             d_out: d_out.ptr, q: q.ptr, k: k.ptr, v: v.ptr, o: o.ptr, lse: lse.ptr,
-            dq: dq.ptr, dk: dk.ptr, dv: dv.ptr, mask: Default::default(),
+            dq: dq.ptr, dk: dk.ptr, dv: dv.ptr, mask: mask.ptrs,
         };
         // SAFETY: buffers sized from the problem, on this device, ordered on stream s.
         unsafe { launch::backward(dev, p, s.0, ptrs)? };

@@ -39,6 +39,32 @@ struct FlashParams {
     _pad: i32,
 }
 
+/// The MASKED kernels' params: FlashParams, then the mask fields (cuda/params.h's `#if MASKED`
+/// part), so that the plain kernels' params stay as they were.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct MaskedParams {
+    base: FlashParams,
+    mask: MaskFields,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct MaskFields {
+    seqs: u64,
+    seg_q: u64,
+    seg_k: u64,
+    block_mask: u64,
+    bm_batch_stride: i64,
+    bm_head_stride: i64,
+    bm_cols: i32,
+    win_left: i32,
+    win_right: i32,
+    stat_q_mul: i32,
+    stat_h_stride: i32,
+    _pad2: i32,
+}
+
 /// Device pointers of the data-carrying masks ([`MaskBuffers`](crate::MaskBuffers)' layouts on
 /// one GPU); 0 = not given.
 #[derive(Debug, Clone, Copy, Default)]
@@ -76,9 +102,6 @@ pub struct BackwardPtrs {
 }
 
 fn check_supported(p: &Problem) -> Result<()> {
-    if !p.mask.is_plain() {
-        return Err(FlashError::Unsupported("the CUDA kernels do not take windows, padding, segment ids, block masks or varlen batches yet".into()));
-    }
     let d = p.dims.head_dim;
     if !d.is_multiple_of(8) {
         return Err(FlashError::Unsupported(format!(
@@ -88,6 +111,37 @@ fn check_supported(p: &Problem) -> Result<()> {
     for (what, n) in [("seq_q", p.dims.seq_q), ("seq_k", p.dims.seq_k), ("heads", p.dims.heads)] {
         if n > i32::MAX as usize {
             return Err(FlashError::Unsupported(format!("{what} = {n} exceeds the CUDA backend's limit")));
+        }
+    }
+    if !p.mask.is_plain() {
+        // The masked kernels hold rows, window bounds and their sums in int32 (cuda/seq.h).
+        let (sq, sk) = (p.dims.seq_q, p.dims.seq_k);
+        if sq + sk > MASKED_MAX_KEYS {
+            return Err(FlashError::Unsupported(format!(
+                "with windows, padding, segment ids, block masks or varlen batches the CUDA backend takes seq_q + seq_k up to {MASKED_MAX_KEYS}; got {sq} + {sk}"
+            )));
+        }
+        for (what, n) in [("query rows", p.q_rows()), ("key rows", p.k_rows())] {
+            if n > i32::MAX as usize {
+                return Err(FlashError::Unsupported(format!("{n} {what} exceed the CUDA backend's limit")));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Largest seq_q + seq_k of a masked call: twice it still fits an int32 (window arithmetic).
+const MASKED_MAX_KEYS: usize = 1 << 29;
+
+/// The mask pointers must be given exactly when the problem has the masks (the kernels read what
+/// the problem says is there).
+fn check_mask_ptrs(p: &Problem, m: &MaskPtrs) -> Result<()> {
+    let segs = p.mask.segments;
+    let blocks = p.mask.block_mask.is_some();
+    for (name, given, want) in [("seg_q", m.seg_q, segs), ("seg_k", m.seg_k, segs), ("block_mask", m.block_mask, blocks)] {
+        if (given != 0) != want {
+            let (has, ptr) = (if want { "has" } else { "has no" }, if given != 0 { "a" } else { "no" });
+            return Err(FlashError::Internal(format!("the problem {has} {name} but the call passed {ptr} device pointer for it")));
         }
     }
     Ok(())
@@ -119,13 +173,92 @@ fn params(p: &Problem) -> FlashParams {
     }
 }
 
+/// A masked call's mask fields: its device pointers, the uploaded batch-row table `seqs` and the
+/// window and layout numbers.
+fn mask_fields(p: &Problem, ptrs: &MaskPtrs, seqs: &DeviceBuffer) -> MaskFields {
+    let (d, m) = (&p.dims, &p.mask);
+    // An unbounded window side (or one past every key) is Sq + Sk, which no row reaches.
+    let open = (d.seq_q + d.seq_k) as i32;
+    let side = |s: Option<usize>| s.map_or(open, |x| x.min(open as usize) as i32);
+    // lse index of (b, h, i): q_start * stat_q_mul + h * stat_h_stride + i.
+    let (stat_q_mul, stat_h_stride) = match m.varlen {
+        Some(v) => (1, v.total_q as i32),
+        None => (d.heads as i32, d.seq_q as i32),
+    };
+    let bm = m.block_mask;
+    let bm_batch_stride = bm.map_or(0, |s| if s.batch == 1 { 0 } else { (s.heads * s.rows * s.cols) as i64 });
+    let bm_head_stride = bm.map_or(0, |s| if s.heads == 1 { 0 } else { (s.rows * s.cols) as i64 });
+    MaskFields {
+        seqs: seqs.ptr,
+        seg_q: ptrs.seg_q,
+        seg_k: ptrs.seg_k,
+        block_mask: ptrs.block_mask,
+        bm_batch_stride,
+        bm_head_stride,
+        bm_cols: bm.map_or(0, |s| s.cols as i32),
+        win_left: side(m.left),
+        win_right: side(m.right),
+        stat_q_mul,
+        stat_h_stride,
+        _pad2: 0,
+    }
+}
+
+/// The masked kernels' per-batch-row table, int32 [B, 6]: q_start, q_len, k_start, k_len, k_lo,
+/// k_hi (cuda/seq.h), on the device (stream-ordered on `s`); None for a plain problem.
+fn upload_seqs(p: &Problem, s: cu::CUstream) -> Result<Option<DeviceBuffer>> {
+    if p.mask.is_plain() {
+        return Ok(None);
+    }
+    let table: Vec<i32> = (0..p.dims.batch)
+        .flat_map(|b| {
+            let q = p.mask.seq(b);
+            [q.q_start, q.q_len, q.k_start, q.k_len, q.k_lo, q.k_hi].map(|x| x as i32)
+        })
+        .collect();
+    let bytes = table.len() * 4;
+    let buf = DeviceBuffer::alloc(bytes, s)?;
+    // SAFETY: the buffer holds `bytes`; a copy from pageable memory has read its source when the
+    // call returns, so `table` may go.
+    device::check("cuMemcpyHtoDAsync", unsafe {
+        cu::cuMemcpyHtoDAsync_v2(buf.ptr, table.as_ptr() as *const std::ffi::c_void, bytes, s)
+    })?;
+    Ok(Some(buf))
+}
+
+/// Launches a tiled kernel with `prm`, extended by the mask fields when the call is masked (its
+/// variants are then the MASKED ones, which read them).
+///
+/// # Safety
+/// As [`launch`].
+unsafe fn launch_tiled(name: &str, f: device::Function, grid: (u32, u32, u32), s: cu::CUstream, prm: &FlashParams, mask: Option<&MaskFields>) -> Result<()> {
+    // SAFETY: the caller's guarantees; each struct mirrors its kernel's params.
+    unsafe {
+        match mask {
+            None => launch(name, f, grid, s, prm),
+            Some(m) => launch(name, f, grid, s, &MaskedParams { base: *prm, mask: *m }),
+        }
+    }
+}
+
+/// The params of the elementwise kernels (bwd_preprocess, bwd_dq_convert), which walk q's rows
+/// and lse as [B, Sq, H] and [B, H, Sq]: a varlen call's [total_q, H] and [H, total_q] are the
+/// same walk with B = 1 and Sq = total_q.
+fn elementwise_params(prm: &FlashParams, p: &Problem) -> FlashParams {
+    match p.mask.varlen {
+        Some(v) => FlashParams { batch: 1, seqlen_q: v.total_q as i32, ..*prm },
+        None => *prm,
+    }
+}
+
 fn grid_over(n: usize, block: usize) -> u32 {
     n.div_ceil(block) as u32
 }
 
 fn kernel_variant(dev: &Device, p: &Problem, kernel: Kernel) -> Result<Variant> {
     let d = &p.dims;
-    let spec = Spec { kernel, dtype: p.dtype, head_dim: d.head_dim, causal: p.causal, group: d.group(), seq_k: d.seq_k };
+    let masked = !p.mask.is_plain();
+    let spec = Spec { kernel, dtype: p.dtype, head_dim: d.head_dim, causal: p.causal, masked, group: d.group(), seq_k: d.seq_k };
     device::choose(dev, &config::candidates(&spec))
 }
 
@@ -139,13 +272,15 @@ pub(super) fn prepare(p: &Problem, device: usize) -> Result<(Arc<Device>, Contex
     Ok((dev, ctx))
 }
 
-/// Forward on device memory: o = softmax(scale q k^T) v, lse = its logsumexp.
+/// Forward on device memory: o = softmax(scale q k^T) v, lse = its logsumexp, under `p.mask`
+/// (windows, padding, segment ids, block masks and varlen batches run the MASKED kernels).
 ///
 /// # Safety
 /// The pointers must be device memory of GPU `device` with the sizes `p` implies (q/o
-/// [B,Sq,H,D], k/v [B,Sk,Hkv,D] in `p.dtype`, lse [B,H,Sq] f32), valid until `stream` reaches this
-/// work; `stream` (a CUstream as an integer, 0 = legacy default) must belong to that device's
-/// primary context.
+/// `p.q_shape()`, k/v `p.kv_shape()` in `p.dtype`, lse `p.lse_shape()` f32; the mask pointers
+/// [`MaskPtrs`]' layouts, given exactly when `p` has those masks), valid until `stream` reaches
+/// this work; `stream` (a CUstream as an integer, 0 = legacy default) must belong to that
+/// device's primary context.
 pub unsafe fn forward_device(p: &Problem, device: usize, stream: usize, ptrs: ForwardPtrs) -> Result<()> {
     catch_panics("CUDA", || {
         let (dev, _ctx) = prepare(p, device)?;
@@ -154,9 +289,9 @@ pub unsafe fn forward_device(p: &Problem, device: usize, stream: usize, ptrs: Fo
     })
 }
 
-/// Backward on device memory: dq, dk, dv from dO, q, k, v, o and lse. Allocates 2·B·H·Sq floats
-/// of workspace (stream-ordered) for delta and the log2-domain lse, and on the atomic-dQ path
-/// B·Sq·H·D more for the f32 dQ sums.
+/// Backward on device memory: dq, dk, dv from dO, q, k, v, o and lse. Allocates two lse-sized f32
+/// buffers of workspace (stream-ordered) for delta and the log2-domain lse, and on the atomic-dQ
+/// path a q-sized one more for the f32 dQ sums (and, masked, the [B, 6] int32 batch-row table).
 ///
 /// # Safety
 /// As [`forward_device`], for every pointer in `ptrs`.
@@ -177,12 +312,16 @@ pub(super) unsafe fn forward(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: F
     if d.batch == 0 || d.seq_q == 0 {
         return Ok(());
     }
-    let mut prm = params(p);
-    (prm.q, prm.k, prm.v, prm.o, prm.lse) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse);
+    check_mask_ptrs(p, &ptrs.mask)?;
     let v = kernel_variant(dev, p, Kernel::Fwd)?;
     let f = device::function(dev, &v)?;
-    // SAFETY: the caller guarantees the pointers; prm mirrors FlashParams.
-    unsafe { launch("flash_fwd", f, (grid_over(d.seq_q, v.tiles.block_m), d.heads as u32, d.batch as u32), s, &prm) }
+    let seqs = upload_seqs(p, s)?;
+    let mask = seqs.as_ref().map(|t| mask_fields(p, &ptrs.mask, t));
+    let mut prm = params(p);
+    (prm.q, prm.k, prm.v, prm.o, prm.lse) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse);
+    let grid = (grid_over(d.seq_q, v.tiles.block_m), d.heads as u32, d.batch as u32);
+    // SAFETY: the caller guarantees the pointers; the table is freed stream-ordered after the launch.
+    unsafe { launch_tiled("flash_fwd", f, grid, s, &prm, mask.as_ref()) }
 }
 
 /// The backward's launches on a [`prepare`]d device (its context current).
@@ -194,42 +333,49 @@ pub(super) unsafe fn backward(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: 
     if d.batch == 0 {
         return Ok(());
     }
-    let stats = d.lse_len();
+    check_mask_ptrs(p, &ptrs.mask)?;
+    let stats = p.lse_len();
+    let seqs = upload_seqs(p, s)?;
+    let mask = seqs.as_ref().map(|t| mask_fields(p, &ptrs.mask, t));
+    let mask = mask.as_ref();
     let mut prm = params(p);
     (prm.q, prm.k, prm.v, prm.o, prm.lse, prm.dout) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse, ptrs.d_out);
     (prm.dq, prm.dk, prm.dv) = (ptrs.dq, ptrs.dk, ptrs.dv);
     let atomic_dq = !p.deterministic;
     let vp = kernel_variant(dev, p, Kernel::BwdPreprocess)?;
     let fp = device::function(dev, &vp)?;
-    let dq_len = if atomic_dq { d.q_len() } else { 0 };
+    let dq_len = if atomic_dq { p.q_len() } else { 0 };
     let work = DeviceBuffer::alloc((2 * stats + dq_len) * 4, s)?;
     prm.delta = work.ptr;
     prm.lse_log2 = work.ptr + (stats * 4) as u64;
     prm.dq_accum = work.ptr + (2 * stats * 4) as u64;
     let kv_grid = |v: &Variant| (grid_over(d.seq_k, v.tiles.block_n), d.kv_heads as u32, d.batch as u32);
+    let rows = elementwise_params(&prm, p);
     // SAFETY: caller-guaranteed pointers; workspace sized above; one stream orders the
     // preprocess (and the zeroing of dq_accum) before the gradient kernels, the conversion
     // after them and the workspace free after everything.
     unsafe {
-        launch("flash_bwd_preprocess", fp, (grid_over(d.batch * d.seq_q * d.heads, vp.tiles.num_warps), 1, 1), s, &prm)?;
+        launch("flash_bwd_preprocess", fp, (grid_over(p.q_rows() * d.heads, vp.tiles.num_warps), 1, 1), s, &rows)?;
         if atomic_dq {
             let vk = kernel_variant(dev, p, Kernel::BwdDkdvDq)?;
             let vc = kernel_variant(dev, p, Kernel::BwdDqConvert)?;
             let (fk, fc) = (device::function(dev, &vk)?, device::function(dev, &vc)?);
             device::check("cuMemsetD32Async", cu::cuMemsetD32Async(prm.dq_accum, 0, dq_len, s))?;
-            launch("flash_bwd_dkdv(atomic dQ)", fk, kv_grid(&vk), s, &prm)?;
+            launch_tiled("flash_bwd_dkdv(atomic dQ)", fk, kv_grid(&vk), s, &prm, mask)?;
             let pairs = dq_len / 2;
             let blocks = grid_over(pairs, vc.threads() as usize).min(8 * dev.sm_count.max(1) as u32);
-            launch("flash_bwd_dq_convert", fc, (blocks, 1, 1), s, &prm)?;
+            launch("flash_bwd_dq_convert", fc, (blocks, 1, 1), s, &rows)?;
         } else {
             let vq = kernel_variant(dev, p, Kernel::BwdDq)?;
             let vk = kernel_variant(dev, p, Kernel::BwdDkdv)?;
             let (fq, fk) = (device::function(dev, &vq)?, device::function(dev, &vk)?);
-            launch("flash_bwd_dq", fq, (grid_over(d.seq_q, vq.tiles.block_m), d.heads as u32, d.batch as u32), s, &prm)?;
-            launch("flash_bwd_dkdv", fk, kv_grid(&vk), s, &prm)?;
+            let q_grid = (grid_over(d.seq_q, vq.tiles.block_m), d.heads as u32, d.batch as u32);
+            launch_tiled("flash_bwd_dq", fq, q_grid, s, &prm, mask)?;
+            launch_tiled("flash_bwd_dkdv", fk, kv_grid(&vk), s, &prm, mask)?;
         }
     }
     drop(work);
+    drop(seqs);
     Ok(())
 }
 
@@ -241,5 +387,8 @@ mod tests {
     fn params_struct_matches_the_kernel_layout() {
         // 12 pointers, 5 ints, 2 floats, 1 pad int (cuda/params.h).
         assert_eq!(std::mem::size_of::<FlashParams>(), 12 * 8 + 8 * 4);
+        // MASKED: then 4 pointers, 2 i64 strides, 5 ints and 1 pad int, from offset 128.
+        assert_eq!(std::mem::offset_of!(MaskedParams, mask), 12 * 8 + 8 * 4);
+        assert_eq!(std::mem::size_of::<MaskedParams>(), 12 * 8 + 8 * 4 + 4 * 8 + 2 * 8 + 6 * 4);
     }
 }

@@ -14,6 +14,13 @@
 //! kernel — dK and dV are bit-identical run to run, dQ may differ in the last bits because the
 //! order of the atomic additions varies. `deterministic`: separate dQ and dK/dV kernels, each
 //! output element owned by one block, no atomics (7 tile GEMMs).
+//!
+//! Masks: a problem whose mask is not plain (`!Mask::is_plain`: windows, padding, segment ids,
+//! block masks, varlen batches) runs the MASKED variants of the same kernels (cuda/seq.h,
+//! cuda/block.h). They take every mask at run time: a batch-row table uploaded per call, the
+//! window in the params and the mask tensors by pointer. Each block visits only the tiles that
+//! some of its rows see (window and padding bound the tile range; block-mask entries and
+//! segment-id ranges are tested per tile) and masks elements on boundary tiles only.
 
 mod compile;
 pub mod config;

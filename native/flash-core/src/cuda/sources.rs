@@ -5,7 +5,9 @@
 pub const FILES: &[(&str, &str)] = &[
     ("params.h", include_str!("../../../../cuda/params.h")),
     ("ptx.h", include_str!("../../../../cuda/ptx.h")),
+    ("seq.h", include_str!("../../../../cuda/seq.h")),
     ("mask.h", include_str!("../../../../cuda/mask.h")),
+    ("block.h", include_str!("../../../../cuda/block.h")),
     ("softmax.h", include_str!("../../../../cuda/softmax.h")),
     ("tile.h", include_str!("../../../../cuda/tile.h")),
     ("tile_f32.h", include_str!("../../../../cuda/tile_f32.h")),
