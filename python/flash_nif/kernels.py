@@ -59,7 +59,7 @@ def fit_errors(rows) -> list[str]:
     for r in rows:
         if r["tile_set"] == "default" and r["smem_bytes"] > MAX_SMEM_DEFAULT:
             errors.append(f"{r['name']} ({r.get('arch', '')}) needs {r['smem_bytes']} bytes > {MAX_SMEM_DEFAULT}")
-        key = (r["kernel"], r["dtype"], r["head_dim"], r["defines"].get("IS_CAUSAL"), r.get("arch"))
+        key = (r["kernel"], r["dtype"], r["head_dim"], r["defines"].get("IS_CAUSAL"), r["defines"].get("MASKED"), r.get("arch"))
         if key not in last or r["tile_set"] == "small":
             last[key] = r
     for r in last.values():
