@@ -95,11 +95,17 @@ def cuda_kernel_variants(head_dims: list[int]) -> list[dict[str, Any]]:
     entry, defines (dict, in order), block_m, block_n, num_warps, tile_set ("default" / "small")."""
 
 def cuda_compile_report(
-    archs: list[str], head_dims: list[int], jobs: int | None = None, fresh: bool = False
+    archs: list[str],
+    head_dims: list[int],
+    jobs: int | None = None,
+    fresh: bool = False,
+    tile_sets: list[str] | None = None,
+    masked: bool = True,
 ) -> list[dict[str, Any]]:
     """One dict per (variant, arch), compiled by NVRTC on `jobs` threads (default: all cores) from the
     embedded sources through the disk cache (unless `fresh`): the variant's fields, arch, ok, then
-    registers, spill_bytes, stack_bytes, smem_bytes, cached, log; or error."""
+    registers, spill_bytes, stack_bytes, smem_bytes, cached, log; or error. `tile_sets` keeps only
+    variants of those tile sets ("default", "small"); `masked=False` only the plain (non-MASKED) ones."""
 
 def cuda_nvrtc() -> tuple[str, str]:
     """(NVRTC version, where it was loaded from); raises DeviceError without NVRTC."""

@@ -45,21 +45,38 @@ def variants(head_dims=CHECK_HEAD_DIMS) -> list[dict]:
     return _native.cuda_kernel_variants(list(head_dims))
 
 
-def compile_report(archs, head_dims=CHECK_HEAD_DIMS, jobs=None, fresh=False) -> list[dict]:
-    """One dict per (variant, arch), compiled in parallel (see ``_native.cuda_compile_report``)."""
-    return _native.cuda_compile_report(list(archs), list(head_dims), jobs, fresh)
+def launched_tile_sets(arch: str) -> list[str]:
+    """The tile sets a GPU of this arch can launch: Hopper (sm_90 / sm_90a) gives every block the
+    227 KiB the default tiles fit in (fit_errors checks it), so it never falls back to the small
+    ones; older archs may (sm_86 / sm_89: 99 KiB)."""
+    return ["default"] if arch.startswith("sm_90") else ["default", "small"]
+
+
+def compile_report(archs, head_dims=CHECK_HEAD_DIMS, jobs=None, fresh=False, masked_archs=None) -> list[dict]:
+    """One dict per (variant, arch) that arch can launch, compiled in parallel (see
+    ``_native.cuda_compile_report``). ``masked_archs`` (default: all of ``archs``) limits the
+    MASKED variants to those archs."""
+    groups: dict[tuple, list[str]] = {}
+    for a in archs:
+        masked = masked_archs is None or a in masked_archs
+        groups.setdefault((tuple(launched_tile_sets(a)), masked), []).append(a)
+    return [r for (sets, masked), group in groups.items()
+            for r in _native.cuda_compile_report(group, list(head_dims), jobs, fresh, list(sets), masked)]
 
 
 def fit_errors(rows) -> list[str]:
     """Shared-memory rules of compiled variants (rows with kernel, dtype, head_dim, defines,
     tile_set, smem_bytes and optionally arch): the default tiles fit MAX_SMEM_DEFAULT, and each
-    launch's last candidate (its small tiles, or the default when there are none) MAX_SMEM_ANY."""
+    launch's last candidate (its small tiles, or the default when there are none) MAX_SMEM_ANY, on
+    the archs that launch small tiles (see launched_tile_sets)."""
     last = {}
     errors = []
     for r in rows:
         if r["tile_set"] == "default" and r["smem_bytes"] > MAX_SMEM_DEFAULT:
             errors.append(f"{r['name']} ({r.get('arch', '')}) needs {r['smem_bytes']} bytes > {MAX_SMEM_DEFAULT}")
         key = (r["kernel"], r["dtype"], r["head_dim"], r["defines"].get("IS_CAUSAL"), r["defines"].get("MASKED"), r.get("arch"))
+        if "small" not in launched_tile_sets(r.get("arch", "")):
+            continue
         if key not in last or r["tile_set"] == "small":
             last[key] = r
     for r in last.values():
@@ -113,6 +130,8 @@ def main(argv=None) -> int:
                          "or a comma list")
     ap.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: all cores)")
     ap.add_argument("--fresh", action="store_true", help="compile everything, skipping the disk cache")
+    ap.add_argument("--masked-arch", action="append",
+                    help="compile the MASKED variants only for these archs (repeatable; default: every --arch)")
     ap.add_argument("--golden", metavar="PATH", help="check the table and shared memory against a snapshot")
     ap.add_argument("--write-golden", metavar="PATH", help="write the snapshot of this run")
     ap.add_argument("-v", "--verbose", action="store_true", help="print NVRTC logs")
@@ -124,7 +143,7 @@ def main(argv=None) -> int:
     version, library = _native.cuda_nvrtc()
     print(f"NVRTC {version} ({library}); kernel sources embedded in {_native.__file__}")
     t0 = time.perf_counter()
-    reports = compile_report(archs, dims, args.jobs, args.fresh)
+    reports = compile_report(archs, dims, args.jobs, args.fresh, args.masked_arch)
     seconds = time.perf_counter() - t0
     failures = []
     print(f"{'variant':72s} {'arch':7s} {'regs':>4s} {'spill':>5s} {'stack':>5s} {'smem':>7s}")

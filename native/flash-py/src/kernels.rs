@@ -38,18 +38,29 @@ fn cuda_kernel_variants(py: Python<'_>, head_dims: Vec<usize>) -> PyResult<Vec<B
 /// Compiles every variant of `head_dims` for each arch with NVRTC on `jobs` threads (default: all
 /// cores), from the sources embedded in this module, through the disk cache unless `fresh`. One
 /// dict per (variant, arch): the variant's fields, arch, ok, and registers, spill_bytes,
-/// stack_bytes, smem_bytes, cached and log when ok, else error (with NVRTC's log). Raises DeviceError without NVRTC.
+/// stack_bytes, smem_bytes, cached and log when ok, else error (with NVRTC's log). `tile_sets`
+/// ("default", "small") keeps only those variants; `masked` = False keeps only the plain ones (no
+/// MASKED define). Raises DeviceError without NVRTC.
 #[pyfunction]
-#[pyo3(signature = (archs, head_dims, jobs = None, fresh = false))]
+#[pyo3(signature = (archs, head_dims, jobs = None, fresh = false, tile_sets = None, masked = true))]
+#[allow(clippy::too_many_arguments)] // Python keyword arguments, one per filter
 fn cuda_compile_report(
     py: Python<'_>,
     archs: Vec<String>,
     head_dims: Vec<usize>,
     jobs: Option<usize>,
     fresh: bool,
+    tile_sets: Option<Vec<String>>,
+    masked: bool,
 ) -> PyResult<Vec<Bound<'_, PyDict>>> {
     let jobs = jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let variants = cuda::all_variants(&head_dims);
+    let mut variants = cuda::all_variants(&head_dims);
+    if let Some(sets) = tile_sets {
+        variants.retain(|v| sets.iter().any(|s| s == v.tile_set.name()));
+    }
+    if !masked {
+        variants.retain(|v| !v.defines.contains(&("MASKED", 1)));
+    }
     let reports = py.detach(|| cuda::compile_report(&variants, &archs, jobs, fresh)).map_err(PyFlashError)?;
     reports
         .iter()
