@@ -156,11 +156,15 @@ struct QueryBlock {
     __device__ __forceinline__ TileTest key_tile(int n0) const {
         return seq.test(h, m0, r_end, n0, n0 + BLOCK_N, ids, true);
     }
-    // The first tile from n0 on that the block visits (n0 >= n_end(): none).
+    // The first tile from n0 on that the block visits (n0 >= n_end(): none). After a hidden tile,
+    // skip probes (seq.h) jump over the runs of hidden tiles that follow, 32 mask blocks or a few
+    // hundred segment ids at a time, instead of testing them tile by tile.
     __device__ __forceinline__ KeyTile walk(int n0) const {
-        for (; n0 < n_hi; n0 += BLOCK_N) {
+        while (n0 < n_hi) {
             const TileTest t = key_tile(n0);
             if (t.visit) return {n0, t.mask};
+            n0 += BLOCK_N;
+            for (int n; n0 < n_hi && (n = seq.skip<true>(h, m0, r_end, n0, n_hi, ids, BLOCK_N)) > n0;) n0 = n;
         }
         return {n_hi, false};
     }
@@ -273,13 +277,24 @@ struct KeyBlock {
     __device__ __forceinline__ TileTest query_tile(int h, int m0) const {
         return seq.test(h, m0, imin(m0 + BLOCK_M, Sq), n0, n0 + BLOCK_N, ids, false);
     }
-    // The first iteration from it on that the block visits (it >= n_iter: none).
+    // The first iteration from it on that the block visits (it >= n_iter: none). Tile by tile: the
+    // skip probes (next_row) would push the tensor-core dK/dV kernels, at the register limit
+    // already, into spills.
     __device__ __forceinline__ QueryTile walk(int it) const {
         for (; it < n_iter; ++it) {
             const TileTest t = query_tile(head(it), query_row(it));
             if (t.visit) return {it, t.mask};
         }
         return {n_iter, false};
+    }
+    // The first query tile (row) of head h from tile m0 on that skip probes (seq.h) cannot rule out
+    // (m_stop(): none): 32 mask blocks or 128 segment ids a probe. For the fp32 dK/dV kernel,
+    // which walks each head's tiles itself.
+    __device__ __forceinline__ int next_row(int h, int m0) const {
+        const int c0 = imax(n0, seq.k_lo), c1 = imin(n0 + BLOCK_N, seq.k_hi);  // the valid keys
+        const int row_end = imin(m_stop(), Sq);
+        for (int x; m0 < row_end && (x = seq.skip<false, 128>(h, c0, c1, m0, row_end, ids, BLOCK_M)) > m0;) m0 = x;
+        return m0 < row_end ? m0 : m_stop();
     }
     __device__ __forceinline__ QueryWalk query_walk() const {
         const QueryTile t = walk(0);

@@ -44,7 +44,12 @@ flash_bwd_dkdv(const FlashParams p) {
 #endif
         for (int m0 = blk.m_start; m0 < blk.m_stop(); m0 += BLOCK_M) {
             const TileTest tile = blk.query_tile(h, m0);
-            if (!tile.visit) continue;
+            if (!tile.visit) {
+#if MASKED
+                m0 = blk.next_row(h, m0 + BLOCK_M) - BLOCK_M;  // past the hidden tiles that follow
+#endif
+                continue;
+            }
             __syncthreads();
             load_tile_f32<BLOCK_M>(smem.q, p.q + blk.q_base(p, h), m0, Sq, blk.q_stride);
             load_tile_f32<BLOCK_M>(smem.dout, p.dout + blk.q_base(p, h), m0, Sq, blk.q_stride);

@@ -101,6 +101,53 @@ struct SeqMask {
         return !bm || bm[(i64)(i / MASK_BLOCK) * p->bm_cols + j / MASK_BLOCK] != 0;
     }
 
+    // One probe of a skip scan over the other side's tiles, for blocks whose tiles mostly hide
+    // (segment ids, block masks). The block's own side is [o0, o1) (query rows when KEYS, else its
+    // valid keys) with segment id range `own`; the other side's tiles of `step` start at x0 (keys
+    // when KEYS, else query rows of head h), and x_end bounds the scan (<= k_hi, resp. <= q_len).
+    // Returns x0 when it cannot rule out tile x0, else x0 + k * step (k >= 1) such that no pair
+    // of the block's side with [x0, x0 + k * step) is visible (x_end or past it: none is left).
+    // Block mask first: each lane tests one 128-block, a ballot finds the first one that is on
+    // among 32; then segment ids: SKIP_IDS ids per warp in one round of independent loads. Every
+    // warp computes the same answer (uniform across the block; the whole warp must call it).
+    template <bool KEYS, int SKIP_IDS = 256>
+    __device__ __forceinline__ int skip(int h, int o0, int o1, int x0, int x_end, IdRange own, int step) const {
+        const int lane = (int)(threadIdx.x % 32);
+        if (const unsigned char* bm = block_mask(h)) {
+            const int base = x0 / MASK_BLOCK, last = (x_end - 1) / MASK_BLOCK, c = base + lane;
+            bool on = false;
+            if (c <= last)
+                for (int o = o0 / MASK_BLOCK; o <= (o1 - 1) / MASK_BLOCK; ++o)
+                    on = on || bm[KEYS ? (i64)o * p->bm_cols + c : (i64)c * p->bm_cols + o] != 0;
+            const unsigned bits = __ballot_sync(0xffffffffu, on);
+            if (!bits && (base + 32) * MASK_BLOCK >= x_end) return x_end;
+            const int first = (base + (bits ? __ffs(bits) - 1 : 32)) * MASK_BLOCK;
+            const int x = x0 + imax(0, (first - x0) / step) * step;
+            if (x > x0) return x;
+        }
+        if (has_segments()) {
+            constexpr int U = SKIP_IDS / 32;
+            const int* ids = KEYS ? seg_k() : seg_q();
+            const int s0 = imax(x0, KEYS ? k_lo : 0), s1 = imin(x0 + SKIP_IDS, x_end);
+            int x[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int j = s0 + 32 * u + lane;
+                x[u] = j < s1 ? ids[j] : 0;
+            }
+            int hit = s1;  // the first id of [s0, s1) in own (s1: none)
+#pragma unroll
+            for (int u = U - 1; u >= 0; --u) {
+                const int j = s0 + 32 * u + lane;
+                const unsigned bits = __ballot_sync(0xffffffffu, j < s1 && x[u] >= own.lo && x[u] <= own.hi);
+                if (bits) hit = s0 + 32 * u + __ffs(bits) - 1;
+            }
+            if (hit >= x_end) return x_end;
+            return x0 + imax(0, (hit - x0) / step) * step;
+        }
+        return x0;
+    }
+
     // Rows [r0, r1) (r1 <= q_len) x keys [c0, c1) of head h, by window and padding, then block mask,
     // then segment ids: the block's own side's ids are `own`, the other side's are read here (the
     // keys' when scan_keys). Every warp computes the same verdict (uniform across the block).

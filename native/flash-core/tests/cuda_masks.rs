@@ -301,6 +301,25 @@ fn scenarios() -> Vec<Scenario> {
             kv_heads: 1,
         },
         Scenario {
+            // Long runs of hidden tiles for the skip probes: 4300 keys (x in [300, 4600)) with an
+            // id no query has between the near and far keys each query sees, and in head 1 33
+            // block-mask columns off in a row (more than one 32-block probe).
+            name: "long hidden runs: segment ids + block mask",
+            layout: Layout::Padded {
+                batch: 1,
+                seq_q: 300,
+                seq_k: 5000,
+                seqused_k: None,
+                leftpad_k: None,
+                segments: Some(|_, x| if x < 300 { (x / 120) as i32 } else if x < 4600 { 5 } else { ((x - 4600) / 120) as i32 }),
+                block_mask: Some((2, |_, h, m, n| u8::from(h == 0 || n < 2 || (n > 34 && !(m == 1 && n == 36))))),
+            },
+            causal: false,
+            window: Window::default(),
+            heads: 2,
+            kv_heads: 1,
+        },
+        Scenario {
             name: "varlen causal + left window",
             layout: Layout::Varlen { q_lens: vec![130, 0, 257, 5], k_lens: vec![100, 50, 300, 1] },
             causal: true,
