@@ -142,6 +142,15 @@ CASES = {
                           lambda r: dict(seqused_k=i32(1000, 517, 1), window=(256, None))),
     "s1": ((1, 1, 1, 1, 1, 8), False, lambda r: dict(window=(0, 0), seqused_k=i32(1))),
     "s1000-window": ((1, 1000, 1000, 2, 1, 16), True, lambda r: dict(window=(100, None))),
+    # Long hidden runs for the GPU's skip probes (32 mask blocks / 256 ids per probe): 4300 keys of
+    # a foreign document before the query's own; 36 block columns with 3 on; 4200 foreign queries
+    # before the keys' own document (the dK/dV side).
+    "long-foreign-keys": ((1, 300, 4600, 2, 1, 16), False, lambda r: dict(segment_ids=(
+        np.ones((1, 300), np.int32), np.repeat(i32(0, 1), [4300, 300])[None]))),
+    "long-hidden-blocks": ((1, 200, 4600, 2, 2, 16), True, lambda r: dict(
+        block_mask=np.isin(np.arange(36), [0, 33, 35]).reshape(1, 1, 1, 36).repeat(2, 2))),
+    "long-foreign-queries": ((1, 4400, 200, 2, 1, 16), False, lambda r: dict(segment_ids=(
+        np.repeat(i32(0, 1), [4200, 200])[None], np.ones((1, 200), np.int32)))),
     # rows that see nothing: queries above the shifted diagonal (0-49), a batch row without keys,
     # query ids absent from the keys (140-149), a hidden block (128-149)
     "sees-nothing": ((2, 150, 100, 2, 1, 16), True, lambda r: dict(
