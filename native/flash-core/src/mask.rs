@@ -243,7 +243,8 @@ pub(crate) fn window_bounds(w: Window, causal: bool) -> Result<(Option<usize>, O
         None => Ok(None),
     };
     let (left, right) = (side(w.left, "left")?, side(w.right, "right")?);
-    let right = if causal { Some(right.map_or(0, |r| r.min(0))) } else { right };
+    // Causal caps the right side at 0 (any given right is >= 0, so the cap is 0).
+    let right = if causal { Some(0) } else { right };
     Ok((left, right))
 }
 

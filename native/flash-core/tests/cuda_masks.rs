@@ -293,7 +293,7 @@ fn scenarios() -> Vec<Scenario> {
                 leftpad_k: None,
                 // Batch row 0: sorted documents; row 1: interleaved ids.
                 segments: Some(|b, x| if b == 0 { (x / 70) as i32 } else { ((x / 9) % 3) as i32 }),
-                block_mask: Some((2, |b, h, m, n| u8::from(!(h == 1 && m == 1 && n == 1) && !(b == 1 && n == 0 && m == 0)))),
+                block_mask: Some((2, |b, h, m, n| u8::from((h != 1 || m != 1 || n != 1) && (b != 1 || n != 0 || m != 0)))),
             },
             causal: true,
             window: Window::default(),
