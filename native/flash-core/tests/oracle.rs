@@ -3,28 +3,10 @@
 mod common;
 
 use common::*;
-use flash_core::{backward_host, forward_host, BackwardIo, DType, Device, ForwardIo};
-
-struct Outputs {
-    o: Vec<u8>,
-    lse: Vec<u8>,
-    dq: Vec<u8>,
-    dk: Vec<u8>,
-    dv: Vec<u8>,
-}
+use flash_core::DType;
 
 fn run(c: &Case) -> Outputs {
-    let e = c.p.dtype.size_bytes();
-    let (ql, kvl, ll) = (c.p.dims.q_len() * e, c.p.dims.kv_len() * e, c.p.dims.lse_len() * 4);
-    // Poisoned outputs: every element must be written.
-    let mut o = vec![0xA5u8; ql];
-    let mut lse = vec![0xA5u8; ll];
-    forward_host(Device::Cpu, &c.p, ForwardIo { q: &c.q.0, k: &c.k.0, v: &c.v.0, o: &mut o, lse: &mut lse, mask: Default::default() }).unwrap();
-    let (mut dq, mut dk, mut dv) = (vec![0xA5u8; ql], vec![0xA5u8; kvl], vec![0xA5u8; kvl]);
-    let (d_out, q, k, v) = (&c.d_out.0[..], &c.q.0[..], &c.k.0[..], &c.v.0[..]);
-    let io = BackwardIo { d_out, q, k, v, o: &o, lse: &lse, dq: &mut dq, dk: &mut dk, dv: &mut dv, mask: Default::default() };
-    backward_host(Device::Cpu, &c.p, io).unwrap();
-    Outputs { o, lse, dq, dk, dv }
+    run_cpu(&c.p, [&c.q.0, &c.k.0, &c.v.0, &c.d_out.0], Default::default())
 }
 
 fn check(dims: flash_core::Dims, dtype: DType, causal: bool, tol: f64) {

@@ -2,7 +2,10 @@
 
 #![allow(dead_code)]
 
-use flash_core::{DType, Dims, IndexArg, MaskArgs, MaskBuffers, Options, Problem, TensorSpec, Window};
+use flash_core::{
+    backward_host, forward_host, BackwardIo, DType, Device, Dims, ForwardIo, IndexArg, MaskArgs, MaskBuffers, Options, Problem,
+    TensorSpec, Window,
+};
 
 /// Deterministic pseudo-random normals (xorshift + Box-Muller); never all zeros.
 pub struct Rng(u64);
@@ -289,4 +292,26 @@ fn masked_problem(m: &Masks, dtype: DType, (q_shape, kv_shape): (&[usize], &[usi
         block_mask,
     };
     Problem::forward_masked(&q, &k, &v, &opts, &args).unwrap()
+}
+
+/// What one forward + backward on the CPU wrote.
+pub struct Outputs {
+    pub o: Vec<u8>,
+    pub lse: Vec<u8>,
+    pub dq: Vec<u8>,
+    pub dk: Vec<u8>,
+    pub dv: Vec<u8>,
+}
+
+/// Forward, then backward from its o and lse, on the CPU. Inputs [q, k, v, d_out] as bytes in
+/// p.dtype; outputs start poisoned, so every element must be written.
+pub fn run_cpu(p: &Problem, [q, k, v, d_out]: [&[u8]; 4], mask: MaskBuffers) -> Outputs {
+    let e = p.dtype.size_bytes();
+    let (ql, kvl, ll) = (p.q_len() * e, p.kv_len() * e, p.lse_len() * 4);
+    let (mut o, mut lse) = (vec![0xA5u8; ql], vec![0xA5u8; ll]);
+    forward_host(Device::Cpu, p, ForwardIo::new([q, k, v], [&mut o, &mut lse]).with_mask(mask)).unwrap();
+    let (mut dq, mut dk, mut dv) = (vec![0xA5u8; ql], vec![0xA5u8; kvl], vec![0xA5u8; kvl]);
+    let io = BackwardIo::new([d_out, q, k, v, &o, &lse], [&mut dq, &mut dk, &mut dv]).with_mask(mask);
+    backward_host(Device::Cpu, p, io).unwrap();
+    Outputs { o, lse, dq, dk, dv }
 }
