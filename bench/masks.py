@@ -19,30 +19,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 
 import numpy as np
 import torch
 
 import flash_nif
 import flash_nif.varlen
+from gpu import timed  # bench/gpu.py: CUDA-event median after warm-up (bench/ is sys.path[0])
 
 WINDOW = 1024
 BLOCK = 128
-
-
-def timed(fn, warmup, reps):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def document_lengths(s, rng, lo=256, hi=4096):
