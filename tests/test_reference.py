@@ -368,3 +368,152 @@ def test_masked_rows_are_zero_never_nan(ref):
     assert np.isneginf(lse[0, 0, 1]) and not o[0, 1].any()
     dq, dk, dv = ref.backward(do, q, k, v, o, lse, causal=False, segment_ids=seg)
     assert not np.isnan(dq).any() and not dq[0, 1].any()
+
+
+# ---- score modifiers -----------------------------------------------------------------------------
+
+
+def _longhand_modified(q, k, v, *, causal, scale, softcap=None, slopes=None, sinks=None, lo=None, hi=None):
+    """Per-element loops: the issue's order of operations on one score, then a softmax whose
+    denominator may hold a sink."""
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    o, lse = np.zeros((b, sq, h, d)), np.full((b, h, sq), -np.inf)
+    for bi in range(b):
+        l0, h0 = (0 if lo is None else lo[bi]), (sk if hi is None else hi[bi])
+        for hh in range(h):
+            kv = hh // (h // hkv)
+            for i in range(sq):
+                logits, vals = [], []
+                for j in range(sk):
+                    if not (l0 <= j < h0) or (causal and j - l0 > i + (h0 - l0) - sq):
+                        continue
+                    s = scale * float(q[bi, i, hh] @ k[bi, j, kv])
+                    if softcap is not None:
+                        s = softcap * math.tanh(s / softcap)
+                    if slopes is not None:
+                        s -= slopes[bi, hh] * abs(i + (h0 - l0) - sq - (j - l0))
+                    logits.append(s)
+                    vals.append(v[bi, j, kv])
+                den = sum(math.exp(x) for x in logits) + (0.0 if sinks is None else math.exp(sinks[hh]))
+                if den == 0.0:
+                    continue
+                lse[bi, hh, i] = math.log(den)
+                for x, vv in zip(logits, vals):
+                    o[bi, i, hh] += math.exp(x) / den * vv
+    return o, lse
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_modifiers_match_longhand(ref, causal):
+    q, k, v, _ = _inputs(11, 2, 4, 6, 4, 2, 3)
+    q, k = 3 * q, 3 * k  # large scores, where the cap bends them
+    slopes = np.array([[0.5, 0.25, 0.125, 1.0], [0.3, 0.2, 0.1, 0.05]])
+    sinks = np.array([0.5, -1.0, 2.0, 0.0])
+    lo, hi = np.array([1, 0]), np.array([6, 4])
+    o, lse = ref.forward_with_states(q, k, v, causal=causal, softcap=2.0, alibi_slopes=slopes, sinks=sinks,
+                                     seqused_k=hi, leftpad_k=lo)
+    o2, lse2 = _longhand_modified(q, k, v, causal=causal, scale=1 / math.sqrt(3), softcap=2.0, slopes=slopes,
+                                  sinks=sinks, lo=lo, hi=hi)
+    np.testing.assert_allclose(o, o2, atol=1e-12)
+    np.testing.assert_allclose(lse, lse2, atol=1e-12)
+    # [H] slopes broadcast over the batch.
+    o3 = ref.forward(q, k, v, causal=causal, alibi_slopes=slopes[0])
+    o4, _ = _longhand_modified(q, k, v, causal=causal, scale=1 / math.sqrt(3), slopes=np.stack([slopes[0]] * 2))
+    np.testing.assert_allclose(o3, o4, atol=1e-12)
+
+
+def test_sink_rows_without_keys(ref):
+    q, k, v, do = _inputs(12, 1, 5, 3, 2, 1, 2)  # causal with Sq > Sk: rows 0, 1 see no key
+    sinks = np.array([0.7, -2.0])
+    o, lse = ref.forward_with_states(q, k, v, causal=True, sinks=sinks)
+    assert not o[0, :2].any()
+    np.testing.assert_allclose(lse[0, :, :2], np.array([[0.7, 0.7], [-2.0, -2.0]]))
+    # A sink only adds to the denominator: o shrinks by exp(lse_plain - lse) and lse grows.
+    o0, lse0 = ref.forward_with_states(q, k, v, causal=True)
+    np.testing.assert_allclose(lse[:, :, 2:], np.logaddexp(lse0[:, :, 2:], sinks[None, :, None]), atol=1e-14)
+    shrink = np.exp(lse0 - lse)[:, :, 2:].transpose(0, 2, 1)[..., None]
+    np.testing.assert_allclose(o[:, 2:], o0[:, 2:] * shrink, atol=1e-14)
+    dq, dk, dv, dsinks = ref.backward(do, q, k, v, o, lse, causal=True, sinks=sinks)
+    assert not dq[0, :2].any() and np.isfinite(dsinks).all()
+
+
+def test_softcap_is_plain_in_the_limit(ref):
+    q, k, v, do = _inputs(13, 1, 4, 5, 2, 2, 3)
+    o, lse = ref.forward_with_states(q, k, v, causal=False)
+    oc, lsec = ref.forward_with_states(q, k, v, causal=False, softcap=1e6)
+    np.testing.assert_allclose(oc, o, atol=1e-9)
+    g, gc = ref.backward(do, q, k, v, o, lse, causal=False), ref.backward(do, q, k, v, oc, lsec, causal=False, softcap=1e6)
+    for a, c in zip(g, gc):
+        np.testing.assert_allclose(c, a, atol=1e-9)
+
+
+def _fd_check(ref, args, loss, grads, eps=1e-6):
+    for which, grad in enumerate(grads):
+        fd = np.zeros_like(args[which])
+        for idx in np.ndindex(fd.shape):
+            plus, minus = [a.copy() for a in args], [a.copy() for a in args]
+            plus[which][idx] += eps
+            minus[which][idx] -= eps
+            fd[idx] = (loss(*plus) - loss(*minus)) / (2 * eps)
+        np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("mods", [
+    dict(softcap=1.5),
+    dict(alibi_slopes=np.array([0.5, 0.25])),
+    dict(softcap=0.8, alibi_slopes=np.array([[0.5, 0.1]]), window=(2, 1), seqused_k=np.array([5]),
+         leftpad_k=np.array([1])),
+], ids=["softcap", "alibi", "softcap-alibi-masks"])
+def test_modified_backward_matches_finite_differences(ref, mods):
+    q, k, v, do = _inputs(14, 1, 4, 6, 2, 1, 3)
+    q, k = 2 * q, 2 * k
+    o, lse = ref.forward_with_states(q, k, v, causal=False, **mods)
+    grads = ref.backward(do, q, k, v, o, lse, causal=False, **mods)
+    _fd_check(ref, [q, k, v], lambda *a: np.sum(do * ref.forward(*a, causal=False, **mods)), grads)
+
+
+def test_dsinks_match_finite_differences(ref):
+    q, k, v, do = _inputs(15, 2, 5, 4, 2, 1, 3)
+    sinks = np.array([0.3, -0.4])
+    mods = dict(softcap=1.2, alibi_slopes=np.array([0.2, 0.4]), sinks=sinks)
+    o, lse = ref.forward_with_states(q, k, v, causal=True, **mods)
+    dq, dk, dv, dsinks = ref.backward(do, q, k, v, o, lse, causal=True, **mods)
+
+    def loss(qq, kk, vv, ss):
+        return np.sum(do * ref.forward(qq, kk, vv, causal=True, softcap=1.2, alibi_slopes=mods["alibi_slopes"], sinks=ss))
+
+    _fd_check(ref, [q, k, v, sinks], loss, [dq, dk, dv, dsinks])
+
+
+def test_varlen_modifiers_equal_each_sequence_alone(ref):
+    rng = np.random.default_rng(16)
+    lens_q, lens_k = [3, 4], [5, 2]
+    cu_q, cu_k = np.cumsum([0] + lens_q), np.cumsum([0] + lens_k)
+    q, do = rng.standard_normal((2, cu_q[-1], 2, 3))
+    k, v = rng.standard_normal((2, cu_k[-1], 1, 3))
+    slopes, sinks = np.array([[0.5, 0.2], [0.1, 0.3]]), np.array([0.1, -0.3])
+    mods = dict(softcap=2.0, alibi_slopes=slopes, sinks=sinks)
+    o, lse = ref.varlen_forward_with_states(q, k, v, cu_q, cu_k, causal=True, **mods)
+    dq, dk, dv, dsinks = ref.varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, causal=True, **mods)
+    total = np.zeros(2)
+    for b in range(2):
+        sq_, sk_ = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        ob, lb = ref.forward_with_states(q[None, sq_], k[None, sk_], v[None, sk_], causal=True, softcap=2.0,
+                                         alibi_slopes=slopes[b], sinks=sinks)
+        np.testing.assert_allclose(o[sq_], ob[0], atol=1e-14)
+        g = ref.backward(do[None, sq_], q[None, sq_], k[None, sk_], v[None, sk_], ob, lb, causal=True,
+                         softcap=2.0, alibi_slopes=slopes[b], sinks=sinks)
+        np.testing.assert_allclose(dk[sk_], g[1][0], atol=1e-14)
+        total += g[3]
+    np.testing.assert_allclose(dsinks, total, atol=1e-14)
+
+
+def test_rejects_bad_modifiers(ref):
+    q, k, v, _ = _inputs(17, 2, 3, 3, 2, 1, 2)
+    with pytest.raises(ValueError, match="softcap"):
+        ref.forward(q, k, v, softcap=0.0)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        ref.forward(q, k, v, alibi_slopes=np.ones(3))
+    with pytest.raises(ValueError, match="sinks"):
+        ref.forward(q, k, v, sinks=np.ones((2, 2)))

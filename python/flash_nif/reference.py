@@ -29,8 +29,14 @@ lse        ``[B, H, Sq]``        ``log(sum_j exp(scale * q_i . k_j))``
   ``[B or 1, H or 1, ceil(Sq/128), ceil(Sk/128)]`` hides 128 x 128 blocks.
   :func:`varlen_forward_with_states` / :func:`varlen_backward` take packed
   sequences (``cu_seqlens``), each attended on its own.
+* Score modifiers, in this order on one score (:func:`scores`): ``s = scale * q.k``;
+  ``softcap=c`` (``c > 0``) gives ``s = c * tanh(s / c)``; ``alibi_slopes`` (``[H]`` or ``[B, H]``)
+  adds ``-slope * |i + off - (j - lo)|`` (the masks' ``off`` and relative key index); then the
+  masks; then the softmax. ``sinks`` (``[H]``) adds one logit per head to every row's softmax
+  denominator with no value: ``lse = log(sum_j exp(s_j) + exp(sink_h))``; the backward then also
+  returns ``dsinks [H]`` (summed over batch rows and query rows).
 * A row that sees no key (``causal`` with ``Sq > Sk``, or ``Sk == 0``, or a
-  mask) gives ``o = 0``, ``lse = -inf`` and zero gradients, never NaN.
+  mask) gives ``o = 0``, ``lse = -inf`` (``lse = sink_h`` with sinks) and zero gradients, never NaN.
 * Inputs may be float16, ``ml_dtypes.bfloat16``, float32 or float64; they are
   upcast to float64 and every output is float64.
 
@@ -52,6 +58,7 @@ __all__ = [
     "varlen_forward_with_states",
     "varlen_forward",
     "varlen_backward",
+    "scores",
     "MASK_BLOCK",
 ]
 
@@ -121,6 +128,15 @@ def _check_window(window):
     return tuple(None if x is None else int(x) for x in window)
 
 
+def _key_bounds(b: int, sk: int, seqused_k=None, leftpad_k=None) -> tuple[np.ndarray, np.ndarray]:
+    """Valid keys ``[lo[b], hi[b])`` of every batch row."""
+    hi = np.full(b, sk) if seqused_k is None else np.asarray(seqused_k).reshape(b)
+    lo = np.zeros(b, dtype=np.int64) if leftpad_k is None else np.asarray(leftpad_k).reshape(b)
+    if np.any(lo < 0) or np.any(hi > sk) or np.any(lo > hi):
+        raise ValueError(f"need 0 <= leftpad_k <= seqused_k <= Sk = {sk}; got {lo}, {hi}")
+    return lo, hi
+
+
 def attention_mask(
     b: int, sq: int, sk: int, h: int, *, causal: bool = True, window=None, segment_ids=None,
     seqused_k=None, leftpad_k=None, block_mask=None,
@@ -128,10 +144,7 @@ def attention_mask(
     """Boolean ``[B, H, Sq, Sk]``: True where query ``i`` of head ``h`` in batch row ``b`` sees key
     ``j``; every given mask must allow it (see the module doc)."""
     window = _check_window(window)
-    hi = np.full(b, sk) if seqused_k is None else np.asarray(seqused_k).reshape(b)
-    lo = np.zeros(b, dtype=np.int64) if leftpad_k is None else np.asarray(leftpad_k).reshape(b)
-    if np.any(lo < 0) or np.any(hi > sk) or np.any(lo > hi):
-        raise ValueError(f"need 0 <= leftpad_k <= seqused_k <= Sk = {sk}; got {lo}, {hi}")
+    lo, hi = _key_bounds(b, sk, seqused_k, leftpad_k)
     rows = [visible_mask(sq, sk, causal, window=window, key_range=(lo[x], hi[x])) for x in range(b)]
     out = np.stack(rows) if rows else np.zeros((0, sq, sk), dtype=bool)
     out = np.broadcast_to(out[:, None], (b, h, sq, sk))
@@ -150,27 +163,73 @@ def attention_mask(
     return np.broadcast_to(out, (b, h, sq, sk))
 
 
+class _Modifiers:
+    """The score modifiers of one call, checked against its sizes."""
+
+    def __init__(self, b: int, h: int, softcap=None, alibi_slopes=None, sinks=None):
+        if softcap is not None and not (math.isfinite(float(softcap)) and float(softcap) > 0):
+            raise ValueError(f"softcap must be a finite positive number, got {softcap!r}")
+        self.softcap = None if softcap is None else float(softcap)
+        self.alibi = None
+        if alibi_slopes is not None:
+            a = np.asarray(alibi_slopes, dtype=np.float64)
+            if a.shape not in ((h,), (b, h)):
+                raise ValueError(f"alibi_slopes must be [H] = [{h}] or [B, H] = [{b}, {h}]; got {a.shape}")
+            self.alibi = np.broadcast_to(a, (b, h))
+        self.sinks = None
+        if sinks is not None:
+            sk = np.asarray(sinks, dtype=np.float64)
+            if sk.shape != (h,):
+                raise ValueError(f"sinks must be [H] = [{h}]; got {sk.shape}")
+            self.sinks = sk
+
+
+def scores(qh, kh, scale: float, *, softcap=None, slope=None, key_range=None):
+    """Modified scores of one head before masking: ``q [Sq, D]``, ``k [Sk, D]`` -> ``(s [Sq, Sk],
+    t)`` with ``t = tanh(scale * q.k / softcap)`` (``None`` without softcap), whose ``1 - t**2`` the
+    backward needs. ``slope``: this head's ALiBi slope; ``key_range``: the batch row's valid keys."""
+    s = scale * (qh @ kh.T)
+    t = None
+    if softcap is not None:
+        t = np.tanh(s / softcap)
+        s = softcap * t
+    if slope is not None:
+        sq, sk = s.shape
+        lo, hi = (0, sk) if key_range is None else key_range
+        i = np.arange(sq)[:, None]
+        j = np.arange(sk)[None, :]
+        s = s - slope * np.abs(i + (hi - lo) - sq - (j - lo))
+    return s, t
+
+
 def _head_forward(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float
+    s: np.ndarray, v: np.ndarray, mask: np.ndarray, sink: float | None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One head: ``q [Sq, D]``, ``k, v [Sk, D]`` -> ``(o [Sq, D], lse [Sq])``."""
-    sq, d = q.shape
-    s = np.where(mask, scale * (q @ k.T), -np.inf)  # [Sq, Sk]
-    if s.shape[1] == 0:
-        return np.zeros((sq, d)), np.full(sq, -np.inf)
-    m = s.max(axis=1)  # -inf for rows that see no key (or NaN if input has NaN)
+    """One head: modified scores ``s [Sq, Sk]``, ``v [Sk, D]`` -> ``(o [Sq, D], lse [Sq])``."""
+    sq, d = s.shape[0], v.shape[1]
+    s = np.where(mask, s, -np.inf)  # [Sq, Sk]
+    m = s.max(axis=1, initial=-np.inf)  # -inf for rows that see no key (or NaN if input has NaN)
+    if sink is not None:
+        m = np.maximum(m, sink)
     seen = np.isfinite(m) | np.isnan(m)
     m_safe = np.where(seen, m, 0.0)
     p = np.exp(s - m_safe[:, None])  # masked entries: exp(-inf) = 0
     l = p.sum(axis=1)
+    if sink is not None:
+        l = l + np.exp(sink - m_safe)
     l_safe = np.where(seen, l, 1.0)
-    o = (p @ v) / l_safe[:, None]
+    o = (p @ v) / l_safe[:, None] if s.shape[1] else np.zeros((sq, d))
     o[~seen] = 0.0
     lse = np.where(seen, m_safe + np.log(l_safe), -np.inf)
     return o, lse
 
 
-def forward_with_states(q, k, v, *, causal: bool = True, scale: float | None = None, **masks):
+def _bounds(b: int, sk: int, masks: dict) -> tuple[np.ndarray, np.ndarray]:
+    return _key_bounds(b, sk, masks.get("seqused_k"), masks.get("leftpad_k"))
+
+
+def forward_with_states(q, k, v, *, causal: bool = True, scale: float | None = None, softcap=None,
+                        alibi_slopes=None, sinks=None, **masks):
     """Attention forward pass, returning the output and the log-sum-exp.
 
     Args:
@@ -180,13 +239,14 @@ def forward_with_states(q, k, v, *, causal: bool = True, scale: float | None = N
         causal: bottom-right aligned causal mask (query ``i`` sees keys
             ``j <= i + Sk - Sq``).
         scale: softmax scale, default ``1 / sqrt(D)``.
+        softcap, alibi_slopes, sinks: score modifiers (see the module doc).
         masks: ``window``, ``segment_ids``, ``seqused_k``, ``leftpad_k``,
             ``block_mask`` (see :func:`attention_mask`).
 
     Returns:
         ``(o, lse)``: ``o [B, Sq, H, D]`` float64 and ``lse [B, H, Sq]``
         float64 (natural log; ``-inf`` for rows that see no key, whose ``o``
-        is 0).
+        is 0; with sinks such a row's ``lse`` is its head's sink).
     """
     q = _as_f64("q", q, 4)
     k = _as_f64("k", k, 4)
@@ -194,34 +254,40 @@ def forward_with_states(q, k, v, *, causal: bool = True, scale: float | None = N
     b, sq, sk, h, hkv, d = _check_qkv(q, k, v)
     sc = _scale(scale, d)
     group = h // hkv
+    mods = _Modifiers(b, h, softcap, alibi_slopes, sinks)
     mask = attention_mask(b, sq, sk, h, causal=causal, **masks)
+    lo, hi = _bounds(b, sk, masks)
     o = np.zeros((b, sq, h, d))
     lse = np.full((b, h, sq), -np.inf)
     for bi in range(b):
-        for hi in range(h):
-            kv = hi // group
-            o[bi, :, hi, :], lse[bi, hi, :] = _head_forward(
-                q[bi, :, hi, :], k[bi, :, kv, :], v[bi, :, kv, :], mask[bi, hi], sc
-            )
+        for hh in range(h):
+            kv = hh // group
+            slope = None if mods.alibi is None else mods.alibi[bi, hh]
+            s, _ = scores(q[bi, :, hh, :], k[bi, :, kv, :], sc, softcap=mods.softcap, slope=slope,
+                          key_range=(lo[bi], hi[bi]))
+            sink = None if mods.sinks is None else mods.sinks[hh]
+            o[bi, :, hh, :], lse[bi, hh, :] = _head_forward(s, v[bi, :, kv, :], mask[bi, hh], sink)
     return o, lse
 
 
-def forward(q, k, v, *, causal: bool = True, scale: float | None = None, **masks) -> np.ndarray:
+def forward(q, k, v, *, causal: bool = True, scale: float | None = None, **options) -> np.ndarray:
     """Attention forward pass: ``o [B, Sq, H, D]`` float64.
 
     Same arguments as :func:`forward_with_states`.
     """
-    return forward_with_states(q, k, v, causal=causal, scale=scale, **masks)[0]
+    return forward_with_states(q, k, v, causal=causal, scale=scale, **options)[0]
 
 
-def backward(do, q, k, v, o, lse, *, causal: bool = True, scale: float | None = None, **masks):
+def backward(do, q, k, v, o, lse, *, causal: bool = True, scale: float | None = None, softcap=None,
+             alibi_slopes=None, sinks=None, **masks):
     """Attention backward pass from the saved output and log-sum-exp.
 
     Follows the FlashAttention-2 recipe, using the given ``o`` and ``lse``
     (as a real kernel does) rather than recomputing them:
-    ``P = exp(scale * q k^T - lse)``, ``delta = rowsum(do * o)``,
-    ``dV = P^T dO``, ``dS = P * (dO V^T - delta)``, ``dQ = scale * dS K``,
-    ``dK = scale * dS^T Q``.
+    ``P = exp(s - lse)`` with ``s`` the modified scores, ``delta = rowsum(do * o)``,
+    ``dV = P^T dO``, ``dS = P * (dO V^T - delta)`` (times ``1 - t**2`` with softcap,
+    ``t = tanh(scale * q.k / softcap)``), ``dQ = scale * dS K``, ``dK = scale * dS^T Q``;
+    with sinks, ``dsinks[h] = -sum over rows of exp(sink_h - lse) * delta``.
 
     Args:
         do: ``[B, Sq, H, D]`` gradient of the loss with respect to ``o``.
@@ -230,11 +296,12 @@ def backward(do, q, k, v, o, lse, *, causal: bool = True, scale: float | None = 
         o: ``[B, Sq, H, D]`` forward output.
         lse: ``[B, H, Sq]`` forward log-sum-exp (``-inf`` for rows that see
             no key; those rows get zero gradients).
-        causal, scale, masks: as in :func:`forward_with_states`.
+        causal, scale, softcap, alibi_slopes, sinks, masks: as in :func:`forward_with_states`.
 
     Returns:
         ``(dq, dk, dv)`` float64: ``dq [B, Sq, H, D]``, ``dk`` and
-        ``dv [B, Sk, Hkv, D]`` (summed over each GQA group).
+        ``dv [B, Sk, Hkv, D]`` (summed over each GQA group); with sinks
+        ``(dq, dk, dv, dsinks [H])``.
     """
     q = _as_f64("q", q, 4)
     k = _as_f64("k", k, 4)
@@ -251,27 +318,38 @@ def backward(do, q, k, v, o, lse, *, causal: bool = True, scale: float | None = 
         raise ValueError(f"lse shape {lse.shape} must be {(b, h, sq)}")
     sc = _scale(scale, d)
     group = h // hkv
+    mods = _Modifiers(b, h, softcap, alibi_slopes, sinks)
     mask = attention_mask(b, sq, sk, h, causal=causal, **masks)
+    lo, hi = _bounds(b, sk, masks)
     dq = np.zeros_like(q)
     dk = np.zeros_like(k)
     dv = np.zeros_like(v)
+    dsinks = np.zeros(h)
     delta = np.einsum("bshd,bshd->bhs", do, o)  # [B, H, Sq]
     for bi in range(b):
-        for hi in range(h):
-            kv = hi // group
-            qh, kh, vh = q[bi, :, hi, :], k[bi, :, kv, :], v[bi, :, kv, :]
-            doh = do[bi, :, hi, :]
-            row_lse = lse[bi, hi, :]
+        for hh in range(h):
+            kv = hh // group
+            qh, kh, vh = q[bi, :, hh, :], k[bi, :, kv, :], v[bi, :, kv, :]
+            doh = do[bi, :, hh, :]
+            row_lse = lse[bi, hh, :]
             seen = ~np.isneginf(row_lse)
             lse_safe = np.where(seen, row_lse, 0.0)
+            slope = None if mods.alibi is None else mods.alibi[bi, hh]
+            s, t = scores(qh, kh, sc, softcap=mods.softcap, slope=slope, key_range=(lo[bi], hi[bi]))
             # exp(-inf) = 0 on masked entries and on rows that see no key
-            shifted = np.where(mask[bi, hi] & seen[:, None], sc * (qh @ kh.T) - lse_safe[:, None], -np.inf)
-            p = np.exp(shifted)  # [Sq, Sk]
+            p = np.exp(np.where(mask[bi, hh] & seen[:, None], s - lse_safe[:, None], -np.inf))  # [Sq, Sk]
             dv[bi, :, kv, :] += p.T @ doh
             dp = doh @ vh.T
-            ds = p * (dp - delta[bi, hi, :, None])
-            dq[bi, :, hi, :] = sc * (ds @ kh)
+            ds = p * (dp - delta[bi, hh, :, None])
+            if mods.sinks is not None:
+                p_sink = np.where(seen, np.exp(mods.sinks[hh] - lse_safe), 0.0)
+                dsinks[hh] -= np.sum(p_sink * delta[bi, hh])
+            if t is not None:
+                ds = ds * (1.0 - t * t)
+            dq[bi, :, hh, :] = sc * (ds @ kh)
             dk[bi, :, kv, :] += sc * (ds.T @ qh)
+    if mods.sinks is not None:
+        return dq, dk, dv, dsinks
     return dq, dk, dv
 
 
@@ -289,18 +367,28 @@ def _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
     return list(zip(cq[:-1], cq[1:], ck[:-1], ck[1:]))
 
 
+def _varlen_mods(bi: int, softcap=None, alibi_slopes=None, sinks=None) -> dict:
+    """Sequence bi's modifiers: alibi_slopes [B, H] gives that sequence its row."""
+    a = None if alibi_slopes is None else np.asarray(alibi_slopes, dtype=np.float64)
+    if a is not None and a.ndim == 2:
+        a = a[bi]
+    return {"softcap": softcap, "alibi_slopes": a, "sinks": sinks}
+
+
 def varlen_forward_with_states(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = True,
-                               scale: float | None = None, window=None):
+                               scale: float | None = None, window=None, **modifiers):
     """Packed variable-length forward: ``q [total_q, H, D]``, ``k, v [total_k, Hkv, D]``,
     ``cu_seqlens_*`` ``[B + 1]``; sequence ``b`` is queries ``cu_q[b]:cu_q[b+1]`` against keys
     ``cu_k[b]:cu_k[b+1]``, attended on its own (causal aligned bottom-right per sequence).
+    ``modifiers``: ``softcap``, ``alibi_slopes`` (``[H]`` or ``[B, H]``), ``sinks``.
     Returns ``(o [total_q, H, D], lse [H, total_q])`` float64."""
     q, k, v = _as_f64("q", q, 3), _as_f64("k", k, 3), _as_f64("v", v, 3)
     o = np.zeros(q.shape)
     lse = np.full((q.shape[1], q.shape[0]), -np.inf)
-    for q0, q1, k0, k1 in _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+    for bi, (q0, q1, k0, k1) in enumerate(_sequences(q, k, cu_seqlens_q, cu_seqlens_k)):
         ob, lb = forward_with_states(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=causal,
-                                     scale=_scale(scale, q.shape[2]), window=window)
+                                     scale=_scale(scale, q.shape[2]), window=window,
+                                     **_varlen_mods(bi, **modifiers))
         o[q0:q1], lse[:, q0:q1] = ob[0], lb[0]
     return o, lse
 
@@ -311,14 +399,20 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, **options) -> np.ndarray
 
 
 def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, causal: bool = True,
-                    scale: float | None = None, window=None):
+                    scale: float | None = None, window=None, **modifiers):
     """Packed variable-length backward: ``(dq [total_q, H, D], dk, dv [total_k, Hkv, D])``
-    float64 from the forward's ``o`` and ``lse [H, total_q]``."""
+    float64 from the forward's ``o`` and ``lse [H, total_q]`` (with ``sinks``, also ``dsinks [H]``)."""
     q, k, v = _as_f64("q", q, 3), _as_f64("k", k, 3), _as_f64("v", v, 3)
     do, o, lse = _as_f64("do", do, 3), _as_f64("o", o, 3), _as_f64("lse", lse, 2)
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
-    for q0, q1, k0, k1 in _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+    dsinks = np.zeros(q.shape[1])
+    for bi, (q0, q1, k0, k1) in enumerate(_sequences(q, k, cu_seqlens_q, cu_seqlens_k)):
         g = backward(do[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], o[None, q0:q1],
-                     lse[None, :, q0:q1], causal=causal, scale=_scale(scale, q.shape[2]), window=window)
+                     lse[None, :, q0:q1], causal=causal, scale=_scale(scale, q.shape[2]), window=window,
+                     **_varlen_mods(bi, **modifiers))
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
+        if len(g) == 4:
+            dsinks += g[3]
+    if modifiers.get("sinks") is not None:
+        return dq, dk, dv, dsinks
     return dq, dk, dv
