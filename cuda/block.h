@@ -183,7 +183,9 @@ struct QueryBlock {
         return (i64)seq.q_start * p.stat_q_mul + (i64)h * p.stat_h_stride;
     }
     // Which (row, key) pairs of this block's head are visible (mask.h).
-    __device__ __forceinline__ Visibility vis() const { return {&seq, h}; }
+    __device__ __forceinline__ Visibility vis() const { return Visibility::of(seq, h); }
+    // The head's attention sink in the exp2 domain (-inf: none), the online softmax's start.
+    __device__ __forceinline__ float sink2(const FlashParams& p) const { return p.sinks_log2 ? p.sinks_log2[h] : NEG_INF; }
 #else
     __device__ __forceinline__ int n_begin() const { return 0; }
     // Keys [0, n_end()) are visible to some row of the block: n_tiles() tiles of BLOCK_N.
@@ -200,6 +202,7 @@ struct QueryBlock {
     __device__ __forceinline__ i64 kv_base(const FlashParams& p) const { return kv_row_offset(p, b, 0, hkv); }
     __device__ __forceinline__ i64 stat_base(const FlashParams& p) const { return stat_offset(p, b, h); }
     __device__ __forceinline__ Visibility vis() const { return {Sq, Sk}; }
+    __device__ __forceinline__ float sink2(const FlashParams&) const { return NEG_INF; }
 #endif
     // The key tiles the block visits, in order: first_tile(), next_tile(t), ... while t.n0 < n_end().
     __device__ __forceinline__ KeyTile first_tile() const { return walk(n_begin()); }
@@ -310,7 +313,7 @@ struct KeyBlock {
     __device__ __forceinline__ i64 stat_base(const FlashParams& p, int h) const {
         return (i64)seq.q_start * p.stat_q_mul + (i64)h * p.stat_h_stride;
     }
-    __device__ __forceinline__ Visibility vis(int h) const { return {&seq, h}; }
+    __device__ __forceinline__ Visibility vis(int h) const { return Visibility::of(seq, h); }
 #else
     __device__ __forceinline__ TileTest query_tile(int, int) const { return {true, false}; }
     __device__ __forceinline__ QueryWalk query_walk() const { return {0, n_iter}; }

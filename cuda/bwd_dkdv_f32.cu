@@ -81,10 +81,14 @@ flash_bwd_dkdv(const FlashParams p) {
 #endif
 #if MASKED
                     if (tile.mask && !vis(m0 + qc, key)) x = NEG_INF;
+                    float dcap;  // the softcap's chain rule (1 without one)
+                    x = vis.modify(x, m0 + qc, key, dcap);
+#else
+                    const float dcap = 1.f;
 #endif
                     const float pr = fast_exp2(x - smem.lse[qc]);
                     smem.p[(ty + 16 * i) * PSTRIDE + qc] = pr;
-                    smem.ds[(ty + 16 * i) * PSTRIDE + qc] = pr * (dp[i][j] - smem.delta[qc]);
+                    smem.ds[(ty + 16 * i) * PSTRIDE + qc] = pr * (dp[i][j] - smem.delta[qc]) * dcap;
                 }
             }
             __syncthreads();

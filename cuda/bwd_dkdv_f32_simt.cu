@@ -105,12 +105,15 @@ flash_bwd_dkdv(const FlashParams p) {
                 float x = s[i][j] * p.scale_log2;
 #if MASKED
                 if (need_mask && !vis(m0 + tx + 16 * j, key)) x = NEG_INF;
+                float dcap;  // the softcap's chain rule (1 without one)
+                x = vis.modify(x, m0 + tx + 16 * j, key, dcap);
 #else
                 if (need_mask && !visible(m0 + tx + 16 * j, key, Sq, Sk)) x = NEG_INF;
+                const float dcap = 1.f;
 #endif
                 const float pr = fast_exp2(x - lse2[j]);
                 smem.p[(ty + 16 * i) * PS + tx + 16 * j] = pr;
-                smem.ds[(ty + 16 * i) * PS + tx + 16 * j] = pr * (dp[i][j] - dlt[j]);
+                smem.ds[(ty + 16 * i) * PS + tx + 16 * j] = pr * (dp[i][j] - dlt[j]) * dcap;
             }
         }
         __syncthreads();  // (B) P^T, dS^T visible

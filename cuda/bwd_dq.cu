@@ -73,13 +73,16 @@ flash_bwd_dq(const FlashParams p) {
         for (int i = 0; i < BLOCK_N / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[i][e] *= p.scale_log2;
-        if (blk.tile_mask(w)) mask_tile<BLOCK_N / 8>(s, row0, n0, blk.vis());
+        const Visibility vis = blk.vis();
+        if (blk.tile_mask(w)) mask_tile<BLOCK_N / 8>(s, row0, n0, vis);
 #pragma unroll
         for (int i = 0; i < BLOCK_N / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float pr = fast_exp2(s[i][e] - lse2[e / 2]);
-                s[i][e] = pr * (dp[i][e] - dlt[e / 2]);  // dS
+                float dcap;  // the softcap's chain rule (1 without one)
+                const float x = vis.modify(s[i][e], row0 + g + 8 * (e / 2), n0 + i * 8 + 2 * (lane % 4) + e % 2, dcap);
+                const float pr = fast_exp2(x - lse2[e / 2]);
+                s[i][e] = pr * (dp[i][e] - dlt[e / 2]) * dcap;  // dS
             }
         gemm_pb<BLOCK_N / 16, DPAD / 8>(dq, s, sKj, 0);
     }

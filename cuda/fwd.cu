@@ -46,7 +46,7 @@ flash_fwd(const FlashParams p) {
     OnlineSoftmax sm[M_TILES];
     zero(acc);
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) sm[mt].init();
+    for (int mt = 0; mt < M_TILES; ++mt) sm[mt].init(blk.sink2(p));
     const elem_t* sQw = smem.q + warp * 16 * M_TILES * SROW;
     const int row0 = blk.m0 + warp * 16 * M_TILES;
 
@@ -72,6 +72,7 @@ flash_fwd(const FlashParams p) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[mt][i][e] *= p.scale_log2;
             if (need_mask) mask_tile<BLOCK_N / 8>(s[mt], row0 + 16 * mt, n0, blk.vis());
+            modify_tile<BLOCK_N / 8>(s[mt], row0 + 16 * mt, n0, blk.vis());
             sm[mt].update(s[mt], acc[mt]);
         }
 

@@ -30,7 +30,7 @@ flash_fwd(const FlashParams p) {
 
     float acc[MR][DCOLS];
     OnlineSoftmaxRows<MR> sm;
-    sm.init(acc);
+    sm.init(acc, blk.sink2(p));
 
     for (KeyTile tile = blk.first_tile(); tile.n0 < n_end; tile = blk.next_tile(tile)) {
         const int n0 = tile.n0;

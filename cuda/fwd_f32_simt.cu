@@ -44,7 +44,7 @@ flash_fwd(const FlashParams p) {
 
     float4 acc[MR][DV4];
     OnlineSoftmaxRows<MR> sm;
-    sm.init(acc);
+    sm.init(acc, blk.sink2(p));
 
     while (tile.n0 < n_end) {
         const KeyTile next = blk.next_tile(tile);

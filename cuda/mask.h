@@ -23,16 +23,61 @@ __device__ __forceinline__ bool visible(int row, int col, int seqlen_q, int seql
 // Which (query row, key) pairs of one head a block may use: a functor, so that every element mask
 // below takes plain and MASKED kernels alike. The plain kernels' is `visible` on the lengths;
 // the MASKED kernels' asks the batch row's SeqMask (seq.h).
+// It also owns the score modifiers (modifiers.rs): `modify` takes a score in the exp2 domain
+// (scale * log2(e) * q.k), already masked (-inf stays -inf), and applies the softcap and ALiBi;
+// the plain kernels' returns it untouched, which the compiler folds away.
 struct Visibility {
 #if MASKED
     const SeqMask* seq;
     int h;
+    float slope2;  // this (batch row, head)'s ALiBi slope * log2(e); 0 = none
+    __device__ __forceinline__ static Visibility of(const SeqMask& s, int h) {
+        const FlashParams& p = *s.p;
+        return {&s, h, p.alibi_log2 ? p.alibi_log2[(i64)s.b * p.heads + h] : 0.f};
+    }
     __device__ __forceinline__ bool operator()(int row, int col) const { return seq->sees(h, row, col); }
+    // Any modifier to apply (uniform across the block)?
+    __device__ __forceinline__ bool modifies() const { return seq->p->softcap_log2 > 0.f || slope2 != 0.f; }
+    // x: the score of (row, col); dcap receives the softcap's derivative 1 - tanh^2 (1 without one),
+    // which the backward multiplies into dS.
+    __device__ __forceinline__ float modify(float x, int row, int col, float& dcap) const {
+        dcap = 1.f;
+        const float c2 = seq->p->softcap_log2;
+        if (c2 > 0.f && x != NEG_INF) {
+            const float t = tanhf(x * seq->p->softcap_inv_log2);
+            x = c2 * t;
+            dcap = 1.f - t * t;
+        }
+        return x - slope2 * fabsf((float)(row + seq->diag0() - col));
+    }
 #else
     int seqlen_q, seqlen_k;
     __device__ __forceinline__ bool operator()(int row, int col) const { return visible(row, col, seqlen_q, seqlen_k); }
+    __device__ __forceinline__ bool modifies() const { return false; }
+    __device__ __forceinline__ float modify(float x, int, int, float& dcap) const {
+        dcap = 1.f;
+        return x;
+    }
 #endif
 };
+
+// Applies vis.modify to a warp's 16 x (8*NT) accumulator tile (mask_tile's layout and KEY_ROWS).
+template <int NT, bool KEY_ROWS = false>
+__device__ __forceinline__ void modify_tile(float (&s)[NT][4], int row0, int col0, const Visibility& vis) {
+    if (!vis.modifies()) return;
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int row = row0 + g + (e / 2) * 8;
+            const int col = col0 + nt * 8 + 2 * t + (e % 2);
+            float dcap;
+            s[nt][e] = KEY_ROWS ? vis.modify(s[nt][e], col, row, dcap) : vis.modify(s[nt][e], row, col, dcap);
+        }
+    }
+}
 
 // Sets invisible entries of a warp's 16 x (8*NT) accumulator tile to -inf. row0 is the tile's first
 // row, col0 its first column; lane (g, t) holds rows g, g+8 and columns 8*nt + 2t, 2t+1. Rows are

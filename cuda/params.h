@@ -18,8 +18,9 @@
 //   ATOMIC_DQ     (dK/dV kernel only) 1: also add dS K into dq_accum with f32 atomics (the default,
 //                 non-deterministic backward); 0: dQ comes from the separate bwd_dq kernel
 //   MASKED        (tiled kernels) 1: windows, padding, segment ids, block masks and varlen batches,
-//                 all read at run time from the params (seq.h); IS_CAUSAL and EVEN_N are then 0
-//                 (causal is the window's right side 0). 0: exactly the plain kernels
+//                 and the score modifiers (softcap, ALiBi, sinks), all read at run time from the params
+//                 (seq.h, mask.h); IS_CAUSAL and EVEN_N are then 0 (causal is the window's right side
+//                 0). 0: exactly the plain kernels
 #pragma once
 
 #ifndef FLASH_DTYPE
@@ -133,6 +134,12 @@ struct FlashParams {
     int win_left, win_right;          // window sides; the host caps them at Sq + Sk (= unbounded)
     int stat_q_mul, stat_h_stride;    // lse index of (b, h, i): q_start * stat_q_mul + h * stat_h_stride + i
     int _pad2;
+    // Score modifiers (modifiers.rs), in the exp2 domain; the host uploads the tables with the call.
+    const float* alibi_log2;          // [B, H] ALiBi slopes * log2(e), or null
+    const float* sinks_log2;          // [H] attention-sink logits * log2(e), or null
+    float* dsinks;                    // [H] backward output (bwd_dsinks.cu), or null
+    float softcap_log2;               // softcap * log2(e); 0 = no softcap
+    float softcap_inv_log2;           // 1 / softcap_log2
 #endif
 };
 

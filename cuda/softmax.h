@@ -11,9 +11,12 @@ struct OnlineSoftmax {
     float m[2];  // running max of scale_log2 * s, -inf until a visible key is seen
     float l[2];  // this lane's part of the running sum of exp2(scale_log2 * s - m)
 
-    __device__ __forceinline__ void init() {
-        m[0] = m[1] = NEG_INF;
-        l[0] = l[1] = 0.f;
+    // sink2: the head's attention sink in the exp2 domain (-inf: none). A sink is one more term of
+    // every row's sum, exp2(sink2 - m) with no value: it starts the row at max sink2, sum 1 (held
+    // by the quad's first lane, since the quad's parts are summed at the end).
+    __device__ __forceinline__ void init(float sink2) {
+        m[0] = m[1] = sink2;
+        l[0] = l[1] = (sink2 != NEG_INF && threadIdx.x % 4 == 0) ? 1.f : 0.f;
     }
 
     // s: raw scores, already scaled to the log2 domain and masked (-inf). On return s holds the
@@ -62,7 +65,8 @@ struct OnlineSoftmax {
 
 // The fp32 kernels' dS = P * (dP - delta) with P = exp2(S * scale_log2 - lse_log2), for the thread's
 // scores s and dp of query rows row0 + ty + 16 i (lse2[i], dlt[i]) and keys n0 + tx + 16 j (masked
-// by vis when need_mask), to ds[(ty + 16 i) * DS_STRIDE + tx + 16 j].
+// by vis when need_mask, then modified by it, dS taking the softcap's chain rule), to
+// ds[(ty + 16 i) * DS_STRIDE + tx + 16 j].
 template <int DS_STRIDE, int MR, int MC>
 __device__ __forceinline__ void store_ds_rows(float* ds, const float (&s)[MR][MC], const float (&dp)[MR][MC],
                                               const float (&lse2)[MR], const float (&dlt)[MR], int row0, int n0,
@@ -73,10 +77,12 @@ __device__ __forceinline__ void store_ds_rows(float* ds, const float (&s)[MR][MC
         const int row = row0 + ty + 16 * i;
 #pragma unroll
         for (int j = 0; j < MC; ++j) {
-            float x = s[i][j] * scale_log2;
-            if (need_mask && !vis(row, n0 + tx + 16 * j)) x = NEG_INF;
+            const int col = n0 + tx + 16 * j;
+            float x = s[i][j] * scale_log2, dcap;
+            if (need_mask && !vis(row, col)) x = NEG_INF;
+            x = vis.modify(x, row, col, dcap);
             const float pr = fast_exp2(x - lse2[i]);
-            ds[(ty + 16 * i) * DS_STRIDE + tx + 16 * j] = pr * (dp[i][j] - dlt[i]);
+            ds[(ty + 16 * i) * DS_STRIDE + tx + 16 * j] = pr * (dp[i][j] - dlt[i]) * dcap;
         }
     }
 }
@@ -89,13 +95,14 @@ struct OnlineSoftmaxRows {
     float l[MR];
     float m[MR];
 
-    // Starts the rows, and zeroes their output accumulator acc (float or float4 columns).
+    // Starts the rows at the head's sink (sink2 in the exp2 domain, -inf: none; see OnlineSoftmax::init,
+    // lane tx = 0 holding its 1), and zeroes their output accumulator acc (float or float4 columns).
     template <typename T, int NC>
-    __device__ __forceinline__ void init(T (&acc)[MR][NC]) {
+    __device__ __forceinline__ void init(T (&acc)[MR][NC], float sink2) {
 #pragma unroll
         for (int i = 0; i < MR; ++i) {
-            m[i] = NEG_INF;
-            l[i] = 0.f;
+            m[i] = sink2;
+            l[i] = (sink2 != NEG_INF && threadIdx.x % 16 == 0) ? 1.f : 0.f;
             zero(acc[i]);
         }
     }
@@ -125,8 +132,9 @@ struct OnlineSoftmaxRows {
         float mx = m;
 #pragma unroll
         for (int j = 0; j < MC; ++j) {
-            float x = s[j] * scale_log2;
+            float x = s[j] * scale_log2, dcap;
             if (need_mask && !vis(row, n0 + tx + 16 * j)) x = NEG_INF;
+            x = vis.modify(x, row, n0 + tx + 16 * j, dcap);
             s[j] = x;
             mx = fmaxf(mx, x);
         }

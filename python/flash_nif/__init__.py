@@ -15,9 +15,10 @@ j <= i + Sk - Sq); ``scale`` defaults to 1/sqrt(D). A row that sees no key gives
 o = 0, lse = -inf and zero gradients. Arithmetic is f32 whatever the storage dtype.
 Non-contiguous or byte-swapped inputs are copied to C order first, never misread.
 
-Masks (sliding windows, segment ids, key padding, block masks) are keyword options of
-:func:`forward_with_states`, :func:`forward` and :func:`backward`; packed variable-length batches
-(``cu_seqlens``) are :mod:`flash_nif.varlen`.
+Masks (sliding windows, segment ids, key padding, block masks) and score modifiers (``softcap``,
+``alibi_slopes``, attention ``sinks``) are keyword options of :func:`forward_with_states`,
+:func:`forward` and :func:`backward`; packed variable-length batches (``cu_seqlens``) are
+:mod:`flash_nif.varlen`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def forward_with_states(
     seqused_k=None,
     leftpad_k=None,
     block_mask=None,
+    softcap: float | None = None,
+    alibi_slopes=None,
+    sinks=None,
     device: str | None = None,
 ):
     """Attention output and log-sum-exp.
@@ -72,12 +76,24 @@ def forward_with_states(
     * ``block_mask [B or 1, H or 1, ceil(Sq/128), ceil(Sk/128)]`` bool or uint8: 0 hides the
       128 x 128 tile of queries and keys (FlexAttention's block size).
 
+    Score modifiers (all optional), applied in this order to ``s = scale * q.k``:
+
+    * ``softcap=c`` (c > 0): ``s = c * tanh(s / c)`` (Gemma 2);
+    * ``alibi_slopes`` float32 ``[H]`` or ``[B, H]``: ``s -= slope * |i + off - j_rel|``, with the
+      masks' ``off`` and relative key index ``j_rel = j - leftpad_k[b]`` (FlashAttention's ALiBi);
+    * then the masks, then the softmax;
+    * ``sinks`` float32 ``[H]`` (learnable, as in gpt-oss): one more logit per head in every row's
+      denominator, with no value: ``lse = log(sum_j exp(s_j) + exp(sink_h))``. :func:`backward`
+      then also returns ``dsinks``. A row that sees no key gets o = 0 and lse = sink_h.
+
     Index arrays are int32; an array of another integer dtype is converted when its values fit.
     NumPy arrays with NumPy data; with GPU data, arrays of the same library on the same device
-    (seqused_k and leftpad_k are copied to the host: the core checks their values).
+    (seqused_k and leftpad_k are copied to the host: the core checks their values; so are the small
+    alibi_slopes and sinks, from any library, converted to float32).
     A row that sees no key gives o = 0, lse = -inf and zero gradients.
     """
     opts, host_device = _args.options(causal, scale, window, device)
+    opts.update(_args.modifiers(softcap, alibi_slopes, sinks))
     masks = _args.masks(segment_ids, seqused_k, leftpad_k, block_mask)
     if _cuda.any_gpu(q, k, v, *masks.values()):
         return _cuda.forward_with_states((q, k, v), opts, device, masks)
@@ -97,13 +113,17 @@ def forward(
     seqused_k=None,
     leftpad_k=None,
     block_mask=None,
+    softcap: float | None = None,
+    alibi_slopes=None,
+    sinks=None,
     device: str | None = None,
 ):
     """Attention output o [B, Sq, H, D] (q's dtype) for q [B, Sq, H, D], k, v [B, Sk, Hkv, D];
-    options and masks as :func:`forward_with_states`."""
+    options, masks and modifiers as :func:`forward_with_states`."""
     return forward_with_states(
         q, k, v, causal=causal, scale=scale, window=window, segment_ids=segment_ids, seqused_k=seqused_k,
-        leftpad_k=leftpad_k, block_mask=block_mask, device=device,
+        leftpad_k=leftpad_k, block_mask=block_mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        device=device,
     )[0]
 
 
@@ -122,14 +142,18 @@ def backward(
     seqused_k=None,
     leftpad_k=None,
     block_mask=None,
+    softcap: float | None = None,
+    alibi_slopes=None,
+    sinks=None,
     device: str | None = None,
     deterministic: bool = False,
 ):
-    """Gradients (dq [B, Sq, H, D], dk [B, Sk, Hkv, D], dv [B, Sk, Hkv, D]) in q's dtype.
+    """Gradients (dq [B, Sq, H, D], dk [B, Sk, Hkv, D], dv [B, Sk, Hkv, D]) in q's dtype; with
+    ``sinks``, (dq, dk, dv, dsinks [H] float32), dsinks summed over batch rows and query rows.
 
     do is the gradient of the loss with respect to o; o and lse are what
     :func:`forward_with_states` returned for the same q, k, v, options and masks.
-    dk and dv sum over the query heads that share each kv head. Masks as
+    dk and dv sum over the query heads that share each kv head. Masks and modifiers as
     :func:`forward_with_states` (the forward's own).
 
     The CPU backward is always bit-identical run to run (and across thread counts). On a GPU the
@@ -137,6 +161,7 @@ def backward(
     dk and dv never do); ``deterministic=True`` takes the atomic-free path instead.
     """
     opts, host_device = _args.options(causal, scale, window, device, deterministic)
+    opts.update(_args.modifiers(softcap, alibi_slopes, sinks))
     masks = _args.masks(segment_ids, seqused_k, leftpad_k, block_mask)
     if _cuda.any_gpu(do, q, k, v, o, lse, *masks.values()):
         return _cuda.backward((do, q, k, v, o, lse), opts, device, masks)

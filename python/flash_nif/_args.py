@@ -17,6 +17,7 @@ SEGMENT_NAMES = ("segment_ids[0]", "segment_ids[1]")  # [B, Sq], [B, Sk] int32
 INDEX_NAMES = ("seqused_k", "leftpad_k")  # [B] int32, read on the host (they bound the grid)
 BLOCK_NAME = "block_mask"  # bool / uint8 [B or 1, H or 1, ceil(Sq/128), ceil(Sk/128)]
 CU_NAMES = ("cu_seqlens_q", "cu_seqlens_k")  # varlen: [B + 1] int32, read on the host
+MOD_NAMES = ("alibi_slopes", "sinks")  # float32 [H] or [B, H], and [H]: copied to the host
 
 _INT32 = np.iinfo(np.int32)
 
@@ -46,6 +47,40 @@ def options(causal, scale, window, device, deterministic=None) -> tuple[dict, st
         opts["deterministic"] = bool(deterministic)
     # NumPy data runs on the CPU unless a device is asked for by name.
     return opts, device or "cpu"
+
+
+def _is_number(x) -> bool:
+    return not isinstance(x, (bool, np.bool_)) and isinstance(x, (int, float, np.floating, np.integer))
+
+
+def modifiers(softcap, alibi_slopes, sinks) -> dict:
+    """The native keyword arguments of the score modifiers given: ``softcap`` a float, the
+    ``alibi_slopes`` / ``sinks`` arrays (NumPy, CuPy or torch, any device) as float32 NumPy copies:
+    they are tiny, and the core reads their values."""
+    if softcap is not None and not _is_number(softcap):
+        raise UnsupportedError(f"softcap must be a number or None, got {softcap!r}")
+    kw = {} if softcap is None else {"softcap": float(softcap)}
+    for name, x in zip(MOD_NAMES, (alibi_slopes, sinks)):
+        if x is not None:
+            kw[name] = host_float32(x, name)
+    return kw
+
+
+def host_float32(x, name: str) -> np.ndarray:
+    """A float32 NumPy copy of a small array from NumPy, CuPy or torch (a list too); another real
+    dtype is converted, any other is passed on for the core's DTypeError."""
+    module = type(x).__module__.split(".")[0]
+    if module == "cupy":
+        x = x.get()
+    elif module == "torch":
+        x = x.detach().float().cpu().numpy() if x.is_floating_point() else x.detach().cpu().numpy()
+    elif not isinstance(x, np.ndarray):
+        try:
+            x = np.asarray(x)
+        except (TypeError, ValueError) as e:
+            raise DTypeError(f"{name} must be an array of float32, got {type(x).__name__}") from e
+    x = host_array(x, name)
+    return x.astype(np.float32) if x.dtype.kind in "fiu" and x.dtype != np.float32 else x
 
 
 def masks(segment_ids, seqused_k, leftpad_k, block_mask) -> dict:

@@ -209,8 +209,8 @@ def forward_with_states(qkv, opts, device, masks, cu_seqlens=None):
 
 
 def backward(arrays, opts, device, masks, cu_seqlens=None):
-    """(dq, dk, dv) on a GPU; see flash_nif.backward (and flash_nif.varlen.backward with
-    ``cu_seqlens``)."""
+    """(dq, dk, dv) — with sinks (dq, dk, dv, dsinks) — on a GPU; see flash_nif.backward (and
+    flash_nif.varlen.backward with ``cu_seqlens``)."""
     _check_device(device)
     names = ("do", "q", "k", "v", "o", "lse")
     t = _Tensors({**dict(zip(names, arrays)), **masks, **dict(zip(_args.CU_NAMES, cu_seqlens or ()))})
@@ -221,13 +221,15 @@ def backward(arrays, opts, device, masks, cu_seqlens=None):
     dq = t.empty(q.shape, q) if ok else None
     dk = t.empty(k.shape, k) if ok else None
     dv = t.empty(k.shape, k) if ok else None
-    outputs = [t.ptr(dq), t.ptr(dk), t.ptr(dv)]
+    # dsinks [H] f32 (H from q: the core checks the sinks' shape against it).
+    dsinks = t.empty((q.shape[-2],), q, float32=True) if ok and opts.get("sinks") is not None else None
+    outputs = [t.ptr(dq), t.ptr(dk), t.ptr(dv), t.ptr(dsinks)]
     if cu_seqlens:
         cu = [t.host_int32(t[n], n) for n in _args.CU_NAMES]
         _native.cuda_varlen_backward_device(desc, outputs, cu, t.device, t.stream, **opts)
     else:
         _native.cuda_backward_device(desc, outputs, t.device, t.stream, **opts, **_masks(t, masks))
-    return dq, dk, dv
+    return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
 
 
 def info() -> dict:

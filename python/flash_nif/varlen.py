@@ -37,11 +37,17 @@ def forward_with_states(
     causal: bool = True,
     scale: float | None = None,
     window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes=None,
+    sinks=None,
     device: str | None = None,
 ):
     """(o [total_q, H, D] in q's dtype, lse [H, total_q] float32) for packed q [total_q, H, D] and
-    k, v [total_k, Hkv, D]. ``window=(left, right)`` as in :func:`flash_nif.forward_with_states`."""
+    k, v [total_k, Hkv, D]. ``window=(left, right)`` and the modifiers (``softcap``,
+    ``alibi_slopes`` [H] or [B, H] with B the number of sequences, ``sinks`` [H]) as in
+    :func:`flash_nif.forward_with_states`."""
     opts, host_device = _args.options(causal, scale, window, device)
+    opts.update(_args.modifiers(softcap, alibi_slopes, sinks))
     cu = (cu_seqlens_q, cu_seqlens_k)
     if _cuda.any_gpu(q, k, v, *cu):
         return _cuda.forward_with_states((q, k, v), opts, device, {}, cu_seqlens=cu)
@@ -60,11 +66,15 @@ def forward(
     causal: bool = True,
     scale: float | None = None,
     window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes=None,
+    sinks=None,
     device: str | None = None,
 ):
     """o [total_q, H, D] of :func:`forward_with_states`."""
     return forward_with_states(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, window=window, device=device
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, window=window, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, device=device,
     )[0]
 
 
@@ -81,12 +91,17 @@ def backward(
     causal: bool = True,
     scale: float | None = None,
     window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes=None,
+    sinks=None,
     device: str | None = None,
     deterministic: bool = False,
 ):
     """(dq [total_q, H, D], dk, dv [total_k, Hkv, D]) in q's dtype, from the forward's o and lse
-    (same cu_seqlens and options). ``deterministic`` as in :func:`flash_nif.backward`."""
+    (same cu_seqlens and options); with ``sinks`` also dsinks [H] float32. ``deterministic`` as in
+    :func:`flash_nif.backward`."""
     opts, host_device = _args.options(causal, scale, window, device, deterministic)
+    opts.update(_args.modifiers(softcap, alibi_slopes, sinks))
     cu = (cu_seqlens_q, cu_seqlens_k)
     if _cuda.any_gpu(do, q, k, v, o, lse, *cu):
         return _cuda.backward((do, q, k, v, o, lse), opts, device, {}, cu_seqlens=cu)

@@ -40,7 +40,17 @@ pub(crate) fn check_backward_buffers(p: &Problem, io: &BackwardIo) -> Result<()>
         ("dk", io.dk.len(), kvb),
         ("dv", io.dv.len(), kvb),
     ])?;
-    check_mask_buffers(p, &io.mask)
+    check_mask_buffers(p, &io.mask)?;
+    check_dsinks(p, io.dsinks.as_deref().map(<[u8]>::len))
+}
+
+/// dsinks' output (f32 [H]) is present exactly when the problem has sinks.
+pub(crate) fn check_dsinks(p: &Problem, bytes: Option<usize>) -> Result<()> {
+    let want = p.mods.sinks.as_ref().map(|_| p.dims.heads * 4);
+    if bytes != want {
+        return Err(FlashError::Internal(format!("dsinks buffer: {bytes:?} bytes for a problem that needs {want:?}")));
+    }
+    Ok(())
 }
 
 /// Segment ids and the block mask are present exactly when the problem has them, at its sizes.

@@ -33,6 +33,8 @@ pub struct BackwardIo<'a> {
     pub dv: &'a mut [u8], // [B, Sk, Hkv, D]
     /// The forward's segment ids and block mask, when the problem has them.
     pub mask: MaskBuffers<'a>,
+    /// With sinks: receives dsinks, f32 [H] (summed over batch rows and query rows).
+    pub dsinks: Option<&'a mut [u8]>,
 }
 
 impl<'a> ForwardIo<'a> {
@@ -50,11 +52,16 @@ impl<'a> ForwardIo<'a> {
 impl<'a> BackwardIo<'a> {
     /// From the buffers in argument order: inputs [d_out, q, k, v, o, lse], outputs [dq, dk, dv].
     pub fn new([d_out, q, k, v, o, lse]: [&'a [u8]; 6], [dq, dk, dv]: [&'a mut [u8]; 3]) -> Self {
-        BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask: MaskBuffers::default() }
+        BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask: MaskBuffers::default(), dsinks: None }
     }
 
     /// The same buffers with the forward's mask data.
     pub fn with_mask(self, mask: MaskBuffers<'a>) -> Self {
         BackwardIo { mask, ..self }
+    }
+
+    /// The same buffers with dsinks' output (f32 [H]; required when the problem has sinks).
+    pub fn with_dsinks(self, dsinks: &'a mut [u8]) -> Self {
+        BackwardIo { dsinks: Some(dsinks), ..self }
     }
 }

@@ -20,6 +20,7 @@ pub mod error;
 mod guard;
 pub mod io;
 pub mod mask;
+pub mod modifiers;
 pub mod problem;
 
 pub use device::{backward_host, cuda_available, forward_host, Device};
@@ -27,6 +28,7 @@ pub use dtype::DType;
 pub use error::{FlashError, Result};
 pub use io::{BackwardIo, ForwardIo};
 pub use mask::{IndexArg, Mask, MaskArgs, MaskBuffers, Window, MASK_BLOCK};
+pub use modifiers::{FloatArg, ModArgs, Modifiers};
 pub use problem::{Dims, Options, Problem, TensorSpec, MAX_HEAD_DIM};
 
 /// The crate version (the Python package and the NIF report it).

@@ -3,6 +3,7 @@
 use crate::dtype::DType;
 use crate::error::{FlashError, Result};
 use crate::mask::{self, IndexArg, Mask, MaskArgs, Window};
+use crate::modifiers::{ModArgs, Modifiers};
 
 /// Largest supported head dimension.
 pub const MAX_HEAD_DIM: usize = 256;
@@ -34,11 +35,13 @@ pub struct Options {
     pub deterministic: bool,
     /// Sliding window around the diagonal (see [`Window`]); the default sees every key.
     pub window: Window,
+    /// Caps scores at ±softcap with `c · tanh(s / c)` (see [`crate::modifiers`]); `None` = off.
+    pub softcap: Option<f64>,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { causal: true, scale: None, deterministic: false, window: Window::default() }
+        Options { causal: true, scale: None, deterministic: false, window: Window::default(), softcap: None }
     }
 }
 
@@ -97,6 +100,8 @@ pub struct Problem {
     pub deterministic: bool,
     /// Which keys each row sees (always set; [`Mask::is_plain`] when only `causal` masks).
     pub mask: Mask,
+    /// Score modifiers ([`Modifiers::is_none`] when none is given).
+    pub mods: Modifiers,
 }
 
 impl Problem {
@@ -181,7 +186,20 @@ impl Problem {
                 )))
             }
         };
-        Ok(Problem { dims, dtype, causal: opts.causal, scale: scale as f32, deterministic: opts.deterministic, mask })
+        let mods = Modifiers::with_softcap(opts.softcap)?;
+        Ok(Problem { dims, dtype, causal: opts.causal, scale: scale as f32, deterministic: opts.deterministic, mask, mods })
+    }
+
+    /// The same problem with the modifier tensors of `args` (ALiBi slopes, sinks) validated
+    /// against its batch and heads; `softcap` came with the options.
+    pub fn with_modifiers(self, args: &ModArgs) -> Result<Problem> {
+        let mods = self.mods.clone().with_tensors(args, self.dims.batch, self.dims.heads)?;
+        Ok(Problem { mods, ..self })
+    }
+
+    /// True when the call needs the general kernels: a mask beyond causal, or a modifier.
+    pub fn is_plain(&self) -> bool {
+        self.mask.is_plain() && self.mods.is_none()
     }
 
     /// Shapes of the call's tensors: padded `[B, Sq, H, D]`, `[B, Sk, Hkv, D]`, `[B, H, Sq]`;

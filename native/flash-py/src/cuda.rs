@@ -31,22 +31,23 @@ fn cuda_forward_device(
     py: Python<'_>, inputs: Vec<DevTensor>, outputs: [u64; 2], device: usize, stream: usize, options: Option<&Bound<'_, PyDict>>,
 ) -> Result<(), PyFlashError> {
     let [q, k, v] = dev_specs(&inputs, ["q", "k", "v"])?;
-    let (opts, masks) = masks::parse(options, Some(&DevArray::extract))?;
-    let p = Problem::forward_masked(&q, &k, &v, &opts, &masks.args())?;
-    run_forward(py, &p, &inputs, outputs, device, stream, masks.ptrs())
+    let c = masks::parse(options, Some(&DevArray::extract))?;
+    let p = Problem::forward_masked(&q, &k, &v, &c.opts, &c.masks.args())?.with_modifiers(&c.mods.args())?;
+    run_forward(py, &p, &inputs, outputs, device, stream, c.masks.ptrs())
 }
 
 /// Backward on device pointers. `inputs` = [do, q, k, v, o, lse]; `outputs` = [dq (like q), dk, dv
-/// (like k)], preallocated by the caller on the same device; the forward's mask options.
+/// (like k), dsinks ([H] f32, or 0 without sinks)], preallocated by the caller on the same device;
+/// the forward's mask and modifier options.
 #[pyfunction]
 #[pyo3(signature = (inputs, outputs, device, stream, **options))]
 fn cuda_backward_device(
-    py: Python<'_>, inputs: Vec<DevTensor>, outputs: [u64; 3], device: usize, stream: usize, options: Option<&Bound<'_, PyDict>>,
+    py: Python<'_>, inputs: Vec<DevTensor>, outputs: [u64; 4], device: usize, stream: usize, options: Option<&Bound<'_, PyDict>>,
 ) -> Result<(), PyFlashError> {
     let specs = dev_specs(&inputs, ["do", "q", "k", "v", "o", "lse"])?;
-    let (opts, masks) = masks::parse(options, Some(&DevArray::extract))?;
-    let p = Problem::backward_masked(specs.each_ref(), &opts, &masks.args())?;
-    run_backward(py, &p, &inputs, outputs, device, stream, masks.ptrs())
+    let c = masks::parse(options, Some(&DevArray::extract))?;
+    let p = Problem::backward_masked(specs.each_ref(), &c.opts, &c.masks.args())?.with_modifiers(&c.mods.args())?;
+    run_backward(py, &p, &inputs, outputs, device, stream, c.masks.ptrs())
 }
 
 /// Packed variable-length forward on device pointers: `inputs` = [q [total_q, H, D], k, v
@@ -60,22 +61,24 @@ fn cuda_varlen_forward_device<'py>(
 ) -> Result<(), PyFlashError> {
     let [q, k, v] = dev_specs(&inputs, ["q", "k", "v"])?;
     let [cu_q, cu_k] = crate::cu_seqlens_arrays(&cu_seqlens)?;
-    let p = Problem::varlen_forward(&q, &k, &v, &cu_q.arg(), &cu_k.arg(), &masks::options(options)?)?;
+    let (opts, mods) = masks::options(options)?;
+    let p = Problem::varlen_forward(&q, &k, &v, &cu_q.arg(), &cu_k.arg(), &opts)?.with_modifiers(&mods.args())?;
     run_forward(py, &p, &inputs, outputs, device, stream, MaskPtrs::default())
 }
 
 /// Packed variable-length backward on device pointers: `inputs` = [do, q, k, v, o, lse],
-/// `outputs` = [dq, dk, dv], `cu_seqlens` as the forward's.
+/// `outputs` = [dq, dk, dv, dsinks or 0], `cu_seqlens` as the forward's.
 #[pyfunction]
 #[pyo3(signature = (inputs, outputs, cu_seqlens, device, stream, **options))]
 fn cuda_varlen_backward_device<'py>(
-    py: Python<'py>, inputs: Vec<DevTensor>, outputs: [u64; 3], cu_seqlens: Vec<Bound<'py, PyAny>>, device: usize,
+    py: Python<'py>, inputs: Vec<DevTensor>, outputs: [u64; 4], cu_seqlens: Vec<Bound<'py, PyAny>>, device: usize,
     stream: usize, options: Option<&Bound<'py, PyDict>>,
 ) -> Result<(), PyFlashError> {
     let [d_out, q, k, v, o, lse] = dev_specs(&inputs, ["do", "q", "k", "v", "o", "lse"])?;
     let [cu_q, cu_k] = crate::cu_seqlens_arrays(&cu_seqlens)?;
     let cu = [&cu_q.arg(), &cu_k.arg()];
-    let p = Problem::varlen_backward(&d_out, &q, &k, &v, &o, &lse, cu, &masks::options(options)?)?;
+    let (opts, mods) = masks::options(options)?;
+    let p = Problem::varlen_backward(&d_out, &q, &k, &v, &o, &lse, cu, &opts)?.with_modifiers(&mods.args())?;
     run_backward(py, &p, &inputs, outputs, device, stream, MaskPtrs::default())
 }
 
@@ -92,11 +95,11 @@ fn run_forward(
 
 /// Queues the backward of `p` on `stream` without the GIL.
 fn run_backward(
-    py: Python<'_>, p: &Problem, inputs: &[DevTensor], [dq, dk, dv]: [u64; 3], device: usize, stream: usize,
+    py: Python<'_>, p: &Problem, inputs: &[DevTensor], [dq, dk, dv, dsinks]: [u64; 4], device: usize, stream: usize,
     mask: MaskPtrs,
 ) -> Result<(), PyFlashError> {
     let [d_out, q, k, v, o, lse] = [0, 1, 2, 3, 4, 5].map(|i| inputs[i].0);
-    let ptrs = BackwardPtrs { d_out, q, k, v, o, lse, dq, dk, dv, mask };
+    let ptrs = BackwardPtrs { d_out, q, k, v, o, lse, dq, dk, dv, dsinks, mask };
     // SAFETY: as run_forward.
     Ok(py.detach(|| unsafe { cuda::backward_device(p, device, stream, ptrs) })?)
 }

@@ -6,13 +6,14 @@ mod cuda;
 mod errors;
 mod kernels;
 mod masks;
+mod modifiers;
 
 use arrays::{empty_f32, empty_like_dtype, HostArray};
 use errors::PyFlashError;
 use flash_core::{backward_host, cpu, forward_host, BackwardIo, Device, FlashError, ForwardIo, MaskBuffers, Problem};
 use masks::Index;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyTuple};
 
 /// The host functions take and return NumPy arrays.
 type Array<'py> = Bound<'py, PyAny>;
@@ -36,23 +37,24 @@ fn forward_host_arrays<'py>(
 ) -> Result<(Array<'py>, Array<'py>), PyFlashError> {
     let device = Device::parse(device)?;
     let [q, k, v] = host_arrays(&inputs, ["q", "k", "v"])?;
-    let (opts, masks) = masks::parse(options, Some(&HostArray::extract))?;
-    let p = Problem::forward_masked(&q.spec(), &k.spec(), &v.spec(), &opts, &masks.args())?;
-    run_forward(py, device, &p, [q, k, v], masks.buffers())
+    let c = masks::parse(options, Some(&HostArray::extract))?;
+    let p = Problem::forward_masked(&q.spec(), &k.spec(), &v.spec(), &c.opts, &c.masks.args())?.with_modifiers(&c.mods.args())?;
+    run_forward(py, device, &p, [q, k, v], c.masks.buffers())
 }
 
-/// (dq, dk, dv) for NumPy `inputs` = [do, q, k, v, o, lse], computed on `device`, with the
-/// forward's options and mask arrays.
+/// (dq, dk, dv) — with sinks (dq, dk, dv, dsinks) — for NumPy `inputs` = [do, q, k, v, o, lse],
+/// computed on `device`, with the forward's options, mask and modifier arrays.
 #[pyfunction]
 #[pyo3(signature = (inputs, device, **options))]
 fn backward_host_arrays<'py>(
     py: Python<'py>, inputs: Vec<Array<'py>>, device: &str, options: Option<&Bound<'py, PyDict>>,
-) -> Result<(Array<'py>, Array<'py>, Array<'py>), PyFlashError> {
+) -> Result<Bound<'py, PyTuple>, PyFlashError> {
     let device = Device::parse(device)?;
     let a = host_arrays(&inputs, ["do", "q", "k", "v", "o", "lse"])?;
-    let (opts, masks) = masks::parse(options, Some(&HostArray::extract))?;
-    let p = Problem::backward_masked(a.each_ref().map(HostArray::spec).each_ref(), &opts, &masks.args())?;
-    run_backward(py, device, &p, a, masks.buffers())
+    let c = masks::parse(options, Some(&HostArray::extract))?;
+    let p = Problem::backward_masked(a.each_ref().map(HostArray::spec).each_ref(), &c.opts, &c.masks.args())?
+        .with_modifiers(&c.mods.args())?;
+    run_backward(py, device, &p, a, c.masks.buffers())
 }
 
 /// (o [total_q, H, D], lse [H, total_q]) for packed NumPy `inputs` = [q, k, v] and
@@ -66,23 +68,25 @@ fn varlen_forward_host_arrays<'py>(
     let device = Device::parse(device)?;
     let [q, k, v] = host_arrays(&inputs, ["q", "k", "v"])?;
     let [cu_q, cu_k] = cu_seqlens_arrays(&cu_seqlens)?;
-    let p = Problem::varlen_forward(&q.spec(), &k.spec(), &v.spec(), &cu_q.arg(), &cu_k.arg(), &masks::options(options)?)?;
+    let (opts, mods) = masks::options(options)?;
+    let p = Problem::varlen_forward(&q.spec(), &k.spec(), &v.spec(), &cu_q.arg(), &cu_k.arg(), &opts)?.with_modifiers(&mods.args())?;
     run_forward(py, device, &p, [q, k, v], MaskBuffers::default())
 }
 
-/// (dq, dk, dv) of a packed call: `inputs` = [do, q, k, v, o, lse], `cu_seqlens` as the forward's.
+/// (dq, dk, dv[, dsinks]) of a packed call: `inputs` = [do, q, k, v, o, lse], `cu_seqlens` as the forward's.
 #[pyfunction]
 #[pyo3(signature = (inputs, cu_seqlens, device, **options))]
 fn varlen_backward_host_arrays<'py>(
     py: Python<'py>, inputs: Vec<Array<'py>>, cu_seqlens: Vec<Array<'py>>, device: &str,
     options: Option<&Bound<'py, PyDict>>,
-) -> Result<(Array<'py>, Array<'py>, Array<'py>), PyFlashError> {
+) -> Result<Bound<'py, PyTuple>, PyFlashError> {
     let device = Device::parse(device)?;
     let a = host_arrays(&inputs, ["do", "q", "k", "v", "o", "lse"])?;
     let [cu_q, cu_k] = cu_seqlens_arrays(&cu_seqlens)?;
     let [d_out, q, k, v, o, lse] = a.each_ref().map(HostArray::spec);
     let cu = [&cu_q.arg(), &cu_k.arg()];
-    let p = Problem::varlen_backward(&d_out, &q, &k, &v, &o, &lse, cu, &masks::options(options)?)?;
+    let (opts, mods) = masks::options(options)?;
+    let p = Problem::varlen_backward(&d_out, &q, &k, &v, &o, &lse, cu, &opts)?.with_modifiers(&mods.args())?;
     run_backward(py, device, &p, a, MaskBuffers::default())
 }
 
@@ -105,18 +109,25 @@ fn run_forward<'py>(
     Ok((o.array.into_any(), lse.array.into_any()))
 }
 
-/// Allocates dq, dk, dv for `p` and runs the backward without the GIL.
+/// Allocates dq, dk, dv (and dsinks [H] f32 when `p` has sinks) and runs the backward without
+/// the GIL; returns them as a tuple.
 fn run_backward<'py>(
     py: Python<'py>, device: Device, p: &Problem, a: [HostArray<'py>; 6], mask: MaskBuffers,
-) -> Result<(Array<'py>, Array<'py>, Array<'py>), PyFlashError> {
+) -> Result<Bound<'py, PyTuple>, PyFlashError> {
     let [_, q, k, v, ..] = &a;
     let dq = empty_like_dtype(py, &p.q_shape(), q)?;
     let dk = empty_like_dtype(py, &p.kv_shape(), k)?;
     let dv = empty_like_dtype(py, &p.kv_shape(), v)?;
-    let io = BackwardIo::new(a.each_ref().map(HostArray::bytes), [dq.bytes_mut(), dk.bytes_mut(), dv.bytes_mut()])
+    let dsinks = p.mods.sinks.as_ref().map(|_| empty_f32(py, &[p.dims.heads])).transpose()?;
+    let mut io = BackwardIo::new(a.each_ref().map(HostArray::bytes), [dq.bytes_mut(), dk.bytes_mut(), dv.bytes_mut()])
         .with_mask(mask);
+    if let Some(ds) = &dsinks {
+        io = io.with_dsinks(ds.bytes_mut());
+    }
     py.detach(|| backward_host(device, p, io))?;
-    Ok((dq.array.into_any(), dk.array.into_any(), dv.array.into_any()))
+    let mut out = vec![dq.array.into_any(), dk.array.into_any(), dv.array.into_any()];
+    out.extend(dsinks.map(|d| d.array.into_any()));
+    PyTuple::new(py, out).map_err(|e| PyFlashError(FlashError::Internal(format!("cannot build the gradients tuple: {e}"))))
 }
 
 /// Version, backends, thread count and CPU instruction set.

@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::arrays::HostArray;
+use crate::modifiers::{Floats, Mods};
 
 /// The mask keywords of a padded call (varlen calls take none of them: their batch layout is
 /// `cu_seqlens`). `window` is an [`Options`] field, parsed with the others.
@@ -116,15 +117,23 @@ impl Masks<'_, DevArray> {
 /// Reads one mask tensor argument (host array or device description).
 pub type Reader<'a, 'py, T> = &'a dyn Fn(&Bound<'py, PyAny>, &'static str) -> Result<T, FlashError>;
 
-/// The core's [`Options`] (`causal`, `scale`, `deterministic`, `window`) and, when `masks` says how
-/// to read them, the mask tensors, from a call's keyword arguments; one left out keeps the core's
-/// default. Without a reader the mask keywords are unknown options (varlen calls).
+/// A call's keyword arguments: the core's [`Options`] (`causal`, `scale`, `deterministic`,
+/// `window`, `softcap`), the modifier tensors and, when the call takes them, the mask tensors.
+pub struct Parsed<'py, T> {
+    pub opts: Options,
+    pub masks: Masks<'py, T>,
+    pub mods: Mods<'py>,
+}
+
+/// Parses a call's keyword arguments; one left out keeps the core's default. `masks` says how to
+/// read the mask tensors; without it the mask keywords are unknown options (varlen calls).
 pub fn parse<'py, T>(
     kwargs: Option<&Bound<'py, PyDict>>,
     masks: Option<Reader<'_, 'py, T>>,
-) -> Result<(Options, Masks<'py, T>), FlashError> {
+) -> Result<Parsed<'py, T>, FlashError> {
     let mut opts = Options::default();
     let mut m = Masks { segment_ids: None, block_mask: None, seqused_k: None, leftpad_k: None };
+    let mut mods = Mods::default();
     let bad = |what: &str| FlashError::Unsupported(what.to_string());
     for (key, value) in kwargs.into_iter().flat_map(|d| d.iter()) {
         let key = key.extract::<String>().unwrap_or_default();
@@ -132,6 +141,9 @@ pub fn parse<'py, T>(
             ("causal", _) => opts.causal = value.extract().map_err(|_| bad("causal must be a bool"))?,
             ("scale", _) => opts.scale = value.extract().map_err(|_| bad("scale must be a number or None"))?,
             ("deterministic", _) => opts.deterministic = value.extract().map_err(|_| bad("deterministic must be a bool"))?,
+            ("softcap", _) => opts.softcap = value.extract().map_err(|_| bad("softcap must be a number or None"))?,
+            ("alibi_slopes", _) => mods.alibi_slopes = Some(Floats::extract(&value, "alibi_slopes")?),
+            ("sinks", _) => mods.sinks = Some(Floats::extract(&value, "sinks")?),
             ("window", _) => {
                 let (left, right) = value.extract().map_err(|_| {
                     bad(&format!("window must be a (left, right) tuple of non-negative ints or None; got {value}"))
@@ -154,10 +166,11 @@ pub fn parse<'py, T>(
             (other, _) => return Err(FlashError::Unsupported(format!("unknown option {other:?}"))),
         }
     }
-    Ok((opts, m))
+    Ok(Parsed { opts, masks: m, mods })
 }
 
-/// The core's [`Options`] alone (calls without mask tensors).
-pub fn options(kwargs: Option<&Bound<'_, PyDict>>) -> Result<Options, FlashError> {
-    Ok(parse::<()>(kwargs, None)?.0)
+/// The options and modifiers of a call without mask tensors (varlen).
+pub fn options<'py>(kwargs: Option<&Bound<'py, PyDict>>) -> Result<(Options, Mods<'py>), FlashError> {
+    let p = parse::<()>(kwargs, None)?;
+    Ok((p.opts, p.mods))
 }

@@ -18,9 +18,11 @@
 use super::batch::{key_runs, query_runs, split_rows, Geometry};
 use super::layout::{load_f32, pack_rows, pack_transposed, padded_dim, transposed_ld, unpack_rows};
 use super::matmul::{matmul, Mat};
+use super::modify::{sink2, softcap_chain, TileMods};
 use super::simd;
 use super::tiles::{KeyTile, RowBlock, Visibility};
 use super::workspace::{zeroed, Buffer, BLOCK_K, BLOCK_Q};
+use crate::dtype::DType;
 use crate::error::Result;
 use crate::io::BackwardIo;
 use crate::problem::Problem;
@@ -48,7 +50,7 @@ struct Ctx<'a> {
 
 /// Writes dq (like q), dk and dv (like k) in p.dtype.
 pub fn run(p: &Problem, io: BackwardIo) -> Result<()> {
-    let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask } = io;
+    let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask, dsinks } = io;
     let geo = Geometry::new(p);
     let x = Packed {
         qs: pack_rows(q, p.dtype, geo.q4(), p.scale * LOG2_E, "packed q")?,
@@ -80,11 +82,37 @@ pub fn run(p: &Problem, io: BackwardIo) -> Result<()> {
         }
     }
 
+    if let Some(out) = dsinks {
+        DType::F32.store(&sink_grads(&cx), out, 0);
+    }
+
     // dQ = scale·dS·K; dK = scale·dSᵀ·Q = ln2·dSᵀ·Qs.
     unpack_rows(&dq_acc, dq, p.dtype, geo.q4(), p.scale);
     unpack_rows(&dk_acc, dk, p.dtype, geo.kv4(), LN_2);
     unpack_rows(&dv_acc, dv, p.dtype, geo.kv4(), 1.0);
     Ok(())
+}
+
+/// dsinks[h] = −Σ over batch rows and query rows of exp(sink_h − lse) · delta, summed in f64 in
+/// a fixed order (deterministic). Rows that see nothing have lse = sink, so every row counts.
+fn sink_grads(cx: &Ctx) -> Vec<f32> {
+    let p = cx.p;
+    (0..p.dims.heads)
+        .map(|h| {
+            let s2 = sink2(p, h).unwrap_or(f32::NEG_INFINITY) as f64;
+            let mut sum = 0.0f64;
+            for b in 0..p.dims.batch {
+                let base = p.lse_base(b, h);
+                for i in base..base + p.mask.seq(b).q_len {
+                    let (l2, dl) = (cx.x.lse2[i] as f64, cx.x.delta[i] as f64);
+                    if l2.is_finite() {
+                        sum -= (s2 - l2).exp2() * dl;
+                    }
+                }
+            }
+            sum as f32
+        })
+        .collect()
 }
 
 /// lse (natural log) -> log2 units; -inf (no visible key) -> +inf so that P = exp2(s - lse2) = 0.
@@ -116,15 +144,17 @@ fn row_dots(p: &Problem, geo: &Geometry, d_out: &[u8], o: &[u8]) -> Result<Buffe
     Ok(delta)
 }
 
-/// Scratch of one tile: P and dS, each [BLOCK_Q, BLOCK_K].
+/// Scratch of one tile: P, dS and (with softcap) tanh of the scores, each [BLOCK_Q, BLOCK_K].
 struct Scratch {
     p: Vec<f32>,
     ds: Vec<f32>,
+    tanh: Vec<f32>,
 }
 
 impl Scratch {
-    fn new() -> Self {
-        Scratch { p: vec![0.0; BLOCK_Q * BLOCK_K], ds: vec![0.0; BLOCK_Q * BLOCK_K] }
+    fn new(p: &Problem) -> Self {
+        let tanh = if p.mods.softcap.is_some() { vec![0.0; BLOCK_Q * BLOCK_K] } else { Vec::new() };
+        Scratch { p: vec![0.0; BLOCK_Q * BLOCK_K], ds: vec![0.0; BLOCK_Q * BLOCK_K], tanh }
     }
 }
 
@@ -172,15 +202,23 @@ impl<'a> TileRef<'a> {
         padded_dim(self.d)
     }
 
-    /// Fills s.p with P and s.ds with dS.
-    fn probs_and_dscores(&self, vis: &Visibility, s: &mut Scratch) {
+    /// Fills s.p with P and s.ds with dS (with respect to the unmodified scores).
+    fn probs_and_dscores(&self, cx: &Ctx, s: &mut Scratch) {
         let (br, bc, d, dp) = (self.rb.rows(), self.t.cols(), self.d, self.dp());
         matmul(br, bc, d, &mut s.p, BLOCK_K, false, Mat::rows(self.qs, dp), self.kt, self.ld);
+        let mods = (!cx.p.mods.is_none()).then(|| TileMods::new(cx.p, &self.rb));
+        if let Some(mods) = &mods {
+            let tanh = mods.softcap().then_some(&mut s.tanh[..]);
+            mods.apply(&mut s.p, BLOCK_K, &self.rb, &self.t, tanh);
+        }
         if self.t.masked() {
-            vis.mask_scores(&mut s.p, BLOCK_K, &self.rb, &self.t);
+            cx.vis.mask_scores(&mut s.p, BLOCK_K, &self.rb, &self.t);
         }
         matmul(br, bc, d, &mut s.ds, BLOCK_K, false, Mat::rows(self.d_out, dp), self.vt, self.ld);
         simd::probs_and_dscores(&mut s.p, &mut s.ds, bc, BLOCK_K, self.lse2, self.delta);
+        if mods.as_ref().is_some_and(TileMods::softcap) {
+            softcap_chain(&mut s.ds, &s.tanh, br, bc, BLOCK_K);
+        }
     }
 
     /// dQ rows of the block [br, Dp] += dS · K.
@@ -207,7 +245,7 @@ fn fused(cx: &Ctx, dq_seqs: Vec<&mut [f32]>, dk_seqs: Vec<&mut [f32]>, dv_seqs: 
     tasks.into_par_iter().enumerate().for_each(|(bkv, (mut dq_group, (dk_seq, dv_seq)))| {
         let (b, hkv) = (bkv / cx.p.dims.kv_heads, bkv % cx.p.dims.kv_heads);
         let (seq, dp) = (cx.p.mask.seq(b), padded_dim(cx.geo.head_dim));
-        let mut s = Scratch::new();
+        let mut s = Scratch::new(cx.p);
         for (i, (dk_blk, dv_blk)) in dk_seq.chunks_mut(BLOCK_K * dp).zip(dv_seq.chunks_mut(BLOCK_K * dp)).enumerate() {
             let blk = i * BLOCK_K;
             for (gi, dq_head) in dq_group.iter_mut().enumerate() {
@@ -215,7 +253,7 @@ fn fused(cx: &Ctx, dq_seqs: Vec<&mut [f32]>, dk_seqs: Vec<&mut [f32]>, dv_seqs: 
                     let rb = RowBlock::new(b, hkv * g + gi, seq, r0);
                     let Some(t) = cx.vis.tile(&rb, blk) else { continue };
                     let tr = TileRef::new(cx, rb, t);
-                    tr.probs_and_dscores(&cx.vis, &mut s);
+                    tr.probs_and_dscores(cx, &mut s);
                     tr.add_dkdv(&s, blk, dk_blk, dv_blk);
                     tr.add_dq(&s, &mut dq_head[rb.r0 * dp..rb.r1 * dp]);
                 }
@@ -233,10 +271,10 @@ fn split_dq(cx: &Ctx, dq_seqs: Vec<&mut [f32]>) {
         tasks.extend(dq_seq.chunks_mut(BLOCK_Q * dp).enumerate().map(|(i, dq_blk)| (RowBlock::new(b, bh % h, seq, i * BLOCK_Q), dq_blk)));
     }
     tasks.into_par_iter().for_each(|(rb, dq_blk)| {
-        let mut s = Scratch::new();
+        let mut s = Scratch::new(cx.p);
         for t in cx.vis.key_blocks(&rb).filter_map(|blk| cx.vis.tile(&rb, blk)) {
             let tr = TileRef::new(cx, rb, t);
-            tr.probs_and_dscores(&cx.vis, &mut s);
+            tr.probs_and_dscores(cx, &mut s);
             tr.add_dq(&s, dq_blk);
         }
     });
@@ -252,13 +290,13 @@ fn split_dkdv(cx: &Ctx, dk_seqs: Vec<&mut [f32]>, dv_seqs: Vec<&mut [f32]>) {
     }
     tasks.into_par_iter().for_each(|(bk, blk, dk_blk, dv_blk)| {
         let (b, seq) = (bk / hkv, cx.p.mask.seq(bk / hkv));
-        let mut s = Scratch::new();
+        let mut s = Scratch::new(cx.p);
         for gi in 0..g {
             for r0 in cx.vis.query_blocks(&seq, blk) {
                 let rb = RowBlock::new(b, (bk % hkv) * g + gi, seq, r0);
                 let Some(t) = cx.vis.tile(&rb, blk) else { continue };
                 let tr = TileRef::new(cx, rb, t);
-                tr.probs_and_dscores(&cx.vis, &mut s);
+                tr.probs_and_dscores(cx, &mut s);
                 tr.add_dkdv(&s, blk, dk_blk, dv_blk);
             }
         }

@@ -4,6 +4,7 @@
 use super::batch::{query_runs, split_rows, Geometry};
 use super::layout::{pack_rows, pack_transposed, padded_dim, transposed_ld, unpack_rows};
 use super::matmul::{matmul, Mat};
+use super::modify::{sink2, TileMods};
 use super::simd;
 use super::tiles::{RowBlock, Visibility};
 use super::workspace::{filled, zeroed, Buffer, BLOCK_K, BLOCK_Q};
@@ -64,13 +65,19 @@ fn row_block(p: &Problem, geo: &Geometry, vis: &Visibility, x: &Packed, rb: &Row
     let key0 = geo.key_offset(&rb.seq, rb.b); // column (kt) and row (v) of the batch row's key 0
     let v_head = &x.v[geo.kv_matrix(rb.b, hkv) * geo.k_rows * dp..][..geo.k_rows * dp]; // [Rk, Dp]
     let mut s = vec![0.0f32; br * BLOCK_K]; // [br, BLOCK_K] scores, then probabilities
-    let mut m = vec![f32::NEG_INFINITY; br];
-    let mut l = vec![0.0f32; br];
+    // A sink starts every row's softmax: max = sink, sum = exp2(sink - sink) = 1.
+    let sink = sink2(p, rb.h);
+    let mut m = vec![sink.unwrap_or(f32::NEG_INFINITY); br];
+    let mut l = vec![if sink.is_some() { 1.0f32 } else { 0.0 }; br];
     let mut alpha = vec![0.0f32; br];
+    let mods = (!p.mods.is_none()).then(|| TileMods::new(p, rb));
 
     for t in vis.key_blocks(rb).filter_map(|blk| vis.tile(rb, blk)) {
         let (c0, bc) = (key0 + t.c0, t.cols());
         matmul(br, bc, d, &mut s, BLOCK_K, false, Mat::rows(q, dp), &kt_head[c0..], skp);
+        if let Some(mods) = &mods {
+            mods.apply(&mut s, BLOCK_K, rb, &t, None);
+        }
         if t.masked() {
             vis.mask_scores(&mut s, BLOCK_K, rb, &t);
         }
@@ -82,7 +89,7 @@ fn row_block(p: &Problem, geo: &Geometry, vis: &Visibility, x: &Packed, rb: &Row
     for r in 0..br {
         let row = &mut o[r * dp..r * dp + d];
         if l[r] == 0.0 {
-            // The row sees no key: o = 0, lse = -inf.
+            // The row sees no key (and has no sink): o = 0, lse = -inf.
             row.fill(0.0);
             lse[r] = f32::NEG_INFINITY;
         } else {

@@ -7,6 +7,7 @@ mod forward;
 mod layout;
 #[doc(hidden)]
 pub mod matmul;
+mod modify;
 pub mod simd;
 mod tiles;
 mod vector;

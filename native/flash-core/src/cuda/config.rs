@@ -78,6 +78,7 @@ pub fn all_variants(head_dims: &[usize]) -> Vec<Variant> {
             let spec = |kernel, causal, masked| Spec { kernel, dtype, head_dim, causal, masked, group: 1, seq_k: 1 };
             out.push(variant(&spec(Kernel::BwdPreprocess, false, false), TileSet::Default));
             out.push(variant(&spec(Kernel::BwdDqConvert, false, false), TileSet::Default));
+            out.push(variant(&spec(Kernel::BwdDsinks, false, true), TileSet::Default));
             for k in [Kernel::Fwd, Kernel::BwdDq, Kernel::BwdDkdv, Kernel::BwdDkdvDq] {
                 for (causal, masked) in [(false, false), (true, false), (false, true)] {
                     out.extend(table_candidates(&spec(k, causal, masked)));
@@ -186,6 +187,7 @@ fn source(kernel: Kernel, dtype: DType, d: usize) -> &'static str {
         (Kernel::BwdDkdv | Kernel::BwdDkdvDq, _) => "bwd_dkdv.cu",
         (Kernel::BwdPreprocess, _) => "bwd_preprocess.cu",
         (Kernel::BwdDqConvert, _) => "bwd_dq_convert.cu",
+        (Kernel::BwdDsinks, _) => "bwd_dsinks.cu",
     }
 }
 
@@ -202,6 +204,9 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
     let Spec { kernel, dtype, head_dim, causal, masked, group, seq_k } = *spec;
     let mut defines: Vec<(&'static str, i64)> =
         vec![("FLASH_DTYPE", dtype_code(dtype)), ("HEAD_DIM", head_dim as i64), ("NUM_WARPS", t.num_warps as i64)];
+    if kernel == Kernel::BwdDsinks {
+        defines.push(("MASKED", 1)); // the sinks live in the MASKED params
+    }
     if !kernel.is_elementwise() {
         // Masked kernels take causal as a window and mask ragged key tiles at run time.
         defines.push(("IS_CAUSAL", (causal && !masked) as i64));
@@ -272,7 +277,7 @@ mod tests {
                     Kernel::BwdDkdv | Kernel::BwdDkdvDq => {
                         assert_eq!(t.block_n * t.d_split, 16 * t.num_warps, "{}", v.name())
                     }
-                    Kernel::BwdPreprocess | Kernel::BwdDqConvert => {}
+                    Kernel::BwdPreprocess | Kernel::BwdDqConvert | Kernel::BwdDsinks => {}
                 }
             }
         }

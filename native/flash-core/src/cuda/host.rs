@@ -118,14 +118,19 @@ pub fn backward_host(p: &Problem, device: usize, io: BackwardIo) -> Result<()> {
         let mask = upload_masks(&io.mask, s)?;
         let [dq, dk, dv] = [io.dq.len(), io.dk.len(), io.dv.len()].map(|n| DeviceBuffer::alloc(n, s.0));
         let (dq, dk, dv) = (dq?, dk?, dv?);
+        let dsinks = io.dsinks.as_ref().map(|d| DeviceBuffer::alloc(d.len(), s.0)).transpose()?;
         let ptrs = BackwardPtrs {
             d_out: d_out.ptr, q: q.ptr, k: k.ptr, v: v.ptr, o: o.ptr, lse: lse.ptr,
-            dq: dq.ptr, dk: dk.ptr, dv: dv.ptr, mask: mask.ptrs,
+            dq: dq.ptr, dk: dk.ptr, dv: dv.ptr, dsinks: dsinks.as_ref().map_or(0, |d| d.ptr), mask: mask.ptrs,
         };
         // SAFETY: buffers sized from the problem, on this device, ordered on stream s.
         unsafe { launch::backward(dev, p, s.0, ptrs)? };
         download(io.dq, &dq, s)?;
         download(io.dk, &dk, s)?;
-        download(io.dv, &dv, s)
+        download(io.dv, &dv, s)?;
+        match (io.dsinks, &dsinks) {
+            (Some(dst), Some(buf)) => download(dst, buf, s),
+            _ => Ok(()),
+        }
     })
 }

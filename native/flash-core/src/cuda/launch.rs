@@ -63,6 +63,11 @@ struct MaskFields {
     stat_q_mul: i32,
     stat_h_stride: i32,
     _pad2: i32,
+    alibi_log2: u64,
+    sinks_log2: u64,
+    dsinks: u64,
+    softcap_log2: f32,
+    softcap_inv_log2: f32,
 }
 
 /// Device pointers of the data-carrying masks ([`MaskBuffers`](crate::MaskBuffers)' layouts on
@@ -98,6 +103,8 @@ pub struct BackwardPtrs {
     pub dq: u64,
     pub dk: u64,
     pub dv: u64,
+    /// With sinks: f32 [H], receives dsinks; else 0.
+    pub dsinks: u64,
     pub mask: MaskPtrs,
 }
 
@@ -113,7 +120,7 @@ fn check_supported(p: &Problem) -> Result<()> {
             return Err(FlashError::Unsupported(format!("{what} = {n} exceeds the CUDA backend's limit")));
         }
     }
-    if !p.mask.is_plain() {
+    if !p.is_plain() {
         // The masked kernels hold rows, window bounds and their sums in int32 (cuda/seq.h).
         let (sq, sk) = (p.dims.seq_q, p.dims.seq_k);
         if sq + sk > MASKED_MAX_KEYS {
@@ -173,9 +180,9 @@ fn params(p: &Problem) -> FlashParams {
     }
 }
 
-/// A masked call's mask fields: its device pointers, the uploaded batch-row table `seqs` and the
-/// window and layout numbers.
-fn mask_fields(p: &Problem, ptrs: &MaskPtrs, seqs: &DeviceBuffer) -> MaskFields {
+/// A masked call's mask fields: its device pointers, the uploaded tables (batch rows, modifiers)
+/// and the window and layout numbers.
+fn mask_fields(p: &Problem, ptrs: &MaskPtrs, t: &Tables) -> MaskFields {
     let (d, m) = (&p.dims, &p.mask);
     // An unbounded window side (or one past every key) is Sq + Sk, which no row reaches.
     let open = (d.seq_q + d.seq_k) as i32;
@@ -188,8 +195,9 @@ fn mask_fields(p: &Problem, ptrs: &MaskPtrs, seqs: &DeviceBuffer) -> MaskFields 
     let bm = m.block_mask;
     let bm_batch_stride = bm.map_or(0, |s| if s.batch == 1 { 0 } else { (s.heads * s.rows * s.cols) as i64 });
     let bm_head_stride = bm.map_or(0, |s| if s.heads == 1 { 0 } else { (s.rows * s.cols) as i64 });
+    let cap2 = p.mods.softcap.map_or(0.0, |c| c * std::f32::consts::LOG2_E);
     MaskFields {
-        seqs: seqs.ptr,
+        seqs: t.seqs.ptr,
         seg_q: ptrs.seg_q,
         seg_k: ptrs.seg_k,
         block_mask: ptrs.block_mask,
@@ -201,29 +209,57 @@ fn mask_fields(p: &Problem, ptrs: &MaskPtrs, seqs: &DeviceBuffer) -> MaskFields 
         stat_q_mul,
         stat_h_stride,
         _pad2: 0,
+        alibi_log2: t.alibi.map_or(0, |x| x),
+        sinks_log2: t.sinks.map_or(0, |x| x),
+        dsinks: 0,
+        softcap_log2: cap2,
+        softcap_inv_log2: if cap2 > 0.0 { 1.0 / cap2 } else { 0.0 },
     }
 }
 
-/// The masked kernels' per-batch-row table, int32 [B, 6]: q_start, q_len, k_start, k_len, k_lo,
-/// k_hi (cuda/seq.h), on the device (stream-ordered on `s`); None for a plain problem.
-fn upload_seqs(p: &Problem, s: cu::CUstream) -> Result<Option<DeviceBuffer>> {
-    if p.mask.is_plain() {
+/// The general kernels' tables on the device: the batch-row table and, after it, the modifiers'
+/// f32 tables (ALiBi slopes [B, H] and sinks [H], times log2(e)) in the same buffer.
+struct Tables {
+    seqs: DeviceBuffer,
+    alibi: Option<u64>,
+    sinks: Option<u64>,
+}
+
+/// The general kernels' [`Tables`] on the device (stream-ordered on `s`): the per-batch-row
+/// table, int32 [B, 6]: q_start, q_len, k_start, k_len, k_lo, k_hi (cuda/seq.h), then the
+/// modifiers' f32 tables; None for a plain problem.
+fn upload_tables(p: &Problem, s: cu::CUstream) -> Result<Option<Tables>> {
+    if p.is_plain() {
         return Ok(None);
     }
-    let table: Vec<i32> = (0..p.dims.batch)
+    // One 4-byte word per entry: the int32 rows, then the f32 tables as their bits.
+    let mut words: Vec<u32> = (0..p.dims.batch)
         .flat_map(|b| {
             let q = p.mask.seq(b);
-            [q.q_start, q.q_len, q.k_start, q.k_len, q.k_lo, q.k_hi].map(|x| x as i32)
+            [q.q_start, q.q_len, q.k_start, q.k_len, q.k_lo, q.k_hi].map(|x| x as i32 as u32)
         })
         .collect();
-    let bytes = table.len() * 4;
+    let log2 = |v: &Vec<f32>| v.iter().map(|x| (x * std::f32::consts::LOG2_E).to_bits()).collect::<Vec<u32>>();
+    let alibi_at = p.mods.alibi.as_ref().map(|a| {
+        let at = words.len();
+        words.extend(log2(a));
+        at
+    });
+    let sinks_at = p.mods.sinks.as_ref().map(|a| {
+        let at = words.len();
+        words.extend(log2(a));
+        at
+    });
+    let bytes = words.len().max(1) * 4;
     let buf = DeviceBuffer::alloc(bytes, s)?;
     // SAFETY: the buffer holds `bytes`; a copy from pageable memory has read its source when the
-    // call returns, so `table` may go.
+    // call returns, so `words` may go.
     device::check("cuMemcpyHtoDAsync", unsafe {
-        cu::cuMemcpyHtoDAsync_v2(buf.ptr, table.as_ptr() as *const std::ffi::c_void, bytes, s)
+        cu::cuMemcpyHtoDAsync_v2(buf.ptr, words.as_ptr() as *const std::ffi::c_void, words.len() * 4, s)
     })?;
-    Ok(Some(buf))
+    let at = |i: Option<usize>| i.map(|i| buf.ptr + (i * 4) as u64);
+    let (alibi, sinks) = (at(alibi_at), at(sinks_at));
+    Ok(Some(Tables { seqs: buf, alibi, sinks }))
 }
 
 /// Launches a tiled kernel with `prm`, extended by the mask fields when the call is masked (its
@@ -257,7 +293,7 @@ fn grid_over(n: usize, block: usize) -> u32 {
 
 fn kernel_variant(dev: &Device, p: &Problem, kernel: Kernel) -> Result<Variant> {
     let d = &p.dims;
-    let masked = !p.mask.is_plain();
+    let masked = !p.is_plain();
     let spec = Spec { kernel, dtype: p.dtype, head_dim: d.head_dim, causal: p.causal, masked, group: d.group(), seq_k: d.seq_k };
     device::choose(dev, &config::candidates(&spec))
 }
@@ -315,8 +351,8 @@ pub(super) unsafe fn forward(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: F
     check_mask_ptrs(p, &ptrs.mask)?;
     let v = kernel_variant(dev, p, Kernel::Fwd)?;
     let f = device::function(dev, &v)?;
-    let seqs = upload_seqs(p, s)?;
-    let mask = seqs.as_ref().map(|t| mask_fields(p, &ptrs.mask, t));
+    let tables = upload_tables(p, s)?;
+    let mask = tables.as_ref().map(|t| mask_fields(p, &ptrs.mask, t));
     let mut prm = params(p);
     (prm.q, prm.k, prm.v, prm.o, prm.lse) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse);
     let grid = (grid_over(d.seq_q, v.tiles.block_m), d.heads as u32, d.batch as u32);
@@ -334,9 +370,15 @@ pub(super) unsafe fn backward(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: 
         return Ok(());
     }
     check_mask_ptrs(p, &ptrs.mask)?;
+    if p.mods.sinks.is_some() != (ptrs.dsinks != 0) {
+        return Err(FlashError::Internal("dsinks' device pointer must be given exactly when the problem has sinks".into()));
+    }
     let stats = p.lse_len();
-    let seqs = upload_seqs(p, s)?;
-    let mask = seqs.as_ref().map(|t| mask_fields(p, &ptrs.mask, t));
+    let tables = upload_tables(p, s)?;
+    let mut mask = tables.as_ref().map(|t| mask_fields(p, &ptrs.mask, t));
+    if let Some(m) = mask.as_mut() {
+        m.dsinks = ptrs.dsinks;
+    }
     let mask = mask.as_ref();
     let mut prm = params(p);
     (prm.q, prm.k, prm.v, prm.o, prm.lse, prm.dout) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse, ptrs.d_out);
@@ -373,9 +415,14 @@ pub(super) unsafe fn backward(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: 
             launch_tiled("flash_bwd_dq", fq, q_grid, s, &prm, mask)?;
             launch_tiled("flash_bwd_dkdv", fk, kv_grid(&vk), s, &prm, mask)?;
         }
+        if let (Some(m), true) = (mask, p.mods.sinks.is_some()) {
+            let vs = kernel_variant(dev, p, Kernel::BwdDsinks)?;
+            let fs = device::function(dev, &vs)?;
+            launch("flash_bwd_dsinks", fs, (d.heads as u32, 1, 1), s, &MaskedParams { base: rows, mask: *m })?;
+        }
     }
     drop(work);
-    drop(seqs);
+    drop(tables);
     Ok(())
 }
 
@@ -387,8 +434,9 @@ mod tests {
     fn params_struct_matches_the_kernel_layout() {
         // 12 pointers, 5 ints, 2 floats, 1 pad int (cuda/params.h).
         assert_eq!(std::mem::size_of::<FlashParams>(), 12 * 8 + 8 * 4);
-        // MASKED: then 4 pointers, 2 i64 strides, 5 ints and 1 pad int, from offset 128.
+        // MASKED: then 4 pointers, 2 i64 strides, 5 ints and 1 pad int, from offset 128; then the
+        // modifiers' 3 pointers and 2 floats.
         assert_eq!(std::mem::offset_of!(MaskedParams, mask), 12 * 8 + 8 * 4);
-        assert_eq!(std::mem::size_of::<MaskedParams>(), 12 * 8 + 8 * 4 + 4 * 8 + 2 * 8 + 6 * 4);
+        assert_eq!(std::mem::size_of::<MaskedParams>(), 12 * 8 + 8 * 4 + 4 * 8 + 2 * 8 + 6 * 4 + 3 * 8 + 2 * 4);
     }
 }

@@ -15,11 +15,20 @@ pub enum Kernel {
     /// bwd_dkdv with ATOMIC_DQ=1.
     BwdDkdvDq,
     BwdDqConvert,
+    /// The attention sinks' gradient (problems with sinks only).
+    BwdDsinks,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 6] =
-        [Kernel::Fwd, Kernel::BwdPreprocess, Kernel::BwdDq, Kernel::BwdDkdv, Kernel::BwdDkdvDq, Kernel::BwdDqConvert];
+    pub const ALL: [Kernel; 7] = [
+        Kernel::Fwd,
+        Kernel::BwdPreprocess,
+        Kernel::BwdDq,
+        Kernel::BwdDkdv,
+        Kernel::BwdDkdvDq,
+        Kernel::BwdDqConvert,
+        Kernel::BwdDsinks,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -29,6 +38,7 @@ impl Kernel {
             Kernel::BwdDkdv => "bwd_dkdv",
             Kernel::BwdDkdvDq => "bwd_dkdv_dq",
             Kernel::BwdDqConvert => "bwd_dq_convert",
+            Kernel::BwdDsinks => "bwd_dsinks",
         }
     }
 
@@ -48,12 +58,13 @@ impl Kernel {
             Kernel::BwdDq => "flash_bwd_dq",
             Kernel::BwdDkdv | Kernel::BwdDkdvDq => "flash_bwd_dkdv",
             Kernel::BwdDqConvert => "flash_bwd_dq_convert",
+            Kernel::BwdDsinks => "flash_bwd_dsinks",
         }
     }
 
     /// Elementwise kernels have no tiles and no shared memory.
     pub fn is_elementwise(self) -> bool {
-        matches!(self, Kernel::BwdPreprocess | Kernel::BwdDqConvert)
+        matches!(self, Kernel::BwdPreprocess | Kernel::BwdDqConvert | Kernel::BwdDsinks)
     }
 }
 

@@ -1,0 +1,74 @@
+//! Score modifiers on one CPU tile ([`crate::modifiers`]'s rules), in the kernels' exp2 units:
+//! scores arrive as `scale·log2(e)·q·k`, so a cap `c` becomes `c·log2(e)` and a slope
+//! `slope·log2(e)`; the softmax then needs no other change. Sinks live in the row state
+//! ([`sink2`]) and in the backward's dsinks sum, not in the tiles.
+
+use super::tiles::{KeyTile, RowBlock};
+use crate::problem::Problem;
+use std::f32::consts::LOG2_E;
+
+/// The modifiers of one (batch row, head) in exp2 units.
+pub struct TileMods {
+    cap2: Option<f32>,
+    slope2: Option<f32>,
+    /// Row 0's diagonal key (`k_hi − q_len`): ALiBi's distance is `|i + diag0 − j|`.
+    diag0: isize,
+}
+
+impl TileMods {
+    pub fn new(p: &Problem, rb: &RowBlock) -> Self {
+        TileMods {
+            cap2: p.mods.softcap.map(|c| c * LOG2_E),
+            slope2: p.mods.slope(rb.b, rb.h, p.dims.heads).map(|s| s * LOG2_E),
+            diag0: rb.seq.k_hi as isize - rb.seq.q_len as isize,
+        }
+    }
+
+    pub fn softcap(&self) -> bool {
+        self.cap2.is_some()
+    }
+
+    /// Modifies the scores of tile `t` of rows `rb`: s [rb.rows(), ld], first `t.cols()` columns.
+    /// With softcap, `tanh` (same layout) receives `tanh(s / c)`, which [`softcap_chain`] needs.
+    pub fn apply(&self, s: &mut [f32], ld: usize, rb: &RowBlock, t: &KeyTile, mut tanh: Option<&mut [f32]>) {
+        let cols = t.cols();
+        for r in 0..rb.rows() {
+            let row = &mut s[r * ld..r * ld + cols];
+            if let Some(c2) = self.cap2 {
+                let th = tanh.as_deref_mut().map(|x| &mut x[r * ld..r * ld + cols]);
+                cap_row(row, c2, th);
+            }
+            if let Some(m2) = self.slope2 {
+                let i = (rb.r0 + r) as isize + self.diag0;
+                for (c, x) in row.iter_mut().enumerate() {
+                    *x -= m2 * (i - (t.c0 + c) as isize).unsigned_abs() as f32;
+                }
+            }
+        }
+    }
+}
+
+/// s <- c2·tanh(s / c2); the tanh values go to `th` when given.
+fn cap_row(row: &mut [f32], c2: f32, th: Option<&mut [f32]>) {
+    let inv = 1.0 / c2;
+    match th {
+        Some(th) => row.iter_mut().zip(th).for_each(|(x, t)| {
+            *t = (*x * inv).tanh();
+            *x = c2 * *t;
+        }),
+        None => row.iter_mut().for_each(|x| *x = c2 * (*x * inv).tanh()),
+    }
+}
+
+/// The softcap's chain rule on dS: ds *= 1 − tanh², rows × cols of [rows, ld].
+pub fn softcap_chain(ds: &mut [f32], tanh: &[f32], rows: usize, cols: usize, ld: usize) {
+    for r in 0..rows {
+        let (d, t) = (&mut ds[r * ld..r * ld + cols], &tanh[r * ld..r * ld + cols]);
+        d.iter_mut().zip(t).for_each(|(d, t)| *d *= 1.0 - t * t);
+    }
+}
+
+/// Head h's sink in exp2 units, the online softmax's starting max (with a running sum of 1).
+pub fn sink2(p: &Problem, h: usize) -> Option<f32> {
+    p.mods.sink(h).map(|s| s * LOG2_E)
+}
