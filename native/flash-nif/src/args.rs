@@ -3,8 +3,8 @@
 //! here is a term the wrapper never sends (the stubs module called directly): an `:argument` error.
 
 use crate::reply::Reason;
-use crate::tensor::{HostTensor, IndexTensor};
-use flash_core::{Device, MaskArgs, MaskBuffers, Options, Window};
+use crate::tensor::{FloatTensor, HostTensor, IndexTensor};
+use flash_core::{Device, MaskArgs, MaskBuffers, ModArgs, Options, Window};
 use rustler::{Atom, Decoder, Term};
 
 rustler::atoms! {
@@ -17,6 +17,10 @@ rustler::atoms! {
     seqused_k,
     leftpad_k,
     block_mask,
+    softcap,
+    alibi_slopes,
+    sinks,
+    nil,
 }
 
 fn field<'a, T: Decoder<'a>>(map: Term<'a>, key: Atom, name: &str, what: &str) -> Result<T, Reason> {
@@ -26,7 +30,9 @@ fn field<'a, T: Decoder<'a>>(map: Term<'a>, key: Atom, name: &str, what: &str) -
 }
 
 /// `%{causal: boolean, scale: nil | float, device: :auto | :cpu | :cuda, deterministic: boolean,
-/// window: {nil | integer, nil | integer}}` (`nil`: unbounded side), every key present.
+/// window: {nil | integer, nil | integer}, softcap: nil | float, alibi_slopes: nil | tensor,
+/// sinks: nil | tensor}` (`nil`: unbounded side, or not given), every key present. The modifier
+/// tensors are [`Mods::decode`]'s.
 pub fn options(map: Term) -> Result<(Options, Device), Reason> {
     let (left, right): (Option<i64>, Option<i64>) =
         field(map, window(), "window", "{nil | integer, nil | integer}")?;
@@ -35,6 +41,7 @@ pub fn options(map: Term) -> Result<(Options, Device), Reason> {
         scale: field(map, scale(), "scale", "nil or a float")?,
         deterministic: field(map, deterministic(), "deterministic", "a boolean")?,
         window: Window { left, right },
+        softcap: field(map, softcap(), "softcap", "nil or a float")?,
     };
     let device: Term = field(map, device(), "device", "an atom")?;
     let device = device
@@ -93,5 +100,30 @@ impl<'a> Masks<'a> {
             seg_k: self.segment_ids.as_ref().map(|(_, k)| k.bytes()),
             block_mask: self.block_mask.as_ref().map(HostTensor::bytes),
         }
+    }
+}
+
+/// The modifier tensors of a call (in its options map), borrowing the caller's binaries.
+pub struct Mods<'a> {
+    alibi_slopes: Option<FloatTensor<'a>>,
+    sinks: Option<FloatTensor<'a>>,
+}
+
+impl<'a> Mods<'a> {
+    /// The options map's `alibi_slopes` and `sinks` (`nil`: not given).
+    pub fn decode(map: Term<'a>) -> Result<Mods<'a>, Reason> {
+        let get = |key: Atom, name: &'a str| -> Result<Option<FloatTensor<'a>>, Reason> {
+            match map.map_get(key) {
+                Err(_) => Err(Reason::argument(format!("options must be a map with the key {name}"))),
+                Ok(t) if t.decode::<Atom>().is_ok_and(|a| a == nil()) => Ok(None),
+                Ok(t) => FloatTensor::decode(t, name).map(Some),
+            }
+        };
+        Ok(Mods { alibi_slopes: get(alibi_slopes(), "alibi_slopes")?, sinks: get(sinks(), "sinks")? })
+    }
+
+    /// What the core validates.
+    pub fn args(&self) -> ModArgs<'_> {
+        ModArgs { alibi_slopes: self.alibi_slopes.as_ref().map(FloatTensor::arg), sinks: self.sinks.as_ref().map(FloatTensor::arg) }
     }
 }

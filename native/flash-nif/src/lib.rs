@@ -10,7 +10,7 @@ mod args;
 mod reply;
 mod tensor;
 
-use args::{options, Masks};
+use args::{options, Masks, Mods};
 use flash_core::{backward_host, forward_host, BackwardIo, DType, Device, ForwardIo, MaskBuffers, Problem};
 use reply::{guard, Reason};
 use rustler::{Encoder, Env, Term};
@@ -19,7 +19,7 @@ use tensor::{HostTensor, IndexTensor, Output};
 /// The contract between this library and the Elixir stubs (function set and term formats).
 /// Bump it on any change: the Elixir side refuses a library that reports another number,
 /// which is how a stale build in `priv/` is detected.
-const NIF_API: u32 = 3;
+const NIF_API: u32 = 4;
 
 rustler::init!("Elixir.ExPhil.Native.FlashAttention.Nif");
 
@@ -72,16 +72,23 @@ fn run_forward<'a>(
     Ok(vec![o.encode(env), lse.encode(env)])
 }
 
-/// Runs a validated backward: `[dq, dk, dv]`.
+/// Runs a validated backward: `[dq, dk, dv]`, and `dsinks` (`[H]` float32) when `p` has sinks.
 fn run_backward<'a>(
     env: Env<'a>, device: Device, p: &Problem, a: &[HostTensor; 6], masks: MaskBuffers,
 ) -> Result<Vec<Term<'a>>, Reason> {
     let mut dq = Output::alloc("dq", &p.q_shape(), p.dtype)?;
     let mut dk = Output::alloc("dk", &p.kv_shape(), p.dtype)?;
     let mut dv = Output::alloc("dv", &p.kv_shape(), p.dtype)?;
+    let mut dsinks = p.mods.sinks.as_ref().map(|_| Output::alloc("dsinks", &[p.dims.heads], DType::F32)).transpose()?;
     let outs = [dq.bytes_mut(), dk.bytes_mut(), dv.bytes_mut()];
-    backward_host(device, p, BackwardIo::new(a.each_ref().map(HostTensor::bytes), outs).with_mask(masks))?;
-    Ok(vec![dq.encode(env), dk.encode(env), dv.encode(env)])
+    let mut io = BackwardIo::new(a.each_ref().map(HostTensor::bytes), outs).with_mask(masks);
+    if let Some(ds) = dsinks.as_mut() {
+        io = io.with_dsinks(ds.bytes_mut());
+    }
+    backward_host(device, p, io)?;
+    let mut out = vec![dq.encode(env), dk.encode(env), dv.encode(env)];
+    out.extend(dsinks.map(|d| d.encode(env)));
+    Ok(out)
 }
 
 const FORWARD: [&str; 3] = ["q", "k", "v"];
@@ -92,24 +99,27 @@ const BACKWARD: [&str; 6] = ["d_out", "q", "k", "v", "o", "lse"];
 #[rustler::nif(schedule = "DirtyCpu")]
 fn forward<'a>(env: Env<'a>, tensors: Term<'a>, masks: Term<'a>, opts: Term<'a>) -> Term<'a> {
     guard(env, || {
-        let (opts, device) = options(opts)?;
+        let opts_map = opts;
+        let (opts, device) = options(opts_map)?;
         let t = inputs(tensors, FORWARD)?;
-        let masks = Masks::decode(masks)?;
-        let p = Problem::forward_masked(&t[0].spec(), &t[1].spec(), &t[2].spec(), &opts, &masks.args())?;
+        let (masks, mods) = (Masks::decode(masks)?, Mods::decode(opts_map)?);
+        let p = Problem::forward_masked(&t[0].spec(), &t[1].spec(), &t[2].spec(), &opts, &masks.args())?.with_modifiers(&mods.args())?;
         run_forward(env, device, &p, &t, masks.buffers())
     })
 }
 
 /// `backward([d_out, q, k, v, o, lse], masks, options)` → `{:ok, {dq, q_shape}, {dk, kv_shape},
-/// {dv, kv_shape}}`, from the forward's inputs, masks and options, its output `o`, its `lse`
+/// {dv, kv_shape}}` (and `{dsinks, {H}}` last with sinks), from the forward's inputs, masks and options, its output `o`, its `lse`
 /// (`[B, H, Sq]`, float32) and the output gradient `d_out`.
 #[rustler::nif(schedule = "DirtyCpu")]
 fn backward<'a>(env: Env<'a>, tensors: Term<'a>, masks: Term<'a>, opts: Term<'a>) -> Term<'a> {
     guard(env, || {
-        let (opts, device) = options(opts)?;
+        let opts_map = opts;
+        let (opts, device) = options(opts_map)?;
         let t = inputs(tensors, BACKWARD)?;
-        let masks = Masks::decode(masks)?;
-        let p = Problem::backward_masked(t.each_ref().map(HostTensor::spec).each_ref(), &opts, &masks.args())?;
+        let (masks, mods) = (Masks::decode(masks)?, Mods::decode(opts_map)?);
+        let p = Problem::backward_masked(t.each_ref().map(HostTensor::spec).each_ref(), &opts, &masks.args())?
+            .with_modifiers(&mods.args())?;
         run_backward(env, device, &p, &t, masks.buffers())
     })
 }
@@ -119,10 +129,13 @@ fn backward<'a>(env: Env<'a>, tensors: Term<'a>, masks: Term<'a>, opts: Term<'a>
 #[rustler::nif(schedule = "DirtyCpu")]
 fn varlen_forward<'a>(env: Env<'a>, tensors: Term<'a>, cu: Term<'a>, opts: Term<'a>) -> Term<'a> {
     guard(env, || {
-        let (opts, device) = options(opts)?;
+        let opts_map = opts;
+        let (opts, device) = options(opts_map)?;
         let t = inputs(tensors, FORWARD)?;
         let [cu_q, cu_k] = cu_seqlens(cu)?;
-        let p = Problem::varlen_forward(&t[0].spec(), &t[1].spec(), &t[2].spec(), &cu_q.arg(), &cu_k.arg(), &opts)?;
+        let mods = Mods::decode(opts_map)?;
+        let p = Problem::varlen_forward(&t[0].spec(), &t[1].spec(), &t[2].spec(), &cu_q.arg(), &cu_k.arg(), &opts)?
+            .with_modifiers(&mods.args())?;
         run_forward(env, device, &p, &t, MaskBuffers::default())
     })
 }
@@ -131,11 +144,14 @@ fn varlen_forward<'a>(env: Env<'a>, tensors: Term<'a>, cu: Term<'a>, opts: Term<
 #[rustler::nif(schedule = "DirtyCpu")]
 fn varlen_backward<'a>(env: Env<'a>, tensors: Term<'a>, cu: Term<'a>, opts: Term<'a>) -> Term<'a> {
     guard(env, || {
-        let (opts, device) = options(opts)?;
+        let opts_map = opts;
+        let (opts, device) = options(opts_map)?;
         let t = inputs(tensors, BACKWARD)?;
         let [cu_q, cu_k] = cu_seqlens(cu)?;
         let [d_out, q, k, v, o, lse] = t.each_ref().map(HostTensor::spec);
-        let p = Problem::varlen_backward(&d_out, &q, &k, &v, &o, &lse, [&cu_q.arg(), &cu_k.arg()], &opts)?;
+        let mods = Mods::decode(opts_map)?;
+        let p = Problem::varlen_backward(&d_out, &q, &k, &v, &o, &lse, [&cu_q.arg(), &cu_k.arg()], &opts)?
+            .with_modifiers(&mods.args())?;
         run_backward(env, device, &p, &t, MaskBuffers::default())
     })
 }

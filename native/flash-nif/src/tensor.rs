@@ -7,7 +7,7 @@
 //! Out: `{data, {d0, d1, ...}}`, `data` a fresh binary written in place by the core.
 
 use crate::reply::Reason;
-use flash_core::{DType, FlashError, IndexArg, TensorSpec};
+use flash_core::{DType, FlashError, FloatArg, IndexArg, TensorSpec};
 use rustler::sys::{enif_alloc_binary, ErlNifBinary};
 use rustler::types::tuple::make_tuple;
 use rustler::{Binary, Encoder, Env, OwnedBinary, Term};
@@ -68,6 +68,25 @@ impl<'a> IndexTensor<'a> {
 
     pub fn arg(&self) -> IndexArg<'_> {
         IndexArg { spec: self.tensor.spec(), values: &self.values }
+    }
+}
+
+/// A small float32 tensor whose values the core reads on the host (`alibi_slopes`, `sinks`).
+pub struct FloatTensor<'a> {
+    tensor: HostTensor<'a>,
+    values: Vec<f32>,
+}
+
+impl<'a> FloatTensor<'a> {
+    pub fn decode(term: Term<'a>, name: &'a str) -> Result<FloatTensor<'a>, Reason> {
+        let tensor = HostTensor::decode(term, name)?;
+        // Read as float32 whatever the dtype: the core checks dtype and shape before the values.
+        let values = tensor.bytes().chunks_exact(4).map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]])).collect();
+        Ok(FloatTensor { tensor, values })
+    }
+
+    pub fn arg(&self) -> FloatArg<'_> {
+        FloatArg { spec: self.tensor.spec(), values: &self.values }
     }
 }
 

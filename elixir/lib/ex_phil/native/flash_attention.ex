@@ -15,6 +15,8 @@ defmodule ExPhil.Native.FlashAttention do
   | `:segment_ids`       | `{seg_q, seg_k}`: `{batch, seq_q}`, `{batch, seq_k}` | `{:s, 32}` |
   | `:seqused_k`, `:leftpad_k` | `{batch}`               | `{:s, 32}`                        |
   | `:block_mask`        | `{batch or 1, heads or 1, ceil(seq_q / 128), ceil(seq_k / 128)}` | `{:u, 8}` |
+  | `:alibi_slopes`      | `{heads}` or `{batch, heads}` | `{:f, 32}`                        |
+  | `:sinks`, `dsinks`   | `{heads}`                     | `{:f, 32}`                        |
 
   A varlen call (`varlen_forward_with_states/6`, `varlen_backward/9`) packs its sequences
   instead: `q`, `output`, `d_out`, `dq` are `{total_q, heads, head_dim}`, `k`, `v`, `dk`, `dv`
@@ -56,10 +58,23 @@ defmodule ExPhil.Native.FlashAttention do
       `128m..128m+127`, keys `128n..128n+127`) for that batch row and head; a size-1 batch or
       head axis applies to all.
 
-  Masks intersect: a key is seen only if every mask given allows it. `nil` for any of the last
-  five options is the same as leaving it out. A varlen call takes `:causal`, `:scale`,
-  `:device`, `:deterministic` and `:window` (aligned within each sequence), not the mask
-  tensors. Pass the same options to the forward and the backward of one step.
+  Masks intersect: a key is seen only if every mask given allows it.
+
+  Score modifiers, applied to each score `s = scale * q·k` in this order, then the masks, then
+  the softmax (the same names and rules as the Python API):
+
+    * `:softcap` — a positive number `c`: `s = c * tanh(s / c)` (Gemma 2).
+    * `:alibi_slopes` — `{heads}` or `{batch, heads}` `{:f, 32}`: `s -= slope * |i + off - j|`,
+      with the masks' `off` and key position (FlashAttention's ALiBi).
+    * `:sinks` — `{heads}` `{:f, 32}` (learnable, as in gpt-oss): one more logit per head in every
+      row's softmax denominator, with no value: `logsumexp = log(Σ exp(s) + exp(sink))`. The
+      backward then returns `{:ok, dq, dk, dv, dsinks}`, `dsinks` `{heads}` `{:f, 32}` summed
+      over batch rows and query rows. A row that sees no key gets output 0, logsumexp `sink`.
+
+  `nil` for any mask or modifier option is the same as leaving it out. A varlen call takes
+  `:causal`, `:scale`, `:device`, `:deterministic`, `:window` (aligned within each sequence) and
+  the modifiers (`:alibi_slopes` `{batch, heads}` counts sequences), not the mask tensors. Pass
+  the same options to the forward and the backward of one step.
 
   ## Errors
 
@@ -159,7 +174,8 @@ defmodule ExPhil.Native.FlashAttention do
 
   # Options by call: a varlen call takes no mask tensors (its packing is its padding).
   @mask_keys [:segment_ids, :seqused_k, :leftpad_k, :block_mask]
-  @varlen_keys [:causal, :scale, :device, :deterministic, :window]
+  @mod_keys [:alibi_slopes, :sinks]
+  @varlen_keys [:causal, :scale, :device, :deterministic, :window, :softcap] ++ @mod_keys
   @padded_keys @varlen_keys ++ @mask_keys
 
   @type tensor :: Tensor.t() | struct
@@ -186,6 +202,9 @@ defmodule ExPhil.Native.FlashAttention do
           | {:seqused_k, tensor | nil}
           | {:leftpad_k, tensor | nil}
           | {:block_mask, tensor | nil}
+          | {:softcap, number | nil}
+          | {:alibi_slopes, tensor | nil}
+          | {:sinks, tensor | nil}
   @typedoc "The options of a varlen call: those of `t:option/0` but the mask tensors."
   @type varlen_option ::
           {:causal, boolean}
@@ -193,6 +212,9 @@ defmodule ExPhil.Native.FlashAttention do
           | {:device, :auto | :cpu | :cuda}
           | {:deterministic, boolean}
           | {:window, {side, side} | nil}
+          | {:softcap, number | nil}
+          | {:alibi_slopes, tensor | nil}
+          | {:sinks, tensor | nil}
 
   @doc """
   Attention output for `q` `{b, seq_q, heads, d}`, `k` and `v` `{b, seq_k, kv_heads, d}`:
@@ -212,6 +234,7 @@ defmodule ExPhil.Native.FlashAttention do
           {:ok, tensor, tensor} | {:error, reason}
   def forward_with_states(q, k, v, opts \\ []) do
     with {:ok, options, masks} <- options(opts, @padded_keys),
+         {:ok, options} <- wire_mods(options),
          {:ok, tensors} <- wire(q: q, k: k, v: v),
          {:ok, masks} <- wire_masks(masks),
          :ok <- loaded(),
@@ -224,22 +247,21 @@ defmodule ExPhil.Native.FlashAttention do
   Gradients of a loss with respect to `q`, `k` and `v`, given `d_out` (its gradient with respect
   to `output`, shaped like `q`) and the `output` and `logsumexp` that `forward_with_states/4`
   returned for the same inputs and options (masks included): `{:ok, dq, dk, dv}` with `dq` shaped
-  like `q` and `dk`, `dv` like `k`, in `q`'s type. Error messages call `output` and `logsumexp`
-  `o` and `lse`.
+  like `q` and `dk`, `dv` like `k`, in `q`'s type; with `:sinks`, `{:ok, dq, dk, dv, dsinks}`.
+  Error messages call `output` and `logsumexp` `o` and `lse`.
   """
   @spec backward(tensor, tensor, tensor, tensor, tensor, tensor, [option]) ::
-          {:ok, tensor, tensor, tensor} | {:error, reason}
+          {:ok, tensor, tensor, tensor} | {:ok, tensor, tensor, tensor, tensor} | {:error, reason}
   def backward(d_out, q, k, v, output, logsumexp, opts \\ []) do
     # Named as the core names them, so every message about these arguments uses one name.
     args = [d_out: d_out, q: q, k: k, v: v, o: output, lse: logsumexp]
 
     with {:ok, options, masks} <- options(opts, @padded_keys),
+         {:ok, options} <- wire_mods(options),
          {:ok, tensors} <- wire(args),
          {:ok, masks} <- wire_masks(masks),
-         :ok <- loaded(),
-         {:ok, dq, dk, dv} <- Nif.backward(tensors, masks, options) do
-      type = type_of(q)
-      {:ok, result(q, dq, type), result(q, dk, type), result(q, dv, type)}
+         :ok <- loaded() do
+      tensors |> Nif.backward(masks, options) |> gradients(q)
     end
   end
 
@@ -266,6 +288,7 @@ defmodule ExPhil.Native.FlashAttention do
           {:ok, tensor, tensor} | {:error, reason}
   def varlen_forward_with_states(q, k, v, cu_seqlens_q, cu_seqlens_k, opts \\ []) do
     with {:ok, options, _no_masks} <- options(opts, @varlen_keys),
+         {:ok, options} <- wire_mods(options),
          {:ok, tensors} <- wire(q: q, k: k, v: v),
          {:ok, cu} <- wire(cu_seqlens_q: cu_seqlens_q, cu_seqlens_k: cu_seqlens_k),
          :ok <- loaded(),
@@ -277,22 +300,35 @@ defmodule ExPhil.Native.FlashAttention do
   @doc """
   Gradients for a packed batch, as `backward/7` for `varlen_forward_with_states/6`: `d_out` and
   `output` `{total_q, heads, d}`, `logsumexp` `{heads, total_q}`, and the forward's
-  `cu_seqlens_q`, `cu_seqlens_k` and options: `{:ok, dq, dk, dv}` shaped like `q`, `k` and `k`.
+  `cu_seqlens_q`, `cu_seqlens_k` and options: `{:ok, dq, dk, dv}` shaped like `q`, `k` and `k`
+  (`{:ok, dq, dk, dv, dsinks}` with `:sinks`).
   """
   @spec varlen_backward(tensor, tensor, tensor, tensor, tensor, tensor, tensor, tensor, [varlen_option]) ::
-          {:ok, tensor, tensor, tensor} | {:error, reason}
+          {:ok, tensor, tensor, tensor} | {:ok, tensor, tensor, tensor, tensor} | {:error, reason}
   def varlen_backward(d_out, q, k, v, output, logsumexp, cu_seqlens_q, cu_seqlens_k, opts \\ []) do
     args = [d_out: d_out, q: q, k: k, v: v, o: output, lse: logsumexp]
 
     with {:ok, options, _no_masks} <- options(opts, @varlen_keys),
+         {:ok, options} <- wire_mods(options),
          {:ok, tensors} <- wire(args),
          {:ok, cu} <- wire(cu_seqlens_q: cu_seqlens_q, cu_seqlens_k: cu_seqlens_k),
-         :ok <- loaded(),
-         {:ok, dq, dk, dv} <- Nif.varlen_backward(tensors, cu, options) do
-      type = type_of(q)
-      {:ok, result(q, dq, type), result(q, dk, type), result(q, dv, type)}
+         :ok <- loaded() do
+      tensors |> Nif.varlen_backward(cu, options) |> gradients(q)
     end
   end
+
+  # The NIF's gradients in q's form: dq, dk, dv in q's type, and dsinks ({:f, 32}) with sinks.
+  defp gradients({:ok, dq, dk, dv}, q) do
+    type = type_of(q)
+    {:ok, result(q, dq, type), result(q, dk, type), result(q, dv, type)}
+  end
+
+  defp gradients({:ok, dq, dk, dv, dsinks}, q) do
+    {:ok, dq, dk, dv} = gradients({:ok, dq, dk, dv}, q)
+    {:ok, dq, dk, dv, result(q, dsinks, {:f, 32})}
+  end
+
+  defp gradients(error, _q), do: error
 
   @doc "Like `forward/4`, but returns the output and raises `ExPhil.Native.FlashAttention.Error`."
   @spec forward!(tensor, tensor, tensor, [option]) :: tensor
@@ -303,7 +339,8 @@ defmodule ExPhil.Native.FlashAttention do
   def forward_with_states!(q, k, v, opts \\ []), do: q |> forward_with_states(k, v, opts) |> unwrap!()
 
   @doc "Like `backward/7`, but returns `{dq, dk, dv}` and raises on error."
-  @spec backward!(tensor, tensor, tensor, tensor, tensor, tensor, [option]) :: {tensor, tensor, tensor}
+  @spec backward!(tensor, tensor, tensor, tensor, tensor, tensor, [option]) ::
+          {tensor, tensor, tensor} | {tensor, tensor, tensor, tensor}
   def backward!(d_out, q, k, v, output, logsumexp, opts \\ []),
     do: d_out |> backward(q, k, v, output, logsumexp, opts) |> unwrap!()
 
@@ -320,7 +357,7 @@ defmodule ExPhil.Native.FlashAttention do
 
   @doc "Like `varlen_backward/9`, but returns `{dq, dk, dv}` and raises on error."
   @spec varlen_backward!(tensor, tensor, tensor, tensor, tensor, tensor, tensor, tensor, [varlen_option]) ::
-          {tensor, tensor, tensor}
+          {tensor, tensor, tensor} | {tensor, tensor, tensor, tensor}
   def varlen_backward!(d_out, q, k, v, output, logsumexp, cu_seqlens_q, cu_seqlens_k, opts \\ []),
     do: d_out |> varlen_backward(q, k, v, output, logsumexp, cu_seqlens_q, cu_seqlens_k, opts) |> unwrap!()
 
@@ -372,6 +409,7 @@ defmodule ExPhil.Native.FlashAttention do
   defp unwrap!({:ok, one}), do: one
   defp unwrap!({:ok, a, b}), do: {a, b}
   defp unwrap!({:ok, a, b, c}), do: {a, b, c}
+  defp unwrap!({:ok, a, b, c, d}), do: {a, b, c, d}
   defp unwrap!({:error, {kind, message}}), do: raise(Error, kind: kind, message: message)
 
   defp loaded do
@@ -385,7 +423,16 @@ defmodule ExPhil.Native.FlashAttention do
 
   @devices [:auto, :cpu, :cuda]
   # The NIF's options map: every key, defaults filled (the one place they are set).
-  @defaults %{causal: true, scale: nil, device: :cpu, deterministic: false, window: {nil, nil}}
+  @defaults %{
+    causal: true,
+    scale: nil,
+    device: :cpu,
+    deterministic: false,
+    window: {nil, nil},
+    softcap: nil,
+    alibi_slopes: nil,
+    sinks: nil
+  }
   @max_i64 0x7FFFFFFFFFFFFFFF
 
   # {:ok, options_map, masks}: the NIF's options, and the mask options given (a keyword list of
@@ -432,6 +479,10 @@ defmodule ExPhil.Native.FlashAttention do
   defp option(:device, d) when d in @devices, do: {:ok, d}
   defp option(:deterministic, x) when is_boolean(x), do: {:ok, x}
   defp option(:window, nil), do: {:ok, {nil, nil}}
+  defp option(:softcap, c) when is_float(c) or is_nil(c), do: {:ok, c}
+  defp option(:softcap, c) when is_integer(c) and abs(c) < 1.0e300, do: {:ok, c * 1.0}
+  # Modifier tensors: wired by wire_mods/1 (nil: not given).
+  defp option(key, t) when key in @mod_keys, do: {:ok, t}
 
   defp option(:window, {left, right} = w) do
     if side?(left) and side?(right),
@@ -451,6 +502,9 @@ defmodule ExPhil.Native.FlashAttention do
     do: unsupported("the :deterministic option must be true or false, got: #{inspect(x)}")
 
   defp option(:window, w), do: window_error(w)
+
+  defp option(:softcap, c),
+    do: unsupported("the :softcap option must be a positive number or nil, got: #{inspect(c)}")
 
   defp window_error(w) do
     unsupported(
@@ -476,6 +530,22 @@ defmodule ExPhil.Native.FlashAttention do
   defp unsupported(message), do: {:error, {:unsupported, message}}
 
   ## Tensors in and out
+
+  # The options map with its modifier tensors (alibi_slopes, sinks) wired; nil stays nil.
+  defp wire_mods(options) do
+    Enum.reduce_while(@mod_keys, {:ok, options}, fn key, {:ok, acc} ->
+      case acc[key] do
+        nil ->
+          {:cont, {:ok, acc}}
+
+        t ->
+          case wire(t, key) do
+            {:ok, w} -> {:cont, {:ok, Map.put(acc, key, w)}}
+            error -> {:halt, error}
+          end
+      end
+    end)
+  end
 
   # Each named argument as the NIF's {data, [dims], dtype_name}, or the first problem found.
   defp wire(named) do
