@@ -10,6 +10,11 @@ default backward (dQ by f32 atomics), "ours det." is deterministic=True. Inputs 
 implementation sees the same tensors.
 
     python bench/gpu.py [--quick] [--dtypes bf16,f32] [--dims 64,128] [--md bench/gpu_results.md]
+    python bench/gpu.py --modifiers [--dims 64,128] [--md out.md]
+
+``--modifiers``: bf16 rows of softcap (30, Gemma 2's) and ALiBi (slopes 2^(-8h/H)) against
+FlexAttention with the equivalent ``score_mod`` (and its block mask for causal), next to the plain
+path of both in the same run, which shows whether the plain kernels changed.
 """
 
 from __future__ import annotations
@@ -60,6 +65,89 @@ def run_ours(q, k, v, do, causal, deterministic=False):
     return fwd, fwd_bwd
 
 
+def run_ours_mod(q, k, v, do, causal, **mods):
+    def fwd():
+        return flash_nif.forward_with_states(q, k, v, causal=causal, **mods)
+
+    def fwd_bwd():
+        o, lse = fwd()
+        return flash_nif.backward(do, q, k, v, o, lse, causal=causal, **mods)
+
+    return fwd, fwd_bwd
+
+
+def run_flex(q, k, v, do, causal, score_mod=None):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention)
+    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+    dot = do.transpose(1, 2)
+    b, h, s = qt.shape[0], qt.shape[1], qt.shape[2]
+    bm = None
+    if causal:
+        bm = create_block_mask(lambda b_, h_, qi, ki: ki <= qi, b, h, s, s, device="cuda")
+
+    def fwd():
+        with torch.no_grad():
+            return flex(qt, kt, vt, score_mod=score_mod, block_mask=bm)
+
+    def fwd_bwd():
+        out = flex(qt, kt, vt, score_mod=score_mod, block_mask=bm)
+        return torch.autograd.grad(out, (qt, kt, vt), dot)
+
+    return fwd, fwd_bwd
+
+
+def modifier_rows(args, lines):
+    """Softcap and ALiBi against FlexAttention's score_mod, plain rows of both alongside."""
+    cap = 30.0
+    lines += ["TFLOPS forward / backward (bf16); ratio = ours / Flex time", "",
+              "| D | causal | S | ours plain | Flex plain | ours softcap | Flex softcap | ratio | ours ALiBi | Flex ALiBi | ratio | softcap / plain (ours) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for d in [int(x) for x in args.dims.split(",")]:
+        for causal in (False, True):
+            for s in ([4096] if args.quick else [2048, 8192]):
+                b, h = 16384 // s, 2048 // d
+                g = torch.Generator(device="cuda").manual_seed(s + d)
+                q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+                slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], device="cuda")
+                flops = 4 * b * h * s * s * d / (2 if causal else 1)
+
+                def softcap_mod(score, b_, h_, qi, ki):
+                    return cap * torch.tanh(score / cap)
+
+                def alibi_mod(score, b_, h_, qi, ki):
+                    return score - slopes[h_] * (qi - ki).abs()
+
+                impls = {
+                    "ours": lambda *a: run_ours_mod(*a),
+                    "flex": lambda *a: run_flex(*a),
+                    "ours_cap": lambda *a: run_ours_mod(*a, softcap=cap),
+                    "flex_cap": lambda *a: run_flex(*a, score_mod=softcap_mod),
+                    "ours_alibi": lambda *a: run_ours_mod(*a, alibi_slopes=slopes),
+                    "flex_alibi": lambda *a: run_flex(*a, score_mod=alibi_mod),
+                }
+                res = {n: bench_one(n, m, q, k, v, do, causal, flops, args.warmup, args.reps) for n, m in impls.items()}
+
+                def cell(n):
+                    r = res[n]
+                    return f"({r[4]})" if r[1] is None else f"{r[1]:.0f} / {r[2]:.0f}"
+
+                def ratio(a, b):
+                    ra, rb = res[a], res[b]
+                    if ra[1] is None or rb[1] is None:
+                        return "—"
+                    return f"{ra[4] / rb[4]:.2f} / {ra[5] / rb[5]:.2f}"
+
+                row = (f"| {d} | {'yes' if causal else 'no'} | {s} | {cell('ours')} | {cell('flex')} | {cell('ours_cap')} | "
+                       f"{cell('flex_cap')} | {ratio('ours_cap', 'flex_cap')} | {cell('ours_alibi')} | {cell('flex_alibi')} | "
+                       f"{ratio('ours_alibi', 'flex_alibi')} | {ratio('ours_cap', 'ours')} |")
+                print(row, flush=True)
+                lines.append(row)
+                del q, k, v, do
+                torch.cuda.empty_cache()
+
+
 def run_torch(backend, q, k, v, do, causal):
     # SDPA wants [B, H, S, D]; transposed views of the same data (FA2/cuDNN accept the strides).
     qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
@@ -97,12 +185,20 @@ def main():
     ap.add_argument("--md", help="write the markdown table here too")
     ap.add_argument("--dtypes", default="bf16,f32", help="comma list of bf16, f32")
     ap.add_argument("--dims", default="64,128", help="comma list of head dims")
+    ap.add_argument("--modifiers", action="store_true", help="softcap and ALiBi rows against FlexAttention")
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
     info = flash_nif.info()["cuda"]
     head = (f"{datetime.date.today()} · {dev} · torch {torch.__version__} · cuDNN {torch.backends.cudnn.version()} · "
             f"flash_nif {flash_nif.__version__} ({info.get('arch')}, NVRTC {info.get('nvrtc_version')})")
     print(head)
+    if args.modifiers:
+        lines = [head, ""]
+        modifier_rows(args, lines)
+        if args.md:
+            with open(args.md, "w") as f:
+                f.write("\n".join(lines) + "\n")
+        return
     lines = [head, "", "TFLOPS forward / backward, extra peak MiB of one forward+backward", "",
              "| dtype | D | causal | S | B·H | ours | ours det. | torch flash (FA2) | torch cuDNN | torch efficient | materialized |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

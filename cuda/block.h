@@ -185,7 +185,7 @@ struct QueryBlock {
     // Which (row, key) pairs of this block's head are visible (mask.h).
     __device__ __forceinline__ Visibility vis() const { return Visibility::of(seq, h); }
     // The head's attention sink in the exp2 domain (-inf: none), the online softmax's start.
-    __device__ __forceinline__ float sink2(const FlashParams& p) const { return p.sinks_log2 ? p.sinks_log2[h] : NEG_INF; }
+    __device__ __forceinline__ float sink2(const FlashParams& p) const { return MODS && p.sinks_log2 ? p.sinks_log2[h] : NEG_INF; }
 #else
     __device__ __forceinline__ int n_begin() const { return 0; }
     // Keys [0, n_end()) are visible to some row of the block: n_tiles() tiles of BLOCK_N.

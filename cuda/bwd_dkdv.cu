@@ -150,6 +150,7 @@ flash_bwd_dkdv(const FlashParams p) {
         for (int i = 0; i < BLOCK_M / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[i][e] *= p.scale_log2;
+#if MODS
         const Visibility vis = blk.vis(blk.head(it));
         if (blk.slice_mask(w, key0)) mask_tile<BLOCK_M / 8, true>(s, key0, m0, vis);
 #pragma unroll
@@ -163,6 +164,18 @@ flash_bwd_dkdv(const FlashParams p) {
                 s[i][e] = pr;                                   // P^T
                 dp[i][e] = pr * (dp[i][e] - dlt[col]) * dcap;   // dS^T
             }
+#else
+        if (blk.slice_mask(w, key0)) mask_tile<BLOCK_M / 8, true>(s, key0, m0, blk.vis(blk.head(it)));
+#pragma unroll
+        for (int i = 0; i < BLOCK_M / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = i * 8 + 2 * t + (e % 2);
+                const float pr = fast_exp2(s[i][e] - lse2[col]);
+                s[i][e] = pr;                                // P^T
+                dp[i][e] = pr * (dp[i][e] - dlt[col]);       // dS^T
+            }
+#endif
         gemm_pb<BLOCK_M / 16, DPART / 8>(dv, s, sdOi, col0);
         gemm_pb<BLOCK_M / 16, DPART / 8>(dk, dp, sQi, col0);
 #if ATOMIC_DQ

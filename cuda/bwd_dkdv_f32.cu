@@ -81,6 +81,8 @@ flash_bwd_dkdv(const FlashParams p) {
 #endif
 #if MASKED
                     if (tile.mask && !vis(m0 + qc, key)) x = NEG_INF;
+#endif
+#if MODS
                     float dcap;  // the softcap's chain rule (1 without one)
                     x = vis.modify(x, m0 + qc, key, dcap);
 #else

@@ -105,10 +105,13 @@ flash_bwd_dkdv(const FlashParams p) {
                 float x = s[i][j] * p.scale_log2;
 #if MASKED
                 if (need_mask && !vis(m0 + tx + 16 * j, key)) x = NEG_INF;
+#else
+                if (need_mask && !visible(m0 + tx + 16 * j, key, Sq, Sk)) x = NEG_INF;
+#endif
+#if MODS
                 float dcap;  // the softcap's chain rule (1 without one)
                 x = vis.modify(x, m0 + tx + 16 * j, key, dcap);
 #else
-                if (need_mask && !visible(m0 + tx + 16 * j, key, Sq, Sk)) x = NEG_INF;
                 const float dcap = 1.f;
 #endif
                 const float pr = fast_exp2(x - lse2[j]);

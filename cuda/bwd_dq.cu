@@ -73,6 +73,7 @@ flash_bwd_dq(const FlashParams p) {
         for (int i = 0; i < BLOCK_N / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[i][e] *= p.scale_log2;
+#if MODS
         const Visibility vis = blk.vis();
         if (blk.tile_mask(w)) mask_tile<BLOCK_N / 8>(s, row0, n0, vis);
 #pragma unroll
@@ -84,6 +85,16 @@ flash_bwd_dq(const FlashParams p) {
                 const float pr = fast_exp2(x - lse2[e / 2]);
                 s[i][e] = pr * (dp[i][e] - dlt[e / 2]) * dcap;  // dS
             }
+#else
+        if (blk.tile_mask(w)) mask_tile<BLOCK_N / 8>(s, row0, n0, blk.vis());
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float pr = fast_exp2(s[i][e] - lse2[e / 2]);
+                s[i][e] = pr * (dp[i][e] - dlt[e / 2]);  // dS
+            }
+#endif
         gemm_pb<BLOCK_N / 16, DPAD / 8>(dq, s, sKj, 0);
     }
     store_tile<DPAD / 8>(p.dq + blk.q_base(p), dq, p.scale, p.scale, row0, blk.Sq, 0, blk.q_stride);

@@ -30,12 +30,17 @@ struct Visibility {
 #if MASKED
     const SeqMask* seq;
     int h;
+#if MODS
     float slope2;  // this (batch row, head)'s ALiBi slope * log2(e); 0 = none
     __device__ __forceinline__ static Visibility of(const SeqMask& s, int h) {
         const FlashParams& p = *s.p;
         return {&s, h, p.alibi_log2 ? p.alibi_log2[(i64)s.b * p.heads + h] : 0.f};
     }
+#else
+    __device__ __forceinline__ static Visibility of(const SeqMask& s, int h) { return {&s, h}; }
+#endif
     __device__ __forceinline__ bool operator()(int row, int col) const { return seq->sees(h, row, col); }
+#if MODS
     // Any modifier to apply (uniform across the block)?
     __device__ __forceinline__ bool modifies() const { return seq->p->softcap_log2 > 0.f || slope2 != 0.f; }
     // x: the score of (row, col); dcap receives the softcap's derivative 1 - tanh^2 (1 without one),
@@ -44,12 +49,23 @@ struct Visibility {
         dcap = 1.f;
         const float c2 = seq->p->softcap_log2;
         if (c2 > 0.f && x != NEG_INF) {
-            const float t = tanhf(x * seq->p->softcap_inv_log2);
+            // tanh(y) = 1 - 2 / (1 + e^{2|y|}) with its sign: absolute error ~1e-7 (what the
+            // score's f32 rounding allows) in a few instructions — the dK/dV kernels have no
+            // registers for tanhf's polynomial. y = x / c2; e^{2|y|} = 2^{2 log2(e) |x| / c2}.
+            const float e = fast_exp2(2.f * LOG2E * seq->p->softcap_inv_log2 * fabsf(x));
+            const float t = copysignf(1.f - __fdividef(2.f, 1.f + e), x);
             x = c2 * t;
             dcap = 1.f - t * t;
         }
         return x - slope2 * fabsf((float)(row + seq->diag0() - col));
     }
+#else
+    __device__ __forceinline__ bool modifies() const { return false; }
+    __device__ __forceinline__ float modify(float x, int, int, float& dcap) const {
+        dcap = 1.f;
+        return x;
+    }
+#endif
 #else
     int seqlen_q, seqlen_k;
     __device__ __forceinline__ bool operator()(int row, int col) const { return visible(row, col, seqlen_q, seqlen_k); }

@@ -21,6 +21,8 @@
 //                 and the score modifiers (softcap, ALiBi, sinks), all read at run time from the params
 //                 (seq.h, mask.h); IS_CAUSAL and EVEN_N are then 0 (causal is the window's right side
 //                 0). 0: exactly the plain kernels
+//   MODS          (MASKED kernels) 1: the score modifiers are compiled in (mask.h's Visibility::modify,
+//                 the sinks); 0: the MASKED kernels as they were without them
 #pragma once
 
 #ifndef FLASH_DTYPE
@@ -47,12 +49,18 @@
 #ifndef MASKED
 #define MASKED 0
 #endif
+#ifndef MODS
+#define MODS 0
+#endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1  // __launch_bounds__ minimum resident blocks per SM (caps registers)
 #endif
 
 #if HEAD_DIM % 8 != 0 || HEAD_DIM > 256 || HEAD_DIM <= 0
 #error "HEAD_DIM must be a multiple of 8 in [8, 256]"
+#endif
+#if MODS && !MASKED
+#error "MODS kernels are MASKED kernels (the modifiers live in the MASKED params)"
 #endif
 #if MASKED && (IS_CAUSAL || EVEN_N)
 #error "MASKED kernels take causal as a window and mask ragged tiles themselves: IS_CAUSAL = EVEN_N = 0"

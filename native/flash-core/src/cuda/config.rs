@@ -20,6 +20,9 @@ pub struct Spec {
     /// Windows, padding, segment ids, block masks or varlen (`!Mask::is_plain`): the MASKED kernels,
     /// which take every mask at run time (causal among them, as a window).
     pub masked: bool,
+    /// Score modifiers (softcap, ALiBi, sinks; `!Modifiers::is_none`): the MASKED kernels with
+    /// MODS=1, which compile them in (implies `masked`).
+    pub mods: bool,
     /// Query heads per key/value head.
     pub group: usize,
     /// Sk: EVEN_N drops the ragged-tile mask when it divides BLOCK_N.
@@ -53,15 +56,20 @@ pub fn variant(spec: &Spec, set: TileSet) -> Variant {
         TileSet::Small => tiles(small_tiles(k, dt, d)),
         TileSet::Override => return make_variant(spec, tile_override(k, dt, d).unwrap_or_else(|| tiles(default_tiles(k, dt, d))), set),
     };
-    let t = if spec.masked { masked_tiles(k, dt, d, t) } else { t };
+    let t = if spec.masked || spec.mods { masked_tiles(k, dt, d, t, spec.mods) } else { t };
     make_variant(spec, t, set)
 }
 
 /// The masked kernels' tiles: the plain ones, except where the run-time masks' registers make
-/// them spill (the fp32 SIMT forward's 128 x 128 tile, on sm_80).
-fn masked_tiles(kernel: Kernel, dtype: DType, d: usize, t: Tiles) -> Tiles {
+/// them spill (the fp32 SIMT forward's 128 x 128 tile, on sm_80), and, with modifiers, the
+/// atomic-dQ dK/dV kernel at D <= 128, which takes 64 keys on 4 warps and fewer query rows per
+/// step (its 128-key tile spilled 148-384 bytes on sm_90a with the softcap's chain rule, and the
+/// deterministic kernel's tiles 16-32, NVRTC 13.5).
+fn masked_tiles(kernel: Kernel, dtype: DType, d: usize, t: Tiles, mods: bool) -> Tiles {
     if kernel == Kernel::Fwd && dtype == DType::F32 && simt_f32(d) && t.block_n > 64 {
         Tiles { block_n: 64, ..t }
+    } else if mods && kernel == Kernel::BwdDkdvDq && dtype != DType::F32 && d <= 128 {
+        Tiles { block_m: if d <= 64 { 64 } else { 32 }, block_n: 64, num_warps: 4, ..t }
     } else {
         t
     }
@@ -75,13 +83,13 @@ pub fn all_variants(head_dims: &[usize]) -> Vec<Variant> {
     let mut out = Vec::new();
     for dtype in [DType::F16, DType::BF16, DType::F32] {
         for &head_dim in head_dims {
-            let spec = |kernel, causal, masked| Spec { kernel, dtype, head_dim, causal, masked, group: 1, seq_k: 1 };
-            out.push(variant(&spec(Kernel::BwdPreprocess, false, false), TileSet::Default));
-            out.push(variant(&spec(Kernel::BwdDqConvert, false, false), TileSet::Default));
-            out.push(variant(&spec(Kernel::BwdDsinks, false, true), TileSet::Default));
+            let spec = |kernel, causal, masked, mods| Spec { kernel, dtype, head_dim, causal, masked, mods, group: 1, seq_k: 1 };
+            out.push(variant(&spec(Kernel::BwdPreprocess, false, false, false), TileSet::Default));
+            out.push(variant(&spec(Kernel::BwdDqConvert, false, false, false), TileSet::Default));
+            out.push(variant(&spec(Kernel::BwdDsinks, false, true, true), TileSet::Default));
             for k in [Kernel::Fwd, Kernel::BwdDq, Kernel::BwdDkdv, Kernel::BwdDkdvDq] {
-                for (causal, masked) in [(false, false), (true, false), (false, true)] {
-                    out.extend(table_candidates(&spec(k, causal, masked)));
+                for (causal, masked, mods) in [(false, false, false), (true, false, false), (false, true, false), (false, true, true)] {
+                    out.extend(table_candidates(&spec(k, causal, masked, mods)));
                 }
             }
         }
@@ -201,7 +209,8 @@ fn dtype_code(d: DType) -> i64 {
 }
 
 fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
-    let Spec { kernel, dtype, head_dim, causal, masked, group, seq_k } = *spec;
+    let Spec { kernel, dtype, head_dim, causal, mods, group, seq_k, .. } = *spec;
+    let masked = spec.masked || mods;
     let mut defines: Vec<(&'static str, i64)> =
         vec![("FLASH_DTYPE", dtype_code(dtype)), ("HEAD_DIM", head_dim as i64), ("NUM_WARPS", t.num_warps as i64)];
     if kernel == Kernel::BwdDsinks {
@@ -212,6 +221,9 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
         defines.push(("IS_CAUSAL", (causal && !masked) as i64));
         if masked {
             defines.push(("MASKED", 1));
+        }
+        if mods {
+            defines.push(("MODS", 1));
         }
         defines.extend([
             ("GQA_GROUP", group as i64),
@@ -263,7 +275,7 @@ mod tests {
     use super::*;
 
     fn spec(kernel: Kernel, dtype: DType, head_dim: usize) -> Spec {
-        Spec { kernel, dtype, head_dim, causal: true, masked: false, group: 2, seq_k: 97 }
+        Spec { kernel, dtype, head_dim, causal: true, masked: false, mods: false, group: 2, seq_k: 97 }
     }
 
     #[test]

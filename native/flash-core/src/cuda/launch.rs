@@ -293,8 +293,8 @@ fn grid_over(n: usize, block: usize) -> u32 {
 
 fn kernel_variant(dev: &Device, p: &Problem, kernel: Kernel) -> Result<Variant> {
     let d = &p.dims;
-    let masked = !p.is_plain();
-    let spec = Spec { kernel, dtype: p.dtype, head_dim: d.head_dim, causal: p.causal, masked, group: d.group(), seq_k: d.seq_k };
+    let (masked, mods) = (!p.is_plain(), !p.mods.is_none());
+    let spec = Spec { kernel, dtype: p.dtype, head_dim: d.head_dim, causal: p.causal, masked, mods, group: d.group(), seq_k: d.seq_k };
     device::choose(dev, &config::candidates(&spec))
 }
 
