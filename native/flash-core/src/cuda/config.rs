@@ -78,6 +78,7 @@ pub fn all_variants(head_dims: &[usize]) -> Vec<Variant> {
             let spec = |kernel, causal, masked| Spec { kernel, dtype, head_dim, causal, masked, group: 1, seq_k: 1 };
             out.push(variant(&spec(Kernel::BwdPreprocess, false, false), TileSet::Default));
             out.push(variant(&spec(Kernel::BwdDqConvert, false, false), TileSet::Default));
+            out.push(variant(&spec(Kernel::Pad, false, false), TileSet::Default));
             for k in [Kernel::Fwd, Kernel::BwdDq, Kernel::BwdDkdv, Kernel::BwdDkdvDq] {
                 for (causal, masked) in [(false, false), (true, false), (false, true)] {
                     out.extend(table_candidates(&spec(k, causal, masked)));
@@ -186,6 +187,7 @@ fn source(kernel: Kernel, dtype: DType, d: usize) -> &'static str {
         (Kernel::BwdDkdv | Kernel::BwdDkdvDq, _) => "bwd_dkdv.cu",
         (Kernel::BwdPreprocess, _) => "bwd_preprocess.cu",
         (Kernel::BwdDqConvert, _) => "bwd_dq_convert.cu",
+        (Kernel::Pad, _) => "pad.cu",
     }
 }
 
@@ -272,7 +274,7 @@ mod tests {
                     Kernel::BwdDkdv | Kernel::BwdDkdvDq => {
                         assert_eq!(t.block_n * t.d_split, 16 * t.num_warps, "{}", v.name())
                     }
-                    Kernel::BwdPreprocess | Kernel::BwdDqConvert => {}
+                    Kernel::BwdPreprocess | Kernel::BwdDqConvert | Kernel::Pad => {}
                 }
             }
         }

@@ -5,7 +5,8 @@ use crate::dtype::DType;
 use crate::error::{FlashError, Result};
 
 /// The kernels of a forward + backward. The default backward is BwdPreprocess, BwdDkdvDq (dK, dV and
-/// dQ by f32 atomics), BwdDqConvert; the deterministic one is BwdPreprocess, BwdDq, BwdDkdv.
+/// dQ by f32 atomics), BwdDqConvert; the deterministic one is BwdPreprocess, BwdDq, BwdDkdv. Pad
+/// copies tensors to and from the kernels' head dim when a call's is not theirs (pad.rs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kernel {
     Fwd,
@@ -15,11 +16,20 @@ pub enum Kernel {
     /// bwd_dkdv with ATOMIC_DQ=1.
     BwdDkdvDq,
     BwdDqConvert,
+    /// Zero-filled copies to the kernels' head dim (HEAD_DIM) and back (pad.rs).
+    Pad,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 6] =
-        [Kernel::Fwd, Kernel::BwdPreprocess, Kernel::BwdDq, Kernel::BwdDkdv, Kernel::BwdDkdvDq, Kernel::BwdDqConvert];
+    pub const ALL: [Kernel; 7] = [
+        Kernel::Fwd,
+        Kernel::BwdPreprocess,
+        Kernel::BwdDq,
+        Kernel::BwdDkdv,
+        Kernel::BwdDkdvDq,
+        Kernel::BwdDqConvert,
+        Kernel::Pad,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -29,6 +39,7 @@ impl Kernel {
             Kernel::BwdDkdv => "bwd_dkdv",
             Kernel::BwdDkdvDq => "bwd_dkdv_dq",
             Kernel::BwdDqConvert => "bwd_dq_convert",
+            Kernel::Pad => "pad",
         }
     }
 
@@ -48,12 +59,13 @@ impl Kernel {
             Kernel::BwdDq => "flash_bwd_dq",
             Kernel::BwdDkdv | Kernel::BwdDkdvDq => "flash_bwd_dkdv",
             Kernel::BwdDqConvert => "flash_bwd_dq_convert",
+            Kernel::Pad => "flash_pad",
         }
     }
 
     /// Elementwise kernels have no tiles and no shared memory.
     pub fn is_elementwise(self) -> bool {
-        matches!(self, Kernel::BwdPreprocess | Kernel::BwdDqConvert)
+        matches!(self, Kernel::BwdPreprocess | Kernel::BwdDqConvert | Kernel::Pad)
     }
 }
 
