@@ -5,9 +5,11 @@ B sequences of different lengths are stored back to back, without padding:
 =============  =====================  ==============================================
 tensor         shape                  notes
 =============  =====================  ==============================================
-q, o, do, dq   [total_q, H, D]        sequence b's queries are rows
+q, dq          [total_q, H, D]        sequence b's queries are rows
                                       ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``
-k, v, dk, dv   [total_k, Hkv, D]      its keys rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``
+o, do          [total_q, H, Dv]       v's head dim Dv (any, like D, from 1 to 256)
+k, dk          [total_k, Hkv, D]      its keys rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``
+v, dv          [total_k, Hkv, Dv]
 lse            [H, total_q]           float32
 cu_seqlens_*   [B + 1]                int32: 0, then cumulative lengths (non-decreasing,
                                       the last equal to total_q / total_k)
@@ -39,8 +41,8 @@ def forward_with_states(
     window: tuple[int | None, int | None] | None = None,
     device: str | None = None,
 ):
-    """(o [total_q, H, D] in q's dtype, lse [H, total_q] float32) for packed q [total_q, H, D] and
-    k, v [total_k, Hkv, D]. ``window=(left, right)`` as in :func:`flash_nif.forward_with_states`."""
+    """(o [total_q, H, Dv] in q's dtype, lse [H, total_q] float32) for packed q [total_q, H, D],
+    k [total_k, Hkv, D] and v [total_k, Hkv, Dv]. ``window=(left, right)`` as in :func:`flash_nif.forward_with_states`."""
     opts, host_device = _args.options(causal, scale, window, device)
     cu = (cu_seqlens_q, cu_seqlens_k)
     if _cuda.any_gpu(q, k, v, *cu):
@@ -62,7 +64,7 @@ def forward(
     window: tuple[int | None, int | None] | None = None,
     device: str | None = None,
 ):
-    """o [total_q, H, D] of :func:`forward_with_states`."""
+    """o [total_q, H, Dv] of :func:`forward_with_states`."""
     return forward_with_states(
         q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, window=window, device=device
     )[0]
@@ -84,7 +86,7 @@ def backward(
     device: str | None = None,
     deterministic: bool = False,
 ):
-    """(dq [total_q, H, D], dk, dv [total_k, Hkv, D]) in q's dtype, from the forward's o and lse
+    """(dq [total_q, H, D], dk [total_k, Hkv, D], dv [total_k, Hkv, Dv]) in q's dtype, from the forward's o and lse
     (same cu_seqlens and options). ``deterministic`` as in :func:`flash_nif.backward`."""
     opts, host_device = _args.options(causal, scale, window, device, deterministic)
     cu = (cu_seqlens_q, cu_seqlens_k)
