@@ -40,7 +40,7 @@ def test_golden_check_head_dims_are_the_clis():
 def test_golden_shared_memory_fits_the_gpus(golden):
     """Default tiles fit an H100's 227 KiB; each launch's last candidate a 99 KiB sm_86."""
     assert kernels.fit_errors(golden["variants"]) == []
-    assert all(v["smem_bytes"] == 0 for v in golden["variants"] if v["kernel"] in ("bwd_preprocess", "bwd_dq_convert"))
+    assert all(v["smem_bytes"] == 0 for v in golden["variants"] if v["kernel"] in ("bwd_preprocess", "bwd_dq_convert", "pad"))
 
 
 def test_fit_rules_catch_an_oversized_kernel(golden):

@@ -43,8 +43,9 @@ def _naive_scale(q, scale):
 
 
 def naive_forward(q, k, v, causal, scale):
-    """Scalar loops: returns ``(o [B,Sq,H,D], lse [B,H,Sq])`` float64."""
-    b_, sq, h_, d = q.shape
+    """Scalar loops: returns ``(o [B,Sq,H,Dv], lse [B,H,Sq])`` float64."""
+    b_, sq, h_, _ = q.shape
+    d = v.shape[3]  # o has v's head dim
     o = np.zeros((b_, sq, h_, d))
     lse = np.full((b_, h_, sq), -np.inf)
     for b, h, g, i, keys, s in _naive_rows(q, k, causal, _naive_scale(q, scale)):
@@ -59,7 +60,7 @@ def naive_forward(q, k, v, causal, scale):
 
 def naive_backward(do, q, k, v, causal, scale):
     """Scalar loops through the softmax Jacobian (recomputes P itself)."""
-    d = q.shape[3]
+    d, dv_dim = q.shape[3], v.shape[3]
     scale = _naive_scale(q, scale)
     dq = np.zeros(q.shape)
     dk = np.zeros(k.shape)
@@ -68,12 +69,13 @@ def naive_backward(do, q, k, v, causal, scale):
         m = max(s)
         e = [math.exp(t - m) for t in s]
         p = [t / sum(e) for t in e]
-        dp = [sum(do[b, i, h, x] * v[b, j, g, x] for x in range(d)) for j in keys]
+        dp = [sum(do[b, i, h, x] * v[b, j, g, x] for x in range(dv_dim)) for j in keys]
         mean = sum(pn * dpn for pn, dpn in zip(p, dp))
         for n, j in enumerate(keys):
             ds = p[n] * (dp[n] - mean)
-            for x in range(d):
+            for x in range(dv_dim):
                 dv[b, j, g, x] += p[n] * do[b, i, h, x]
+            for x in range(d):
                 dq[b, i, h, x] += scale * ds * k[b, j, g, x]
                 dk[b, j, g, x] += scale * ds * q[b, i, h, x]
     return dq, dk, dv
@@ -517,3 +519,102 @@ def test_rejects_bad_modifiers(ref):
         ref.forward(q, k, v, alibi_slopes=np.ones(3))
     with pytest.raises(ValueError, match="sinks"):
         ref.forward(q, k, v, sinks=np.ones((2, 2)))
+
+
+# ---- v's own head dim (Dv != D): o, do and dv take Dv, dq and dk D ----
+
+# (B, Sq, Sk, H, Hkv, D, Dv, causal)
+TINY_DV = [
+    pytest.param(1, 3, 4, 2, 1, 3, 5, True, id="dv>d-gqa-causal"),
+    pytest.param(2, 5, 3, 2, 2, 4, 1, True, id="dv<d-sq>sk-empty-rows"),
+    pytest.param(1, 4, 6, 4, 2, 1, 3, False, id="d1-dv3-gqa"),
+]
+
+
+def _inputs_dv(seed, b, sq, sk, h, hkv, d, dv):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, sq, h, d))
+    k = rng.standard_normal((b, sk, hkv, d))
+    v = rng.standard_normal((b, sk, hkv, dv))
+    do = rng.standard_normal((b, sq, h, dv))
+    return q, k, v, do
+
+
+@pytest.mark.parametrize("b,sq,sk,h,hkv,d,dv,causal", TINY_DV)
+def test_own_dv_matches_naive_loops(ref, b, sq, sk, h, hkv, d, dv, causal):
+    q, k, v, do = _inputs_dv(20, b, sq, sk, h, hkv, d, dv)
+    o, lse = ref.forward_with_states(q, k, v, causal=causal)
+    assert o.shape == (b, sq, h, dv) and lse.shape == (b, h, sq)
+    o_n, lse_n = naive_forward(q, k, v, causal, None)
+    np.testing.assert_allclose(o, o_n, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(lse, lse_n, rtol=1e-12, atol=1e-13)
+    got = ref.backward(do, q, k, v, o, lse, causal=causal)
+    want = naive_backward(do, q, k, v, causal, None)
+    for name, g, w, shape in zip(("dq", "dk", "dv"), got, want, (q.shape, k.shape, v.shape)):
+        assert g.shape == w.shape == shape, name
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize("b,sq,sk,h,hkv,d,dv,causal", TINY_DV)
+def test_own_dv_backward_matches_finite_differences(ref, b, sq, sk, h, hkv, d, dv, causal):
+    q, k, v, do = _inputs_dv(21, b, sq, sk, h, hkv, d, dv)
+    o, lse = ref.forward_with_states(q, k, v, causal=causal)
+    grads = ref.backward(do, q, k, v, o, lse, causal=causal)
+    eps, args = 1e-6, [q, k, v]
+    for which, (name, grad) in enumerate(zip(("dq", "dk", "dv"), grads)):
+        fd = np.zeros_like(args[which])
+        for idx in np.ndindex(fd.shape):
+            plus, minus = [a.copy() for a in args], [a.copy() for a in args]
+            plus[which][idx] += eps
+            minus[which][idx] -= eps
+            fd[idx] = np.sum(do * (ref.forward(*plus, causal=causal) - ref.forward(*minus, causal=causal))) / (2 * eps)
+        np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8, err_msg=name)
+
+
+def test_own_dv_is_each_column_block_of_v_alone(ref):
+    """o's columns are linear in v's: attention with v = [v1 | v2] is [attention(v1) | attention(v2)],
+    with one lse; the scale comes from D, whatever Dv is."""
+    q, k, v, do = _inputs_dv(22, 2, 7, 9, 4, 2, 5, 12)
+    masks = dict(window=(3, None), segment_ids=(np.array([[0] * 4 + [1] * 3] * 2), np.array([[0] * 5 + [1] * 4] * 2)))
+    o, lse = ref.forward_with_states(q, k, v, causal=True, **masks)
+    for cols in (slice(0, 5), slice(5, 12), slice(11, 12)):
+        o_part, lse_part = ref.forward_with_states(q, k, v[..., cols], causal=True, **masks)
+        np.testing.assert_allclose(o[..., cols], o_part, rtol=1e-13, atol=1e-14)
+        np.testing.assert_array_equal(lse, lse_part)
+    np.testing.assert_array_equal(ref.forward(q, k, v), ref.forward(q, k, v, scale=1 / math.sqrt(5)))
+    dq, dk, dv = ref.backward(do, q, k, v, o, lse, causal=True, **masks)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    # dV = P^T dO column by column
+    _, _, dv_part = ref.backward(do[..., 5:], q, k, v[..., 5:], o[..., 5:], lse, causal=True, **masks)
+    np.testing.assert_allclose(dv[..., 5:], dv_part, rtol=1e-12, atol=1e-13)
+
+
+def test_own_dv_varlen_equals_each_sequence(ref):
+    rng = np.random.default_rng(23)
+    lens_q, lens_k = [3, 0, 5], [4, 2, 6]
+    cu_q, cu_k = np.cumsum([0] + lens_q), np.cumsum([0] + lens_k)
+    q, k = rng.standard_normal((cu_q[-1], 2, 3)), rng.standard_normal((cu_k[-1], 1, 3))
+    v, do = rng.standard_normal((cu_k[-1], 1, 7)), rng.standard_normal((cu_q[-1], 2, 7))
+    o, lse = ref.varlen_forward_with_states(q, k, v, cu_q, cu_k, causal=True)
+    assert o.shape == (cu_q[-1], 2, 7)
+    dq, dk, dv = ref.varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, causal=True)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    for b in range(3):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        ob, lb = ref.forward_with_states(q[None, sq], k[None, sk], v[None, sk], causal=True)
+        np.testing.assert_allclose(o[sq], ob[0], atol=1e-14)
+        g = ref.backward(do[None, sq], q[None, sq], k[None, sk], v[None, sk], ob, lb, causal=True)
+        np.testing.assert_allclose(dv[sk], g[2][0], atol=1e-14)
+
+
+def test_own_dv_shapes_are_checked(ref):
+    q, k, v, do = _inputs_dv(24, 1, 4, 5, 2, 1, 3, 6)
+    with pytest.raises(ValueError):
+        ref.forward(q, k, v[:, :4])  # v's keys must be k's
+    with pytest.raises(ValueError):
+        ref.forward(q, k, np.concatenate([v, v], axis=2))  # and its heads
+    o, lse = ref.forward_with_states(q, k, v)
+    with pytest.raises(ValueError):
+        ref.backward(do[..., :3], q, k, v, o, lse)  # do has Dv columns, not D
+    with pytest.raises(ValueError):
+        ref.backward(do, q, k, v, o[..., :3], lse)

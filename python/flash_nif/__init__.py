@@ -5,13 +5,16 @@ Layout (identical in Python and Elixir):
 =============  ===================  =========================================
 tensor         shape                dtype
 =============  ===================  =========================================
-q, o, do, dq   [B, Sq, H, D]        float32, float16 or ml_dtypes.bfloat16
-k, v, dk, dv   [B, Sk, Hkv, D]      same as q; H % Hkv == 0 (GQA / MQA)
+q, dq          [B, Sq, H, D]        float32, float16 or ml_dtypes.bfloat16
+k, dk          [B, Sk, Hkv, D]      same as q; H % Hkv == 0 (GQA / MQA)
+v, dv          [B, Sk, Hkv, Dv]     same as q
+o, do          [B, Sq, H, Dv]       same as q
 lse            [B, H, Sq]           float32, natural log of each row's sum
 =============  ===================  =========================================
 
-``causal`` defaults to True and is aligned bottom-right (query i sees keys
-j <= i + Sk - Sq); ``scale`` defaults to 1/sqrt(D). A row that sees no key gives
+D and Dv are any head dims from 1 to 256, on every device; v's Dv may differ from q and k's D
+(DeepSeek-style attention: D = 192, Dv = 128). ``causal`` defaults to True and is aligned
+bottom-right (query i sees keys j <= i + Sk - Sq); ``scale`` defaults to 1/sqrt(D). A row that sees no key gives
 o = 0, lse = -inf and zero gradients. Arithmetic is f32 whatever the storage dtype.
 Non-contiguous or byte-swapped inputs are copied to C order first, never misread.
 
@@ -60,8 +63,8 @@ def forward_with_states(
 ):
     """Attention output and log-sum-exp.
 
-    q: [B, Sq, H, D]; k, v: [B, Sk, Hkv, D]. Returns (o [B, Sq, H, D] in q's dtype,
-    lse [B, H, Sq] float32). Keep both for :func:`backward`, with the same options and masks.
+    q: [B, Sq, H, D]; k: [B, Sk, Hkv, D]; v: [B, Sk, Hkv, Dv]. Returns (o [B, Sq, H, Dv] in q's
+    dtype, lse [B, H, Sq] float32). Keep both for :func:`backward`, with the same options and masks.
 
     Masks (all optional, all intersect; ``causal`` too):
 
@@ -118,8 +121,8 @@ def forward(
     sinks=None,
     device: str | None = None,
 ):
-    """Attention output o [B, Sq, H, D] (q's dtype) for q [B, Sq, H, D], k, v [B, Sk, Hkv, D];
-    options, masks and modifiers as :func:`forward_with_states`."""
+    """Attention output o [B, Sq, H, Dv] (q's dtype) for q [B, Sq, H, D], k [B, Sk, Hkv, D] and
+    v [B, Sk, Hkv, Dv]; options, masks and modifiers as :func:`forward_with_states`."""
     return forward_with_states(
         q, k, v, causal=causal, scale=scale, window=window, segment_ids=segment_ids, seqused_k=seqused_k,
         leftpad_k=leftpad_k, block_mask=block_mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
@@ -148,10 +151,10 @@ def backward(
     device: str | None = None,
     deterministic: bool = False,
 ):
-    """Gradients (dq [B, Sq, H, D], dk [B, Sk, Hkv, D], dv [B, Sk, Hkv, D]) in q's dtype; with
+    """Gradients (dq [B, Sq, H, D], dk [B, Sk, Hkv, D], dv [B, Sk, Hkv, Dv]) in q's dtype; with
     ``sinks``, (dq, dk, dv, dsinks [H] float32), dsinks summed over batch rows and query rows.
 
-    do is the gradient of the loss with respect to o; o and lse are what
+    do ([B, Sq, H, Dv], like o) is the gradient of the loss with respect to o; o and lse are what
     :func:`forward_with_states` returned for the same q, k, v, options and masks.
     dk and dv sum over the query heads that share each kv head. Masks and modifiers as
     :func:`forward_with_states` (the forward's own).

@@ -189,10 +189,11 @@ def forward_with_states(qkv, opts, device, masks, cu_seqlens=None):
     _check_device(device)
     names = ("q", "k", "v")
     t = _Tensors({**dict(zip(names, qkv)), **masks, **dict(zip(_args.CU_NAMES, cu_seqlens or ()))})
-    q = t["q"]
+    q, v = t["q"], t["v"]
     desc = [t.describe(t[n]) for n in names]  # the core validates shapes and dtypes from these
     rank = 3 if cu_seqlens else 4
-    o = t.empty(q.shape, q) if q.ndim == rank else None
+    # o has q's rows and v's head dim (Dv); a shape the core rejects allocates nothing.
+    o = t.empty((*q.shape[:-1], v.shape[-1]), q) if q.ndim == rank and v.ndim == rank else None
     if o is None:
         lse = None
     elif cu_seqlens:
@@ -215,12 +216,13 @@ def backward(arrays, opts, device, masks, cu_seqlens=None):
     names = ("do", "q", "k", "v", "o", "lse")
     t = _Tensors({**dict(zip(names, arrays)), **masks, **dict(zip(_args.CU_NAMES, cu_seqlens or ()))})
     desc = [t.describe(t[n]) for n in names]  # the core validates every shape and dtype from these
-    q, k = t["q"], t["k"]
+    q, k, v = t["q"], t["k"], t["v"]
     rank = 3 if cu_seqlens else 4
-    ok = q.ndim == rank and k.ndim == rank
+    ok = q.ndim == rank and k.ndim == rank and v.ndim == rank
+    # Each gradient has its input's shape (dv: v's head dim, Dv).
     dq = t.empty(q.shape, q) if ok else None
     dk = t.empty(k.shape, k) if ok else None
-    dv = t.empty(k.shape, k) if ok else None
+    dv = t.empty(v.shape, v) if ok else None
     # dsinks [H] f32 (H from q: the core checks the sinks' shape against it).
     dsinks = t.empty((q.shape[-2],), q, float32=True) if ok and opts.get("sinks") is not None else None
     outputs = [t.ptr(dq), t.ptr(dk), t.ptr(dv), t.ptr(dsinks)]

@@ -28,8 +28,8 @@ class _HostMasks(_Options, total=False):
 def forward_host_arrays(
     inputs: Sequence[np.ndarray], device: str, **options: Unpack[_HostMasks]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(o [B, Sq, H, D] like q, lse [B, H, Sq] float32) for inputs [q, k, v], each C-contiguous in
-    native byte order."""
+    """(o [B, Sq, H, Dv] in q's dtype, lse [B, H, Sq] float32) for inputs [q [B, Sq, H, D],
+    k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv]], each C-contiguous in native byte order."""
 
 def backward_host_arrays(
     inputs: Sequence[np.ndarray], device: str, **options: Unpack[_HostMasks]
@@ -39,8 +39,9 @@ def backward_host_arrays(
 def varlen_forward_host_arrays(
     inputs: Sequence[np.ndarray], cu_seqlens: Sequence[np.ndarray], device: str, **options: Unpack[_Options]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(o [total_q, H, D] like q, lse [H, total_q] float32) for packed inputs [q [total_q, H, D],
-    k, v [total_k, Hkv, D]] and cu_seqlens [cu_seqlens_q, cu_seqlens_k] (int32 [B + 1])."""
+    """(o [total_q, H, Dv] in q's dtype, lse [H, total_q] float32) for packed inputs
+    [q [total_q, H, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv]] and cu_seqlens
+    [cu_seqlens_q, cu_seqlens_k] (int32 [B + 1])."""
 
 def varlen_backward_host_arrays(
     inputs: Sequence[np.ndarray], cu_seqlens: Sequence[np.ndarray], device: str, **options: Unpack[_Options]
@@ -65,7 +66,8 @@ class _DeviceMasks(_Options, total=False):
 def cuda_forward_device(
     inputs: list[DevTensor], outputs: list[int], device: int, stream: int, **options: Unpack[_DeviceMasks]
 ) -> None:
-    """inputs [q, k, v]; outputs [o, lse] (pointers, preallocated on the same device)."""
+    """inputs [q, k, v]; outputs [o (q's rows, v's head dim), lse] (pointers, preallocated on the
+    same device)."""
 
 def cuda_backward_device(
     inputs: list[DevTensor], outputs: list[int], device: int, stream: int, **options: Unpack[_DeviceMasks]
@@ -76,7 +78,7 @@ def cuda_varlen_forward_device(
     inputs: list[DevTensor], outputs: list[int], cu_seqlens: Sequence[np.ndarray], device: int, stream: int,
     **options: Unpack[_Options],
 ) -> None:
-    """Packed inputs [q, k, v]; outputs [o [total_q, H, D], lse [H, total_q]]; cu_seqlens as NumPy
+    """Packed inputs [q, k, v]; outputs [o [total_q, H, Dv], lse [H, total_q]]; cu_seqlens as NumPy
     int32 [B + 1] host copies."""
 
 def cuda_varlen_backward_device(

@@ -10,14 +10,14 @@ Conventions (identical to ``flash_nif``):
 =========  ====================  =========================================
 tensor     shape                 notes
 =========  ====================  =========================================
-q, o, do   ``[B, Sq, H, D]``
-dq         ``[B, Sq, H, D]``
-k, v       ``[B, Sk, Hkv, D]``   ``H % Hkv == 0``; query head ``h`` uses
-dk, dv     ``[B, Sk, Hkv, D]``   kv head ``h // (H // Hkv)`` (GQA / MQA)
+q, dq      ``[B, Sq, H, D]``
+k, dk      ``[B, Sk, Hkv, D]``   ``H % Hkv == 0``; query head ``h`` uses
+v, dv      ``[B, Sk, Hkv, Dv]``  kv head ``h // (H // Hkv)`` (GQA / MQA)
+o, do      ``[B, Sq, H, Dv]``    ``Dv`` is v's own head dim (may differ from ``D``)
 lse        ``[B, H, Sq]``        ``log(sum_j exp(scale * q_i . k_j))``
 =========  ====================  =========================================
 
-* ``scale`` defaults to ``1 / sqrt(D)``.
+* ``scale`` defaults to ``1 / sqrt(D)`` (q and k's head dim, not v's).
 * ``causal`` is aligned bottom-right: query ``i`` sees key ``j`` iff
   ``j <= i + (Sk - Sq)``.
 * Masks intersect (:func:`attention_mask`): ``window=(left, right)`` keeps
@@ -74,10 +74,10 @@ def _as_f64(name: str, x, ndim: int) -> np.ndarray:
 
 
 def _check_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[int, int, int, int, int, int]:
-    """Validate shapes; return ``(B, Sq, Sk, H, Hkv, D)``."""
+    """Validate shapes; return ``(B, Sq, Sk, H, Hkv, D)`` (v's own head dim is ``v.shape[3]``)."""
     b, sq, h, d = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same shape but for the head dim, got k {k.shape} and v {v.shape}")
     bk, sk, hkv, dk = k.shape
     if bk != b:
         raise ValueError(f"batch mismatch: q {q.shape} vs k {k.shape}")
@@ -235,7 +235,7 @@ def forward_with_states(q, k, v, *, causal: bool = True, scale: float | None = N
     Args:
         q: ``[B, Sq, H, D]`` queries.
         k: ``[B, Sk, Hkv, D]`` keys, ``H % Hkv == 0``.
-        v: ``[B, Sk, Hkv, D]`` values.
+        v: ``[B, Sk, Hkv, Dv]`` values (their own head dim ``Dv``).
         causal: bottom-right aligned causal mask (query ``i`` sees keys
             ``j <= i + Sk - Sq``).
         scale: softmax scale, default ``1 / sqrt(D)``.
@@ -244,7 +244,7 @@ def forward_with_states(q, k, v, *, causal: bool = True, scale: float | None = N
             ``block_mask`` (see :func:`attention_mask`).
 
     Returns:
-        ``(o, lse)``: ``o [B, Sq, H, D]`` float64 and ``lse [B, H, Sq]``
+        ``(o, lse)``: ``o [B, Sq, H, Dv]`` float64 and ``lse [B, H, Sq]``
         float64 (natural log; ``-inf`` for rows that see no key, whose ``o``
         is 0; with sinks such a row's ``lse`` is its head's sink).
     """
@@ -257,7 +257,7 @@ def forward_with_states(q, k, v, *, causal: bool = True, scale: float | None = N
     mods = _Modifiers(b, h, softcap, alibi_slopes, sinks)
     mask = attention_mask(b, sq, sk, h, causal=causal, **masks)
     lo, hi = _bounds(b, sk, masks)
-    o = np.zeros((b, sq, h, d))
+    o = np.zeros((b, sq, h, v.shape[3]))
     lse = np.full((b, h, sq), -np.inf)
     for bi in range(b):
         for hh in range(h):
@@ -271,7 +271,7 @@ def forward_with_states(q, k, v, *, causal: bool = True, scale: float | None = N
 
 
 def forward(q, k, v, *, causal: bool = True, scale: float | None = None, **options) -> np.ndarray:
-    """Attention forward pass: ``o [B, Sq, H, D]`` float64.
+    """Attention forward pass: ``o [B, Sq, H, Dv]`` float64.
 
     Same arguments as :func:`forward_with_states`.
     """
@@ -290,17 +290,17 @@ def backward(do, q, k, v, o, lse, *, causal: bool = True, scale: float | None = 
     with sinks, ``dsinks[h] = -sum over rows of exp(sink_h - lse) * delta``.
 
     Args:
-        do: ``[B, Sq, H, D]`` gradient of the loss with respect to ``o``.
+        do: ``[B, Sq, H, Dv]`` gradient of the loss with respect to ``o``.
         q: ``[B, Sq, H, D]``.
-        k, v: ``[B, Sk, Hkv, D]``.
-        o: ``[B, Sq, H, D]`` forward output.
+        k: ``[B, Sk, Hkv, D]``; v: ``[B, Sk, Hkv, Dv]``.
+        o: ``[B, Sq, H, Dv]`` forward output.
         lse: ``[B, H, Sq]`` forward log-sum-exp (``-inf`` for rows that see
             no key; those rows get zero gradients).
         causal, scale, softcap, alibi_slopes, sinks, masks: as in :func:`forward_with_states`.
 
     Returns:
-        ``(dq, dk, dv)`` float64: ``dq [B, Sq, H, D]``, ``dk`` and
-        ``dv [B, Sk, Hkv, D]`` (summed over each GQA group); with sinks
+        ``(dq, dk, dv)`` float64: ``dq [B, Sq, H, D]``, ``dk [B, Sk, Hkv, D]``
+        and ``dv [B, Sk, Hkv, Dv]`` (summed over each GQA group); with sinks
         ``(dq, dk, dv, dsinks [H])``.
     """
     q = _as_f64("q", q, 4)
@@ -310,10 +310,11 @@ def backward(do, q, k, v, o, lse, *, causal: bool = True, scale: float | None = 
     o = _as_f64("o", o, 4)
     lse = _as_f64("lse", lse, 3)
     b, sq, sk, h, hkv, d = _check_qkv(q, k, v)
-    if do.shape != q.shape:
-        raise ValueError(f"do shape {do.shape} must equal q shape {q.shape}")
-    if o.shape != q.shape:
-        raise ValueError(f"o shape {o.shape} must equal q shape {q.shape}")
+    o_shape = (b, sq, h, v.shape[3])  # q's rows, v's head dim
+    if do.shape != o_shape:
+        raise ValueError(f"do shape {do.shape} must be {o_shape} (q's with v's head dim)")
+    if o.shape != o_shape:
+        raise ValueError(f"o shape {o.shape} must be {o_shape} (q's with v's head dim)")
     if lse.shape != (b, h, sq):
         raise ValueError(f"lse shape {lse.shape} must be {(b, h, sq)}")
     sc = _scale(scale, d)
@@ -380,10 +381,11 @@ def varlen_forward_with_states(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: b
     """Packed variable-length forward: ``q [total_q, H, D]``, ``k, v [total_k, Hkv, D]``,
     ``cu_seqlens_*`` ``[B + 1]``; sequence ``b`` is queries ``cu_q[b]:cu_q[b+1]`` against keys
     ``cu_k[b]:cu_k[b+1]``, attended on its own (causal aligned bottom-right per sequence).
-    ``modifiers``: ``softcap``, ``alibi_slopes`` (``[H]`` or ``[B, H]``), ``sinks``.
-    Returns ``(o [total_q, H, D], lse [H, total_q])`` float64."""
+    ``v [total_k, Hkv, Dv]`` may have its own head dim. ``modifiers``: ``softcap``,
+    ``alibi_slopes`` (``[H]`` or ``[B, H]``), ``sinks``.
+    Returns ``(o [total_q, H, Dv], lse [H, total_q])`` float64."""
     q, k, v = _as_f64("q", q, 3), _as_f64("k", k, 3), _as_f64("v", v, 3)
-    o = np.zeros(q.shape)
+    o = np.zeros((*q.shape[:2], v.shape[2]))
     lse = np.full((q.shape[1], q.shape[0]), -np.inf)
     for bi, (q0, q1, k0, k1) in enumerate(_sequences(q, k, cu_seqlens_q, cu_seqlens_k)):
         ob, lb = forward_with_states(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=causal,
@@ -394,14 +396,15 @@ def varlen_forward_with_states(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: b
 
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, **options) -> np.ndarray:
-    """``o [total_q, H, D]`` of :func:`varlen_forward_with_states`."""
+    """``o [total_q, H, Dv]`` of :func:`varlen_forward_with_states`."""
     return varlen_forward_with_states(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)[0]
 
 
 def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, causal: bool = True,
                     scale: float | None = None, window=None, **modifiers):
-    """Packed variable-length backward: ``(dq [total_q, H, D], dk, dv [total_k, Hkv, D])``
-    float64 from the forward's ``o`` and ``lse [H, total_q]`` (with ``sinks``, also ``dsinks [H]``)."""
+    """Packed variable-length backward: ``(dq [total_q, H, D], dk [total_k, Hkv, D],
+    dv [total_k, Hkv, Dv])`` float64 from the forward's ``o [total_q, H, Dv]`` and
+    ``lse [H, total_q]`` (with ``sinks``, also ``dsinks [H]``)."""
     q, k, v = _as_f64("q", q, 3), _as_f64("k", k, 3), _as_f64("v", v, 3)
     do, o, lse = _as_f64("do", do, 3), _as_f64("o", o, 3), _as_f64("lse", lse, 2)
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)

@@ -5,9 +5,11 @@ B sequences of different lengths are stored back to back, without padding:
 =============  =====================  ==============================================
 tensor         shape                  notes
 =============  =====================  ==============================================
-q, o, do, dq   [total_q, H, D]        sequence b's queries are rows
+q, dq          [total_q, H, D]        sequence b's queries are rows
                                       ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``
-k, v, dk, dv   [total_k, Hkv, D]      its keys rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``
+o, do          [total_q, H, Dv]       v's head dim Dv (any, like D, from 1 to 256)
+k, dk          [total_k, Hkv, D]      its keys rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``
+v, dv          [total_k, Hkv, Dv]
 lse            [H, total_q]           float32
 cu_seqlens_*   [B + 1]                int32: 0, then cumulative lengths (non-decreasing,
                                       the last equal to total_q / total_k)
@@ -42,9 +44,9 @@ def forward_with_states(
     sinks=None,
     device: str | None = None,
 ):
-    """(o [total_q, H, D] in q's dtype, lse [H, total_q] float32) for packed q [total_q, H, D] and
-    k, v [total_k, Hkv, D]. ``window=(left, right)`` and the modifiers (``softcap``,
-    ``alibi_slopes`` [H] or [B, H] with B the number of sequences, ``sinks`` [H]) as in
+    """(o [total_q, H, Dv] in q's dtype, lse [H, total_q] float32) for packed q [total_q, H, D],
+    k [total_k, Hkv, D] and v [total_k, Hkv, Dv]. ``window=(left, right)`` and the modifiers
+    (``softcap``, ``alibi_slopes`` [H] or [B, H] with B the number of sequences, ``sinks`` [H]) as in
     :func:`flash_nif.forward_with_states`."""
     opts, host_device = _args.options(causal, scale, window, device)
     opts.update(_args.modifiers(softcap, alibi_slopes, sinks))
@@ -71,7 +73,7 @@ def forward(
     sinks=None,
     device: str | None = None,
 ):
-    """o [total_q, H, D] of :func:`forward_with_states`."""
+    """o [total_q, H, Dv] of :func:`forward_with_states`."""
     return forward_with_states(
         q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, window=window, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, device=device,
@@ -97,9 +99,9 @@ def backward(
     device: str | None = None,
     deterministic: bool = False,
 ):
-    """(dq [total_q, H, D], dk, dv [total_k, Hkv, D]) in q's dtype, from the forward's o and lse
-    (same cu_seqlens and options); with ``sinks`` also dsinks [H] float32. ``deterministic`` as in
-    :func:`flash_nif.backward`."""
+    """(dq [total_q, H, D], dk [total_k, Hkv, D], dv [total_k, Hkv, Dv]) in q's dtype, from the
+    forward's o and lse (same cu_seqlens and options); with ``sinks`` also dsinks [H] float32.
+    ``deterministic`` as in :func:`flash_nif.backward`."""
     opts, host_device = _args.options(causal, scale, window, device, deterministic)
     opts.update(_args.modifiers(softcap, alibi_slopes, sinks))
     cu = (cu_seqlens_q, cu_seqlens_k)

@@ -21,24 +21,24 @@ pub(crate) fn catch_panics<T>(backend: &str, f: impl FnOnce() -> Result<T>) -> R
 /// The buffers must have the sizes `p` implies (a Rust caller could pair a problem with other
 /// buffers; the kernels trust these sizes).
 pub(crate) fn check_forward_buffers(p: &Problem, io: &ForwardIo) -> Result<()> {
-    let (qb, kvb, lb) = byte_sizes(p);
-    check(&[("q", io.q.len(), qb), ("k", io.k.len(), kvb), ("v", io.v.len(), kvb), ("o", io.o.len(), qb), ("lse", io.lse.len(), lb)])?;
+    let b = byte_sizes(p);
+    check(&[("q", io.q.len(), b.q), ("k", io.k.len(), b.k), ("v", io.v.len(), b.v), ("o", io.o.len(), b.o), ("lse", io.lse.len(), b.lse)])?;
     check_mask_buffers(p, &io.mask)
 }
 
 /// As [`check_forward_buffers`], for the backward's nine buffers.
 pub(crate) fn check_backward_buffers(p: &Problem, io: &BackwardIo) -> Result<()> {
-    let (qb, kvb, lb) = byte_sizes(p);
+    let b = byte_sizes(p);
     check(&[
-        ("d_out", io.d_out.len(), qb),
-        ("q", io.q.len(), qb),
-        ("k", io.k.len(), kvb),
-        ("v", io.v.len(), kvb),
-        ("o", io.o.len(), qb),
-        ("lse", io.lse.len(), lb),
-        ("dq", io.dq.len(), qb),
-        ("dk", io.dk.len(), kvb),
-        ("dv", io.dv.len(), kvb),
+        ("d_out", io.d_out.len(), b.o),
+        ("q", io.q.len(), b.q),
+        ("k", io.k.len(), b.k),
+        ("v", io.v.len(), b.v),
+        ("o", io.o.len(), b.o),
+        ("lse", io.lse.len(), b.lse),
+        ("dq", io.dq.len(), b.q),
+        ("dk", io.dk.len(), b.k),
+        ("dv", io.dv.len(), b.v),
     ])?;
     check_mask_buffers(p, &io.mask)?;
     check_dsinks(p, io.dsinks.as_deref().map(<[u8]>::len))
@@ -72,9 +72,18 @@ pub(crate) fn check_mask_buffers(p: &Problem, m: &MaskBuffers) -> Result<()> {
     Ok(())
 }
 
-fn byte_sizes(p: &Problem) -> (usize, usize, usize) {
+/// Bytes of q (dq), k (dk), v (dv), o (dO) and lse.
+struct ByteSizes {
+    q: usize,
+    k: usize,
+    v: usize,
+    o: usize,
+    lse: usize,
+}
+
+fn byte_sizes(p: &Problem) -> ByteSizes {
     let e = p.dtype.size_bytes();
-    (p.q_len() * e, p.kv_len() * e, p.lse_len() * 4)
+    ByteSizes { q: p.q_len() * e, k: p.kv_len() * e, v: p.v_len() * e, o: p.o_len() * e, lse: p.lse_len() * 4 }
 }
 
 fn check(bufs: &[(&str, usize, usize)]) -> Result<()> {

@@ -11,8 +11,8 @@ use crate::mask::MaskBuffers;
 pub struct ForwardIo<'a> {
     pub q: &'a [u8],       // [B, Sq, H, D]
     pub k: &'a [u8],       // [B, Sk, Hkv, D]
-    pub v: &'a [u8],       // [B, Sk, Hkv, D]
-    pub o: &'a mut [u8],   // [B, Sq, H, D]
+    pub v: &'a [u8],       // [B, Sk, Hkv, Dv]
+    pub o: &'a mut [u8],   // [B, Sq, H, Dv]
     pub lse: &'a mut [u8], // [B, H, Sq]
     /// Segment ids and block mask, when the problem has them.
     pub mask: MaskBuffers<'a>,
@@ -22,15 +22,15 @@ pub struct ForwardIo<'a> {
 /// dq, dk, dv in `p.dtype` (dk and dv sum over each kv head's group of query heads).
 #[derive(Debug)]
 pub struct BackwardIo<'a> {
-    pub d_out: &'a [u8],  // [B, Sq, H, D]
+    pub d_out: &'a [u8],  // [B, Sq, H, Dv]
     pub q: &'a [u8],      // [B, Sq, H, D]
     pub k: &'a [u8],      // [B, Sk, Hkv, D]
-    pub v: &'a [u8],      // [B, Sk, Hkv, D]
-    pub o: &'a [u8],      // [B, Sq, H, D]
+    pub v: &'a [u8],      // [B, Sk, Hkv, Dv]
+    pub o: &'a [u8],      // [B, Sq, H, Dv]
     pub lse: &'a [u8],    // [B, H, Sq], f32
     pub dq: &'a mut [u8], // [B, Sq, H, D]
     pub dk: &'a mut [u8], // [B, Sk, Hkv, D]
-    pub dv: &'a mut [u8], // [B, Sk, Hkv, D]
+    pub dv: &'a mut [u8], // [B, Sk, Hkv, Dv]
     /// The forward's segment ids and block mask, when the problem has them.
     pub mask: MaskBuffers<'a>,
     /// With sinks: receives dsinks, f32 [H] (summed over batch rows and query rows).

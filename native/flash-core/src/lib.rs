@@ -7,9 +7,13 @@
 //!
 //! | tensor              | shape              | dtype           |
 //! |---------------------|--------------------|-----------------|
-//! | q, o, d_out, dq     | [B, Sq, H, D]      | f32, f16, bf16  |
-//! | k, v, dk, dv        | [B, Sk, Hkv, D]    | same as q       |
+//! | q, dq               | [B, Sq, H, D]      | f32, f16, bf16  |
+//! | k, dk               | [B, Sk, Hkv, D]    | same as q       |
+//! | v, dv               | [B, Sk, Hkv, Dv]   | same as q       |
+//! | o, d_out            | [B, Sq, H, Dv]     | same as q       |
 //! | lse                 | [B, H, Sq]         | f32 (natural log) |
+//!
+//! D and Dv (v's last axis, often equal to D) are each any head dim from 1 to 256.
 
 pub mod cpu;
 pub mod device;

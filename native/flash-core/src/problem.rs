@@ -28,7 +28,7 @@ pub struct TensorSpec<'a> {
 pub struct Options {
     /// Causal mask aligned bottom-right: query i sees keys j <= i + (Sk - Sq).
     pub causal: bool,
-    /// Softmax scale; `None` means 1/sqrt(head_dim).
+    /// Softmax scale; `None` means 1/sqrt(D), q and k's head dim (not v's).
     pub scale: Option<f64>,
     /// Backward only: bit-identical gradients run to run. The CPU backward always is; on the GPU
     /// `false` (the default) lets dQ be summed with f32 atomics, which is faster.
@@ -45,8 +45,10 @@ impl Default for Options {
     }
 }
 
-/// Sizes of one attention call: q is [batch, seq_q, heads, head_dim], k and v are
-/// [batch, seq_k, kv_heads, head_dim], lse is [batch, heads, seq_q].
+/// Sizes of one attention call: q is [batch, seq_q, heads, head_dim], k [batch, seq_k, kv_heads,
+/// head_dim], v [batch, seq_k, kv_heads, head_dim_v], o [batch, seq_q, heads, head_dim_v], lse
+/// [batch, heads, seq_q]. q and k share D (their dot product is the score); v has its own Dv, which
+/// o, dO and dV take (DeepSeek-style attention uses D = 192, Dv = 128).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Dims {
     pub batch: usize,
@@ -54,7 +56,10 @@ pub struct Dims {
     pub seq_k: usize,
     pub heads: usize,
     pub kv_heads: usize,
+    /// D: q, k, dq, dk.
     pub head_dim: usize,
+    /// Dv: v, o, dO, dv.
+    pub head_dim_v: usize,
 }
 
 impl Dims {
@@ -65,8 +70,17 @@ impl Dims {
     pub fn q_shape(&self) -> [usize; 4] {
         [self.batch, self.seq_q, self.heads, self.head_dim]
     }
+    /// k and dk (v's is [`Dims::v_shape`]).
     pub fn kv_shape(&self) -> [usize; 4] {
         [self.batch, self.seq_k, self.kv_heads, self.head_dim]
+    }
+    /// v and dv.
+    pub fn v_shape(&self) -> [usize; 4] {
+        [self.batch, self.seq_k, self.kv_heads, self.head_dim_v]
+    }
+    /// o and dO.
+    pub fn o_shape(&self) -> [usize; 4] {
+        [self.batch, self.seq_q, self.heads, self.head_dim_v]
     }
     pub fn lse_shape(&self) -> [usize; 3] {
         [self.batch, self.heads, self.seq_q]
@@ -76,6 +90,12 @@ impl Dims {
     }
     pub fn kv_len(&self) -> usize {
         self.kv_shape().iter().product()
+    }
+    pub fn v_len(&self) -> usize {
+        self.v_shape().iter().product()
+    }
+    pub fn o_len(&self) -> usize {
+        self.o_shape().iter().product()
     }
     pub fn lse_len(&self) -> usize {
         self.lse_shape().iter().product()
@@ -127,15 +147,15 @@ impl Problem {
         Problem::finish_varlen(dims, dtype, opts, cu_q, cu_k)
     }
 
-    /// Validates a packed variable-length backward: the forward's inputs plus dO and o (like q)
-    /// and lse (`[H, total_q]`, float32).
+    /// Validates a packed variable-length backward: the forward's inputs plus dO and o
+    /// (`[total_q, H, Dv]`) and lse (`[H, total_q]`, float32).
     #[allow(clippy::too_many_arguments)] // the call's six tensors, two offsets and its options
     pub fn varlen_backward(
         d_out: &TensorSpec, q: &TensorSpec, k: &TensorSpec, v: &TensorSpec, o: &TensorSpec, lse: &TensorSpec,
         cu: [&IndexArg; 2], opts: &Options,
     ) -> Result<Problem> {
         let p = Problem::varlen_forward(q, k, v, cu[0], cu[1], opts)?;
-        check_like_q(&[d_out, o], q, &p.q_shape(), p.dtype)?;
+        check_like_o(&[d_out, o], q, &p.o_shape(), p.dtype)?;
         check_lse(lse, &p.lse_shape())?;
         Ok(p)
     }
@@ -154,11 +174,12 @@ impl Problem {
     }
 
     /// Validates the inputs of a backward call, `[d_out, q, k, v, o, lse]`: the forward's inputs
-    /// plus dO (like q), o (like q) and lse ([B, H, Sq], float32), and the forward's mask tensors.
+    /// plus dO and o ([B, Sq, H, Dv], q's dtype) and lse ([B, H, Sq], float32), and the forward's
+    /// mask tensors.
     pub fn backward_masked(t: [&TensorSpec; 6], opts: &Options, masks: &MaskArgs) -> Result<Problem> {
         let [d_out, q, k, v, o, lse] = t;
         let (dims, dtype) = check_qkv(q, k, v)?;
-        check_like_q(&[d_out, o], q, &dims.q_shape(), dtype)?;
+        check_like_o(&[d_out, o], q, &dims.o_shape(), dtype)?;
         check_lse(lse, &dims.lse_shape())?;
         Problem::finish(dims, dtype, opts, masks)
     }
@@ -202,20 +223,31 @@ impl Problem {
         self.mask.is_plain() && self.mods.is_none()
     }
 
-    /// Shapes of the call's tensors: padded `[B, Sq, H, D]`, `[B, Sk, Hkv, D]`, `[B, H, Sq]`;
-    /// varlen `[total_q, H, D]`, `[total_k, Hkv, D]`, `[H, total_q]`.
+    /// Shapes of the call's tensors: padded `[B, Sq, H, D]` (q, dq), `[B, Sk, Hkv, D]` (k, dk),
+    /// `[B, Sk, Hkv, Dv]` (v, dv), `[B, Sq, H, Dv]` (o, dO), `[B, H, Sq]` (lse); varlen
+    /// `[total_q, H, D]`, `[total_k, Hkv, D]`, `[total_k, Hkv, Dv]`, `[total_q, H, Dv]`,
+    /// `[H, total_q]`.
     pub fn q_shape(&self) -> Vec<usize> {
-        let d = &self.dims;
-        match self.mask.varlen {
-            Some(v) => vec![v.total_q, d.heads, d.head_dim],
-            None => d.q_shape().to_vec(),
-        }
+        self.rows_shape(true, self.dims.head_dim)
     }
     pub fn kv_shape(&self) -> Vec<usize> {
+        self.rows_shape(false, self.dims.head_dim)
+    }
+    pub fn v_shape(&self) -> Vec<usize> {
+        self.rows_shape(false, self.dims.head_dim_v)
+    }
+    pub fn o_shape(&self) -> Vec<usize> {
+        self.rows_shape(true, self.dims.head_dim_v)
+    }
+    /// The query side's (`query`) or the key side's tensor of head dim `width`.
+    fn rows_shape(&self, query: bool, width: usize) -> Vec<usize> {
         let d = &self.dims;
-        match self.mask.varlen {
-            Some(v) => vec![v.total_k, d.kv_heads, d.head_dim],
-            None => d.kv_shape().to_vec(),
+        let heads = if query { d.heads } else { d.kv_heads };
+        match (self.mask.varlen, query) {
+            (Some(v), true) => vec![v.total_q, heads, width],
+            (Some(v), false) => vec![v.total_k, heads, width],
+            (None, true) => vec![d.batch, d.seq_q, heads, width],
+            (None, false) => vec![d.batch, d.seq_k, heads, width],
         }
     }
     pub fn lse_shape(&self) -> Vec<usize> {
@@ -224,22 +256,28 @@ impl Problem {
             None => self.dims.lse_shape().to_vec(),
         }
     }
-    /// Element counts of q (and o, dO, dq), of k (and v, dk, dv) and of lse.
+    /// Element counts of q (and dq), of k (and dk), of v (and dv), of o (and dO) and of lse.
     pub fn q_len(&self) -> usize {
         self.q_shape().iter().product()
     }
     pub fn kv_len(&self) -> usize {
         self.kv_shape().iter().product()
     }
+    pub fn v_len(&self) -> usize {
+        self.v_shape().iter().product()
+    }
+    pub fn o_len(&self) -> usize {
+        self.o_shape().iter().product()
+    }
     pub fn lse_len(&self) -> usize {
         self.lse_shape().iter().product()
     }
     /// Rows of q viewed as `[rows, H, D]` (B·Sq, or total_q) and of k as `[rows, Hkv, D]`.
     pub fn q_rows(&self) -> usize {
-        self.q_len() / (self.dims.heads * self.dims.head_dim).max(1)
+        self.q_shape()[..self.q_shape().len() - 2].iter().product()
     }
     pub fn k_rows(&self) -> usize {
-        self.kv_len() / (self.dims.kv_heads * self.dims.head_dim).max(1)
+        self.kv_shape()[..self.kv_shape().len() - 2].iter().product()
     }
     /// Index in lse of (batch row b, head h, its query row 0): padded `[B, H, Sq]`, varlen `[H, total_q]`.
     pub fn lse_base(&self, b: usize, h: usize) -> usize {
@@ -259,14 +297,19 @@ impl Problem {
     }
 }
 
-/// dO and o must have q's shape and dtype.
-fn check_like_q(ts: &[&TensorSpec], q: &TensorSpec, q_shape: &[usize], dtype: DType) -> Result<()> {
+/// dO and o must have the shape `o_shape` (q's with v's head dim) and q's dtype.
+fn check_like_o(ts: &[&TensorSpec], q: &TensorSpec, o_shape: &[usize], dtype: DType) -> Result<()> {
     let qn = q.name;
     for t in ts {
         let (name, t_dtype) = (t.name, parse_dtype(t)?);
-        if t.shape != q_shape {
+        if t.shape != o_shape {
             let shape = t.shape;
-            return Err(FlashError::Shape(format!("{name} has shape {shape:?}; it must match {qn}'s shape {q_shape:?}")));
+            let want = if o_shape.last() == q.shape.last() {
+                format!("it must match {qn}'s shape {o_shape:?}")
+            } else {
+                format!("it must be {qn}'s shape with v's head_dim, {o_shape:?}")
+            };
+            return Err(FlashError::Shape(format!("{name} has shape {shape:?}; {want}")));
         }
         if t_dtype != dtype {
             let (got, want) = (t_dtype.name(), dtype.name());
@@ -348,9 +391,12 @@ fn check_qkv(q: &TensorSpec, k: &TensorSpec, v: &TensorSpec) -> Result<(Dims, DT
             )));
         }
     }
-    if k.shape != v.shape {
+    // v has k's batch, keys and heads; its head dim (Dv) is its own.
+    if k.shape[..3] != v.shape[..3] {
         let (ks, vs) = (k.shape, v.shape);
-        return Err(FlashError::Shape(format!("{kn} has shape {ks:?} but {vn} has shape {vs:?}; they must match")));
+        return Err(FlashError::Shape(format!(
+            "{kn} has shape {ks:?} but {vn} has shape {vs:?}; they must match but for the last (head_dim) axis"
+        )));
     }
     let (qs, ks) = (q.shape, k.shape);
     if qs[0] != ks[0] {
@@ -372,10 +418,17 @@ fn check_qkv(q: &TensorSpec, k: &TensorSpec, v: &TensorSpec) -> Result<(Dims, DT
         heads: qs[2],
         kv_heads: ks[2],
         head_dim: qs[3],
+        head_dim_v: v.shape[3],
     };
     if dims.head_dim == 0 || dims.head_dim > MAX_HEAD_DIM {
         return Err(FlashError::Shape(format!(
             "head_dim must be between 1 and {MAX_HEAD_DIM}; {qn} has shape {qs:?}"
+        )));
+    }
+    if dims.head_dim_v == 0 || dims.head_dim_v > MAX_HEAD_DIM {
+        return Err(FlashError::Shape(format!(
+            "{vn}'s head_dim must be between 1 and {MAX_HEAD_DIM}; {vn} has shape {:?}",
+            v.shape
         )));
     }
     if dims.heads == 0 || dims.kv_heads == 0 {

@@ -121,3 +121,59 @@ fn device_memory_has_no_byte_count_to_check() {
     let t = TensorSpec { nbytes: None, ..spec(DType::F16, &shape) };
     assert!(Problem::forward(&t, &t, &t, &Options::default()).is_ok());
 }
+
+#[test]
+fn v_has_its_own_head_dim() {
+    let f = DType::F32;
+    let (q, k) = ([1usize, 4, 2, 59], [1usize, 6, 1, 59]);
+    for dv in [1, 24, 59, 128, 256] {
+        let v = [1, 6, 1, dv];
+        let p = fwd(named("q", f, &q), named("k", f, &k), named("v", f, &v)).unwrap();
+        assert_eq!((p.dims.head_dim, p.dims.head_dim_v), (59, dv));
+        assert_eq!((p.o_shape(), p.v_shape(), p.q_shape(), p.kv_shape()), (vec![1, 4, 2, dv], v.to_vec(), q.to_vec(), k.to_vec()));
+        assert_eq!(p.scale, (1.0 / 59f64.sqrt()) as f32, "the default scale is 1/sqrt(D), not Dv");
+    }
+    for dv in [0, 257] {
+        let err = fwd(named("q", f, &q), named("k", f, &k), named("v", f, &[1, 6, 1, dv])).unwrap_err();
+        assert_eq!(err.kind(), "shape");
+        assert!(err.to_string().starts_with("v's head_dim must be between 1 and 256"), "{err}");
+    }
+    // v keeps k's batch, keys and heads.
+    for v in [[1, 5, 1, 24], [1, 6, 2, 24], [2, 6, 1, 24]] {
+        let err = fwd(named("q", f, &q), named("k", f, &k), named("v", f, &v)).unwrap_err();
+        assert_eq!(err.kind(), "shape");
+        assert!(err.to_string().contains("but for the last (head_dim) axis"), "{err}");
+    }
+}
+
+#[test]
+fn backward_o_and_d_out_take_vs_head_dim() {
+    let f = DType::F32;
+    let (q, k, v, o, lse) = ([1usize, 4, 2, 59], [1usize, 6, 1, 59], [1usize, 6, 1, 24], [1usize, 4, 2, 24], [1usize, 2, 4]);
+    let bwd = |d_out: &[usize], o: &[usize]| {
+        let (q, k, v, lse) = (named("q", f, &q), named("k", f, &k), named("v", f, &v), named("lse", f, &lse));
+        Problem::backward(&named("do", f, d_out), &q, &k, &v, &named("o", f, o), &lse, &Options::default())
+    };
+    let p = bwd(&o, &o).unwrap();
+    assert_eq!((p.o_len(), p.v_len(), p.q_len()), (4 * 2 * 24, 6 * 24, 4 * 2 * 59));
+    let err = bwd(&o, &q).unwrap_err();
+    assert_eq!(err.to_string(), "o has shape [1, 4, 2, 59]; it must be q's shape with v's head_dim, [1, 4, 2, 24]");
+    let err = bwd(&q, &o).unwrap_err();
+    assert!(err.to_string().starts_with("do has shape [1, 4, 2, 59]"), "{err}");
+    let err = bwd(&[1, 4, 2, 25], &o).unwrap_err();
+    assert_eq!(err.kind(), "shape");
+}
+
+#[test]
+fn varlen_v_has_its_own_head_dim() {
+    let f = DType::F32;
+    let cu = [0, 3, 7];
+    let shape = [3usize];
+    let arg = |name| flash_core::IndexArg { spec: TensorSpec { name, dtype: "int32", shape: &shape, nbytes: None }, values: &cu };
+    let (q, k, v) = (named("q", f, &[7, 2, 3]), named("k", f, &[7, 1, 3]), named("v", f, &[7, 1, 200]));
+    let p = Problem::varlen_forward(&q, &k, &v, &arg("cu_seqlens_q"), &arg("cu_seqlens_k"), &Options::default()).unwrap();
+    assert_eq!((p.o_shape(), p.v_shape(), p.q_rows(), p.k_rows()), (vec![7, 2, 200], vec![7, 1, 200], 7, 7));
+    let bad = named("v", f, &[6, 1, 200]);
+    let err = Problem::varlen_forward(&q, &k, &bad, &arg("cu_seqlens_q"), &arg("cu_seqlens_k"), &Options::default()).unwrap_err();
+    assert!(err.to_string().contains("[6, 1, 200]") && err.to_string().contains("[7, 1, 3]"), "{err}");
+}

@@ -65,7 +65,7 @@ fn cu_seqlens(terms: Term) -> Result<[IndexTensor; 2], Reason> {
 fn run_forward<'a>(
     env: Env<'a>, device: Device, p: &Problem, t: &[HostTensor; 3], masks: MaskBuffers,
 ) -> Result<Vec<Term<'a>>, Reason> {
-    let mut o = Output::alloc("o", &p.q_shape(), p.dtype)?;
+    let mut o = Output::alloc("o", &p.o_shape(), p.dtype)?;
     let mut lse = Output::alloc("lse", &p.lse_shape(), DType::F32)?;
     let io = ForwardIo::new(t.each_ref().map(HostTensor::bytes), [o.bytes_mut(), lse.bytes_mut()]).with_mask(masks);
     forward_host(device, p, io)?;
@@ -78,7 +78,7 @@ fn run_backward<'a>(
 ) -> Result<Vec<Term<'a>>, Reason> {
     let mut dq = Output::alloc("dq", &p.q_shape(), p.dtype)?;
     let mut dk = Output::alloc("dk", &p.kv_shape(), p.dtype)?;
-    let mut dv = Output::alloc("dv", &p.kv_shape(), p.dtype)?;
+    let mut dv = Output::alloc("dv", &p.v_shape(), p.dtype)?;
     let mut dsinks = p.mods.sinks.as_ref().map(|_| Output::alloc("dsinks", &[p.dims.heads], DType::F32)).transpose()?;
     let outs = [dq.bytes_mut(), dk.bytes_mut(), dv.bytes_mut()];
     let mut io = BackwardIo::new(a.each_ref().map(HostTensor::bytes), outs).with_mask(masks);
@@ -95,7 +95,8 @@ const FORWARD: [&str; 3] = ["q", "k", "v"];
 const BACKWARD: [&str; 6] = ["d_out", "q", "k", "v", "o", "lse"];
 
 /// `forward([q, k, v], masks, options)` → `{:ok, {o, o_shape}, {lse, lse_shape}}` for q
-/// `[B, Sq, H, D]`, k and v `[B, Sk, Hkv, D]` (masks and options: see [`args`]).
+/// `[B, Sq, H, D]`, k `[B, Sk, Hkv, D]` and v `[B, Sk, Hkv, Dv]`: o is `[B, Sq, H, Dv]` (masks
+/// and options: see [`args`]).
 #[rustler::nif(schedule = "DirtyCpu")]
 fn forward<'a>(env: Env<'a>, tensors: Term<'a>, masks: Term<'a>, opts: Term<'a>) -> Term<'a> {
     guard(env, || {
@@ -108,8 +109,8 @@ fn forward<'a>(env: Env<'a>, tensors: Term<'a>, masks: Term<'a>, opts: Term<'a>)
     })
 }
 
-/// `backward([d_out, q, k, v, o, lse], masks, options)` → `{:ok, {dq, q_shape}, {dk, kv_shape},
-/// {dv, kv_shape}}` (and `{dsinks, {H}}` last with sinks), from the forward's inputs, masks and options, its output `o`, its `lse`
+/// `backward([d_out, q, k, v, o, lse], masks, options)` → `{:ok, {dq, q_shape}, {dk, k_shape},
+/// {dv, v_shape}}` (and `{dsinks, {H}}` last with sinks), from the forward's inputs, masks and options, its output `o`, its `lse`
 /// (`[B, H, Sq]`, float32) and the output gradient `d_out`.
 #[rustler::nif(schedule = "DirtyCpu")]
 fn backward<'a>(env: Env<'a>, tensors: Term<'a>, masks: Term<'a>, opts: Term<'a>) -> Term<'a> {
@@ -125,7 +126,8 @@ fn backward<'a>(env: Env<'a>, tensors: Term<'a>, masks: Term<'a>, opts: Term<'a>
 }
 
 /// `varlen_forward([q, k, v], [cu_seqlens_q, cu_seqlens_k], options)`: packed sequences, q
-/// `[total_q, H, D]`, k and v `[total_k, Hkv, D]`; lse comes back `[H, total_q]`.
+/// `[total_q, H, D]`, k `[total_k, Hkv, D]`, v `[total_k, Hkv, Dv]`; o comes back
+/// `[total_q, H, Dv]` and lse `[H, total_q]`.
 #[rustler::nif(schedule = "DirtyCpu")]
 fn varlen_forward<'a>(env: Env<'a>, tensors: Term<'a>, cu: Term<'a>, opts: Term<'a>) -> Term<'a> {
     guard(env, || {

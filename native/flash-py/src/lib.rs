@@ -57,7 +57,7 @@ fn backward_host_arrays<'py>(
     run_backward(py, device, &p, a, c.masks.buffers())
 }
 
-/// (o [total_q, H, D], lse [H, total_q]) for packed NumPy `inputs` = [q, k, v] and
+/// (o [total_q, H, Dv], lse [H, total_q]) for packed NumPy `inputs` = [q, k, v] and
 /// `cu_seqlens` = [cu_seqlens_q, cu_seqlens_k] (int32 [B + 1]).
 #[pyfunction]
 #[pyo3(signature = (inputs, cu_seqlens, device, **options))]
@@ -98,26 +98,27 @@ pub(crate) fn cu_seqlens_arrays<'py>(arrays: &[Array<'py>]) -> Result<[Index<'py
     }
 }
 
-/// Allocates o and lse for `p` and runs the forward without the GIL.
+/// Allocates o ([`Problem::o_shape`]: q's rows with v's head dim) and lse for `p` and runs the
+/// forward without the GIL.
 fn run_forward<'py>(
     py: Python<'py>, device: Device, p: &Problem, [q, k, v]: [HostArray<'py>; 3], mask: MaskBuffers,
 ) -> Result<(Array<'py>, Array<'py>), PyFlashError> {
-    let o = empty_like_dtype(py, &p.q_shape(), &q)?;
+    let o = empty_like_dtype(py, &p.o_shape(), &q)?;
     let lse = empty_f32(py, &p.lse_shape())?;
     let io = ForwardIo::new([&q, &k, &v].map(HostArray::bytes), [o.bytes_mut(), lse.bytes_mut()]).with_mask(mask);
     py.detach(|| forward_host(device, p, io))?;
     Ok((o.array.into_any(), lse.array.into_any()))
 }
 
-/// Allocates dq, dk, dv (and dsinks [H] f32 when `p` has sinks) and runs the backward without
-/// the GIL; returns them as a tuple.
+/// Allocates dq, dk, dv for `p` (the shapes of q, k and v; and dsinks [H] f32 when `p` has sinks)
+/// and runs the backward without the GIL; returns them as a tuple.
 fn run_backward<'py>(
     py: Python<'py>, device: Device, p: &Problem, a: [HostArray<'py>; 6], mask: MaskBuffers,
 ) -> Result<Bound<'py, PyTuple>, PyFlashError> {
     let [_, q, k, v, ..] = &a;
     let dq = empty_like_dtype(py, &p.q_shape(), q)?;
     let dk = empty_like_dtype(py, &p.kv_shape(), k)?;
-    let dv = empty_like_dtype(py, &p.kv_shape(), v)?;
+    let dv = empty_like_dtype(py, &p.v_shape(), v)?;
     let dsinks = p.mods.sinks.as_ref().map(|_| empty_f32(py, &[p.dims.heads])).transpose()?;
     let mut io = BackwardIo::new(a.each_ref().map(HostArray::bytes), [dq.bytes_mut(), dk.bytes_mut(), dv.bytes_mut()])
         .with_mask(mask);

@@ -9,8 +9,10 @@ defmodule ExPhil.Native.FlashAttention do
 
   | tensor               | shape                         | type                              |
   |----------------------|-------------------------------|-----------------------------------|
-  | `q`, `output`, `d_out`, `dq` | `{batch, seq_q, heads, head_dim}` | `{:f, 32}`, `{:f, 16}` or `{:bf, 16}` |
-  | `k`, `v`, `dk`, `dv` | `{batch, seq_k, kv_heads, head_dim}` | same as `q`                |
+  | `q`, `dq`            | `{batch, seq_q, heads, head_dim}` | `{:f, 32}`, `{:f, 16}` or `{:bf, 16}` |
+  | `k`, `dk`            | `{batch, seq_k, kv_heads, head_dim}` | same as `q`                |
+  | `v`, `dv`            | `{batch, seq_k, kv_heads, head_dim_v}` | same as `q`              |
+  | `output`, `d_out`    | `{batch, seq_q, heads, head_dim_v}` | same as `q`                |
   | `logsumexp`          | `{batch, heads, seq_q}`       | always `{:f, 32}`                 |
   | `:segment_ids`       | `{seg_q, seg_k}`: `{batch, seq_q}`, `{batch, seq_k}` | `{:s, 32}` |
   | `:seqused_k`, `:leftpad_k` | `{batch}`               | `{:s, 32}`                        |
@@ -18,9 +20,14 @@ defmodule ExPhil.Native.FlashAttention do
   | `:alibi_slopes`      | `{heads}` or `{batch, heads}` | `{:f, 32}`                        |
   | `:sinks`, `dsinks`   | `{heads}`                     | `{:f, 32}`                        |
 
+  `head_dim` and `head_dim_v` are each any size from 1 to 256, on the CPU and the GPU; `v` may have
+  its own `head_dim_v` (DeepSeek-style attention: 192 for `q` and `k`, 128 for `v`), which the
+  output takes.
+
   A varlen call (`varlen_forward_with_states/6`, `varlen_backward/9`) packs its sequences
-  instead: `q`, `output`, `d_out`, `dq` are `{total_q, heads, head_dim}`, `k`, `v`, `dk`, `dv`
-  `{total_k, kv_heads, head_dim}`, `logsumexp` `{heads, total_q}`, and `cu_seqlens_q`,
+  instead: `q`, `dq` are `{total_q, heads, head_dim}`, `output`, `d_out` `{total_q, heads,
+  head_dim_v}`, `k`, `dk` `{total_k, kv_heads, head_dim}`, `v`, `dv` `{total_k, kv_heads,
+  head_dim_v}`, `logsumexp` `{heads, total_q}`, and `cu_seqlens_q`,
   `cu_seqlens_k` are `{:s, 32}` `{batch + 1}` (0, then running totals: non-decreasing, ending
   at `total_q` and `total_k`).
 
@@ -36,7 +43,8 @@ defmodule ExPhil.Native.FlashAttention do
       bottom-right: query `i` sees keys `j <= i + seq_k - seq_q`. A row that sees no key (here
       or by any mask below) gives output 0, logsumexp `:neg_infinity` and zero gradients, never
       NaN.
-    * `:scale` — softmax scale, a positive number (default `1 / sqrt(head_dim)`).
+    * `:scale` — softmax scale, a positive number (default `1 / sqrt(head_dim)`, `q` and `k`'s
+      head dim).
     * `:device` — `:cpu` (default, like NumPy arrays in the Python API), `:cuda` (an error when
       no GPU backend is available; never a silent CPU run) or `:auto` (the GPU when the library
       has its CUDA backend and a GPU is present, else the CPU).
@@ -217,8 +225,8 @@ defmodule ExPhil.Native.FlashAttention do
           | {:sinks, tensor | nil}
 
   @doc """
-  Attention output for `q` `{b, seq_q, heads, d}`, `k` and `v` `{b, seq_k, kv_heads, d}`:
-  `{:ok, output}` with output `{b, seq_q, heads, d}` in `q`'s type.
+  Attention output for `q` `{b, seq_q, heads, d}`, `k` `{b, seq_k, kv_heads, d}` and `v`
+  `{b, seq_k, kv_heads, dv}`: `{:ok, output}` with output `{b, seq_q, heads, dv}` in `q`'s type.
   """
   @spec forward(tensor, tensor, tensor, [option]) :: {:ok, tensor} | {:error, reason}
   def forward(q, k, v, opts \\ []) do
@@ -227,7 +235,7 @@ defmodule ExPhil.Native.FlashAttention do
 
   @doc """
   Attention output and the row log-sum-exp the backward needs: `{:ok, output, logsumexp}`,
-  output `{b, seq_q, heads, d}` in `q`'s type and logsumexp `{b, heads, seq_q}` in `{:f, 32}`
+  output `{b, seq_q, heads, dv}` in `q`'s type and logsumexp `{b, heads, seq_q}` in `{:f, 32}`
   (natural log of each row's sum of `exp(scale * q·k)` over the keys it sees).
   """
   @spec forward_with_states(tensor, tensor, tensor, [option]) ::
@@ -245,10 +253,10 @@ defmodule ExPhil.Native.FlashAttention do
 
   @doc """
   Gradients of a loss with respect to `q`, `k` and `v`, given `d_out` (its gradient with respect
-  to `output`, shaped like `q`) and the `output` and `logsumexp` that `forward_with_states/4`
-  returned for the same inputs and options (masks included): `{:ok, dq, dk, dv}` with `dq` shaped
-  like `q` and `dk`, `dv` like `k`, in `q`'s type; with `:sinks`, `{:ok, dq, dk, dv, dsinks}`.
-  Error messages call `output` and `logsumexp` `o` and `lse`.
+  to `output`, shaped like `output`) and the `output` and `logsumexp` that `forward_with_states/4`
+  returned for the same inputs and options (masks included): `{:ok, dq, dk, dv}` shaped like `q`,
+  `k` and `v`, in `q`'s type; with `:sinks`, `{:ok, dq, dk, dv, dsinks}`. Error messages call
+  `output` and `logsumexp` `o` and `lse`.
   """
   @spec backward(tensor, tensor, tensor, tensor, tensor, tensor, [option]) ::
           {:ok, tensor, tensor, tensor} | {:ok, tensor, tensor, tensor, tensor} | {:error, reason}
@@ -267,11 +275,11 @@ defmodule ExPhil.Native.FlashAttention do
 
   @doc """
   Attention over a packed batch of sequences of different lengths: `q` `{total_q, heads, d}`,
-  `k` and `v` `{total_k, kv_heads, d}`, and `cu_seqlens_q`, `cu_seqlens_k` (`{:s, 32}`,
+  `k` `{total_k, kv_heads, d}`, `v` `{total_k, kv_heads, dv}`, and `cu_seqlens_q`, `cu_seqlens_k` (`{:s, 32}`,
   `{batch + 1}`: 0, then the running totals of the lengths): sequence `b` is query rows
   `cu_seqlens_q[b]` to `cu_seqlens_q[b + 1] - 1` against key rows `cu_seqlens_k[b]` to
   `cu_seqlens_k[b + 1] - 1`, attended on its own (`:causal` and `:window` aligned bottom-right
-  within it). `{:ok, output}` with output `{total_q, heads, d}` in `q`'s type.
+  within it). `{:ok, output}` with output `{total_q, heads, dv}` in `q`'s type.
   """
   @spec varlen_forward(tensor, tensor, tensor, tensor, tensor, [varlen_option]) ::
           {:ok, tensor} | {:error, reason}
@@ -299,8 +307,8 @@ defmodule ExPhil.Native.FlashAttention do
 
   @doc """
   Gradients for a packed batch, as `backward/7` for `varlen_forward_with_states/6`: `d_out` and
-  `output` `{total_q, heads, d}`, `logsumexp` `{heads, total_q}`, and the forward's
-  `cu_seqlens_q`, `cu_seqlens_k` and options: `{:ok, dq, dk, dv}` shaped like `q`, `k` and `k`
+  `output` `{total_q, heads, dv}`, `logsumexp` `{heads, total_q}`, and the forward's
+  `cu_seqlens_q`, `cu_seqlens_k` and options: `{:ok, dq, dk, dv}` shaped like `q`, `k` and `v`
   (`{:ok, dq, dk, dv, dsinks}` with `:sinks`).
   """
   @spec varlen_backward(tensor, tensor, tensor, tensor, tensor, tensor, tensor, tensor, [varlen_option]) ::

@@ -32,10 +32,10 @@ use std::f32::consts::{LN_2, LOG2_E};
 /// Inputs of one backward call in the working layouts (see [`Geometry`]).
 struct Packed {
     qs: Buffer,    // [PB·H, Rq, Dp], times scale·log2(e)
-    d_out: Buffer, // [PB·H, Rq, Dp]
+    d_out: Buffer, // [PB·H, Rq, Dvp]
     k: Buffer,     // [PB·Hkv, Rk, Dp]
     kt: Buffer,    // [PB·Hkv, D, Rkp]
-    vt: Buffer,    // [PB·Hkv, D, Rkp]
+    vt: Buffer,    // [PB·Hkv, Dv, Rkp]
     lse2: Buffer,  // [PB·H, Rq], log2 units; +inf for rows that see no key
     delta: Buffer, // [PB·H, Rq]
 }
@@ -48,30 +48,30 @@ struct Ctx<'a> {
     x: Packed,
 }
 
-/// Writes dq (like q), dk and dv (like k) in p.dtype.
+/// Writes dq (like q), dk (like k) and dv (like v) in p.dtype.
 pub fn run(p: &Problem, io: BackwardIo) -> Result<()> {
     let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask, dsinks } = io;
     let geo = Geometry::new(p);
     let x = Packed {
         qs: pack_rows(q, p.dtype, geo.q4(), p.scale * LOG2_E, "packed q")?,
-        d_out: pack_rows(d_out, p.dtype, geo.q4(), 1.0, "packed d_out")?,
+        d_out: pack_rows(d_out, p.dtype, geo.o4(), 1.0, "packed d_out")?,
         k: pack_rows(k, p.dtype, geo.kv4(), 1.0, "packed k")?,
         kt: pack_transposed(k, p.dtype, geo.kv4(), "packed k")?,
-        vt: pack_transposed(v, p.dtype, geo.kv4(), "packed v")?,
+        vt: pack_transposed(v, p.dtype, geo.v4(), "packed v")?,
         lse2: lse_log2(lse)?,
         delta: row_dots(p, &geo, d_out, o)?,
     };
     let cx = Ctx { p, geo, vis: Visibility::new(p, &mask), x };
-    let dp = padded_dim(geo.head_dim);
+    let (dp, dvp) = (padded_dim(geo.head_dim), padded_dim(geo.head_dim_v));
     let mut dq_acc = zeroed(geo.batches * geo.heads * geo.q_rows * dp, "dq accumulator")?; // [PB·H, Rq, Dp]
     let mut dk_acc = zeroed(geo.batches * geo.kv_heads * geo.k_rows * dp, "dk accumulator")?; // [PB·Hkv, Rk, Dp]
-    let mut dv_acc = zeroed(geo.batches * geo.kv_heads * geo.k_rows * dp, "dv accumulator")?; // [PB·Hkv, Rk, Dp]
+    let mut dv_acc = zeroed(geo.batches * geo.kv_heads * geo.k_rows * dvp, "dv accumulator")?; // [PB·Hkv, Rk, Dvp]
 
-    if p.q_len() > 0 && p.kv_len() > 0 {
+    if p.q_rows() > 0 && p.k_rows() > 0 {
         let (q_runs, k_runs) = (query_runs(p), key_runs(p, &geo));
         let dq_seqs = split_rows(&mut dq_acc, dp, &q_runs); // [b·H + h]: [q_len, Dp]
         let dk_seqs = split_rows(&mut dk_acc, dp, &k_runs); // [b·Hkv + hkv]: [k_len, Dp]
-        let dv_seqs = split_rows(&mut dv_acc, dp, &k_runs);
+        let dv_seqs = split_rows(&mut dv_acc, dvp, &k_runs); // [b·Hkv + hkv]: [k_len, Dvp]
         let tasks = p.dims.batch * p.dims.kv_heads;
         let threads = rayon::current_num_threads();
         if tasks % threads == 0 || tasks >= 4 * threads {
@@ -89,7 +89,7 @@ pub fn run(p: &Problem, io: BackwardIo) -> Result<()> {
     // dQ = scale·dS·K; dK = scale·dSᵀ·Q = ln2·dSᵀ·Qs.
     unpack_rows(&dq_acc, dq, p.dtype, geo.q4(), p.scale);
     unpack_rows(&dk_acc, dk, p.dtype, geo.kv4(), LN_2);
-    unpack_rows(&dv_acc, dv, p.dtype, geo.kv4(), 1.0);
+    unpack_rows(&dv_acc, dv, p.dtype, geo.v4(), 1.0);
     Ok(())
 }
 
@@ -124,9 +124,9 @@ fn lse_log2(lse: &[u8]) -> Result<Buffer> {
     Ok(out)
 }
 
-/// delta[pb, h, i] = Σ_d dO[pb, i, h, d] · O[pb, i, h, d], in f32. Returns [PB·H, Rq].
+/// delta[pb, h, i] = Σ_d dO[pb, i, h, d] · O[pb, i, h, d] (d < Dv), in f32. Returns [PB·H, Rq].
 fn row_dots(p: &Problem, geo: &Geometry, d_out: &[u8], o: &[u8]) -> Result<Buffer> {
-    let [_, rq, h, d] = geo.q4();
+    let [_, rq, h, d] = geo.o4();
     let mut delta = zeroed(p.lse_len(), "delta")?;
     if rq == 0 {
         return Ok(delta);
@@ -163,43 +163,50 @@ struct TileRef<'a> {
     rb: RowBlock,
     t: KeyTile,
     d: usize,
+    dv: usize,
     ld: usize,        // of kt and vt
     qs: &'a [f32],    // [br, Dp]
-    d_out: &'a [f32], // [br, Dp]
+    d_out: &'a [f32], // [br, Dvp]
     lse2: &'a [f32],  // [br]
     delta: &'a [f32], // [br]
     k: &'a [f32],     // [bc, Dp]
     kt: &'a [f32],    // [D, ld] from the tile's first key
-    vt: &'a [f32],    // [D, ld] from the tile's first key
+    vt: &'a [f32],    // [Dv, ld] from the tile's first key
 }
 
 impl<'a> TileRef<'a> {
     fn new(cx: &'a Ctx, rb: RowBlock, t: KeyTile) -> Self {
         let (geo, x) = (&cx.geo, &cx.x);
         let (d, dp, ld) = (geo.head_dim, padded_dim(geo.head_dim), transposed_ld(geo.k_rows));
+        let (dv, dvp) = (geo.head_dim_v, padded_dim(geo.head_dim_v));
         let (br, bc) = (rb.rows(), t.cols());
         let hkv = rb.h / cx.p.dims.group();
         let row = cx.p.lse_base(rb.b, rb.h) + rb.r0;
         let key = geo.k_row(&rb.seq, rb.b, hkv) + t.c0;
-        let kt_at = geo.kv_matrix(rb.b, hkv) * d * ld + geo.key_offset(&rb.seq, rb.b) + t.c0;
-        let kt_end = (geo.kv_matrix(rb.b, hkv) + 1) * d * ld;
+        // kt and vt hold one [D, ld] / [Dv, ld] matrix per kv head; the tile starts at its key.
+        let (matrix, key0) = (geo.kv_matrix(rb.b, hkv), geo.key_offset(&rb.seq, rb.b) + t.c0);
         TileRef {
             rb,
             t,
             d,
+            dv,
             ld,
             qs: &x.qs[row * dp..(row + br) * dp],
-            d_out: &x.d_out[row * dp..(row + br) * dp],
+            d_out: &x.d_out[row * dvp..(row + br) * dvp],
             lse2: &x.lse2[row..row + br],
             delta: &x.delta[row..row + br],
             k: &x.k[key * dp..(key + bc) * dp],
-            kt: &x.kt[kt_at..kt_end],
-            vt: &x.vt[kt_at..kt_end],
+            kt: &x.kt[matrix * d * ld + key0..(matrix + 1) * d * ld],
+            vt: &x.vt[matrix * dv * ld + key0..(matrix + 1) * dv * ld],
         }
     }
 
     fn dp(&self) -> usize {
         padded_dim(self.d)
+    }
+
+    fn dvp(&self) -> usize {
+        padded_dim(self.dv)
     }
 
     /// Fills s.p with P and s.ds with dS (with respect to the unmodified scores).
@@ -214,7 +221,8 @@ impl<'a> TileRef<'a> {
         if self.t.masked() {
             cx.vis.mask_scores(&mut s.p, BLOCK_K, &self.rb, &self.t);
         }
-        matmul(br, bc, d, &mut s.ds, BLOCK_K, false, Mat::rows(self.d_out, dp), self.vt, self.ld);
+        let (dv, dvp) = (self.dv, self.dvp());
+        matmul(br, bc, dv, &mut s.ds, BLOCK_K, false, Mat::rows(self.d_out, dvp), self.vt, self.ld);
         simd::probs_and_dscores(&mut s.p, &mut s.ds, bc, BLOCK_K, self.lse2, self.delta);
         if mods.as_ref().is_some_and(TileMods::softcap) {
             softcap_chain(&mut s.ds, &s.tanh, br, bc, BLOCK_K);
@@ -227,13 +235,13 @@ impl<'a> TileRef<'a> {
         matmul(br, d, bc, dq, dp, true, Mat::rows(&s.ds, BLOCK_K), self.k, dp);
     }
 
-    /// dK and dV rows of the key block that starts at `blk` ([≤ BLOCK_K, Dp]): += dSᵀ · Qs and
-    /// += Pᵀ · dO on the tile's keys.
+    /// dK and dV rows of the key block that starts at `blk` ([≤ BLOCK_K, Dp] and [≤ BLOCK_K, Dvp]):
+    /// += dSᵀ · Qs and += Pᵀ · dO on the tile's keys.
     fn add_dkdv(&self, s: &Scratch, blk: usize, dk: &mut [f32], dv: &mut [f32]) {
         let (br, bc, d, dp) = (self.rb.rows(), self.t.cols(), self.d, self.dp());
-        let at = (self.t.c0 - blk) * dp;
-        matmul(bc, d, br, &mut dk[at..], dp, true, Mat::transposed(&s.ds, BLOCK_K), self.qs, dp);
-        matmul(bc, d, br, &mut dv[at..], dp, true, Mat::transposed(&s.p, BLOCK_K), self.d_out, dp);
+        let (first, dvp) = (self.t.c0 - blk, self.dvp());
+        matmul(bc, d, br, &mut dk[first * dp..], dp, true, Mat::transposed(&s.ds, BLOCK_K), self.qs, dp);
+        matmul(bc, self.dv, br, &mut dv[first * dvp..], dvp, true, Mat::transposed(&s.p, BLOCK_K), self.d_out, dvp);
     }
 }
 
@@ -244,9 +252,9 @@ fn fused(cx: &Ctx, dq_seqs: Vec<&mut [f32]>, dk_seqs: Vec<&mut [f32]>, dv_seqs: 
     let tasks: Vec<_> = dk_seqs.into_iter().zip(dv_seqs).map(|kv| (dq_groups.by_ref().take(g).collect::<Vec<_>>(), kv)).collect();
     tasks.into_par_iter().enumerate().for_each(|(bkv, (mut dq_group, (dk_seq, dv_seq)))| {
         let (b, hkv) = (bkv / cx.p.dims.kv_heads, bkv % cx.p.dims.kv_heads);
-        let (seq, dp) = (cx.p.mask.seq(b), padded_dim(cx.geo.head_dim));
+        let (seq, dp, dvp) = (cx.p.mask.seq(b), padded_dim(cx.geo.head_dim), padded_dim(cx.geo.head_dim_v));
         let mut s = Scratch::new(cx.p);
-        for (i, (dk_blk, dv_blk)) in dk_seq.chunks_mut(BLOCK_K * dp).zip(dv_seq.chunks_mut(BLOCK_K * dp)).enumerate() {
+        for (i, (dk_blk, dv_blk)) in dk_seq.chunks_mut(BLOCK_K * dp).zip(dv_seq.chunks_mut(BLOCK_K * dvp)).enumerate() {
             let blk = i * BLOCK_K;
             for (gi, dq_head) in dq_group.iter_mut().enumerate() {
                 for r0 in cx.vis.query_blocks(&seq, blk) {
@@ -282,10 +290,11 @@ fn split_dq(cx: &Ctx, dq_seqs: Vec<&mut [f32]>) {
 
 /// dK and dV, one task per (batch row, kv head, key block).
 fn split_dkdv(cx: &Ctx, dk_seqs: Vec<&mut [f32]>, dv_seqs: Vec<&mut [f32]>) {
-    let (hkv, g, dp) = (cx.p.dims.kv_heads, cx.p.dims.group(), padded_dim(cx.geo.head_dim));
+    let (hkv, g) = (cx.p.dims.kv_heads, cx.p.dims.group());
+    let (dp, dvp) = (padded_dim(cx.geo.head_dim), padded_dim(cx.geo.head_dim_v));
     let mut tasks = Vec::new();
     for (bk, (dk_seq, dv_seq)) in dk_seqs.into_iter().zip(dv_seqs).enumerate() {
-        let blocks = dk_seq.chunks_mut(BLOCK_K * dp).zip(dv_seq.chunks_mut(BLOCK_K * dp));
+        let blocks = dk_seq.chunks_mut(BLOCK_K * dp).zip(dv_seq.chunks_mut(BLOCK_K * dvp));
         tasks.extend(blocks.enumerate().map(|(i, (dk_blk, dv_blk))| (bk, i * BLOCK_K, dk_blk, dv_blk)));
     }
     tasks.into_par_iter().for_each(|(bk, blk, dk_blk, dv_blk)| {

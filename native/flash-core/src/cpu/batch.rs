@@ -1,8 +1,8 @@
 //! Where each batch row lives in the working layouts, and the split of an output buffer into one
 //! piece per (batch row, head) so that parallel tasks own disjoint pieces.
 //!
-//! The layouts see q as `[PB, Rq, H, D]` and k/v as `[PB, Rk, Hkv, D]`: a padded call is its own
-//! `[B, Sq, H, D]` (PB = B), a varlen call one batch of `total_q` (`total_k`) rows in which each
+//! The layouts see q as `[PB, Rq, H, D]`, k as `[PB, Rk, Hkv, D]`, v as `[PB, Rk, Hkv, Dv]` and o
+//! as `[PB, Rq, H, Dv]`: a padded call is its own `[B, Sq, H, D]` (PB = B), a varlen call one batch of `total_q` (`total_k`) rows in which each
 //! sequence is a run of rows (PB = 1). So the rows layout `[PB·H, Rq, Dp]` orders its rows like
 //! lse (`[B, H, Sq]` or `[H, total_q]`): batch row b's query row 0 of head h is packed row
 //! `p.lse_base(b, h)`.
@@ -18,7 +18,8 @@ pub struct Geometry {
     pub k_rows: usize,  // Rk: Sk, or total_k
     pub heads: usize,
     pub kv_heads: usize,
-    pub head_dim: usize,
+    pub head_dim: usize,   // D: q, k, dq, dk
+    pub head_dim_v: usize, // Dv: v, o, dO, dv
     varlen: bool,
 }
 
@@ -30,17 +31,27 @@ impl Geometry {
             None => (d.batch, d.seq_q, d.seq_k),
         };
         let varlen = p.mask.varlen.is_some();
-        Geometry { batches, q_rows, k_rows, heads: d.heads, kv_heads: d.kv_heads, head_dim: d.head_dim, varlen }
+        Geometry { batches, q_rows, k_rows, heads: d.heads, kv_heads: d.kv_heads, head_dim: d.head_dim, head_dim_v: d.head_dim_v, varlen }
     }
 
-    /// q (o, dO, dq) as `[PB, Rq, H, D]`.
+    /// q (dq) as `[PB, Rq, H, D]`.
     pub fn q4(&self) -> [usize; 4] {
         [self.batches, self.q_rows, self.heads, self.head_dim]
     }
 
-    /// k (v, dk, dv) as `[PB, Rk, Hkv, D]`.
+    /// o (dO) as `[PB, Rq, H, Dv]`.
+    pub fn o4(&self) -> [usize; 4] {
+        [self.batches, self.q_rows, self.heads, self.head_dim_v]
+    }
+
+    /// k (dk) as `[PB, Rk, Hkv, D]`.
     pub fn kv4(&self) -> [usize; 4] {
         [self.batches, self.k_rows, self.kv_heads, self.head_dim]
+    }
+
+    /// v (dv) as `[PB, Rk, Hkv, Dv]`.
+    pub fn v4(&self) -> [usize; 4] {
+        [self.batches, self.k_rows, self.kv_heads, self.head_dim_v]
     }
 
     /// The packed batch that holds batch row b.

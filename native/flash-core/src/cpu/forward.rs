@@ -19,43 +19,44 @@ use std::f32::consts::{LN_2, LOG2_E};
 struct Packed {
     qs: Buffer, // [PB·H, Rq, Dp], times scale·log2(e) so that Q·Kᵀ is already in exp2 units
     kt: Buffer, // [PB·Hkv, D, Rkp]
-    v: Buffer,  // [PB·Hkv, Rk, Dp]
+    v: Buffer,  // [PB·Hkv, Rk, Dvp]
 }
 
-/// q, k, v in p.dtype (shapes [`Problem::q_shape`] and [`Problem::kv_shape`]); writes o
-/// (p.dtype, like q) and lse (f32, natural log, [`Problem::lse_shape`]).
+/// q, k, v in p.dtype (shapes [`Problem::q_shape`], [`Problem::kv_shape`], [`Problem::v_shape`]);
+/// writes o (p.dtype, [`Problem::o_shape`]) and lse (f32, natural log, [`Problem::lse_shape`]).
 pub fn run(p: &Problem, io: ForwardIo) -> Result<()> {
     let ForwardIo { q, k, v, o, lse, mask } = io;
     let geo = Geometry::new(p);
-    let dp = padded_dim(geo.head_dim);
+    let dvp = padded_dim(geo.head_dim_v);
     let x = Packed {
         qs: pack_rows(q, p.dtype, geo.q4(), p.scale * LOG2_E, "packed q")?,
         kt: pack_transposed(k, p.dtype, geo.kv4(), "packed k")?,
-        v: pack_rows(v, p.dtype, geo.kv4(), 1.0, "packed v")?,
+        v: pack_rows(v, p.dtype, geo.v4(), 1.0, "packed v")?,
     };
     let vis = Visibility::new(p, &mask);
-    let mut o_acc = zeroed(geo.batches * geo.heads * geo.q_rows * dp, "output accumulator")?; // [PB·H, Rq, Dp]
+    let mut o_acc = zeroed(geo.batches * geo.heads * geo.q_rows * dvp, "output accumulator")?; // [PB·H, Rq, Dvp]
     let mut lse_acc = filled(p.lse_len(), f32::NEG_INFINITY, "lse")?; // [PB·H, Rq], lse's own layout
 
     let runs = query_runs(p);
-    let o_seqs = split_rows(&mut o_acc, dp, &runs);
+    let o_seqs = split_rows(&mut o_acc, dvp, &runs);
     let lse_seqs = split_rows(&mut lse_acc, 1, &runs);
     let mut tasks = Vec::new(); // one per (batch row, head, query block)
     for (bh, (o_seq, lse_seq)) in o_seqs.into_iter().zip(lse_seqs).enumerate() {
         let (b, h) = (bh / geo.heads, bh % geo.heads);
-        let blocks = o_seq.chunks_mut(BLOCK_Q * dp).zip(lse_seq.chunks_mut(BLOCK_Q));
+        let blocks = o_seq.chunks_mut(BLOCK_Q * dvp).zip(lse_seq.chunks_mut(BLOCK_Q));
         tasks.extend(blocks.enumerate().map(|(i, (o_rows, lse_rows))| (RowBlock::new(b, h, p.mask.seq(b), i * BLOCK_Q), o_rows, lse_rows)));
     }
     tasks.into_par_iter().for_each(|(rb, o_rows, lse_rows)| row_block(p, &geo, &vis, &x, &rb, o_rows, lse_rows));
 
-    unpack_rows(&o_acc, o, p.dtype, geo.q4(), 1.0);
+    unpack_rows(&o_acc, o, p.dtype, geo.o4(), 1.0);
     DType::F32.store(&lse_acc, lse, 0);
     Ok(())
 }
 
-/// One block of query rows: o [br, Dp] (zeroed; receives O), lse [br].
+/// One block of query rows: o [br, Dvp] (zeroed; receives O), lse [br].
 fn row_block(p: &Problem, geo: &Geometry, vis: &Visibility, x: &Packed, rb: &RowBlock, o: &mut [f32], lse: &mut [f32]) {
     let (d, dp) = (geo.head_dim, padded_dim(geo.head_dim));
+    let (dv, dvp) = (geo.head_dim_v, padded_dim(geo.head_dim_v));
     let skp = transposed_ld(geo.k_rows);
     let br = rb.rows();
     let hkv = rb.h / p.dims.group();
@@ -63,7 +64,7 @@ fn row_block(p: &Problem, geo: &Geometry, vis: &Visibility, x: &Packed, rb: &Row
     let q = &x.qs[row * dp..(row + br) * dp]; // [br, Dp]
     let kt_head = &x.kt[geo.kv_matrix(rb.b, hkv) * d * skp..][..d * skp]; // [D, Skp]
     let key0 = geo.key_offset(&rb.seq, rb.b); // column (kt) and row (v) of the batch row's key 0
-    let v_head = &x.v[geo.kv_matrix(rb.b, hkv) * geo.k_rows * dp..][..geo.k_rows * dp]; // [Rk, Dp]
+    let v_head = &x.v[geo.kv_matrix(rb.b, hkv) * geo.k_rows * dvp..][..geo.k_rows * dvp]; // [Rk, Dvp]
     let mut s = vec![0.0f32; br * BLOCK_K]; // [br, BLOCK_K] scores, then probabilities
     // A sink starts every row's softmax: max = sink, sum = exp2(sink - sink) = 1.
     let sink = sink2(p, rb.h);
@@ -82,12 +83,12 @@ fn row_block(p: &Problem, geo: &Geometry, vis: &Visibility, x: &Packed, rb: &Row
             vis.mask_scores(&mut s, BLOCK_K, rb, &t);
         }
         simd::online_softmax(&mut s, bc, BLOCK_K, &mut m, &mut l, &mut alpha);
-        simd::scale_rows(o, dp, &alpha);
-        matmul(br, d, bc, o, dp, true, Mat::rows(&s, BLOCK_K), &v_head[c0 * dp..], dp);
+        simd::scale_rows(o, dvp, &alpha);
+        matmul(br, dv, bc, o, dvp, true, Mat::rows(&s, BLOCK_K), &v_head[c0 * dvp..], dvp);
     }
 
     for r in 0..br {
-        let row = &mut o[r * dp..r * dp + d];
+        let row = &mut o[r * dvp..r * dvp + dv];
         if l[r] == 0.0 {
             // The row sees no key (and has no sink): o = 0, lse = -inf.
             row.fill(0.0);

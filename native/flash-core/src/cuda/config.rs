@@ -62,14 +62,18 @@ pub fn variant(spec: &Spec, set: TileSet) -> Variant {
 
 /// The masked kernels' tiles: the plain ones, except where the run-time masks' registers make
 /// them spill (the fp32 SIMT forward's 128 x 128 tile, on sm_80), and, with modifiers, the
-/// atomic-dQ dK/dV kernel at D <= 128, which takes 64 keys on 4 warps and fewer query rows per
-/// step (its 128-key tile spilled 148-384 bytes on sm_90a with the softcap's chain rule, and the
-/// deterministic kernel's tiles 16-32, NVRTC 13.5).
+/// atomic-dQ dK/dV kernel at D <= 128, which takes 64 keys per block (its 128-key tile spilled
+/// 148-384 bytes on sm_90a with the softcap's chain rule, NVRTC 13.5), and at D = 128 splits the
+/// head dim over two warps (4 warps of 64 x 64 spilled 32 bytes, 32-row steps 332).
 fn masked_tiles(kernel: Kernel, dtype: DType, d: usize, t: Tiles, mods: bool) -> Tiles {
     if kernel == Kernel::Fwd && dtype == DType::F32 && simt_f32(d) && t.block_n > 64 {
         Tiles { block_n: 64, ..t }
     } else if mods && kernel == Kernel::BwdDkdvDq && dtype != DType::F32 && d <= 128 {
-        Tiles { block_m: if d <= 64 { 64 } else { 32 }, block_n: 64, num_warps: 4, ..t }
+        if d <= 64 {
+            Tiles { block_m: 64, block_n: 64, num_warps: 4, d_split: 1, ..t }
+        } else {
+            Tiles { block_m: 64, block_n: 64, num_warps: 8, d_split: 2, ..t }
+        }
     } else {
         t
     }
@@ -86,6 +90,7 @@ pub fn all_variants(head_dims: &[usize]) -> Vec<Variant> {
             let spec = |kernel, causal, masked, mods| Spec { kernel, dtype, head_dim, causal, masked, mods, group: 1, seq_k: 1 };
             out.push(variant(&spec(Kernel::BwdPreprocess, false, false, false), TileSet::Default));
             out.push(variant(&spec(Kernel::BwdDqConvert, false, false, false), TileSet::Default));
+            out.push(variant(&spec(Kernel::Pad, false, false, false), TileSet::Default));
             out.push(variant(&spec(Kernel::BwdDsinks, false, true, true), TileSet::Default));
             for k in [Kernel::Fwd, Kernel::BwdDq, Kernel::BwdDkdv, Kernel::BwdDkdvDq] {
                 for (causal, masked, mods) in [(false, false, false), (true, false, false), (false, true, false), (false, true, true)] {
@@ -196,6 +201,7 @@ fn source(kernel: Kernel, dtype: DType, d: usize) -> &'static str {
         (Kernel::BwdPreprocess, _) => "bwd_preprocess.cu",
         (Kernel::BwdDqConvert, _) => "bwd_dq_convert.cu",
         (Kernel::BwdDsinks, _) => "bwd_dsinks.cu",
+        (Kernel::Pad, _) => "pad.cu",
     }
 }
 
@@ -289,7 +295,7 @@ mod tests {
                     Kernel::BwdDkdv | Kernel::BwdDkdvDq => {
                         assert_eq!(t.block_n * t.d_split, 16 * t.num_warps, "{}", v.name())
                     }
-                    Kernel::BwdPreprocess | Kernel::BwdDqConvert | Kernel::BwdDsinks => {}
+                    Kernel::BwdPreprocess | Kernel::BwdDqConvert | Kernel::BwdDsinks | Kernel::Pad => {}
                 }
             }
         }

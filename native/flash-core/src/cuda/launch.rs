@@ -8,6 +8,7 @@ use cudarc::driver::sys as cu;
 use super::config::{self, Spec};
 use super::device::{self, launch, ContextGuard, Device, DeviceBuffer};
 use super::libs;
+use super::pad;
 use super::variant::{Kernel, Variant};
 use crate::error::{FlashError, Result};
 use crate::guard::catch_panics;
@@ -109,12 +110,6 @@ pub struct BackwardPtrs {
 }
 
 fn check_supported(p: &Problem) -> Result<()> {
-    let d = p.dims.head_dim;
-    if !d.is_multiple_of(8) {
-        return Err(FlashError::Unsupported(format!(
-            "the CUDA backend supports head_dim multiples of 8 (up to 256); got {d}"
-        )));
-    }
     for (what, n) in [("seq_q", p.dims.seq_q), ("seq_k", p.dims.seq_k), ("heads", p.dims.heads)] {
         if n > i32::MAX as usize {
             return Err(FlashError::Unsupported(format!("{what} = {n} exceeds the CUDA backend's limit")));
@@ -287,11 +282,11 @@ fn elementwise_params(prm: &FlashParams, p: &Problem) -> FlashParams {
     }
 }
 
-fn grid_over(n: usize, block: usize) -> u32 {
+pub(super) fn grid_over(n: usize, block: usize) -> u32 {
     n.div_ceil(block) as u32
 }
 
-fn kernel_variant(dev: &Device, p: &Problem, kernel: Kernel) -> Result<Variant> {
+pub(super) fn kernel_variant(dev: &Device, p: &Problem, kernel: Kernel) -> Result<Variant> {
     let d = &p.dims;
     let (masked, mods) = (!p.is_plain(), !p.mods.is_none());
     let spec = Spec { kernel, dtype: p.dtype, head_dim: d.head_dim, causal: p.causal, masked, mods, group: d.group(), seq_k: d.seq_k };
@@ -309,11 +304,14 @@ pub(super) fn prepare(p: &Problem, device: usize) -> Result<(Arc<Device>, Contex
 }
 
 /// Forward on device memory: o = softmax(scale q k^T) v, lse = its logsumexp, under `p.mask`
-/// (windows, padding, segment ids, block masks and varlen batches run the MASKED kernels).
+/// (windows, padding, segment ids, block masks and varlen batches run the MASKED kernels). A head
+/// dim the kernels do not take (D not a multiple of 8, or v's Dv != D) goes through the padding
+/// layer ([`pad`]), which allocates stream-ordered workspace ([`pad::workspace_bytes`]).
 ///
 /// # Safety
-/// The pointers must be device memory of GPU `device` with the sizes `p` implies (q/o
-/// `p.q_shape()`, k/v `p.kv_shape()` in `p.dtype`, lse `p.lse_shape()` f32; the mask pointers
+/// The pointers must be device memory of GPU `device` with the sizes `p` implies (q
+/// `p.q_shape()`, k `p.kv_shape()`, v `p.v_shape()`, o `p.o_shape()` in `p.dtype`, lse
+/// `p.lse_shape()` f32; the mask pointers
 /// [`MaskPtrs`]' layouts, given exactly when `p` has those masks), valid until `stream` reaches
 /// this work; `stream` (a CUstream as an integer, 0 = legacy default) must belong to that
 /// device's primary context.
@@ -327,7 +325,9 @@ pub unsafe fn forward_device(p: &Problem, device: usize, stream: usize, ptrs: Fo
 
 /// Backward on device memory: dq, dk, dv from dO, q, k, v, o and lse. Allocates two lse-sized f32
 /// buffers of workspace (stream-ordered) for delta and the log2-domain lse, and on the atomic-dQ
-/// path a q-sized one more for the f32 dQ sums (and, masked, the [B, 6] int32 batch-row table).
+/// path a q-sized one more for the f32 dQ sums (and, masked, the [B, 6] int32 batch-row table);
+/// through the padding layer ([`pad`]) the q-sized one is at the kernels' head dim, and the copies
+/// of [`pad::workspace_bytes`] come on top.
 ///
 /// # Safety
 /// As [`forward_device`], for every pointer in `ptrs`.
@@ -339,16 +339,31 @@ pub unsafe fn backward_device(p: &Problem, device: usize, stream: usize, ptrs: B
     })
 }
 
-/// The forward's launch on a [`prepare`]d device (its context current).
+/// The forward's launch on a [`prepare`]d device (its context current): the kernels directly
+/// when they take `p`'s head dims, else through the padding layer.
 ///
 /// # Safety
 /// As [`forward_device`].
 pub(super) unsafe fn forward(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: ForwardPtrs) -> Result<()> {
+    check_mask_ptrs(p, &ptrs.mask)?;
+    // SAFETY: the caller's guarantees, passed on.
+    unsafe {
+        match pad::needed(&p.dims) {
+            false => forward_kernels(dev, p, s, ptrs),
+            true => pad::forward(dev, p, s, ptrs),
+        }
+    }
+}
+
+/// The forward's kernel on a problem whose head dims the kernels take (D = Dv, a multiple of 8).
+///
+/// # Safety
+/// As [`forward_device`].
+pub(super) unsafe fn forward_kernels(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: ForwardPtrs) -> Result<()> {
     let d = &p.dims;
     if d.batch == 0 || d.seq_q == 0 {
         return Ok(());
     }
-    check_mask_ptrs(p, &ptrs.mask)?;
     let v = kernel_variant(dev, p, Kernel::Fwd)?;
     let f = device::function(dev, &v)?;
     let tables = upload_tables(p, s)?;
@@ -360,18 +375,33 @@ pub(super) unsafe fn forward(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: F
     unsafe { launch_tiled("flash_fwd", f, grid, s, &prm, mask.as_ref()) }
 }
 
-/// The backward's launches on a [`prepare`]d device (its context current).
+/// The backward's launches on a [`prepare`]d device (its context current): the kernels directly
+/// when they take `p`'s head dims, else through the padding layer.
 ///
 /// # Safety
 /// As [`backward_device`].
 pub(super) unsafe fn backward(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: BackwardPtrs) -> Result<()> {
-    let d = &p.dims;
-    if d.batch == 0 {
-        return Ok(());
-    }
     check_mask_ptrs(p, &ptrs.mask)?;
     if p.mods.sinks.is_some() != (ptrs.dsinks != 0) {
         return Err(FlashError::Internal("dsinks' device pointer must be given exactly when the problem has sinks".into()));
+    }
+    // SAFETY: the caller's guarantees, passed on.
+    unsafe {
+        match pad::needed(&p.dims) {
+            false => backward_kernels(dev, p, s, ptrs),
+            true => pad::backward(dev, p, s, ptrs),
+        }
+    }
+}
+
+/// The backward's kernels on a problem whose head dims the kernels take (D = Dv, a multiple of 8).
+///
+/// # Safety
+/// As [`backward_device`].
+pub(super) unsafe fn backward_kernels(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: BackwardPtrs) -> Result<()> {
+    let d = &p.dims;
+    if d.batch == 0 {
+        return Ok(());
     }
     let stats = p.lse_len();
     let tables = upload_tables(p, s)?;

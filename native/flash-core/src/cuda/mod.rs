@@ -29,6 +29,7 @@ mod elf;
 mod host;
 mod launch;
 mod libs;
+pub mod pad;
 mod report;
 mod sources;
 mod variant;

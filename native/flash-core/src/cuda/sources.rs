@@ -24,6 +24,7 @@ pub const FILES: &[(&str, &str)] = &[
     ("bwd_dkdv_f32_simt.cu", include_str!("../../../../cuda/bwd_dkdv_f32_simt.cu")),
     ("bwd_dq_convert.cu", include_str!("../../../../cuda/bwd_dq_convert.cu")),
     ("bwd_dsinks.cu", include_str!("../../../../cuda/bwd_dsinks.cu")),
+    ("pad.cu", include_str!("../../../../cuda/pad.cu")),
 ];
 
 fn file(name: &str) -> Option<&'static str> {

@@ -5,7 +5,8 @@ use crate::dtype::DType;
 use crate::error::{FlashError, Result};
 
 /// The kernels of a forward + backward. The default backward is BwdPreprocess, BwdDkdvDq (dK, dV and
-/// dQ by f32 atomics), BwdDqConvert; the deterministic one is BwdPreprocess, BwdDq, BwdDkdv.
+/// dQ by f32 atomics), BwdDqConvert; the deterministic one is BwdPreprocess, BwdDq, BwdDkdv. Pad
+/// copies tensors to and from the kernels' head dim when a call's is not theirs (pad.rs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kernel {
     Fwd,
@@ -17,10 +18,12 @@ pub enum Kernel {
     BwdDqConvert,
     /// The attention sinks' gradient (problems with sinks only).
     BwdDsinks,
+    /// Zero-filled copies to the kernels' head dim (HEAD_DIM) and back (pad.rs).
+    Pad,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 7] = [
+    pub const ALL: [Kernel; 8] = [
         Kernel::Fwd,
         Kernel::BwdPreprocess,
         Kernel::BwdDq,
@@ -28,6 +31,7 @@ impl Kernel {
         Kernel::BwdDkdvDq,
         Kernel::BwdDqConvert,
         Kernel::BwdDsinks,
+        Kernel::Pad,
     ];
 
     pub fn name(self) -> &'static str {
@@ -39,6 +43,7 @@ impl Kernel {
             Kernel::BwdDkdvDq => "bwd_dkdv_dq",
             Kernel::BwdDqConvert => "bwd_dq_convert",
             Kernel::BwdDsinks => "bwd_dsinks",
+            Kernel::Pad => "pad",
         }
     }
 
@@ -59,12 +64,13 @@ impl Kernel {
             Kernel::BwdDkdv | Kernel::BwdDkdvDq => "flash_bwd_dkdv",
             Kernel::BwdDqConvert => "flash_bwd_dq_convert",
             Kernel::BwdDsinks => "flash_bwd_dsinks",
+            Kernel::Pad => "flash_pad",
         }
     }
 
     /// Elementwise kernels have no tiles and no shared memory.
     pub fn is_elementwise(self) -> bool {
-        matches!(self, Kernel::BwdPreprocess | Kernel::BwdDqConvert | Kernel::BwdDsinks)
+        matches!(self, Kernel::BwdPreprocess | Kernel::BwdDqConvert | Kernel::BwdDsinks | Kernel::Pad)
     }
 }
 

@@ -79,7 +79,7 @@ pub struct Masks {
     pub cu_seqlens: Option<(Vec<i32>, Vec<i32>)>, // varlen: [B + 1] each
 }
 
-/// One batch row in q viewed as [rows, H, D] and k as [rows, Hkv, D]: its first query row and
+/// One batch row in q viewed as [rows, H, D] and k as [rows, Hkv, D] (v and o at Dv): its first query row and
 /// count, its first key row and count, and its valid keys [k_lo, k_hi) (local positions).
 #[derive(Debug, Clone, Copy)]
 pub struct Span {
@@ -138,18 +138,21 @@ pub fn reference(p: &Problem, q: &[f32], k: &[f32], v: &[f32], d_out: &[f32]) ->
 /// Materialised float64 attention forward and backward under `m` (the oracle for the core's own
 /// tests). Only p's sizes and scale are read; lse is [B, H, Sq] padded, [H, total_q] varlen.
 pub fn reference_masked(p: &Problem, m: &Masks, q: &[f32], k: &[f32], v: &[f32], d_out: &[f32]) -> Reference {
-    let Dims { batch, seq_q, seq_k, heads, kv_heads, head_dim: d } = p.dims;
+    let Dims { batch, seq_q, seq_k, heads, kv_heads, head_dim: d, head_dim_v: dv } = p.dims;
     let g = heads / kv_heads;
     let spans = m.spans(batch, seq_q, seq_k);
     let total_q = q.len() / (heads * d);
+    // q, dq [rows, H, D]; o, dO [rows, H, Dv]; k, dk [rows, Hkv, D]; v, dv [rows, Hkv, Dv].
     let qi = |row: usize, h: usize, x: usize| (row * heads + h) * d + x;
+    let oi = |row: usize, h: usize, x: usize| (row * heads + h) * dv + x;
     let ki = |row: usize, h: usize, x: usize| (row * kv_heads + h / g) * d + x;
+    let vi = |row: usize, h: usize, x: usize| (row * kv_heads + h / g) * dv + x;
     let lse_at = |b: usize, h: usize, i: usize| match m.cu_seqlens {
         Some(_) => h * total_q + spans[b].q0 + i,
         None => (b * heads + h) * seq_q + i,
     };
-    let (mut o, mut lse) = (vec![0.0; q.len()], vec![f64::NEG_INFINITY; total_q * heads]);
-    let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; k.len()]);
+    let (mut o, mut lse) = (vec![0.0; d_out.len()], vec![f64::NEG_INFINITY; total_q * heads]);
+    let (mut dq, mut dk, mut dvs) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
     let scale = p.scale as f64;
     for (b, s) in spans.iter().enumerate() {
         for h in 0..heads {
@@ -165,24 +168,26 @@ pub fn reference_masked(p: &Problem, m: &Masks, q: &[f32], k: &[f32], v: &[f32],
                 let l: f64 = sc.iter().map(|x| (x - mx).exp()).sum();
                 let pr: Vec<f64> = sc.iter().map(|x| (x - mx).exp() / l).collect();
                 lse[lse_at(b, h, i)] = mx + l.ln();
-                for x in 0..d {
-                    o[qi(qr, h, x)] = keys.iter().zip(&pr).map(|(&j, pj)| pj * v[ki(kr(j), h, x)] as f64).sum();
+                for x in 0..dv {
+                    o[oi(qr, h, x)] = keys.iter().zip(&pr).map(|(&j, pj)| pj * v[vi(kr(j), h, x)] as f64).sum();
                 }
-                let dov: Vec<f64> = (0..d).map(|x| d_out[qi(qr, h, x)] as f64).collect();
-                let delta: f64 = (0..d).map(|x| dov[x] * o[qi(qr, h, x)]).sum();
+                let dov: Vec<f64> = (0..dv).map(|x| d_out[oi(qr, h, x)] as f64).collect();
+                let delta: f64 = (0..dv).map(|x| dov[x] * o[oi(qr, h, x)]).sum();
                 for (&j, &pj) in keys.iter().zip(&pr) {
-                    let dp: f64 = (0..d).map(|x| dov[x] * v[ki(kr(j), h, x)] as f64).sum();
+                    let dp: f64 = (0..dv).map(|x| dov[x] * v[vi(kr(j), h, x)] as f64).sum();
                     let ds = pj * (dp - delta);
                     for x in 0..d {
                         dq[qi(qr, h, x)] += scale * ds * k[ki(kr(j), h, x)] as f64;
                         dk[ki(kr(j), h, x)] += scale * ds * q[qi(qr, h, x)] as f64;
-                        dv[ki(kr(j), h, x)] += pj * dov[x];
+                    }
+                    for x in 0..dv {
+                        dvs[vi(kr(j), h, x)] += pj * dov[x];
                     }
                 }
             }
         }
     }
-    Reference { o, lse, dq, dk, dv }
+    Reference { o, lse, dq, dk, dv: dvs }
 }
 
 /// A problem with random inputs rounded to `dtype`.
@@ -198,21 +203,26 @@ pub fn case(dims: Dims, dtype: DType, causal: bool, seed: u64) -> Case {
     let mut rng = Rng::new(seed);
     let q = encode(dtype, &rng.normals(dims.q_len()));
     let k = encode(dtype, &rng.normals(dims.kv_len()));
-    let v = encode(dtype, &rng.normals(dims.kv_len()));
-    let d_out = encode(dtype, &rng.normals(dims.q_len()));
-    let (qs, kvs) = (dims.q_shape(), dims.kv_shape());
+    let v = encode(dtype, &rng.normals(dims.v_len()));
+    let d_out = encode(dtype, &rng.normals(dims.o_len()));
+    let (qs, kvs, vs) = (dims.q_shape(), dims.kv_shape(), dims.v_shape());
     let spec = |name, shape, bytes: &Vec<u8>| TensorSpec { name, dtype: dtype.name(), shape, nbytes: Some(bytes.len()) };
-    let (q_spec, k_spec, v_spec) = (spec("q", &qs[..], &q.0), spec("k", &kvs[..], &k.0), spec("v", &kvs[..], &v.0));
+    let (q_spec, k_spec, v_spec) = (spec("q", &qs[..], &q.0), spec("k", &kvs[..], &k.0), spec("v", &vs[..], &v.0));
     let p = Problem::forward(&q_spec, &k_spec, &v_spec, &Options { causal, scale: None, deterministic: false, ..Options::default() }).unwrap();
     Case { p, q, k, v, d_out }
 }
 
 pub fn dims(batch: usize, seq_q: usize, seq_k: usize, heads: usize, kv_heads: usize, head_dim: usize) -> Dims {
-    Dims { batch, seq_q, seq_k, heads, kv_heads, head_dim }
+    Dims { batch, seq_q, seq_k, heads, kv_heads, head_dim, head_dim_v: head_dim }
+}
+
+/// [`dims`] with v's own head dim.
+pub fn with_dv(d: Dims, head_dim_v: usize) -> Dims {
+    Dims { head_dim_v, ..d }
 }
 
 /// A masked (or varlen) problem with random inputs rounded to `dtype`. For varlen, `dims` gives
-/// heads and head_dim; the row counts come from `m.cu_seqlens`.
+/// heads and head dims; the row counts come from `m.cu_seqlens`.
 pub struct MaskedCase {
     pub p: Problem,
     pub m: Masks,
@@ -243,20 +253,21 @@ impl MaskedCase {
 }
 
 pub fn masked_case(dims: Dims, m: Masks, dtype: DType, seed: u64) -> MaskedCase {
-    let (q_shape, kv_shape): (Vec<usize>, Vec<usize>) = match &m.cu_seqlens {
+    let (d, dv) = (dims.head_dim, dims.head_dim_v);
+    let (q_shape, kv_shape, v_shape): (Vec<usize>, Vec<usize>, Vec<usize>) = match &m.cu_seqlens {
         Some((cq, ck)) => {
             let (tq, tk) = (*cq.last().unwrap() as usize, *ck.last().unwrap() as usize);
-            (vec![tq, dims.heads, dims.head_dim], vec![tk, dims.kv_heads, dims.head_dim])
+            (vec![tq, dims.heads, d], vec![tk, dims.kv_heads, d], vec![tk, dims.kv_heads, dv])
         }
-        None => (dims.q_shape().to_vec(), dims.kv_shape().to_vec()),
+        None => (dims.q_shape().to_vec(), dims.kv_shape().to_vec(), dims.v_shape().to_vec()),
     };
-    let (ql, kl) = (q_shape.iter().product(), kv_shape.iter().product());
+    let (ql, kl, vl): (usize, usize, usize) = (q_shape.iter().product(), kv_shape.iter().product(), v_shape.iter().product());
     let mut rng = Rng::new(seed);
     let q = encode(dtype, &rng.normals(ql));
     let k = encode(dtype, &rng.normals(kl));
-    let v = encode(dtype, &rng.normals(kl));
-    let d_out = encode(dtype, &rng.normals(ql));
-    let p = masked_problem(&m, dtype, (&q_shape, &kv_shape));
+    let v = encode(dtype, &rng.normals(vl));
+    let d_out = encode(dtype, &rng.normals(ql / d.max(1) * dv));
+    let p = masked_problem(&m, dtype, [&q_shape, &kv_shape, &v_shape]);
     let seg_bytes = m.segments.as_ref().map(|(sq, sk)| (i32_bytes(sq), i32_bytes(sk)));
     MaskedCase { p, m, q, k, v, d_out, seg_bytes }
 }
@@ -266,12 +277,12 @@ fn int_arg<'a>(name: &'a str, values: &'a [i32], shape: &'a [usize]) -> IndexArg
 }
 
 /// Validates the call through the public entry points (forward_masked or varlen_forward).
-fn masked_problem(m: &Masks, dtype: DType, (q_shape, kv_shape): (&[usize], &[usize])) -> Problem {
+fn masked_problem(m: &Masks, dtype: DType, [q_shape, kv_shape, v_shape]: [&[usize]; 3]) -> Problem {
     let elems = |s: &[usize]| s.iter().product::<usize>();
     let spec = |name, shape| TensorSpec { name, dtype: dtype.name(), shape, nbytes: Some(elems(shape) * dtype.size_bytes()) };
-    let (q, k, v) = (spec("q", q_shape), spec("k", kv_shape), spec("v", kv_shape));
+    let (q, k, v) = (spec("q", q_shape), spec("k", kv_shape), spec("v", v_shape));
     let window = Window { left: m.window.0.map(|x| x as i64), right: m.window.1.map(|x| x as i64) };
-    let opts = Options { causal: m.causal, scale: None, deterministic: false, window };
+    let opts = Options { causal: m.causal, scale: None, deterministic: false, window, ..Options::default() };
     let int_shapes: Vec<[usize; 1]> = [&m.seqused_k, &m.leftpad_k].iter().map(|a| [a.as_ref().map_or(0, |v| v.len())]).collect();
     if let Some((cq, ck)) = &m.cu_seqlens {
         let shape = [cq.len()];
@@ -307,10 +318,10 @@ pub struct Outputs {
 /// p.dtype; outputs start poisoned, so every element must be written.
 pub fn run_cpu(p: &Problem, [q, k, v, d_out]: [&[u8]; 4], mask: MaskBuffers) -> Outputs {
     let e = p.dtype.size_bytes();
-    let (ql, kvl, ll) = (p.q_len() * e, p.kv_len() * e, p.lse_len() * 4);
-    let (mut o, mut lse) = (vec![0xA5u8; ql], vec![0xA5u8; ll]);
+    let (ql, kvl, vl, ol, ll) = (p.q_len() * e, p.kv_len() * e, p.v_len() * e, p.o_len() * e, p.lse_len() * 4);
+    let (mut o, mut lse) = (vec![0xA5u8; ol], vec![0xA5u8; ll]);
     forward_host(Device::Cpu, p, ForwardIo::new([q, k, v], [&mut o, &mut lse]).with_mask(mask)).unwrap();
-    let (mut dq, mut dk, mut dv) = (vec![0xA5u8; ql], vec![0xA5u8; kvl], vec![0xA5u8; kvl]);
+    let (mut dq, mut dk, mut dv) = (vec![0xA5u8; ql], vec![0xA5u8; kvl], vec![0xA5u8; vl]);
     let io = BackwardIo::new([d_out, q, k, v, &o, &lse], [&mut dq, &mut dk, &mut dv]).with_mask(mask);
     backward_host(Device::Cpu, p, io).unwrap();
     Outputs { o, lse, dq, dk, dv }

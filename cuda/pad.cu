@@ -1,0 +1,39 @@
+// pad.cu — the head-dim padding layer's copies (every dtype; host side: flash-core's cuda/pad.rs).
+//
+// The tiled kernels take one head dim for q, k and v, a multiple of 8. A call with another D, or
+// with v's own Dv, runs them on zero-filled copies of head dim HEAD_DIM = roundup8(max(D, Dv)):
+//
+//   to_wide = 1:  dst [rows, HEAD_DIM] = src [rows, cols], then HEAD_DIM - cols zero columns
+//   to_wide = 0:  dst [rows, cols]     = the first cols columns of src [rows, HEAD_DIM]
+//
+// rows = B * S * heads of the tensor, cols its own head dim (D or Dv, 1..HEAD_DIM). One warp per
+// row, its lanes over the columns (no division per element); grid-stride over the rows.
+#include "params.h"
+
+FLASH_EXPORT_SMEM(0)  // no shared memory
+
+// The params of this kernel alone (the host mirrors them in pad.rs).
+struct PadParams {
+    const elem_t* src;  // [rows, cols] (to_wide) or [rows, HEAD_DIM]
+    elem_t* dst;        // [rows, HEAD_DIM] (to_wide) or [rows, cols]
+    i64 rows;
+    int cols;
+    int to_wide;
+};
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS)
+flash_pad(const PadParams p) {
+    const int lane = threadIdx.x % 32;
+    const i64 warps = (i64)gridDim.x * NUM_WARPS;
+    for (i64 r = (i64)blockIdx.x * NUM_WARPS + threadIdx.x / 32; r < p.rows; r += warps) {
+        if (p.to_wide) {
+            const elem_t* src = p.src + r * p.cols;
+            elem_t* dst = p.dst + r * HEAD_DIM;
+            for (int c = lane; c < HEAD_DIM; c += 32) dst[c] = c < p.cols ? src[c] : (elem_t)0;
+        } else {
+            const elem_t* src = p.src + r * HEAD_DIM;
+            elem_t* dst = p.dst + r * p.cols;
+            for (int c = lane; c < p.cols; c += 32) dst[c] = src[c];
+        }
+    }
+}
