@@ -100,6 +100,10 @@ def run_flex(q, k, v, do, causal, score_mod=None):
 
 def modifier_rows(args, lines):
     """Softcap and ALiBi against FlexAttention's score_mod, plain rows of both alongside."""
+    # One compiled FlexAttention per score_mod and block mask: more than dynamo's default cache
+    # of 8 graphs, past which it silently runs flex_attention eagerly (slow, and out of memory).
+    torch._dynamo.config.cache_size_limit = 1024
+    torch._dynamo.config.accumulated_cache_size_limit = 8192
     cap = 30.0
     lines += ["TFLOPS forward / backward (bf16); ratio = ours / Flex time", "",
               "| D | causal | S | ours plain | Flex plain | ours softcap | Flex softcap | ratio | ours ALiBi | Flex ALiBi | ratio | softcap / plain (ours) |",
@@ -128,6 +132,9 @@ def modifier_rows(args, lines):
                     "flex_alibi": lambda *a: run_flex(*a, score_mod=alibi_mod),
                 }
                 res = {n: bench_one(n, m, q, k, v, do, causal, flops, args.warmup, args.reps) for n, m in impls.items()}
+                for n, r in res.items():
+                    if r[1] is None:
+                        print(f"  {n}: {r[4]}: {r[5]}", flush=True)
 
                 def cell(n):
                     r = res[n]

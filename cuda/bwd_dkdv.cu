@@ -153,13 +153,14 @@ flash_bwd_dkdv(const FlashParams p) {
 #if MODS
         const Visibility vis = blk.vis(blk.head(it));
         if (blk.slice_mask(w, key0)) mask_tile<BLOCK_M / 8, true>(s, key0, m0, vis);
+        const float d0 = vis.dist(m0 + 2 * t, key0 + g);  // mask.h's modify_tile
 #pragma unroll
         for (int i = 0; i < BLOCK_M / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = i * 8 + 2 * t + (e % 2);
                 float dcap;  // the softcap's chain rule (1 without one)
-                const float x = vis.modify(s[i][e], m0 + col, key0 + g + 8 * (e / 2), dcap);
+                const float x = vis.modify_at(s[i][e], d0 + (float)(8 * i + e % 2 - 8 * (e / 2)), dcap);
                 const float pr = fast_exp2(x - lse2[col]);
                 s[i][e] = pr;                                   // P^T
                 dp[i][e] = pr * (dp[i][e] - dlt[col]) * dcap;   // dS^T

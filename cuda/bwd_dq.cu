@@ -76,12 +76,13 @@ flash_bwd_dq(const FlashParams p) {
 #if MODS
         const Visibility vis = blk.vis();
         if (blk.tile_mask(w)) mask_tile<BLOCK_N / 8>(s, row0, n0, vis);
+        const float d0 = vis.dist(row0 + g, n0 + 2 * (lane % 4));  // mask.h's modify_tile
 #pragma unroll
         for (int i = 0; i < BLOCK_N / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 float dcap;  // the softcap's chain rule (1 without one)
-                const float x = vis.modify(s[i][e], row0 + g + 8 * (e / 2), n0 + i * 8 + 2 * (lane % 4) + e % 2, dcap);
+                const float x = vis.modify_at(s[i][e], d0 + (float)(8 * (e / 2) - 8 * i - e % 2), dcap);
                 const float pr = fast_exp2(x - lse2[e / 2]);
                 s[i][e] = pr * (dp[i][e] - dlt[e / 2]) * dcap;  // dS
             }

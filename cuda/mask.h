@@ -43,9 +43,17 @@ struct Visibility {
 #if MODS
     // Any modifier to apply (uniform across the block)?
     __device__ __forceinline__ bool modifies() const { return seq->p->softcap_log2 > 0.f || slope2 != 0.f; }
+    // ALiBi's signed distance row + diag0 - col as a float. The tiled kernels take it once per
+    // thread and tile and add each element's constant offset: an int-to-float conversion per
+    // score would cost as much as its exp2 (both quarter-rate).
+    __device__ __forceinline__ float dist(int row, int col) const { return (float)(row + seq->diag0() - col); }
     // x: the score of (row, col); dcap receives the softcap's derivative 1 - tanh^2 (1 without one),
     // which the backward multiplies into dS.
     __device__ __forceinline__ float modify(float x, int row, int col, float& dcap) const {
+        return modify_at(x, dist(row, col), dcap);
+    }
+    // modify, given the pair's dist().
+    __device__ __forceinline__ float modify_at(float x, float d, float& dcap) const {
         dcap = 1.f;
         const float c2 = seq->p->softcap_log2;
         if (c2 > 0.f && x != NEG_INF) {
@@ -57,7 +65,7 @@ struct Visibility {
             x = c2 * t;
             dcap = 1.f - t * t;
         }
-        return x - slope2 * fabsf((float)(row + seq->diag0() - col));
+        return x - slope2 * fabsf(d);
     }
 #else
     __device__ __forceinline__ bool modifies() const { return false; }
@@ -80,19 +88,22 @@ struct Visibility {
 // Applies vis.modify to a warp's 16 x (8*NT) accumulator tile (mask_tile's layout and KEY_ROWS).
 template <int NT, bool KEY_ROWS = false>
 __device__ __forceinline__ void modify_tile(float (&s)[NT][4], int row0, int col0, const Visibility& vis) {
+#if MODS
     if (!vis.modifies()) return;
     const int lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
+    // dist(query, key) of element (nt, e) = d0 +- (8 (e / 2) - 8 nt - e % 2)
+    const float d0 = KEY_ROWS ? vis.dist(col0 + 2 * t, row0 + g) : vis.dist(row0 + g, col0 + 2 * t);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int row = row0 + g + (e / 2) * 8;
-            const int col = col0 + nt * 8 + 2 * t + (e % 2);
+            const float off = (float)((e / 2) * 8 - nt * 8 - (e % 2));
             float dcap;
-            s[nt][e] = KEY_ROWS ? vis.modify(s[nt][e], col, row, dcap) : vis.modify(s[nt][e], row, col, dcap);
+            s[nt][e] = vis.modify_at(s[nt][e], KEY_ROWS ? d0 - off : d0 + off, dcap);
         }
     }
+#endif
 }
 
 // Sets invisible entries of a warp's 16 x (8*NT) accumulator tile to -inf. row0 is the tile's first
