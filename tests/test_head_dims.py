@@ -228,7 +228,7 @@ def test_padding_layer_writes_every_output_element(fa, make_inputs):
         desc = [(x.data.ptr, list(x.shape), name) for x in (do, q, k, v, o)] + [(lse.data.ptr, [b, h, sq], "float32")]
         for deterministic in (False, True):
             grads = [cupy.full(x.shape, np.nan, dtype) for x in (q, k, v)]
-            native.cuda_backward_device(desc, [x.data.ptr for x in grads], 0, stream, causal=True,
+            native.cuda_backward_device(desc, [x.data.ptr for x in grads] + [0], 0, stream, causal=True,  # no dsinks
                                         deterministic=deterministic)
             cupy.cuda.get_current_stream().synchronize()
             for label, x in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, *grads)):
