@@ -142,6 +142,10 @@ def test_bad_modifiers_are_clear_errors(fa, make_inputs):
         (dict(sinks=np.ones((2, 4), np.float32)), fa.ShapeError, "sinks"),
         (dict(sinks=np.array([0, 1, np.nan, 0], np.float32)), fa.UnsupportedError, "sinks"),
         (dict(sinks=np.ones(4, bool)), fa.DTypeError, "sinks"),
+        # past 1e30, c * log2(e) overflows float32 in the kernels (these gave NaN)
+        (dict(softcap=3e38), fa.UnsupportedError, "softcap"),
+        (dict(sinks=np.array([0, 3e38, 0, 0], np.float32)), fa.UnsupportedError, "sinks"),
+        (dict(alibi_slopes=np.array([0, -3e38, 0, 0], np.float32)), fa.UnsupportedError, "alibi_slopes"),
     ]
     for kw, err, word in cases:
         with pytest.raises(err, match=word):

@@ -57,8 +57,11 @@ defmodule FlashNif.ConcurrencyTest do
       fn c ->
         t = c.tensors
         {:ok, o, lse} = FlashNif.Fixtures.forward(c, c.opts)
-        {:ok, dq, dk, dv} = FlashNif.Fixtures.backward(c, t.o_in, t.lse_in, c.opts)
-        {c, [o: {o, t.o}, lse: {lse, t.lse}, dq: {dq, t.dq}, dk: {dk, t.dk}, dv: {dv, t.dv}]}
+
+        {:ok, grads} =
+          c |> FlashNif.Fixtures.backward(t.o_in, t.lse_in, c.opts) |> FlashNif.Fixtures.gradients()
+
+        {c, [o: {o, t.o}, lse: {lse, t.lse}] ++ for({name, g} <- grads, do: {name, {g, Map.fetch!(t, name)}})}
       end,
       max_concurrency: 8 * length(cases),
       timeout: 60_000

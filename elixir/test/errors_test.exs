@@ -286,13 +286,38 @@ defmodule FlashNif.ErrorsTest do
     end
   end
 
-  test "the NIF's own checks answer terms the wrapper never sends" do
+  test "the NIF's own checks answer terms the wrapper never sends", ctx do
     nif = ExPhil.Native.FlashAttention.Nif
-    opts = %{causal: true, scale: nil, device: :cpu, deterministic: false, window: {nil, nil}}
+
+    opts = %{
+      causal: true,
+      scale: nil,
+      device: :cpu,
+      deterministic: false,
+      window: {nil, nil},
+      softcap: nil,
+      alibi_slopes: nil,
+      sinks: nil
+    }
+
     assert {:argument, msg} = error_of(fn -> nif.forward([], %{}, opts) end)
     assert msg =~ "expected the list"
     assert {:argument, msg} = error_of(fn -> nif.forward([1, 2, 3], %{}, Map.delete(opts, :window)) end)
     assert msg =~ "window"
+
+    # The modifiers: every key present, softcap nil or a number, the tensors nil or wired.
+    wired = for t <- [ctx.q, ctx.k, ctx.v], do: {t.data, Tuple.to_list(t.shape), "float32"}
+    assert {:ok, _, _} = nif.forward(wired, %{}, opts)
+
+    for key <- [:softcap, :alibi_slopes, :sinks] do
+      assert {:argument, msg} = error_of(fn -> nif.forward(wired, %{}, Map.delete(opts, key)) end)
+      assert msg =~ ~r/^options must be a map (with the key|whose) #{key}/
+    end
+
+    assert {:argument, msg} = error_of(fn -> nif.forward(wired, %{}, %{opts | softcap: "1"}) end)
+    assert msg =~ "softcap is nil or a float"
+    assert {:argument, msg} = error_of(fn -> nif.forward(wired, %{}, %{opts | sinks: [0.0]}) end)
+    assert msg =~ "sinks"
     assert {:argument, msg} = error_of(fn -> nif.forward([1, 2, 3], %{}, %{opts | window: {-1.5, nil}}) end)
     assert msg =~ "window"
     assert {:argument, msg} = error_of(fn -> nif.backward([1, 2, 3, 4, 5, 6], [], opts) end)

@@ -2,9 +2,11 @@ defmodule FlashNif.OracleFixturesTest do
   # The NIF against the float64 oracle's numbers in tests/fixtures/attention (the same fixtures
   # the Python side can use): forward output and logsumexp, and the backward's gradients given
   # the oracle's saved states, within the per-dtype tolerances of tests/conftest.py; padded calls
-  # with their masks, and packed varlen batches.
+  # with their masks, packed varlen batches, and score modifiers (softcap, ALiBi, sinks with
+  # their gradient dsinks).
   use ExUnit.Case, async: true
 
+  alias ExPhil.Native.FlashAttention.Tensor
   alias FlashNif.Fixtures
 
   @cases Fixtures.cases()
@@ -35,6 +37,56 @@ defmodule FlashNif.OracleFixturesTest do
     assert Enum.any?(@cases, &(&1.varlen and &1.window != nil))
   end
 
+  test "the fixtures cover softcap, ALiBi {heads} and {batch, heads}, sinks with rows that see no key, " <>
+         "modifiers with masks and in a varlen call, in every dtype" do
+    mods? = &(&1.softcap != nil or &1.modifiers != [])
+    slopes = fn c -> c.tensors[:alibi_slopes] && c.tensors.alibi_slopes.shape end
+    # A row that sees no key has output 0 (its logsumexp is then its head's sink).
+    empty_row? = fn c ->
+      c.tensors.o
+      |> Tensor.to_list()
+      |> Enum.chunk_every(c.head_dim)
+      |> Enum.any?(&(&1 == List.duplicate(0.0, c.head_dim)))
+    end
+
+    assert Enum.any?(
+             @cases,
+             &(&1.softcap != nil and &1.modifiers == [] and &1.masks == [] and &1.window == nil)
+           )
+
+    assert Enum.any?(@cases, &(&1.softcap != nil and not &1.causal and &1.seq_q > &1.seq_k))
+
+    assert Enum.any?(
+             @cases,
+             &(slopes.(&1) == {&1.heads} and &1.softcap == nil and &1.modifiers == ["alibi_slopes"])
+           )
+
+    assert Enum.any?(@cases, &(slopes.(&1) == {&1.batch, &1.heads} and &1.batch > 1 and &1.masks != []))
+    assert Enum.any?(@cases, &(&1.modifiers == ["sinks"] and &1.softcap == nil and not empty_row?.(&1)))
+
+    assert Enum.any?(
+             @cases,
+             &("sinks" in &1.modifiers and empty_row?.(&1) and &1.tensors.dsinks.shape == {&1.heads})
+           )
+
+    assert Enum.any?(
+             @cases,
+             &(&1.softcap != nil and length(&1.modifiers) == 2 and &1.masks != [] and &1.window != nil)
+           )
+
+    assert Enum.any?(
+             @cases,
+             &(&1.varlen and &1.softcap != nil and slopes.(&1) == {&1.batch, &1.heads} and
+                 "sinks" in &1.modifiers)
+           )
+
+    for dtype <- ["float32", "float16", "bfloat16"],
+        do: assert(Enum.any?(@cases, &(&1.dtype == dtype and mods?.(&1) and "sinks" in &1.modifiers)), dtype)
+
+    # Every sinks case has its expected dsinks, and only those.
+    for c <- @cases, do: assert(Map.has_key?(c.tensors, :dsinks) == "sinks" in c.modifiers, c.name)
+  end
+
   for c <- @cases do
     @tag fixture: c.name
     test "#{c.name}: forward and backward match the oracle", %{results: results} do
@@ -42,7 +94,7 @@ defmodule FlashNif.OracleFixturesTest do
       assert is_list(results[c.name]), "#{c.name}: #{inspect(results[c.name])}"
 
       for {output, err} <- results[c.name] do
-        tol = c.tol[output |> Atom.to_string() |> String.trim_trailing("_own") |> String.to_atom()]
+        tol = tolerance(c, output)
 
         assert err <= tol,
                "#{c.name} #{output}: relative error #{inspect(err)} > tolerance #{tol} (#{c.dtype})"
@@ -50,20 +102,32 @@ defmodule FlashNif.OracleFixturesTest do
     end
   end
 
+  # An output's tolerance: its own entry (dsinks_own has one), else that of the output it is the
+  # "_own" variant of.
+  defp tolerance(c, output) do
+    Map.get_lazy(c.tol, output, fn ->
+      c.tol[output |> Atom.to_string() |> String.trim_trailing("_own") |> String.to_atom()]
+    end)
+  end
+
   # Relative errors of every output: forward (o, lse), backward from the oracle's saved states
-  # (dq, dk, dv), and backward from this library's own forward states (dq_own, dk_own, dv_own),
-  # as a training loop would call it.
+  # (dq, dk, dv, dsinks), and backward from this library's own forward states (dq_own, dk_own,
+  # dv_own, dsinks_own), as a training loop would call it.
   # A case that returns an error (a mask the kernels do not take yet) fails its own test only.
   defp run(c) do
     t = c.tensors
 
     with {:ok, o, lse} <- Fixtures.forward(c, c.opts),
-         {:ok, dq, dk, dv} <- Fixtures.backward(c, t.o_in, t.lse_in, c.opts),
-         {:ok, dq2, dk2, dv2} <- Fixtures.backward(c, o, lse, c.opts) do
+         {:ok, grads} <- c |> Fixtures.backward(t.o_in, t.lse_in, c.opts) |> Fixtures.gradients(),
+         {:ok, grads_own} <- c |> Fixtures.backward(o, lse, c.opts) |> Fixtures.gradients() do
       assert o.type == t.q.type and o.shape == t.q.shape
       assert lse.type == {:f, 32} and lse.shape == t.lse.shape
-      assert dk.shape == t.k.shape and dv.type == t.q.type
-      Fixtures.errors(t, {o, lse}, {dq, dk, dv}, {dq2, dk2, dv2})
+      assert grads[:dk].shape == t.k.shape and grads[:dv].type == t.q.type
+      # dsinks exactly when the case has sinks: {heads} float32, whatever q's type
+      assert Keyword.keys(grads) == Keyword.keys(grads_own)
+      assert Keyword.has_key?(grads, :dsinks) == Map.has_key?(t, :dsinks)
+      if ds = grads[:dsinks], do: assert(ds.type == {:f, 32} and ds.shape == t.dsinks.shape)
+      Fixtures.errors(t, {o, lse}, grads, grads_own)
     end
   end
 
@@ -75,13 +139,15 @@ defmodule FlashNif.OracleFixturesTest do
         cells =
           case results[c.name] do
             errs when is_list(errs) ->
-              Enum.map_join([:o, :lse, :dq, :dk, :dv], "  ", &"#{&1}=#{fmt(errs[&1])}")
+              [:o, :lse, :dq, :dk, :dv, :dsinks, :dsinks_own]
+              |> Enum.filter(&Keyword.has_key?(errs, &1))
+              |> Enum.map_join("  ", &"#{&1}=#{fmt(errs[&1])}")
 
             error ->
               inspect(error, printable_limit: 120)
           end
 
-        "  #{String.pad_trailing(c.name, 28)} #{cells}"
+        "  #{String.pad_trailing(c.name, 33)} #{cells}"
       end
 
     worst =
@@ -92,10 +158,14 @@ defmodule FlashNif.OracleFixturesTest do
 
     # For f16/bf16 the tolerance is 2 * baseline + 1e-5, baseline being the error of the oracle's
     # own result rounded to the dtype; this ratio is the one FlashAttention's tests bound by 2.
+    # (lse and dsinks are held to float32's bound in every dtype; dsinks_own's baseline is the
+    # change in dsinks when o is rounded, not an output's own rounding.)
     ratios =
-      for c <- ok, c.dtype != "float32", {out, e} <- results[c.name], out != :lse do
-        key = out |> Atom.to_string() |> String.trim_trailing("_own") |> String.to_atom()
-        e / ((c.tol[key] - 1.0e-5) / 2)
+      for c <- ok,
+          c.dtype != "float32",
+          {out, e} <- results[c.name],
+          out not in [:lse, :dsinks, :dsinks_own] do
+        e / ((tolerance(c, out) - 1.0e-5) / 2)
       end
 
     IO.puts(

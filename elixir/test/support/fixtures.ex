@@ -11,8 +11,9 @@ defmodule FlashNif.Fixtures do
   def dir, do: @dir
 
   @doc """
-  All cases: maps with :name, :dtype, :causal, :scale, :window, :masks, :varlen, :tol (a map),
-  :tensors (a map) and :opts, the options to call it with (masks included).
+  All cases: maps with :name, :dtype, :causal, :scale, :window, :masks, :softcap, :modifiers,
+  :varlen, :tol (a map), :tensors (a map) and :opts, the options to call it with (masks and
+  score modifiers included).
   """
   def cases do
     {:ok, terms} = :file.consult(String.to_charlist(Path.join(@dir, "manifest.eterm")))
@@ -33,7 +34,8 @@ defmodule FlashNif.Fixtures do
     %{c | tensors: tensors} |> Map.put(:opts, opts(c, tensors))
   end
 
-  # The manifest's window ([left, right], nil for an unbounded side) and mask names as options.
+  # The manifest's window ([left, right], nil for an unbounded side), mask names, softcap (a number
+  # or nil: nil is the same as leaving it out) and modifier tensor names as options.
   defp opts(c, t) do
     window = if c.window, do: [window: c.window |> Enum.map(&(&1 || :infinity)) |> List.to_tuple()], else: []
 
@@ -45,7 +47,9 @@ defmodule FlashNif.Fixtures do
         end
       end
 
-    [causal: c.causal, scale: c.scale] ++ window ++ masks
+    mods = for key <- c.modifiers, key = String.to_atom(key), do: {key, Map.fetch!(t, key)}
+
+    [causal: c.causal, scale: c.scale, softcap: c.softcap] ++ window ++ masks ++ mods
   end
 
   def type("float32"), do: {:f, 32}
@@ -60,11 +64,19 @@ defmodule FlashNif.Fixtures do
 
   def forward(%{tensors: t}, opts), do: FA.forward_with_states(t.q, t.k, t.v, opts)
 
-  @doc "A case's backward from the states `o`, `lse`: `{:ok, dq, dk, dv}` or the error."
+  @doc """
+  A case's backward from the states `o`, `lse`: `{:ok, dq, dk, dv}`, `{:ok, dq, dk, dv, dsinks}`
+  with sinks, or the error.
+  """
   def backward(%{varlen: true, tensors: t}, o, lse, opts),
     do: FA.varlen_backward(t.d_out, t.q, t.k, t.v, o, lse, t.cu_seqlens_q, t.cu_seqlens_k, opts)
 
   def backward(%{tensors: t}, o, lse, opts), do: FA.backward(t.d_out, t.q, t.k, t.v, o, lse, opts)
+
+  @doc "A backward's result as `{:ok, [dq: _, dk: _, dv: _]}`, with `dsinks: _` last when it has one."
+  def gradients({:ok, dq, dk, dv}), do: {:ok, [dq: dq, dk: dk, dv: dv]}
+  def gradients({:ok, dq, dk, dv, dsinks}), do: {:ok, [dq: dq, dk: dk, dv: dv, dsinks: dsinks]}
+  def gradients(error), do: error
 
   defp little_to_native(bin, size) do
     case :erlang.system_info(:endian) do
@@ -75,21 +87,16 @@ defmodule FlashNif.Fixtures do
 
   @doc """
   Relative errors of a case's results against its fixture: forward (o, lse), the backward from the
-  fixture's own o and lse (dq, dk, dv) and the backward from our o and lse (dq_own, dk_own, dv_own).
+  fixture's own o and lse (dq, dk, dv, and dsinks with sinks) and the backward from our o and lse
+  (dq_own, dk_own, dv_own, dsinks_own); `grads` and `grads_own` as `gradients/1` gives them.
   """
-  def errors(t, {o, lse}, {dq, dk, dv}, {dq2, dk2, dv2}) do
+  def errors(t, {o, lse}, grads, grads_own) do
     alias FlashNif.Numeric
 
-    [
-      o: Numeric.rel_err(o, t.o),
-      lse: Numeric.rel_err(lse, t.lse),
-      dq: Numeric.rel_err(dq, t.dq),
-      dk: Numeric.rel_err(dk, t.dk),
-      dv: Numeric.rel_err(dv, t.dv),
-      dq_own: Numeric.rel_err(dq2, t.dq),
-      dk_own: Numeric.rel_err(dk2, t.dk),
-      dv_own: Numeric.rel_err(dv2, t.dv)
-    ]
+    own = for {name, g} <- grads_own, do: {:"#{name}_own", Numeric.rel_err(g, Map.fetch!(t, name))}
+
+    [o: Numeric.rel_err(o, t.o), lse: Numeric.rel_err(lse, t.lse)] ++
+      for({name, g} <- grads, do: {name, Numeric.rel_err(g, Map.fetch!(t, name))}) ++ own
   end
 end
 

@@ -29,6 +29,12 @@ pub struct ModArgs<'a> {
     pub sinks: Option<FloatArg<'a>>,
 }
 
+/// The largest magnitude a modifier value may have (and 1 / it the smallest softcap): the kernels
+/// scale softcap, slopes and sinks by log2(e) in float32 (softcap also by its reciprocal), so values
+/// near float32's limits overflow and give NaN (measured: a softcap, slope or sink of 3e38 did).
+/// Far past any real model's values.
+pub const MODIFIER_LIMIT: f64 = 1e30;
+
 /// The validated modifiers of one call (all `None`: plain attention).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Modifiers {
@@ -44,8 +50,11 @@ impl Modifiers {
     pub fn with_softcap(softcap: Option<f64>) -> Result<Modifiers> {
         match softcap {
             None => Ok(Modifiers::default()),
-            Some(c) if c.is_finite() && c > 0.0 && (c as f32) > 0.0 => Ok(Modifiers { softcap: Some(c as f32), ..Modifiers::default() }),
-            Some(c) => Err(FlashError::Unsupported(format!("softcap must be a finite positive number, got {c}"))),
+            Some(c) if (1.0 / MODIFIER_LIMIT..=MODIFIER_LIMIT).contains(&c) => Ok(Modifiers { softcap: Some(c as f32), ..Modifiers::default() }),
+            Some(c) => Err(FlashError::Unsupported(format!(
+                "softcap must be a finite positive number in [{:e}, {MODIFIER_LIMIT:e}], got {c}",
+                1.0 / MODIFIER_LIMIT
+            ))),
         }
     }
 
@@ -104,6 +113,9 @@ fn checked_floats(a: &FloatArg, shapes: &[&[usize]], layout: &str) -> Result<Vec
     if let Some(x) = a.values.iter().find(|x| !x.is_finite()) {
         return Err(FlashError::Unsupported(format!("{name} must be finite; it holds {x}")));
     }
+    if let Some(x) = a.values.iter().find(|x| x.abs() > MODIFIER_LIMIT as f32) {
+        return Err(FlashError::Unsupported(format!("{name} must be at most {MODIFIER_LIMIT:e} in magnitude; it holds {x:e}")));
+    }
     Ok(a.values.to_vec())
 }
 
@@ -127,5 +139,22 @@ mod tests {
         assert!(Modifiers::with_softcap(Some(0.0)).is_err());
         assert!(Modifiers::with_softcap(Some(f64::NAN)).is_err());
         assert_eq!(Modifiers::with_softcap(Some(30.0)).unwrap().softcap, Some(30.0));
+    }
+
+    #[test]
+    fn values_that_overflow_float32_once_scaled_are_refused() {
+        for c in [3e38, 1e31, 1e-31, 1e-40] {
+            assert!(matches!(Modifiers::with_softcap(Some(c)), Err(FlashError::Unsupported(m)) if m.contains("softcap")), "{c}");
+        }
+        for c in [MODIFIER_LIMIT, 1.0 / MODIFIER_LIMIT] {
+            assert!(Modifiers::with_softcap(Some(c)).is_ok(), "{c}");
+        }
+        for x in [3e38f32, -3e38, 2e30] {
+            let big = [0.5, x];
+            let m = Modifiers::default().with_tensors(&ModArgs { alibi_slopes: Some(arg("alibi_slopes", &[2], &big)), sinks: Some(arg("sinks", &[2], &big)) }, 1, 2);
+            assert!(matches!(m, Err(FlashError::Unsupported(m)) if m.contains("alibi_slopes") && m.contains("magnitude")), "{x}");
+        }
+        let ok = [1e30f32, -1e30];
+        assert!(Modifiers::default().with_tensors(&ModArgs { alibi_slopes: Some(arg("alibi_slopes", &[2], &ok)), sinks: Some(arg("sinks", &[2], &ok)) }, 1, 2).is_ok());
     }
 }

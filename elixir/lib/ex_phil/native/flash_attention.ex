@@ -98,9 +98,10 @@ defmodule ExPhil.Native.FlashAttention do
       `seqused_k`, `cu_seqlens` that do not start at 0, decrease, or do not end at the packed
       row count;
     * `:dtype` — an unsupported type (masks included: ids and lengths `{:s, 32}`, block masks
-      `{:u, 8}`), or tensors that should share a type do not;
+      `{:u, 8}`; slopes and sinks `{:f, 32}`), or tensors that should share a type do not;
     * `:unsupported` — a bad option (unknown key, wrong value type, negative window side,
-      non-positive scale, a mask tensor given to a varlen call);
+      non-positive scale, a softcap outside `[1.0e-30, 1.0e30]`, a slope or sink that is not
+      finite or past `1.0e30` in magnitude, a mask tensor given to a varlen call);
     * `:out_of_memory` — the outputs cannot be allocated;
     * `:cuda_unavailable`, `:cuda`, `:nvrtc` — GPU backend problems;
     * `:internal` — a bug (including a caught panic);
