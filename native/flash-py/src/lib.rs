@@ -6,6 +6,7 @@ mod cuda;
 mod errors;
 mod kernels;
 mod masks;
+mod rotary;
 
 use arrays::{empty_f32, empty_like_dtype, HostArray};
 use errors::PyFlashError;
@@ -147,5 +148,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     }
     cuda::register(m)?;
     kernels::register(m)?;
+    rotary::register(m)?;
     Ok(())
 }

@@ -30,6 +30,7 @@ mod host;
 mod launch;
 mod libs;
 mod report;
+mod rotary;
 mod sources;
 mod variant;
 
@@ -42,7 +43,8 @@ pub use host::{backward_host, forward_host};
 pub use launch::{backward_device, forward_device, BackwardPtrs, ForwardPtrs, MaskPtrs};
 pub use libs::{add_search_roots, ensure_nvrtc};
 pub use report::{compile_report, Report, Usage};
-pub use variant::{dtype_short, Kernel, TileSet, Tiles, Variant};
+pub use rotary::{rotary_device, rotary_host, RotaryPtrs};
+pub use variant::{dtype_short, Kernel, TileSet, Tiles, Variant, ANY_HEAD_DIM};
 
 /// What `flash_nif.info()` reports about a GPU.
 #[derive(Debug, Clone)]

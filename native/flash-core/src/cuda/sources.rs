@@ -3,6 +3,7 @@
 
 /// Every file under cuda/ that a kernel includes or is.
 pub const FILES: &[(&str, &str)] = &[
+    ("types.h", include_str!("../../../../cuda/types.h")),
     ("params.h", include_str!("../../../../cuda/params.h")),
     ("ptx.h", include_str!("../../../../cuda/ptx.h")),
     ("seq.h", include_str!("../../../../cuda/seq.h")),
@@ -23,6 +24,7 @@ pub const FILES: &[(&str, &str)] = &[
     ("bwd_dkdv_f32.cu", include_str!("../../../../cuda/bwd_dkdv_f32.cu")),
     ("bwd_dkdv_f32_simt.cu", include_str!("../../../../cuda/bwd_dkdv_f32_simt.cu")),
     ("bwd_dq_convert.cu", include_str!("../../../../cuda/bwd_dq_convert.cu")),
+    ("rotary.cu", include_str!("../../../../cuda/rotary.cu")),
 ];
 
 fn file(name: &str) -> Option<&'static str> {
@@ -82,7 +84,9 @@ mod tests {
         for (name, _) in FILES.iter().filter(|(n, _)| n.ends_with(".cu")) {
             let src = expand(name).unwrap();
             assert!(!src.contains("#include \""), "{name} still includes a local header");
-            assert!(src.contains("struct FlashParams"), "{name} lacks params.h");
+            assert!(src.contains("#define FLASH_EXPORT_SMEM"), "{name} lacks types.h");
+            // elf.rs reads the one `flash_smem_bytes` each kernel source exports.
+            assert_eq!(file(name).unwrap().matches("\nFLASH_EXPORT_SMEM(").count(), 1, "{name}");
         }
     }
 
