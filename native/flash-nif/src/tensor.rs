@@ -69,6 +69,11 @@ impl<'a> IndexTensor<'a> {
     pub fn arg(&self) -> IndexArg<'_> {
         IndexArg { spec: self.tensor.spec(), values: &self.values }
     }
+
+    /// The tensor's bytes (for a kernel that reads the values itself).
+    pub fn bytes(&self) -> &[u8] {
+        self.tensor.bytes()
+    }
 }
 
 /// An output tensor: a binary of exactly the size its shape and dtype need.

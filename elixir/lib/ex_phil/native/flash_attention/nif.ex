@@ -14,7 +14,7 @@ defmodule ExPhil.Native.FlashAttention.Nif do
 
   @on_load :load
   # Must equal NIF_API in native/flash-nif/src/lib.rs; bump both together.
-  @nif_api 3
+  @nif_api 4
   @status_key {__MODULE__, :status}
   # The project's version is the Rust workspace's (see mix.exs), so it must equal the library's.
   @external_resource Path.expand("../../../../../Cargo.toml", __DIR__)
@@ -79,6 +79,9 @@ defmodule ExPhil.Native.FlashAttention.Nif do
   def backward(_tensors, _masks, _options), do: :erlang.nif_error(:nif_not_loaded)
   def varlen_forward(_tensors, _cu_seqlens, _options), do: :erlang.nif_error(:nif_not_loaded)
   def varlen_backward(_tensors, _cu_seqlens, _options), do: :erlang.nif_error(:nif_not_loaded)
+  # Rotary: [x, cos, sin], positions (nil | integer | tensor), %{interleaved: _, device: _}.
+  def rotary(_tensors, _positions, _options), do: :erlang.nif_error(:nif_not_loaded)
+  def rotary_backward(_tensors, _positions, _options), do: :erlang.nif_error(:nif_not_loaded)
 
   def debug_panic, do: :erlang.nif_error(:nif_not_loaded)
 end
