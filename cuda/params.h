@@ -24,10 +24,8 @@
 //   MODS          (MASKED kernels) 1: the score modifiers are compiled in (mask.h's Visibility::modify,
 //                 the sinks); 0: the MASKED kernels as they were without them
 #pragma once
+#include "types.h"
 
-#ifndef FLASH_DTYPE
-#error "FLASH_DTYPE must be defined (0 = fp16, 1 = bf16, 2 = fp32)"
-#endif
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
 #endif
@@ -67,17 +65,6 @@
 #endif
 
 #define NUM_THREADS (NUM_WARPS * 32)
-
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef long long i64;
-
-#if FLASH_DTYPE == 2
-typedef float elem_t;
-#else
-typedef u16 elem_t;  // raw fp16 / bf16 bits
-#endif
 
 // Zeroes a register array of any rank, of float or float4.
 __device__ __forceinline__ void zero(float& x) { x = 0.f; }
@@ -174,7 +161,7 @@ __device__ __forceinline__ i64 stat_offset(const FlashParams& p, int b, int h) {
 // `flash_smem_bytes` from the cubin (a 4-byte object in .nv.global.init, or in the zero-filled
 // .nv.global when it is 0) and asks for that much dynamic shared memory: the kernel is the only
 // owner of its size. Every kernel source exports it exactly once.
-#define FLASH_EXPORT_SMEM(bytes) extern "C" __device__ const int flash_smem_bytes = (bytes);
+// FLASH_EXPORT_SMEM(bytes) itself is types.h's (every kernel has it, rotary.cu too).
 
 // The block's dynamic shared memory, laid out as the kernel's struct T.
 template <typename T>

@@ -1,47 +1,8 @@
-// ptx.h — every inline-PTX wrapper in one place: conversions, shared-memory addresses, cp.async,
-// ldmatrix, mma.sync m16n8k16, exp2. Needs sm_80 or newer; no CUDA headers.
+// ptx.h — the attention kernels' inline-PTX wrappers in one place: shared-memory addresses,
+// cp.async, ldmatrix, mma.sync m16n8k16, exp2 (the dtype conversions are types.h's, which every
+// kernel includes). Needs sm_80 or newer; no CUDA headers.
 #pragma once
 #include "params.h"
-
-// ---- conversions --------------------------------------------------------------------------------
-__device__ __forceinline__ float to_float(float x) { return x; }
-#if FLASH_DTYPE == 1
-__device__ __forceinline__ float to_float(u16 x) { return __uint_as_float(((u32)x) << 16); }
-#elif FLASH_DTYPE == 0
-__device__ __forceinline__ float to_float(u16 x) {
-    float f;
-    asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"(x));
-    return f;
-}
-#endif
-
-// f32 -> storage type, round to nearest even.
-__device__ __forceinline__ elem_t from_float(float x) {
-#if FLASH_DTYPE == 2
-    return x;
-#elif FLASH_DTYPE == 1
-    u16 r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
-    return r;
-#else
-    u16 r;
-    asm("{ .reg .f16 h; cvt.rn.f16.f32 h, %1; mov.b16 %0, h; }" : "=h"(r) : "f"(x));
-    return r;
-#endif
-}
-
-#if FLASH_DTYPE != 2
-// Two f32 -> one register of two 16-bit values, lo in the low half (the mma fragment order).
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 r;
-#if FLASH_DTYPE == 1
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-    return r;
-}
-#endif
 
 // ---- shared memory, async copies ----------------------------------------------------------------
 __device__ __forceinline__ u32 smem_addr(const void* p) {

@@ -21,7 +21,7 @@ Non-contiguous or byte-swapped inputs are copied to C order first, never misread
 Masks (sliding windows, segment ids, key padding, block masks) and score modifiers (``softcap``,
 ``alibi_slopes``, attention ``sinks``) are keyword options of :func:`forward_with_states`,
 :func:`forward` and :func:`backward`; packed variable-length batches (``cu_seqlens``) are
-:mod:`flash_nif.varlen`.
+:mod:`flash_nif.varlen`; rotary position embeddings :mod:`flash_nif.rotary`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from __future__ import annotations
 from . import _args, _native
 from . import _cuda  # GPU arrays (CuPy, torch, DLPack) dispatch
 from . import varlen  # packed variable-length batches (cu_seqlens)
+from . import rotary  # rotary position embeddings (RoPE)
 from . import errors, reference  # reference: the float64 oracle, flash_nif.reference.forward(...)
 from .errors import (
     CompileError,
@@ -186,6 +187,7 @@ def cuda_available() -> bool:
 
 __all__ = [
     "varlen",
+    "rotary",
     "forward",
     "forward_with_states",
     "backward",

@@ -48,6 +48,13 @@ def varlen_backward_host_arrays(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dq like q, dk like k, dv like v) for packed inputs [do, q, k, v, o, lse]."""
 
+def rotary_host_arrays(
+    inputs: Sequence[np.ndarray], device: str, *, backward: bool, interleaved: bool,
+    positions: np.ndarray | None = None, offset: int = 0,
+) -> np.ndarray:
+    """y (dx with `backward`) like inputs[0] for inputs [x (dy) [B, S, H, D], cos, sin [max_pos, R/2]
+    float32]; `positions` int32 [B, S], or None for row (b, s) at s + `offset`."""
+
 def info() -> dict[str, Any]:
     """version, backends, threads, cpu_isa."""
 
@@ -86,6 +93,13 @@ def cuda_varlen_backward_device(
     **options: Unpack[_Options],
 ) -> None:
     """Packed inputs [do, q, k, v, o, lse]; outputs [dq, dk, dv]."""
+
+def cuda_rotary_device(
+    inputs: list[DevTensor], output: int, device: int, stream: int, *, backward: bool, interleaved: bool,
+    positions: tuple[int, np.ndarray] | None = None, offset: int = 0,
+) -> None:
+    """inputs [x (dy), cos, sin]; output: y's pointer (like x); positions = (device pointer of the int32
+    [B, S] array, its NumPy copy for the core's check), or None for `offset`."""
 
 def cuda_set_search_roots(paths: list[str]) -> None: ...
 def cuda_info(device: int = 0) -> dict[str, Any]: ...

@@ -419,3 +419,60 @@ def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, causal: 
     if modifiers.get("sinks") is not None:
         return dq, dk, dv, dsinks
     return dq, dk, dv
+
+
+# ---- rotary position embeddings (RoPE) ----------------------------------------------------------
+#
+# ``x [B, S, H, D]``; ``cos, sin [max_pos, R/2]`` rotate the first ``R = 2 * cos.shape[1] <= D`` dims
+# of every head, the rest pass through. Row ``(b, s)`` takes table row ``p = positions[b, s]``
+# (``positions`` int ``[B, S]``), or ``s + positions`` when it is an int offset (None: 0). Angle ``i``
+# turns the pair ``(a, b) = (i, i + R/2)`` (half-split, GPT-NeoX, the default) or ``(2i, 2i + 1)``
+# (``interleaved``, GPT-J):
+#
+#     y[a] = x[a] cos[p, i] - x[b] sin[p, i],    y[b] = x[b] cos[p, i] + x[a] sin[p, i].
+#
+# The backward is the transpose (a rotation by -theta): dx = rotary_backward(dy). Every input is
+# upcast to float64 and the result is float64 (float64 tables are taken as they are).
+
+
+def _rotary(x, cos, sin, interleaved, positions, sign, name):
+    x = _as_f64(name, x, 4)
+    cos, sin = _as_f64("cos", cos, 2), _as_f64("sin", sin, 2)
+    b, s, _, d = x.shape
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must have the same shape, got {cos.shape} and {sin.shape}")
+    max_pos, half = cos.shape
+    if half == 0 or 2 * half > d:
+        raise ValueError(f"tables {cos.shape} rotate R = {2 * half} dims; need 2 <= R <= head_dim = {d}")
+    if positions is None or isinstance(positions, (int, np.integer)):
+        pos = np.broadcast_to(np.arange(s) + int(positions or 0), (b, s))
+    else:
+        pos = np.asarray(positions)
+        if pos.shape != (b, s) or pos.dtype.kind not in "iu":
+            raise ValueError(f"positions must be an integer array [B, S] = {(b, s)}; got {pos.dtype} {pos.shape}")
+    if pos.size and (pos.min() < 0 or pos.max() >= max_pos):
+        raise ValueError(f"positions must lie in [0, max_pos = {max_pos}); got values in [{pos.min()}, {pos.max()}]")
+    c = cos[pos][:, :, None, :]  # [B, S, 1, R/2]
+    sn = sign * sin[pos][:, :, None, :]
+    y = x.copy()
+    if interleaved:
+        a, bb = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        y[..., 0:2 * half:2], y[..., 1:2 * half:2] = a * c - bb * sn, bb * c + a * sn
+    else:
+        a, bb = x[..., :half], x[..., half:2 * half]
+        y[..., :half], y[..., half:2 * half] = a * c - bb * sn, bb * c + a * sn
+    return y
+
+
+def rotary_apply(x, cos, sin, *, interleaved: bool = False, positions=None) -> np.ndarray:
+    """RoPE of ``x [B, S, H, D]`` with tables ``cos, sin [max_pos, R/2]`` (float64 result)."""
+    return _rotary(x, cos, sin, interleaved, positions, 1.0, "x")
+
+
+def rotary_backward(dy, cos, sin, *, interleaved: bool = False, positions=None) -> np.ndarray:
+    """Gradient of :func:`rotary_apply`'s input given ``dy``, its output's gradient: the transpose
+    (and inverse) rotation (float64 result)."""
+    return _rotary(dy, cos, sin, interleaved, positions, -1.0, "dy")
+
+
+__all__ += ["rotary_apply", "rotary_backward"]

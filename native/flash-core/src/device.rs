@@ -4,6 +4,7 @@
 use crate::error::{FlashError, Result};
 use crate::io::{BackwardIo, ForwardIo};
 use crate::problem::Problem;
+use crate::rotary::{RotaryIo, RotaryProblem};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
@@ -63,6 +64,17 @@ pub fn backward_host(device: Device, p: &Problem, io: BackwardIo) -> Result<()> 
         Device::Cpu => crate::cpu::backward(p, io),
         #[cfg(feature = "cuda")]
         Device::Cuda => crate::cuda::backward_host(p, 0, io),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda => Err(FlashError::CudaUnavailable(cuda_unavailable_reason().unwrap_or_default())),
+    }
+}
+
+/// Rotary embeddings on host buffers (layouts in [`RotaryIo`]) on `device` (GPU 0 for CUDA).
+pub fn rotary_host(device: Device, p: &RotaryProblem, io: RotaryIo) -> Result<()> {
+    match device {
+        Device::Cpu => crate::cpu::rotary(p, io),
+        #[cfg(feature = "cuda")]
+        Device::Cuda => crate::cuda::rotary_host(p, 0, io),
         #[cfg(not(feature = "cuda"))]
         Device::Cuda => Err(FlashError::CudaUnavailable(cuda_unavailable_reason().unwrap_or_default())),
     }

@@ -26,14 +26,16 @@ pub mod io;
 pub mod mask;
 pub mod modifiers;
 pub mod problem;
+pub mod rotary;
 
-pub use device::{backward_host, cuda_available, forward_host, Device};
+pub use device::{backward_host, cuda_available, forward_host, rotary_host, Device};
 pub use dtype::DType;
 pub use error::{FlashError, Result};
 pub use io::{BackwardIo, ForwardIo};
 pub use mask::{IndexArg, Mask, MaskArgs, MaskBuffers, Window, MASK_BLOCK};
 pub use modifiers::{FloatArg, ModArgs, Modifiers};
 pub use problem::{Dims, Options, Problem, TensorSpec, MAX_HEAD_DIM};
+pub use rotary::{Positions, RotaryDims, RotaryIo, RotaryOptions, RotaryProblem};
 
 /// The crate version (the Python package and the NIF report it).
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -8,6 +8,7 @@
 
 mod args;
 mod reply;
+mod rotary;
 mod tensor;
 
 use args::{options, Masks, Mods};

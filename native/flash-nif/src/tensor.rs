@@ -69,6 +69,11 @@ impl<'a> IndexTensor<'a> {
     pub fn arg(&self) -> IndexArg<'_> {
         IndexArg { spec: self.tensor.spec(), values: &self.values }
     }
+
+    /// The tensor's bytes (for a kernel that reads the values itself).
+    pub fn bytes(&self) -> &[u8] {
+        self.tensor.bytes()
+    }
 }
 
 /// A small float32 tensor whose values the core reads on the host (`alibi_slopes`, `sinks`).

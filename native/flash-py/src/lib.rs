@@ -7,6 +7,7 @@ mod errors;
 mod kernels;
 mod masks;
 mod modifiers;
+mod rotary;
 
 use arrays::{empty_f32, empty_like_dtype, HostArray};
 use errors::PyFlashError;
@@ -159,5 +160,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     }
     cuda::register(m)?;
     kernels::register(m)?;
+    rotary::register(m)?;
     Ok(())
 }

@@ -36,6 +36,11 @@ impl<'py> Index<'py> {
     pub fn arg(&self) -> IndexArg<'_> {
         IndexArg { spec: self.array.spec(), values: &self.values }
     }
+
+    /// The array's bytes (for a kernel that reads the values itself).
+    pub fn bytes(&self) -> &[u8] {
+        self.array.bytes()
+    }
 }
 
 /// A device array as the Python layer describes it: (pointer, shape, dtype name).

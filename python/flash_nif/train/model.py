@@ -7,7 +7,8 @@ Every layer is a pair of functions: `*_fwd` returns its output and what its back
 `*_bwd` turns the output gradient into input and parameter gradients. Attention is the one layer
 not written here: its forward/backward are an injected `backend.Attention` (flash_nif's kernels
 when training, the float64 oracle in the gradient check). Positions are rotary (RoPE, the
-"rotate half" form) applied to q and k; attention is causal with grouped-query heads (GQA).
+"rotate half" form) applied to q and k by flash_nif.rotary's kernels (the oracle's rotary in the
+float64 model); attention is causal with grouped-query heads (GQA).
 All arithmetic runs in the dtype of the parameters, on the array module of the parameters
 (NumPy or CuPy).
 """
@@ -19,6 +20,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .. import reference, rotary
 from .backend import Attention, xp_of
 
 RMS_EPS = 1e-5
@@ -132,29 +134,26 @@ def gelu_bwd(dy, cache):
 
 
 def rope_tables(seq: int, head_dim: int, base: float, xp, dtype):
-    """cos/sin [1, seq, 1, head_dim] for the rotate-half form (angles repeated over both halves)."""
-    half = head_dim // 2
-    inv_freq = base ** (-np.arange(half, dtype=np.float64) / half)
-    ang = np.arange(seq, dtype=np.float64)[:, None] * inv_freq[None, :]
-    ang = np.concatenate([ang, ang], axis=1)[None, :, None, :]
-    return xp.asarray(np.cos(ang).astype(dtype)), xp.asarray(np.sin(ang).astype(dtype))
-
-
-def _rotate_half(x):
-    xp = xp_of(x)
-    h = x.shape[-1] // 2
-    return xp.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+    """cos/sin [seq, head_dim / 2] for the half-split ("rotate half", GPT-NeoX) form: float64 for
+    the float64 model (the oracle's rotary), float32 for the kernels whatever the model's dtype."""
+    table_dtype = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+    cos, sin = rotary.tables(seq, head_dim, base=base, dtype=table_dtype)
+    return xp.asarray(cos), xp.asarray(sin)
 
 
 def rope_fwd(x, cos, sin):
-    s = x.shape[1]
-    return x * cos[:, :s] + _rotate_half(x) * sin[:, :s]
+    """RoPE of x [B, S, H, Dh] at positions 0..S-1: flash_nif's kernel (float32 / float16 /
+    bfloat16, NumPy or CuPy), or the float64 oracle for the float64 model."""
+    if x.dtype == np.float64:
+        return reference.rotary_apply(x, cos, sin)
+    return rotary.apply(x, cos, sin)
 
 
 def rope_bwd(dy, cos, sin):
-    # The rotation's transpose: rotate_half^T(z) = -rotate_half(z).
-    s = dy.shape[1]
-    return dy * cos[:, :s] - _rotate_half(dy * sin[:, :s])
+    """The rotation's transpose (a rotation by -theta), as rope_fwd chooses its implementation."""
+    if dy.dtype == np.float64:
+        return reference.rotary_backward(dy, cos, sin)
+    return rotary.backward(dy, cos, sin)
 
 
 def cross_entropy_fwd(logits, labels):
@@ -216,8 +215,8 @@ class Transformer:
             q = (xn @ params[p + "wq"]).reshape(B, S, H, Dh)
             k = (xn @ params[p + "wk"]).reshape(B, S, Hkv, Dh)
             v = (xn @ params[p + "wv"]).reshape(B, S, Hkv, Dh)
-            qr = xp.ascontiguousarray(rope_fwd(q, cos, sin))
-            kr = xp.ascontiguousarray(rope_fwd(k, cos, sin))
+            qr = rope_fwd(q, cos, sin)  # new contiguous arrays
+            kr = rope_fwd(k, cos, sin)
             v = xp.ascontiguousarray(v)
             o, lse = self.attention.forward(qr, kr, v)
             o2 = o.reshape(B, S, H * Dh)

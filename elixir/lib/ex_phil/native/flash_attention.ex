@@ -173,6 +173,12 @@ defmodule ExPhil.Native.FlashAttention do
       {{5, 1, 1}, {1, 5}}
       iex> FA.Tensor.to_list(out) |> Enum.map(&Float.round(&1, 4))
       [1.5, 1.5, 4.0, 4.0, 4.0]
+
+  ## Rotary position embeddings
+
+  `rotary/4` and `rotary_backward/4` apply RoPE to `x` `{batch, seq, heads, head_dim}` (and its
+  gradient) with float32 tables `cos`, `sin` `{max_pos, rotary_dim / 2}`; the options are
+  `:interleaved`, `:positions` and `:device`, the same as Python's `flash_nif.rotary`.
   """
 
   alias ExPhil.Native.FlashAttention.{Error, Nif, Tensor}
@@ -654,4 +660,118 @@ defmodule ExPhil.Native.FlashAttention do
   defp result(_q, {data, shape}, type), do: %Tensor{data: data, shape: shape, type: type}
 
   defp short(term), do: inspect(term, limit: 5, printable_limit: 40)
+
+  ## Rotary position embeddings
+
+  @rotary_keys [:interleaved, :positions, :device]
+
+  @typedoc "The options of `rotary/4` and `rotary_backward/4`."
+  @type rotary_option ::
+          {:interleaved, boolean}
+          | {:positions, non_neg_integer | tensor | nil}
+          | {:device, :auto | :cpu | :cuda}
+
+  @doc """
+  Rotary position embeddings (RoPE) of `x` `{b, seq, heads, d}`: `{:ok, y}`, y like `x` (shape
+  and type). `cos` and `sin` are `{:f, 32}` `{max_pos, r / 2}`: they rotate the first
+  `r = 2 * elem(cos.shape, 1) <= d` dims of every head, the rest pass through unchanged.
+
+  Row `{b, s}` takes table row `p = positions[b][s]`, or `s + offset`. Angle `i` turns the pair
+  `(i, i + r / 2)` (GPT-NeoX, the default) or `(2i, 2i + 1)` (`interleaved: true`, GPT-J):
+  `y[a] = x[a] * cos[p][i] - x[b] * sin[p][i]`, `y[b] = x[b] * cos[p][i] + x[a] * sin[p][i]`.
+  Arithmetic is f32; `y` is stored in `x`'s type.
+
+  Options:
+
+    * `:interleaved` — pairs `(2i, 2i + 1)` instead of `(i, i + r / 2)` (default `false`).
+    * `:positions` — `nil` (default: row `s` takes table row `s`), a non-negative integer offset
+      (row `s` takes `s + offset`: a decode step after a cache of that length), or a `{:s, 32}`
+      tensor `{b, seq}` of table rows (packed documents, ragged caches). Every position must lie
+      in `[0, max_pos)`: anything else is a `:shape` error, never a read past the tables.
+    * `:device` — as for `forward/4` (`:cpu` by default).
+
+  Errors as for `forward/4`: `:shape` (ranks, `r > d`, `cos` and `sin` of different shapes,
+  positions out of range), `:dtype` (`x` not a float type, tables not `{:f, 32}`, positions not
+  `{:s, 32}`), `:unsupported` (a bad option, a negative offset).
+
+      iex> alias ExPhil.Native.FlashAttention, as: FA
+      iex> x = FA.Tensor.from_list([1.0, 0.0, 5.0], {1, 1, 1, 3}, {:f, 32})
+      iex> cos = FA.Tensor.from_list([1.0, 0.0], {2, 1}, {:f, 32})
+      iex> sin = FA.Tensor.from_list([0.0, 1.0], {2, 1}, {:f, 32})
+      iex> {:ok, y} = FA.rotary(x, cos, sin, positions: 1)
+      iex> FA.Tensor.to_list(y)
+      [0.0, 1.0, 5.0]
+  """
+  @spec rotary(tensor, tensor, tensor, [rotary_option]) :: {:ok, tensor} | {:error, reason}
+  def rotary(x, cos, sin, opts \\ []), do: rotary_call(:rotary, [x: x, cos: cos, sin: sin], opts)
+
+  @doc """
+  The gradient of `rotary/4`'s `x` given `dy`, the gradient of its output: `{:ok, dx}`, `dx` like
+  `dy`. Pass the forward's `cos`, `sin` and options. It is the transpose rotation (by −θ), so it
+  also undoes `rotary/4`: `rotary_backward(rotary(x))` is `x` up to rounding.
+  """
+  @spec rotary_backward(tensor, tensor, tensor, [rotary_option]) :: {:ok, tensor} | {:error, reason}
+  def rotary_backward(dy, cos, sin, opts \\ []),
+    do: rotary_call(:rotary_backward, [dy: dy, cos: cos, sin: sin], opts)
+
+  @doc "Like `rotary/4`, but returns `y` and raises `ExPhil.Native.FlashAttention.Error`."
+  @spec rotary!(tensor, tensor, tensor, [rotary_option]) :: tensor
+  def rotary!(x, cos, sin, opts \\ []), do: x |> rotary(cos, sin, opts) |> unwrap!()
+
+  @doc "Like `rotary_backward/4`, but returns `dx` and raises on error."
+  @spec rotary_backward!(tensor, tensor, tensor, [rotary_option]) :: tensor
+  def rotary_backward!(dy, cos, sin, opts \\ []), do: dy |> rotary_backward(cos, sin, opts) |> unwrap!()
+
+  defp rotary_call(fun, [{_name, x} | _] = named, opts) do
+    with {:ok, options, positions} <- rotary_options(opts),
+         {:ok, tensors} <- wire(named),
+         {:ok, positions} <- wire_positions(positions),
+         :ok <- loaded(),
+         {:ok, y} <- rotary_nif(fun, tensors, positions, options) do
+      {:ok, result(x, y, type_of(x))}
+    end
+  end
+
+  defp rotary_nif(:rotary, tensors, positions, options), do: Nif.rotary(tensors, positions, options)
+
+  defp rotary_nif(:rotary_backward, tensors, positions, options),
+    do: Nif.rotary_backward(tensors, positions, options)
+
+  # {:ok, %{interleaved: _, device: _}, positions}: types checked here, values in the core.
+  defp rotary_options(opts) when is_list(opts) do
+    Enum.reduce_while(opts, {:ok, %{interleaved: false, device: :cpu}, nil}, fn
+      {:interleaved, i}, {:ok, o, p} when is_boolean(i) ->
+        {:cont, {:ok, %{o | interleaved: i}, p}}
+
+      {:interleaved, i}, _ ->
+        {:halt, unsupported("the :interleaved option must be true or false, got: #{inspect(i)}")}
+
+      {:device, d}, {:ok, o, p} ->
+        case option(:device, d) do
+          {:ok, d} -> {:cont, {:ok, %{o | device: d}, p}}
+          error -> {:halt, error}
+        end
+
+      {:positions, p}, {:ok, o, _} when is_nil(p) or (is_integer(p) and abs(p) <= @max_i64) or is_struct(p) ->
+        {:cont, {:ok, o, p}}
+
+      {:positions, p}, _ ->
+        {:halt,
+         unsupported(
+           "the :positions option must be nil, a non-negative integer offset or a {:s, 32} tensor " <>
+             "{batch, seq}, got: #{short(p)}"
+         )}
+
+      {key, _}, _ when is_atom(key) ->
+        {:halt, unsupported("unknown option #{inspect(key)}; the options are #{inspect(@rotary_keys)}")}
+
+      other, _ ->
+        {:halt, unsupported("options must be a keyword list, got the element #{inspect(other)}")}
+    end)
+  end
+
+  defp rotary_options(opts), do: unsupported("options must be a keyword list, got: #{inspect(opts)}")
+
+  defp wire_positions(p) when is_nil(p) or is_integer(p), do: {:ok, p}
+  defp wire_positions(t), do: wire(t, :positions)
 end

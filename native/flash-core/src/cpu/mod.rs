@@ -8,6 +8,7 @@ mod layout;
 #[doc(hidden)]
 pub mod matmul;
 mod modify;
+mod rotary;
 pub mod simd;
 mod tiles;
 mod vector;
@@ -17,6 +18,7 @@ use crate::error::Result;
 use crate::guard::{catch_panics, check_backward_buffers, check_forward_buffers};
 use crate::io::{BackwardIo, ForwardIo};
 use crate::problem::Problem;
+use crate::rotary::{RotaryIo, RotaryProblem};
 
 /// Forward on the CPU (layouts in [`ForwardIo`]).
 pub fn forward(p: &Problem, io: ForwardIo) -> Result<()> {
@@ -28,6 +30,12 @@ pub fn forward(p: &Problem, io: ForwardIo) -> Result<()> {
 pub fn backward(p: &Problem, io: BackwardIo) -> Result<()> {
     check_backward_buffers(p, &io)?;
     catch_panics("CPU", || backward::run(p, io))
+}
+
+/// Rotary embeddings on the CPU (layouts in [`RotaryIo`]).
+pub fn rotary(p: &RotaryProblem, io: RotaryIo) -> Result<()> {
+    crate::rotary::check_buffers(p, &io)?;
+    catch_panics("CPU", || rotary::run(p, io))
 }
 
 /// Number of threads the CPU kernels run on.

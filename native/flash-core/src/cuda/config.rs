@@ -6,7 +6,7 @@
 
 use std::sync::Mutex;
 
-use super::variant::{Kernel, TileSet, Tiles, Variant};
+use super::variant::{Kernel, TileSet, Tiles, Variant, ANY_HEAD_DIM};
 use crate::dtype::DType;
 use crate::error::{FlashError, Result};
 
@@ -82,8 +82,19 @@ fn masked_tiles(kernel: Kernel, dtype: DType, d: usize, t: Tiles, mods: bool) ->
 /// Every (kernel, dtype, head dim, causal or masked) the library launches, default and small tiles
 /// (when they differ), at GQA group 1 with a ragged key length: the group and EVEN_N change a loop
 /// bound or fold a branch, not the code's shape. The elementwise kernels have no masked variant
-/// (masks change only their launch). Tile overrides do not show here.
+/// (masks change only their launch). Tile overrides do not show here. Then every rotary variant
+/// (which takes any head dim at run time).
 pub fn all_variants(head_dims: &[usize]) -> Vec<Variant> {
+    let mut out = attention_variants(head_dims);
+    for dtype in [DType::F16, DType::BF16, DType::F32] {
+        for interleaved in [false, true] {
+            out.extend(rotary_vecs(dtype).map(|vec| rotary_variant(dtype, interleaved, vec)));
+        }
+    }
+    out
+}
+
+fn attention_variants(head_dims: &[usize]) -> Vec<Variant> {
     let mut out = Vec::new();
     for dtype in [DType::F16, DType::BF16, DType::F32] {
         for &head_dim in head_dims {
@@ -202,6 +213,7 @@ fn source(kernel: Kernel, dtype: DType, d: usize) -> &'static str {
         (Kernel::BwdDqConvert, _) => "bwd_dq_convert.cu",
         (Kernel::BwdDsinks, _) => "bwd_dsinks.cu",
         (Kernel::Pad, _) => "pad.cu",
+        (Kernel::Rotary, _) => "rotary.cu",
     }
 }
 
@@ -251,6 +263,29 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
     Variant { kernel, dtype, head_dim, source: source(kernel, dtype, head_dim), tiles: t, tile_set, defines }
 }
 
+/// Warps per block of the rotary kernel (one row of x per 2^k threads; see cuda/rotary.cu).
+const ROTARY_WARPS: usize = 8;
+
+/// The rotary kernel's vector widths for `dtype`, widest first: elements per access, at most 16
+/// bytes of x (cuda/rotary.cu's VEC). The launcher takes the widest the call's sizes and pointers allow.
+pub fn rotary_vecs(dtype: DType) -> impl Iterator<Item = usize> {
+    [8, 4, 2, 1].into_iter().filter(move |v| v * dtype.size_bytes() <= 16)
+}
+
+/// The rotary kernel for `dtype`, layout and vector width (forward and backward: the sign of the
+/// angle is a run-time parameter).
+pub fn rotary_variant(dtype: DType, interleaved: bool, vec: usize) -> Variant {
+    let t = Tiles { block_m: 1, block_n: 1, num_warps: ROTARY_WARPS, d_split: 1, min_blocks: 1 };
+    let defines = vec![
+        ("FLASH_DTYPE", dtype_code(dtype)),
+        ("NUM_WARPS", ROTARY_WARPS as i64),
+        ("INTERLEAVED", interleaved as i64),
+        ("VEC", vec as i64),
+    ];
+    let source = source(Kernel::Rotary, dtype, ANY_HEAD_DIM);
+    Variant { kernel: Kernel::Rotary, dtype, head_dim: ANY_HEAD_DIM, source, tiles: t, tile_set: TileSet::Default, defines }
+}
+
 /// Development hook (tools/sweep*.py): tiles forced on every launch of one (kernel, dtype, head
 /// dim) in this process, with no small-tile fallback.
 static OVERRIDES: Mutex<Vec<((Kernel, DType, usize), Tiles)>> = Mutex::new(Vec::new());
@@ -295,7 +330,7 @@ mod tests {
                     Kernel::BwdDkdv | Kernel::BwdDkdvDq => {
                         assert_eq!(t.block_n * t.d_split, 16 * t.num_warps, "{}", v.name())
                     }
-                    Kernel::BwdPreprocess | Kernel::BwdDqConvert | Kernel::BwdDsinks | Kernel::Pad => {}
+                    Kernel::BwdPreprocess | Kernel::BwdDqConvert | Kernel::BwdDsinks | Kernel::Pad | Kernel::Rotary => {}
                 }
             }
         }
@@ -320,6 +355,19 @@ mod tests {
         assert!(!plain.defines.iter().any(|(k, _)| *k == "MASKED"), "plain names stay as they were");
         let e = variant(&Spec { masked: true, ..spec(Kernel::BwdPreprocess, DType::BF16, 64) }, TileSet::Default);
         assert!(!e.defines.iter().any(|(k, _)| *k == "MASKED"));
+    }
+
+    #[test]
+    fn rotary_variants_take_any_head_dim_and_at_most_16_bytes_per_access() {
+        let rotary: Vec<Variant> = all_variants(&[64]).into_iter().filter(|v| v.kernel == Kernel::Rotary).collect();
+        assert_eq!(rotary.len(), 2 * (4 + 4 + 3), "f16 / bf16: VEC 8, 4, 2, 1; f32: 4, 2, 1; both layouts");
+        for v in &rotary {
+            assert_eq!((v.head_dim, v.source), (ANY_HEAD_DIM, "rotary.cu"));
+            let vec = v.defines.iter().find(|(k, _)| *k == "VEC").unwrap().1 as usize;
+            assert!(vec * v.dtype.size_bytes() <= 16, "{}", v.name());
+            assert!(!v.defines.iter().any(|(k, _)| *k == "HEAD_DIM"), "{}", v.name());
+        }
+        assert_eq!(rotary_variant(DType::BF16, true, 8).name(), "rotary_bf16_num_warps8_interleaved1_vec8");
     }
 
     #[test]

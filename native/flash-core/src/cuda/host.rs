@@ -14,10 +14,10 @@ use crate::mask::MaskBuffers;
 use crate::problem::Problem;
 
 /// A private stream for host-memory calls, destroyed on drop.
-struct Stream(cu::CUstream);
+pub(super) struct Stream(pub(super) cu::CUstream);
 
 impl Stream {
-    fn new() -> Result<Stream> {
+    pub(super) fn new() -> Result<Stream> {
         let mut s: cu::CUstream = std::ptr::null_mut();
         // SAFETY: out-pointer; a context is current.
         device::check("cuStreamCreate", unsafe {
@@ -25,7 +25,7 @@ impl Stream {
         })?;
         Ok(Stream(s))
     }
-    fn sync(&self) -> Result<()> {
+    pub(super) fn sync(&self) -> Result<()> {
         // SAFETY: live stream.
         device::check("cuStreamSynchronize", unsafe { cu::cuStreamSynchronize(self.0) })
     }
@@ -42,7 +42,7 @@ impl Drop for Stream {
 }
 
 /// A device copy of `src` (stream-ordered on `s`).
-fn upload(src: &[u8], s: &Stream) -> Result<DeviceBuffer> {
+pub(super) fn upload(src: &[u8], s: &Stream) -> Result<DeviceBuffer> {
     let buf = DeviceBuffer::alloc(src.len(), s.0)?;
     if !src.is_empty() {
         // SAFETY: the buffer holds src.len() bytes; the host slice outlives the sync that ends
@@ -73,7 +73,7 @@ fn upload_masks(m: &MaskBuffers, s: &Stream) -> Result<MaskUpload> {
     Ok(MaskUpload { _bufs: bufs, ptrs })
 }
 
-fn download(dst: &mut [u8], buf: &DeviceBuffer, s: &Stream) -> Result<()> {
+pub(super) fn download(dst: &mut [u8], buf: &DeviceBuffer, s: &Stream) -> Result<()> {
     if dst.is_empty() {
         return Ok(());
     }

@@ -31,6 +31,7 @@ mod launch;
 mod libs;
 pub mod pad;
 mod report;
+mod rotary;
 mod sources;
 mod variant;
 
@@ -43,7 +44,8 @@ pub use host::{backward_host, forward_host};
 pub use launch::{backward_device, forward_device, BackwardPtrs, ForwardPtrs, MaskPtrs};
 pub use libs::{add_search_roots, ensure_nvrtc};
 pub use report::{compile_report, Report, Usage};
-pub use variant::{dtype_short, Kernel, TileSet, Tiles, Variant};
+pub use rotary::{rotary_device, rotary_host, RotaryPtrs};
+pub use variant::{dtype_short, Kernel, TileSet, Tiles, Variant, ANY_HEAD_DIM};
 
 /// What `flash_nif.info()` reports about a GPU.
 #[derive(Debug, Clone)]

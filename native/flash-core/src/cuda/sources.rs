@@ -3,6 +3,7 @@
 
 /// Every file under cuda/ that a kernel includes or is.
 pub const FILES: &[(&str, &str)] = &[
+    ("types.h", include_str!("../../../../cuda/types.h")),
     ("params.h", include_str!("../../../../cuda/params.h")),
     ("ptx.h", include_str!("../../../../cuda/ptx.h")),
     ("seq.h", include_str!("../../../../cuda/seq.h")),
@@ -25,6 +26,7 @@ pub const FILES: &[(&str, &str)] = &[
     ("bwd_dq_convert.cu", include_str!("../../../../cuda/bwd_dq_convert.cu")),
     ("bwd_dsinks.cu", include_str!("../../../../cuda/bwd_dsinks.cu")),
     ("pad.cu", include_str!("../../../../cuda/pad.cu")),
+    ("rotary.cu", include_str!("../../../../cuda/rotary.cu")),
 ];
 
 fn file(name: &str) -> Option<&'static str> {
@@ -84,7 +86,9 @@ mod tests {
         for (name, _) in FILES.iter().filter(|(n, _)| n.ends_with(".cu")) {
             let src = expand(name).unwrap();
             assert!(!src.contains("#include \""), "{name} still includes a local header");
-            assert!(src.contains("struct FlashParams"), "{name} lacks params.h");
+            assert!(src.contains("#define FLASH_EXPORT_SMEM"), "{name} lacks types.h");
+            // elf.rs reads the one `flash_smem_bytes` each kernel source exports.
+            assert_eq!(file(name).unwrap().matches("\nFLASH_EXPORT_SMEM(").count(), 1, "{name}");
         }
     }
 

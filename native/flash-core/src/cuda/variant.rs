@@ -4,9 +4,9 @@
 use crate::dtype::DType;
 use crate::error::{FlashError, Result};
 
-/// The kernels of a forward + backward. The default backward is BwdPreprocess, BwdDkdvDq (dK, dV and
-/// dQ by f32 atomics), BwdDqConvert; the deterministic one is BwdPreprocess, BwdDq, BwdDkdv. Pad
-/// copies tensors to and from the kernels' head dim when a call's is not theirs (pad.rs).
+/// The kernels of a forward + backward, and Rotary. The default backward is BwdPreprocess, BwdDkdvDq
+/// (dK, dV and dQ by f32 atomics), BwdDqConvert; the deterministic one is BwdPreprocess, BwdDq, BwdDkdv.
+/// Pad copies tensors to and from the kernels' head dim when a call's is not theirs (pad.rs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kernel {
     Fwd,
@@ -20,10 +20,12 @@ pub enum Kernel {
     BwdDsinks,
     /// Zero-filled copies to the kernels' head dim (HEAD_DIM) and back (pad.rs).
     Pad,
+    /// Rotary embeddings, forward and backward (cuda/rotary.cu); its head dim is a run-time value.
+    Rotary,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 8] = [
+    pub const ALL: [Kernel; 9] = [
         Kernel::Fwd,
         Kernel::BwdPreprocess,
         Kernel::BwdDq,
@@ -32,6 +34,7 @@ impl Kernel {
         Kernel::BwdDqConvert,
         Kernel::BwdDsinks,
         Kernel::Pad,
+        Kernel::Rotary,
     ];
 
     pub fn name(self) -> &'static str {
@@ -44,6 +47,7 @@ impl Kernel {
             Kernel::BwdDqConvert => "bwd_dq_convert",
             Kernel::BwdDsinks => "bwd_dsinks",
             Kernel::Pad => "pad",
+            Kernel::Rotary => "rotary",
         }
     }
 
@@ -65,14 +69,19 @@ impl Kernel {
             Kernel::BwdDqConvert => "flash_bwd_dq_convert",
             Kernel::BwdDsinks => "flash_bwd_dsinks",
             Kernel::Pad => "flash_pad",
+            Kernel::Rotary => "flash_rotary",
         }
     }
 
     /// Elementwise kernels have no tiles and no shared memory.
     pub fn is_elementwise(self) -> bool {
-        matches!(self, Kernel::BwdPreprocess | Kernel::BwdDqConvert | Kernel::BwdDsinks | Kernel::Pad)
+        matches!(self, Kernel::BwdPreprocess | Kernel::BwdDqConvert | Kernel::BwdDsinks | Kernel::Pad | Kernel::Rotary)
     }
 }
+
+/// The head dim of a variant that takes it at run time (the table and the golden snapshot list it
+/// as 0).
+pub const ANY_HEAD_DIM: usize = 0;
 
 /// The dtype's short name in variant names ("f16", "bf16", "f32").
 pub fn dtype_short(d: DType) -> &'static str {
@@ -121,6 +130,7 @@ impl TileSet {
 pub struct Variant {
     pub kernel: Kernel,
     pub dtype: DType,
+    /// [`ANY_HEAD_DIM`] for a kernel that takes the head dim at run time (Rotary).
     pub head_dim: usize,
     pub source: &'static str,
     pub tiles: Tiles,
@@ -134,8 +144,9 @@ impl Variant {
         32 * self.tiles.num_warps as u32
     }
 
-    /// Stable name, e.g. `fwd_bf16_d128_num_warps4_is_causal1_...`: kernel, dtype, head dim and the
-    /// other defines in order (the disk cache's file names and the golden snapshot use it).
+    /// Stable name, e.g. `fwd_bf16_d128_num_warps4_is_causal1_...`: kernel, dtype, head dim (none for
+    /// [`ANY_HEAD_DIM`]) and the other defines in order (the disk cache's file names and the golden
+    /// snapshot use it).
     pub fn name(&self) -> String {
         let rest: Vec<String> = self
             .defines
@@ -143,7 +154,11 @@ impl Variant {
             .filter(|(k, _)| *k != "FLASH_DTYPE" && *k != "HEAD_DIM")
             .map(|(k, v)| format!("{}{}", k.to_lowercase(), v))
             .collect();
-        format!("{}_{}_d{}_{}", self.kernel.name(), dtype_short(self.dtype), self.head_dim, rest.join("_"))
+        let (kernel, dtype) = (self.kernel.name(), dtype_short(self.dtype));
+        match self.head_dim {
+            ANY_HEAD_DIM => format!("{kernel}_{dtype}_{}", rest.join("_")),
+            d => format!("{kernel}_{dtype}_d{d}_{}", rest.join("_")),
+        }
     }
 }
 

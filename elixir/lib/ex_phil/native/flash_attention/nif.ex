@@ -79,6 +79,9 @@ defmodule ExPhil.Native.FlashAttention.Nif do
   def backward(_tensors, _masks, _options), do: :erlang.nif_error(:nif_not_loaded)
   def varlen_forward(_tensors, _cu_seqlens, _options), do: :erlang.nif_error(:nif_not_loaded)
   def varlen_backward(_tensors, _cu_seqlens, _options), do: :erlang.nif_error(:nif_not_loaded)
+  # Rotary: [x, cos, sin], positions (nil | integer | tensor), %{interleaved: _, device: _}.
+  def rotary(_tensors, _positions, _options), do: :erlang.nif_error(:nif_not_loaded)
+  def rotary_backward(_tensors, _positions, _options), do: :erlang.nif_error(:nif_not_loaded)
 
   def debug_panic, do: :erlang.nif_error(:nif_not_loaded)
 end
