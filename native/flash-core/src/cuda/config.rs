@@ -68,6 +68,8 @@ pub fn variant(spec: &Spec, set: TileSet) -> Variant {
 fn masked_tiles(kernel: Kernel, dtype: DType, d: usize, t: Tiles, mods: bool) -> Tiles {
     if kernel == Kernel::Fwd && dtype == DType::F32 && simt_f32(d) && t.block_n > 64 {
         Tiles { block_n: 64, ..t }
+    } else if mods && kernel == Kernel::BwdDq && dtype != DType::F32 && d <= 64 && t.block_n > 64 {
+        Tiles { block_n: 64, ..t } // 128 keys spilled 56 bytes at D = 40 (sm_90a)
     } else if mods && kernel == Kernel::BwdDkdvDq && dtype != DType::F32 && d <= 128 {
         if d <= 64 {
             Tiles { block_m: 64, block_n: 64, num_warps: 4, d_split: 1, ..t }
