@@ -83,7 +83,7 @@ class Gpu:
         sync()
         out = []
         for _ in range(reps):
-            a, b = event(), event()
+            a, b = (event(enable_timing=True), event(enable_timing=True)) if self.name == "torch" else (event(), event())
             a.record()
             for _ in range(inner):  # back to back: the host's per-call work overlaps the GPU's
                 fn()
