@@ -65,8 +65,8 @@ class Env:
         self.kw = {"device": "cuda"} if where == "numpy-cuda" else {}
 
     def put(self, x):
-        if x is None or self.where in ("cpu", "numpy-cuda"):
-            return x
+        if x is None or isinstance(x, (int, float)) or self.where in ("cpu", "numpy-cuda"):
+            return x  # scalars (a rotary offset) stay as they are
         if isinstance(x, tuple):
             return tuple(self.put(a) for a in x)
         if self.where == "torch":
