@@ -13,6 +13,7 @@
 
 pub mod cpu;
 pub mod device;
+pub mod dispatch;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dtype;
@@ -23,6 +24,7 @@ pub mod mask;
 pub mod problem;
 
 pub use device::{backward_host, cuda_available, forward_host, Device};
+pub use dispatch::Mode;
 pub use dtype::DType;
 pub use error::{FlashError, Result};
 pub use io::{BackwardIo, ForwardIo};

@@ -1,5 +1,6 @@
 //! The attention problem: sizes, dtype and options, validated once for every binding and backend.
 
+use crate::dispatch::Mode;
 use crate::dtype::DType;
 use crate::error::{FlashError, Result};
 use crate::mask::{self, IndexArg, Mask, MaskArgs, Window};
@@ -34,11 +35,14 @@ pub struct Options {
     pub deterministic: bool,
     /// Sliding window around the diagonal (see [`Window`]); the default sees every key.
     pub window: Window,
+    /// Fused (tiled, O(S) memory) or materialized (whole S×S scores) kernels; `Auto` lets
+    /// [`dispatch`](crate::dispatch) choose. `FLASH_NIF_MODE` overrides it.
+    pub mode: Mode,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { causal: true, scale: None, deterministic: false, window: Window::default() }
+        Options { causal: true, scale: None, deterministic: false, window: Window::default(), mode: Mode::Auto }
     }
 }
 
@@ -97,6 +101,8 @@ pub struct Problem {
     pub deterministic: bool,
     /// Which keys each row sees (always set; [`Mask::is_plain`] when only `causal` masks).
     pub mask: Mask,
+    /// See [`Options::mode`] (as the caller gave it; [`dispatch`](crate::dispatch) resolves it).
+    pub mode: Mode,
 }
 
 impl Problem {
@@ -181,7 +187,7 @@ impl Problem {
                 )))
             }
         };
-        Ok(Problem { dims, dtype, causal: opts.causal, scale: scale as f32, deterministic: opts.deterministic, mask })
+        Ok(Problem { dims, dtype, causal: opts.causal, scale: scale as f32, deterministic: opts.deterministic, mask, mode: opts.mode })
     }
 
     /// Shapes of the call's tensors: padded `[B, Sq, H, D]`, `[B, Sk, Hkv, D]`, `[B, H, Sq]`;

@@ -66,7 +66,7 @@ fn bytes_i32(v: &[i32]) -> Vec<u8> {
 
 fn build(s: &Scenario, dtype: DType, head_dim: usize, seed: u64) -> Call {
     let (h, hkv, d) = (s.heads, s.kv_heads, head_dim);
-    let opts = Options { causal: s.causal, scale: None, deterministic: false, window: s.window };
+    let opts = Options { causal: s.causal, scale: None, deterministic: false, window: s.window, ..Options::default() };
     let mut rng = Rng::new(seed);
     let spec = |name, shape, bytes: &Vec<u8>| TensorSpec { name, dtype: dtype.name(), shape, nbytes: Some(bytes.len()) };
     match &s.layout {

@@ -3,7 +3,7 @@
 //! arrays); the core validates shapes, dtypes and values.
 
 use flash_core::cuda::MaskPtrs;
-use flash_core::{FlashError, IndexArg, MaskArgs, MaskBuffers, Options, TensorSpec, Window};
+use flash_core::{FlashError, IndexArg, MaskArgs, MaskBuffers, Mode, Options, TensorSpec, Window};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -116,7 +116,7 @@ impl Masks<'_, DevArray> {
 /// Reads one mask tensor argument (host array or device description).
 pub type Reader<'a, 'py, T> = &'a dyn Fn(&Bound<'py, PyAny>, &'static str) -> Result<T, FlashError>;
 
-/// The core's [`Options`] (`causal`, `scale`, `deterministic`, `window`) and, when `masks` says how
+/// The core's [`Options`] (`causal`, `scale`, `deterministic`, `window`, `mode`) and, when `masks` says how
 /// to read them, the mask tensors, from a call's keyword arguments; one left out keeps the core's
 /// default. Without a reader the mask keywords are unknown options (varlen calls).
 pub fn parse<'py, T>(
@@ -132,6 +132,10 @@ pub fn parse<'py, T>(
             ("causal", _) => opts.causal = value.extract().map_err(|_| bad("causal must be a bool"))?,
             ("scale", _) => opts.scale = value.extract().map_err(|_| bad("scale must be a number or None"))?,
             ("deterministic", _) => opts.deterministic = value.extract().map_err(|_| bad("deterministic must be a bool"))?,
+            ("mode", _) => {
+                let name: String = value.extract().map_err(|_| bad("mode must be \"auto\", \"fused\" or \"materialized\""))?;
+                opts.mode = Mode::parse(&name)?;
+            }
             ("window", _) => {
                 let (left, right) = value.extract().map_err(|_| {
                     bad(&format!("window must be a (left, right) tuple of non-negative ints or None; got {value}"))

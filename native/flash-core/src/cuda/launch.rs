@@ -9,6 +9,7 @@ use super::config::{self, Spec};
 use super::device::{self, launch, ContextGuard, Device, DeviceBuffer};
 use super::libs;
 use super::variant::{Kernel, Variant};
+use crate::dispatch::{self, Backend, Pass};
 use crate::error::{FlashError, Result};
 use crate::guard::catch_panics;
 use crate::problem::Problem;
@@ -308,6 +309,7 @@ pub unsafe fn backward_device(p: &Problem, device: usize, stream: usize, ptrs: B
 /// # Safety
 /// As [`forward_device`].
 pub(super) unsafe fn forward(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: ForwardPtrs) -> Result<()> {
+    dispatch::choose(p, Backend::Cuda, Pass::Forward)?; // fused only: refuses an explicit materialized
     let d = &p.dims;
     if d.batch == 0 || d.seq_q == 0 {
         return Ok(());
@@ -329,6 +331,7 @@ pub(super) unsafe fn forward(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: F
 /// # Safety
 /// As [`backward_device`].
 pub(super) unsafe fn backward(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: BackwardPtrs) -> Result<()> {
+    dispatch::choose(p, Backend::Cuda, Pass::Backward)?; // fused only: refuses an explicit materialized
     let d = &p.dims;
     if d.batch == 0 {
         return Ok(());

@@ -271,7 +271,7 @@ fn masked_problem(m: &Masks, dtype: DType, (q_shape, kv_shape): (&[usize], &[usi
     let spec = |name, shape| TensorSpec { name, dtype: dtype.name(), shape, nbytes: Some(elems(shape) * dtype.size_bytes()) };
     let (q, k, v) = (spec("q", q_shape), spec("k", kv_shape), spec("v", kv_shape));
     let window = Window { left: m.window.0.map(|x| x as i64), right: m.window.1.map(|x| x as i64) };
-    let opts = Options { causal: m.causal, scale: None, deterministic: false, window };
+    let opts = Options { causal: m.causal, scale: None, deterministic: false, window, ..Options::default() };
     let int_shapes: Vec<[usize; 1]> = [&m.seqused_k, &m.leftpad_k].iter().map(|a| [a.as_ref().map_or(0, |v| v.len())]).collect();
     if let Some((cq, ck)) = &m.cu_seqlens {
         let shape = [cq.len()];
