@@ -53,6 +53,7 @@ def forward_with_states(
     leftpad_k=None,
     block_mask=None,
     device: str | None = None,
+    mode: str = "auto",
 ):
     """Attention output and log-sum-exp.
 
@@ -76,8 +77,15 @@ def forward_with_states(
     NumPy arrays with NumPy data; with GPU data, arrays of the same library on the same device
     (seqused_k and leftpad_k are copied to the host: the core checks their values).
     A row that sees no key gives o = 0, lse = -inf and zero gradients.
+
+    ``mode``: ``"fused"`` (tiled online softmax, O(S) memory), ``"materialized"`` (each head's
+    whole S x S score matrix; fastest for short sequences) or ``"auto"`` (default: materialized
+    where it fits ``FLASH_NIF_MATERIALIZE_MAX_BYTES`` and the crossover table in ``info()["dispatch"]``
+    says it is faster). Both give the same results to the same bounds. The environment variable
+    ``FLASH_NIF_MODE`` overrides it; an explicit ``"materialized"`` over the ceiling (or on a backend
+    without that path) raises :class:`UnsupportedError`.
     """
-    opts, host_device = _args.options(causal, scale, window, device)
+    opts, host_device = _args.options(causal, scale, window, device, mode=mode)
     masks = _args.masks(segment_ids, seqused_k, leftpad_k, block_mask)
     if _cuda.any_gpu(q, k, v, *masks.values()):
         return _cuda.forward_with_states((q, k, v), opts, device, masks)
@@ -98,12 +106,13 @@ def forward(
     leftpad_k=None,
     block_mask=None,
     device: str | None = None,
+    mode: str = "auto",
 ):
     """Attention output o [B, Sq, H, D] (q's dtype) for q [B, Sq, H, D], k, v [B, Sk, Hkv, D];
     options and masks as :func:`forward_with_states`."""
     return forward_with_states(
         q, k, v, causal=causal, scale=scale, window=window, segment_ids=segment_ids, seqused_k=seqused_k,
-        leftpad_k=leftpad_k, block_mask=block_mask, device=device,
+        leftpad_k=leftpad_k, block_mask=block_mask, device=device, mode=mode,
     )[0]
 
 
@@ -124,6 +133,7 @@ def backward(
     block_mask=None,
     device: str | None = None,
     deterministic: bool = False,
+    mode: str = "auto",
 ):
     """Gradients (dq [B, Sq, H, D], dk [B, Sk, Hkv, D], dv [B, Sk, Hkv, D]) in q's dtype.
 
@@ -135,8 +145,11 @@ def backward(
     The CPU backward is always bit-identical run to run (and across thread counts). On a GPU the
     default sums dQ with float32 atomics (faster; dq may differ in its last bits from run to run,
     dk and dv never do); ``deterministic=True`` takes the atomic-free path instead.
+
+    ``mode`` as in :func:`forward_with_states` (the backward decides on its own: either path's
+    backward takes either path's o and lse). The materialized backward holds S and dS per head.
     """
-    opts, host_device = _args.options(causal, scale, window, device, deterministic)
+    opts, host_device = _args.options(causal, scale, window, device, deterministic, mode=mode)
     masks = _args.masks(segment_ids, seqused_k, leftpad_k, block_mask)
     if _cuda.any_gpu(do, q, k, v, o, lse, *masks.values()):
         return _cuda.backward((do, q, k, v, o, lse), opts, device, masks)
@@ -146,7 +159,9 @@ def backward(
 
 
 def info() -> dict:
-    """Version, available backends, CPU thread count and instruction set, and the GPU (if any)."""
+    """Version, available backends, CPU thread count and instruction set, the GPU (if any), and
+    ``dispatch``: the fused / materialized choice (the environment's mode and ceiling, and each
+    backend's crossover table, measured by bench/dispatch.py)."""
     return {**dict(_native.info()), "cuda": _cuda.info()}
 
 

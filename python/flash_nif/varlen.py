@@ -38,10 +38,12 @@ def forward_with_states(
     scale: float | None = None,
     window: tuple[int | None, int | None] | None = None,
     device: str | None = None,
+    mode: str = "auto",
 ):
     """(o [total_q, H, D] in q's dtype, lse [H, total_q] float32) for packed q [total_q, H, D] and
-    k, v [total_k, Hkv, D]. ``window=(left, right)`` as in :func:`flash_nif.forward_with_states`."""
-    opts, host_device = _args.options(causal, scale, window, device)
+    k, v [total_k, Hkv, D]. ``window=(left, right)`` and ``mode`` as in
+    :func:`flash_nif.forward_with_states` (materialized: the longest sequence's S x S per head)."""
+    opts, host_device = _args.options(causal, scale, window, device, mode=mode)
     cu = (cu_seqlens_q, cu_seqlens_k)
     if _cuda.any_gpu(q, k, v, *cu):
         return _cuda.forward_with_states((q, k, v), opts, device, {}, cu_seqlens=cu)
@@ -61,10 +63,11 @@ def forward(
     scale: float | None = None,
     window: tuple[int | None, int | None] | None = None,
     device: str | None = None,
+    mode: str = "auto",
 ):
     """o [total_q, H, D] of :func:`forward_with_states`."""
     return forward_with_states(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, window=window, device=device
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, window=window, device=device, mode=mode
     )[0]
 
 
@@ -83,10 +86,11 @@ def backward(
     window: tuple[int | None, int | None] | None = None,
     device: str | None = None,
     deterministic: bool = False,
+    mode: str = "auto",
 ):
     """(dq [total_q, H, D], dk, dv [total_k, Hkv, D]) in q's dtype, from the forward's o and lse
-    (same cu_seqlens and options). ``deterministic`` as in :func:`flash_nif.backward`."""
-    opts, host_device = _args.options(causal, scale, window, device, deterministic)
+    (same cu_seqlens and options). ``deterministic`` and ``mode`` as in :func:`flash_nif.backward`."""
+    opts, host_device = _args.options(causal, scale, window, device, deterministic, mode=mode)
     cu = (cu_seqlens_q, cu_seqlens_k)
     if _cuda.any_gpu(do, q, k, v, o, lse, *cu):
         return _cuda.backward((do, q, k, v, o, lse), opts, device, {}, cu_seqlens=cu)

@@ -4,6 +4,14 @@
 use flash_core::{backward_host, forward_host, BackwardIo, Device, ForwardIo, Options, Problem, TensorSpec};
 use std::time::Instant;
 
+/// CPU seconds of the whole process (all threads; robust to other load on the machine).
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|x| x.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0
+}
+
 fn main() {
     let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
     let (b, s, h, d) = match args[..] {
@@ -33,7 +41,11 @@ fn main() {
     let (mut dq, mut dk, mut dv) = (vec![0u8; n * 4], vec![0u8; n * 4], vec![0u8; n * 4]);
     let mut fwd = Vec::new();
     let mut bwd = Vec::new();
+    let mut cpu0 = 0.0;
     for i in 0..iters + 3 {
+        if i == 3 {
+            cpu0 = cpu_seconds();
+        }
         let t0 = Instant::now();
         forward_host(Device::Cpu, &pf, ForwardIo::new([&q, &k, &v], [&mut o, &mut lse])).unwrap();
         let t1 = Instant::now();
@@ -48,7 +60,13 @@ fn main() {
         x.sort_by(|a, b| a.partial_cmp(b).unwrap());
         x[x.len() / 2]
     };
+    let cpu_ms = (cpu_seconds() - cpu0) / iters as f64 * 1e3;
     let (f, bw) = (median(&mut fwd), median(&mut bwd));
     let flops = 4.0 * (b * h * s * s * d) as f64 / 2.0 * 3.5;
-    println!("B={b} S={s} H={h} D={d}: fwd {f:.3} ms, bwd {bw:.3} ms, total {:.3} ms, {:.1} GFLOP/s", f + bw, flops / (f + bw) / 1e6);
+    println!(
+        "B={b} S={s} H={h} D={d}: fwd {f:.3} ms, bwd {bw:.3} ms, total {:.3} ms, {:.1} GFLOP/s; {cpu_ms:.2} CPU-ms per fwd+bwd ({} threads)",
+        f + bw,
+        flops / (f + bw) / 1e6,
+        flash_core::cpu::threads()
+    );
 }

@@ -93,8 +93,8 @@ pub const DEFAULT_MAX_BYTES: u128 = 1 << 30;
 
 /// One row of a crossover table: the materialized path is faster for a pass when the longer
 /// sequence (max of Sq and Sk; the longest one of a varlen call) is at most `max_seq` and the
-/// pass has at least `min_tasks_per_thread` × threads tasks (forward: batch × heads, backward:
-/// batch × kv heads), so that whole heads keep every thread busy.
+/// call has at least `min_tasks_per_thread` × threads (batch row, kv head) pairs, the
+/// materialized path's unit of parallel work.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Crossover {
     pub pass: Pass,
@@ -109,8 +109,19 @@ pub const CPU_CROSSOVER: &[Crossover] = &[
     Crossover { pass: Pass::Backward, max_seq: 256, min_tasks_per_thread: 1 },
 ];
 
+const CPU_MEASURED: &str = "PLACEHOLDER";
+
 /// The CUDA backend has no materialized kernels: auto never picks that path there.
 pub const CUDA_CROSSOVER: &[Crossover] = &[];
+const CUDA_MEASURED: &str = "no materialized GPU kernels: fused only";
+
+/// Where a backend's table comes from (`info()` shows it).
+pub fn measured(backend: Backend) -> &'static str {
+    match backend {
+        Backend::Cpu => CPU_MEASURED,
+        Backend::Cuda => CUDA_MEASURED,
+    }
+}
 
 /// The crossover table of a backend.
 pub fn crossover(backend: Backend) -> &'static [Crossover] {
@@ -156,7 +167,7 @@ pub fn working_set(p: &Problem, backend: Backend, pass: Pass) -> u128 {
     match backend {
         Backend::Cpu => {
             let backward = pass == Pass::Backward;
-            let running = crate::cpu::materialized::tasks(p, backward).min(threads()) as u128;
+            let running = crate::cpu::materialized::tasks(p).min(threads()) as u128;
             running * crate::cpu::materialized::task_bytes(p, if backward { 2 } else { 1 })
         }
         Backend::Cuda => 0,
@@ -166,10 +177,7 @@ pub fn working_set(p: &Problem, backend: Backend, pass: Pass) -> u128 {
 /// Whether the crossover table of `backend` says the materialized path is the faster one.
 pub fn table_prefers_materialized(p: &Problem, backend: Backend, pass: Pass) -> bool {
     let seq = p.dims.seq_q.max(p.dims.seq_k);
-    let tasks = match pass {
-        Pass::Forward => p.dims.batch * p.dims.heads,
-        Pass::Backward => p.dims.batch * p.dims.kv_heads,
-    };
+    let tasks = p.dims.batch * p.dims.kv_heads;
     let threads = match backend {
         Backend::Cpu => threads(),
         Backend::Cuda => 1,

@@ -1,32 +1,50 @@
-//! The materialized CPU path: each task holds the whole score matrix of one head, S = Qs·Kᵀ
-//! `[Sq, Sk]` (and, in the backward, dS beside it), takes a plain softmax over each row and forms
-//! the products as whole-matrix products — the textbook algorithm, exact to the fused path's
-//! bounds and returning the same (o, lse) and gradients.
+//! The materialized CPU path: each task holds the whole score matrix of the head it works on,
+//! S = Qs·Kᵀ `[Sq, Sk]` (and, in the backward, dS beside it), takes a plain softmax over each
+//! row and forms the products from those matrices — the textbook algorithm, exact to the fused
+//! path's bounds, returning the same (o, lse) and gradients.
 //!
-//! What it buys on short sequences: a task reads its head's rows of q, k, v (dO, o) straight from
-//! the caller's buffers into scratch that stays in cache, and writes its outputs straight back.
-//! The fused path instead packs whole tensors into working layouts first and unpacks after
-//! (module `layout`) — several passes over memory that, at S = 60, cost as much as the attention.
+//! What it buys on short sequences (measured in bench/RESULTS.md, "Dispatch"):
+//! * no passes over whole tensors: a task reads its rows of q, k, v (dO, o) straight from the
+//!   caller's buffers into scratch that stays in cache, sweeping memory in order (all its heads of
+//!   one row, then the next row), and writes its outputs back the same way. The fused path packs
+//!   whole tensors into working layouts first and unpacks after (module `layout`), passes that cost
+//!   as much as the attention itself at S = 60;
+//! * no online-softmax rescaling, and the hidden parts of S skipped at a 16-row grain (the causal
+//!   triangle of a 60 × 60 head is 62 % of the square, not 100 %).
 //!
 //! Masks go through the fused path's own per-tile functions ([`Visibility::tile`] /
-//! [`Visibility::mask_scores`]) in one place, [`scores`]: the same tiles are visible, the same
-//! elements hidden, and the tiles nobody sees are never multiplied.
+//! [`Visibility::mask_scores`]) in one place, [`scores`]: the same keys are visible and the same
+//! elements hidden, and tiles nobody sees are never multiplied.
 //!
-//! Tasks: forward one per (batch row, head); backward one per (batch row, kv head), which owns
-//! dQ of its query heads and dK/dV of its kv head (no atomics, bit-identical run to run).
+//! Tasks: one per (batch row, chunk of kv heads) — both passes — owning o / lse / dq of the chunk's
+//! query heads and dk / dv of its kv heads: no atomics, bit-identical run to run.
 
 use super::layout::{padded_dim, transposed_ld};
 use super::matmul::{matmul, Mat};
 use super::simd;
 use super::tiles::{KeyTile, RowBlock, Visibility};
-use super::workspace::BLOCK_Q;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::io::{BackwardIo, ForwardIo};
+use crate::mask::Seq;
 use crate::problem::Problem;
 use rayon::prelude::*;
 use std::f32::consts::{LN_2, LOG2_E};
+use std::cell::RefCell;
 use std::marker::PhantomData;
+use std::ops::Range;
+
+/// Rows of S per score step: small enough that the causal triangle and window edges are skipped
+/// finely, a multiple of the micro-kernel's row block. A sub-block never crosses a tile (or a
+/// block-mask block), so [`Visibility`] answers for it as for the fused path's row blocks.
+const SUB_Q: usize = 16;
+/// Keys per step of the transposed products (dV += Pᵀ·dO, dK += dSᵀ·Qs).
+const SUB_K: usize = 16;
+/// A task's scratch aims below this (L2), so chunks of kv heads shrink as sequences grow.
+const SCRATCH_TARGET: usize = 1 << 20;
+/// Scratch up to this many bytes stays with its thread between calls: an allocation (and its
+/// page faults) per rayon job would cost more than the attention of a short sequence.
+const KEEP_SCRATCH: usize = 8 << 20;
 
 /// Bytes of the score matrices one task holds: `matrices` × Sq × ld(Sk) f32 (the longest
 /// sequence of a varlen call). The forward holds S, the backward S and dS.
@@ -35,21 +53,41 @@ pub fn task_bytes(p: &Problem, matrices: usize) -> u128 {
     matrices as u128 * sq * sk * 4
 }
 
-/// Tasks of a pass: (batch row, head) forward, (batch row, kv head) backward.
-pub fn tasks(p: &Problem, backward: bool) -> usize {
-    p.dims.batch * if backward { p.dims.kv_heads } else { p.dims.heads }
+/// The most tasks a pass can have: batch rows × kv heads (chunks hold one kv head or more).
+pub fn tasks(p: &Problem) -> usize {
+    p.dims.batch * p.dims.kv_heads
+}
+
+/// Kv heads per task: all of them where the batch alone keeps every thread busy (so a task sweeps
+/// whole rows of the tensors), fewer for small batches or long sequences.
+fn kv_chunk(p: &Problem) -> usize {
+    let d = &p.dims;
+    let dp = padded_dim(d.head_dim);
+    let per_kv_head = 4 * (3 * d.group() * d.seq_q * dp + 3 * d.seq_k * dp + 2 * d.head_dim * transposed_ld(d.seq_k));
+    let threads = rayon::current_num_threads().max(1);
+    let mut chunk = d.kv_heads;
+    while chunk > 1 && (d.batch * d.kv_heads.div_ceil(chunk) < 4 * threads || chunk * per_kv_head > SCRATCH_TARGET) {
+        chunk = chunk.div_ceil(2);
+    }
+    chunk
+}
+
+/// The tasks: (batch row, kv heads).
+fn task_list(p: &Problem) -> Vec<(usize, Range<usize>)> {
+    let (hkv, chunk) = (p.dims.kv_heads, kv_chunk(p));
+    (0..p.dims.batch).flat_map(|b| (0..hkv).step_by(chunk).map(move |k0| (b, k0..(k0 + chunk).min(hkv)))).collect()
 }
 
 /// Forward (layouts in [`ForwardIo`]).
 pub fn forward(p: &Problem, io: ForwardIo) -> Result<()> {
     let ForwardIo { q, k, v, o, lse, mask } = io;
     let vis = Visibility::new(p, &mask);
-    let (o, lse) = (SharedOut::new(o, p.dtype), SharedOut::new(lse, DType::F32));
-    let h = p.dims.heads;
-    (0..tasks(p, false)).into_par_iter().for_each_init(
-        || ForwardScratch::new(p),
-        |w, bh| forward_head(p, &vis, [q, k, v], (&o, &lse), (bh / h, bh % h), w),
-    );
+    let outs = (SharedOut::new(o, p.dtype), SharedOut::new(lse, DType::F32));
+    let chunk = kv_chunk(p);
+    task_list(p).into_par_iter().for_each_init(Lease::take, |kept, (b, kv)| {
+        let mut w = ForwardScratch::carve(p, chunk, &mut kept.0);
+        forward_task(p, &vis, [q, k, v], &outs, b, kv, &mut w)
+    });
     Ok(())
 }
 
@@ -58,12 +96,65 @@ pub fn backward(p: &Problem, io: BackwardIo) -> Result<()> {
     let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask } = io;
     let vis = Visibility::new(p, &mask);
     let outs = [SharedOut::new(dq, p.dtype), SharedOut::new(dk, p.dtype), SharedOut::new(dv, p.dtype)];
-    let hkv = p.dims.kv_heads;
-    (0..tasks(p, true)).into_par_iter().for_each_init(
-        || BackwardScratch::new(p),
-        |w, bk| backward_group(p, &vis, [d_out, q, k, v, o, lse], &outs, (bk / hkv, bk % hkv), w),
-    );
+    let chunk = kv_chunk(p);
+    task_list(p).into_par_iter().for_each_init(Lease::take, |kept, (b, kv)| {
+        let mut w = BackwardScratch::carve(p, chunk, &mut kept.0);
+        backward_task(p, &vis, [d_out, q, k, v, o, lse], &outs, b, kv, &mut w)
+    });
     Ok(())
+}
+
+thread_local! {
+    /// The thread's scratch from its last task (see [`KEEP_SCRATCH`]).
+    static KEPT: RefCell<Kept> = RefCell::new(Kept::default());
+}
+
+/// A task's scratch memory, carved into the buffers of [`ForwardScratch`] / [`BackwardScratch`]
+/// per task. Stale values from earlier tasks are harmless: every value a task reads it has
+/// written, except padding columns (zero from the first allocation; loads write only the first
+/// D columns), which only reach padding columns of the outputs (never stored).
+#[derive(Default)]
+struct Kept {
+    f: Vec<f32>,
+    tiles: Vec<KeyTile>,
+    runs: Runs,
+    head_runs: Vec<Runs>,
+}
+
+/// The thread's [`Kept`] scratch for one rayon job, given back when the job ends.
+struct Lease(Kept);
+
+impl Lease {
+    /// The thread's kept scratch (empty if another job of this thread holds it).
+    fn take() -> Lease {
+        Lease(KEPT.with(|k| std::mem::take(&mut *k.borrow_mut())))
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if self.0.f.len() * 4 > KEEP_SCRATCH {
+            return;
+        }
+        let _ = KEPT.try_with(|k| {
+            if let Ok(mut slot) = k.try_borrow_mut() {
+                if slot.f.len() <= self.0.f.len() {
+                    *slot = std::mem::take(&mut self.0);
+                }
+            }
+        });
+    }
+}
+
+/// Cuts consecutive buffers off one slice.
+struct Carve<'a>(&'a mut [f32]);
+
+impl<'a> Carve<'a> {
+    fn next(&mut self, len: usize) -> &'a mut [f32] {
+        let (head, rest) = std::mem::take(&mut self.0).split_at_mut(len);
+        self.0 = rest;
+        head
+    }
 }
 
 /// An output buffer of the caller that parallel tasks write, each its own elements.
@@ -84,58 +175,115 @@ impl<'a> SharedOut<'a> {
 
     /// Stores `src` as elements `start..start + src.len()` (bounds checked).
     ///
-    /// SAFETY: no other task touches these elements meanwhile. Each element of o, lse, dq, dk
-    /// and dv belongs to exactly one (batch row, head) or (batch row, kv head) task.
+    /// SAFETY: no other task touches these elements meanwhile. Each element of o, lse and dq
+    /// belongs to one (batch row, query head), each of dk and dv to one (batch row, kv head), and
+    /// each of those to exactly one task.
     unsafe fn store(&self, start: usize, src: &[f32]) {
         let size = self.dtype.size_bytes();
         let (at, n) = (start * size, src.len() * size);
-        assert!(at + n <= self.len, "output store out of bounds");
+        assert!(at.checked_add(n).is_some_and(|end| end <= self.len), "output store out of bounds");
         let dst = std::slice::from_raw_parts_mut(self.ptr.add(at), n);
         self.dtype.store(src, dst, 0);
     }
 }
 
-/// Element index of (packed row `row`, head `h`, 0) in a `[rows, heads, D]` tensor.
-fn at(row: usize, heads: usize, h: usize, d: usize) -> usize {
-    (row * heads + h) * d
+/// Heads `heads` of a `[rows, n_heads, D]` tensor at the rows of one batch row.
+#[derive(Clone)]
+struct Rows {
+    row0: usize,
+    rows: usize,
+    n_heads: usize,
+    heads: Range<usize>,
+    d: usize,
 }
 
-/// Reads `rows` rows of head `h` (rows `row0..` of a `[rows, heads, D]` tensor) into `dst`
-/// `[rows, Dp]`, each element times `scale`; the padding columns are left as they are (zero).
-fn load_rows(src: &[u8], dtype: DType, (row0, rows): (usize, usize), (heads, h, d): (usize, usize, usize), scale: f32, dst: &mut [f32]) {
-    let dp = padded_dim(d);
-    for (i, row) in dst.chunks_exact_mut(dp).take(rows).enumerate() {
-        let row = &mut row[..d];
-        dtype.load(src, at(row0 + i, heads, h, d), row);
-        if scale != 1.0 {
-            row.iter_mut().for_each(|x| *x *= scale);
+impl Rows {
+    /// Element index of (row i, head h, 0).
+    fn at(&self, i: usize, h: usize) -> usize {
+        ((self.row0 + i) * self.n_heads + h) * self.d
+    }
+
+    /// Reads the heads into `dst` `[heads, rows, Dp]` (head-major; each element times `scale`;
+    /// padding columns left as they are: zero), sweeping memory in order.
+    fn load(&self, src: &[u8], dtype: DType, scale: f32, dst: &mut [f32]) {
+        let (d, dp) = (self.d, padded_dim(self.d));
+        for i in 0..self.rows {
+            for (j, h) in self.heads.clone().enumerate() {
+                let row = &mut dst[(j * self.rows + i) * dp..][..d];
+                dtype.load(src, self.at(i, h), row);
+                if scale != 1.0 {
+                    row.iter_mut().for_each(|x| *x *= scale);
+                }
+            }
+        }
+    }
+
+    /// Reads the heads into the transposed `dst` `[heads, D, ld]`, SUB_K rows at a time through
+    /// `tmp` `[SUB_K, D]` (so that each store writes SUB_K consecutive floats).
+    fn load_transposed(&self, src: &[u8], dtype: DType, ld: usize, tmp: &mut [f32], dst: &mut [f32]) {
+        let d = self.d;
+        for i0 in (0..self.rows).step_by(SUB_K) {
+            let n = SUB_K.min(self.rows - i0);
+            for (j, h) in self.heads.clone().enumerate() {
+                for (r, row) in tmp.chunks_exact_mut(d).take(n).enumerate() {
+                    dtype.load(src, self.at(i0 + r, h), row);
+                }
+                let head = &mut dst[j * d * ld..][..d * ld];
+                for di in 0..d {
+                    let out = &mut head[di * ld + i0..][..n];
+                    out.iter_mut().enumerate().for_each(|(r, x)| *x = tmp[r * d + di]);
+                }
+            }
+        }
+    }
+
+    /// Writes `src` `[heads, rows, Dp]` (first D columns, each times `scale`) to the heads.
+    ///
+    /// SAFETY: the rows of these heads belong to the calling task (see [`SharedOut::store`]).
+    unsafe fn store(&self, src: &mut [f32], scale: f32, out: &SharedOut) {
+        let (d, dp) = (self.d, padded_dim(self.d));
+        for i in 0..self.rows {
+            for (j, h) in self.heads.clone().enumerate() {
+                let row = &mut src[(j * self.rows + i) * dp..][..d];
+                if scale != 1.0 {
+                    row.iter_mut().for_each(|x| *x *= scale);
+                }
+                out.store(self.at(i, h), row);
+            }
         }
     }
 }
 
-/// Reads `rows` rows of head `h` into the transposed `dst` `[D, ld]`.
-fn load_transposed(src: &[u8], dtype: DType, (row0, rows): (usize, usize), (heads, h, d): (usize, usize, usize), ld: usize, tmp: &mut [f32], dst: &mut [f32]) {
-    let tmp = &mut tmp[..d];
-    for j in 0..rows {
-        dtype.load(src, at(row0 + j, heads, h, d), tmp);
-        for (di, &x) in tmp.iter().enumerate() {
-            dst[di * ld + j] = x;
-        }
-    }
+/// The query and key rows of one task: batch row b's queries of the query heads of kv heads `kv`.
+fn task_rows(p: &Problem, seq: &Seq, kv: &Range<usize>) -> (Rows, Rows) {
+    let (d, g) = (p.dims.head_dim, p.dims.group());
+    let qr = Rows { row0: seq.q_start, rows: seq.q_len, n_heads: p.dims.heads, heads: kv.start * g..kv.end * g, d };
+    let kr = Rows { row0: seq.k_start, rows: seq.k_len, n_heads: p.dims.kv_heads, heads: kv.clone(), d };
+    (qr, kr)
 }
 
-/// THE score step of this path (the fused path's per-tile step, over a whole row of S): for rows
+/// The sub-blocks of `SUB_Q` query rows of batch row b, head h.
+fn sub_blocks(b: usize, h: usize, seq: Seq) -> impl Iterator<Item = RowBlock> {
+    (0..seq.q_len).step_by(SUB_Q).map(move |r0| RowBlock { b, h, seq, r0, r1: (r0 + SUB_Q).min(seq.q_len) })
+}
+
+/// Runs of adjacent visible tiles of one sub-block, left to right: `[c0, c1)` key ranges. The
+/// products use only these keys: the keys between runs belong to tiles the mask hides, which
+/// (like the fused path) this path never reads, so garbage there cannot reach the outputs.
+type Runs = Vec<(usize, usize)>;
+
+/// THE score step of this path (the fused path's per-tile step, over whole rows of S): for rows
 /// `rb`, S[r, c] = Qs[r]·K[c] in exp2 units on every tile the mask lets some row see, each tile
-/// masked by [`Visibility::mask_scores`]; -inf on the keys between those tiles. Returns the span
-/// `[c0, c1)` of keys written (None: the rows see no key); keys outside it are hidden.
+/// masked by [`Visibility::mask_scores`]; -inf on the keys between runs of such tiles. Fills
+/// `runs` (empty: the rows see no key); keys outside the first and last run are hidden.
 ///
 /// q: [br, Dp] (times scale·log2 e); kt: [D, ld]; s: [br, ld] (the rows' part of S);
 /// tiles: reused scratch.
-fn scores(vis: &Visibility, rb: &RowBlock, d: usize, q: &[f32], kt: &[f32], ld: usize, s: &mut [f32], tiles: &mut Vec<KeyTile>) -> Option<(usize, usize)> {
+fn scores(vis: &Visibility, rb: &RowBlock, d: usize, q: &[f32], kt: &[f32], ld: usize, s: &mut [f32], tiles: &mut Vec<KeyTile>, runs: &mut Runs) {
     let (br, dp) = (rb.rows(), padded_dim(d));
     tiles.clear();
     tiles.extend(vis.key_blocks(rb).filter_map(|blk| vis.tile(rb, blk)));
-    let span = (tiles.first()?.c0, tiles.last()?.c1);
+    runs.clear();
     for t in tiles.iter() {
         // Left to right: a tile's product may spill into the next tile's first (padding)
         // columns, which that tile then overwrites.
@@ -143,210 +291,271 @@ fn scores(vis: &Visibility, rb: &RowBlock, d: usize, q: &[f32], kt: &[f32], ld: 
         if t.masked() {
             vis.mask_scores(&mut s[t.c0..], ld, rb, t);
         }
+        match runs.last_mut() {
+            Some(run) if run.1 == t.c0 => run.1 = t.c1,
+            _ => runs.push((t.c0, t.c1)),
+        }
     }
-    // Keys between visible tiles (hidden block-mask tiles, segment gaps): -inf.
-    let mut gaps = tiles.windows(2).map(|w| (w[0].c1, w[1].c0)).filter(|(a, b)| a < b).peekable();
-    if gaps.peek().is_some() {
-        let gaps: Vec<(usize, usize)> = gaps.collect();
+    for w in runs.windows(2) {
         for row in s.chunks_mut(ld).take(br) {
-            for &(a, b) in &gaps {
-                row[a..b].fill(f32::NEG_INFINITY);
-            }
+            row[w[0].1..w[1].0].fill(f32::NEG_INFINITY);
         }
     }
-    Some(span)
 }
 
-/// One forward task's working memory (sized for the longest sequence, reused across tasks).
-struct ForwardScratch {
-    q: Vec<f32>,  // [Sq, Dp], times scale·log2 e
-    kt: Vec<f32>, // [D, ld]
-    v: Vec<f32>,  // [Sk, Dp]
-    s: Vec<f32>,  // [Sq, ld]: the scores, then the probabilities
-    o: Vec<f32>,  // [BLOCK_Q, Dp]
-    tmp: Vec<f32>, // [D]
-    m: Vec<f32>,  // [BLOCK_Q]
-    l: Vec<f32>,
-    alpha: Vec<f32>,
-    tiles: Vec<KeyTile>,
+/// The keys from the first run's start to the last run's end.
+fn span(runs: &Runs) -> Option<(usize, usize)> {
+    Some((runs.first()?.0, runs.last()?.1))
 }
 
-impl ForwardScratch {
-    fn new(p: &Problem) -> Self {
-        let (sq, sk, d) = (p.dims.seq_q, p.dims.seq_k, p.dims.head_dim);
+/// One forward task's working memory (sized for the longest sequence).
+struct ForwardScratch<'a> {
+    q: &'a mut [f32],     // [heads, Sq, Dp], times scale·log2 e; then O
+    kt: &'a mut [f32],    // [kv heads, D, ld]
+    v: &'a mut [f32],     // [kv heads, Sk, Dp]
+    s: &'a mut [f32],     // [Sq, ld]: one head's scores, then its probabilities
+    o: &'a mut [f32],     // [SUB_Q, Dp]
+    lse: &'a mut [f32],   // [Sq]
+    tmp: &'a mut [f32],   // [SUB_K, D]
+    m: &'a mut [f32],     // [SUB_Q]
+    l: &'a mut [f32],     // [SUB_Q]
+    alpha: &'a mut [f32], // [SUB_Q]
+    tiles: &'a mut Vec<KeyTile>,
+    runs: &'a mut Runs,
+}
+
+impl<'a> ForwardScratch<'a> {
+    fn carve(p: &Problem, kv_chunk: usize, kept: &'a mut Kept) -> Self {
+        let (sq, sk, d, g) = (p.dims.seq_q, p.dims.seq_k, p.dims.head_dim, p.dims.group());
         let (dp, ld) = (padded_dim(d), transposed_ld(sk));
+        let lens = [kv_chunk * g * sq * dp, kv_chunk * d * ld, kv_chunk * sk * dp, sq * ld, SUB_Q * dp, sq, SUB_K * d, SUB_Q, SUB_Q, SUB_Q];
+        let Kept { f, tiles, runs, .. } = kept;
+        if f.len() < lens.iter().sum() {
+            f.resize(lens.iter().sum(), 0.0);
+        }
+        let mut c = Carve(f);
+        let mut next = |i: usize| c.next(lens[i]);
         ForwardScratch {
-            q: vec![0.0; sq * dp],
-            kt: vec![0.0; d * ld],
-            v: vec![0.0; sk * dp],
-            s: vec![0.0; sq * ld],
-            o: vec![0.0; BLOCK_Q * dp],
-            tmp: vec![0.0; d],
-            m: vec![0.0; BLOCK_Q],
-            l: vec![0.0; BLOCK_Q],
-            alpha: vec![0.0; BLOCK_Q],
-            tiles: Vec::new(),
+            q: next(0),
+            kt: next(1),
+            v: next(2),
+            s: next(3),
+            o: next(4),
+            lse: next(5),
+            tmp: next(6),
+            m: next(7),
+            l: next(8),
+            alpha: next(9),
+            tiles,
+            runs,
         }
     }
 }
 
-/// Head h of batch row b: o rows [q_len, D] and lse [q_len].
-fn forward_head(p: &Problem, vis: &Visibility, [q, k, v]: [&[u8]; 3], (o, lse): (&SharedOut, &SharedOut), (b, h): (usize, usize), w: &mut ForwardScratch) {
+/// Batch row b, kv heads `kv` and their query heads: o and lse.
+fn forward_task(p: &Problem, vis: &Visibility, [q, k, v]: [&[u8]; 3], (o, lse): &(SharedOut, SharedOut), b: usize, kv: Range<usize>, w: &mut ForwardScratch) {
     let seq = p.mask.seq(b);
     let (sq, sk) = (seq.q_len, seq.k_len);
-    let d = p.dims.head_dim;
+    let (d, g) = (p.dims.head_dim, p.dims.group());
     let (dp, ld) = (padded_dim(d), transposed_ld(p.dims.seq_k));
-    let (heads, hkv) = (p.dims.heads, h / p.dims.group());
-    let q_head = (heads, h, d);
-    let kv_head = (p.dims.kv_heads, hkv, d);
-    load_rows(q, p.dtype, (seq.q_start, sq), q_head, p.scale * LOG2_E, &mut w.q);
-    load_transposed(k, p.dtype, (seq.k_start, sk), kv_head, ld, &mut w.tmp, &mut w.kt);
-    load_rows(v, p.dtype, (seq.k_start, sk), kv_head, 1.0, &mut w.v);
-    let lse_row = p.lse_base(b, h);
+    let (qr, kr) = task_rows(p, &seq, &kv);
+    qr.load(q, p.dtype, p.scale * LOG2_E, &mut w.q);
+    kr.load_transposed(k, p.dtype, ld, &mut w.tmp, &mut w.kt);
+    kr.load(v, p.dtype, 1.0, &mut w.v);
 
-    for r0 in (0..sq).step_by(BLOCK_Q) {
-        let rb = RowBlock::new(b, h, seq, r0);
-        let br = rb.rows();
-        let (m, l) = (&mut w.m[..br], &mut w.l[..br]);
-        m.fill(f32::NEG_INFINITY);
-        l.fill(0.0);
-        let s = &mut w.s[r0 * ld..];
-        let q_rows = &w.q[r0 * dp..(r0 + br) * dp];
-        let o_rows = &mut w.o[..br * dp];
-        match scores(vis, &rb, d, q_rows, &w.kt, ld, s, &mut w.tiles) {
-            Some((c0, c1)) => {
-                simd::online_softmax(&mut s[c0..], c1 - c0, ld, m, l, &mut w.alpha[..br]);
-                matmul(br, d, c1 - c0, o_rows, dp, false, Mat::rows(&s[c0..], ld), &w.v[c0 * dp..], dp);
+    for (j, h) in qr.heads.clone().enumerate() {
+        let kj = j / g; // this head's kv head within the chunk
+        let (kt, v) = (&w.kt[kj * d * ld..][..d * ld], &w.v[kj * sk * dp..][..sk * dp]);
+        let q_head = &mut w.q[j * sq * dp..][..sq * dp];
+        for rb in sub_blocks(b, h, seq) {
+            let (r0, br) = (rb.r0, rb.rows());
+            let (m, l, alpha) = (&mut w.m[..br], &mut w.l[..br], &mut w.alpha[..br]);
+            m.fill(f32::NEG_INFINITY);
+            l.fill(0.0);
+            let s = &mut w.s[r0 * ld..];
+            let o_rows = &mut w.o[..br * dp];
+            scores(vis, &rb, d, &q_head[r0 * dp..(r0 + br) * dp], kt, ld, s, w.tiles, w.runs);
+            match span(w.runs) {
+                Some((c0, c1)) => {
+                    simd::online_softmax(&mut s[c0..], c1 - c0, ld, m, l, alpha);
+                    for (i, &(a, z)) in w.runs.iter().enumerate() {
+                        matmul(br, d, z - a, o_rows, dp, i > 0, Mat::rows(&s[a..], ld), &v[a * dp..], dp);
+                    }
+                }
+                None => o_rows.fill(0.0),
             }
-            None => o_rows.fill(0.0),
-        }
-        let mut lse_rows = [0.0f32; BLOCK_Q];
-        for r in 0..br {
-            let row = &mut o_rows[r * dp..r * dp + d];
-            if l[r] == 0.0 {
-                // The row sees no key: o = 0, lse = -inf.
-                row.fill(0.0);
-                lse_rows[r] = f32::NEG_INFINITY;
-            } else {
-                let inv = 1.0 / l[r];
-                row.iter_mut().for_each(|x| *x *= inv);
-                lse_rows[r] = (m[r] + l[r].log2()) * LN_2;
+            for r in 0..br {
+                let (row, out) = (&o_rows[r * dp..(r + 1) * dp], &mut q_head[(r0 + r) * dp..(r0 + r + 1) * dp]);
+                if l[r] == 0.0 {
+                    // The row sees no key: o = 0, lse = -inf.
+                    out.fill(0.0);
+                    w.lse[r0 + r] = f32::NEG_INFINITY;
+                } else {
+                    let inv = 1.0 / l[r];
+                    out.iter_mut().zip(row).for_each(|(x, &y)| *x = y * inv);
+                    w.lse[r0 + r] = (m[r] + l[r].log2()) * LN_2;
+                }
             }
-            // SAFETY: row (q_start + r0 + r, h) of o belongs to this task alone.
-            unsafe { o.store(at(seq.q_start + r0 + r, heads, h, d), row) };
         }
         // SAFETY: lse entries of (b, h) belong to this task alone.
-        unsafe { lse.store(lse_row + r0, &lse_rows[..br]) };
+        unsafe { lse.store(p.lse_base(b, h), &w.lse[..sq]) };
     }
+    // SAFETY: rows of o of this task's query heads belong to it alone.
+    unsafe { qr.store(&mut w.q, 1.0, o) };
 }
 
-/// One backward task's working memory (sized for the longest sequence, reused across tasks).
-struct BackwardScratch {
-    k: Vec<f32>,     // [Sk, Dp]
-    kt: Vec<f32>,    // [D, ld]
-    vt: Vec<f32>,    // [D, ld]
-    dk: Vec<f32>,    // [Sk, Dp], in units of dSᵀ·Qs
-    dv: Vec<f32>,    // [Sk, Dp]
-    q: Vec<f32>,     // [Sq, Dp], times scale·log2 e
-    d_out: Vec<f32>, // [Sq, Dp]
-    s: Vec<f32>,     // [Sq, ld]: the scores, then P
-    ds: Vec<f32>,    // [Sq, ld]: dP = dO·Vᵀ, then dS
-    dq: Vec<f32>,    // [BLOCK_Q, Dp]
-    lse2: Vec<f32>,  // [Sq], log2 units, +inf for rows that see no key
-    delta: Vec<f32>, // [Sq]
-    tmp: Vec<f32>,   // [2, D]
-    tiles: Vec<KeyTile>,
+/// One backward task's working memory (sized for the longest sequence).
+struct BackwardScratch<'a> {
+    k: &'a mut [f32],     // [kv heads, Sk, Dp]
+    kt: &'a mut [f32],    // [kv heads, D, ld]
+    vt: &'a mut [f32],    // [kv heads, D, ld]
+    dk: &'a mut [f32],    // [kv heads, Sk, Dp], in units of dSᵀ·Qs
+    dv: &'a mut [f32],    // [kv heads, Sk, Dp]
+    q: &'a mut [f32],     // [heads, Sq, Dp], times scale·log2 e
+    d_out: &'a mut [f32], // [heads, Sq, Dp]
+    dq: &'a mut [f32],    // [heads, Sq, Dp], in units of dS·K
+    s: &'a mut [f32],     // [Sq, ld]: one head's scores, then P
+    ds: &'a mut [f32],    // [Sq, ld]: dP = dO·Vᵀ, then dS
+    lse2: &'a mut [f32],  // [heads, Sq], log2 units, +inf for rows that see no key
+    delta: &'a mut [f32], // [heads, Sq]
+    tmp: &'a mut [f32],   // [SUB_K, D]
+    tiles: &'a mut Vec<KeyTile>,
+    runs: &'a mut Vec<Runs>, // per sub-block of one head
 }
 
-impl BackwardScratch {
-    fn new(p: &Problem) -> Self {
-        let (sq, sk, d) = (p.dims.seq_q, p.dims.seq_k, p.dims.head_dim);
+impl<'a> BackwardScratch<'a> {
+    fn carve(p: &Problem, kv_chunk: usize, kept: &'a mut Kept) -> Self {
+        let (sq, sk, d, g) = (p.dims.seq_q, p.dims.seq_k, p.dims.head_dim, p.dims.group());
         let (dp, ld) = (padded_dim(d), transposed_ld(sk));
+        let heads = kv_chunk * g;
+        let (kvm, qm) = (kv_chunk * sk * dp, heads * sq * dp);
+        let lens = [kvm, kv_chunk * d * ld, kv_chunk * d * ld, kvm, kvm, qm, qm, qm, sq * ld, sq * ld, heads * sq, heads * sq, SUB_K * d];
+        let Kept { f, tiles, head_runs, .. } = kept;
+        head_runs.resize_with(sq.div_ceil(SUB_Q), Runs::new);
+        if f.len() < lens.iter().sum() {
+            f.resize(lens.iter().sum(), 0.0);
+        }
+        let mut c = Carve(f);
+        let mut next = |i: usize| c.next(lens[i]);
         BackwardScratch {
-            k: vec![0.0; sk * dp],
-            kt: vec![0.0; d * ld],
-            vt: vec![0.0; d * ld],
-            dk: vec![0.0; sk * dp],
-            dv: vec![0.0; sk * dp],
-            q: vec![0.0; sq * dp],
-            d_out: vec![0.0; sq * dp],
-            s: vec![0.0; sq * ld],
-            ds: vec![0.0; sq * ld],
-            dq: vec![0.0; BLOCK_Q * dp],
-            lse2: vec![0.0; sq],
-            delta: vec![0.0; sq],
-            tmp: vec![0.0; 2 * d],
-            tiles: Vec::new(),
+            k: next(0),
+            kt: next(1),
+            vt: next(2),
+            dk: next(3),
+            dv: next(4),
+            q: next(5),
+            d_out: next(6),
+            dq: next(7),
+            s: next(8),
+            ds: next(9),
+            lse2: next(10),
+            delta: next(11),
+            tmp: next(12),
+            tiles,
+            runs: head_runs,
         }
     }
 }
 
-/// Kv head `hkv` of batch row b and its query heads: dq of those heads, dk and dv of `hkv`.
-/// P = exp2(S - lse2), dP = dO·Vᵀ, dS = P ∘ (dP - delta); dV = Pᵀ·dO, dK = dSᵀ·Qs (ln 2 to
-/// natural units on the way out), dQ = dS·K (times scale on the way out).
-fn backward_group(p: &Problem, vis: &Visibility, inputs: [&[u8]; 6], [dq, dk, dv]: &[SharedOut; 3], (b, hkv): (usize, usize), w: &mut BackwardScratch) {
+/// Batch row b, kv heads `kv` and their query heads: dq of the query heads, dk and dv of `kv`.
+/// P = exp2(S - lse2), dP = dO·Vᵀ, dS = P ∘ (dP - delta); dQ = dS·K (times scale on the way
+/// out), dV = Pᵀ·dO, dK = dSᵀ·Qs (times ln 2 on the way out).
+fn backward_task(p: &Problem, vis: &Visibility, inputs: [&[u8]; 6], [dq, dk, dv]: &[SharedOut; 3], b: usize, kv: Range<usize>, w: &mut BackwardScratch) {
     let [d_out, q, k, v, o, lse] = inputs;
     let seq = p.mask.seq(b);
     let (sq, sk) = (seq.q_len, seq.k_len);
-    let d = p.dims.head_dim;
+    let (d, g) = (p.dims.head_dim, p.dims.group());
     let (dp, ld) = (padded_dim(d), transposed_ld(p.dims.seq_k));
-    let (heads, g) = (p.dims.heads, p.dims.group());
-    let kv_head = (p.dims.kv_heads, hkv, d);
-    load_rows(k, p.dtype, (seq.k_start, sk), kv_head, 1.0, &mut w.k);
-    load_transposed(k, p.dtype, (seq.k_start, sk), kv_head, ld, &mut w.tmp, &mut w.kt);
-    load_transposed(v, p.dtype, (seq.k_start, sk), kv_head, ld, &mut w.tmp, &mut w.vt);
-    w.dk[..sk * dp].fill(0.0);
-    w.dv[..sk * dp].fill(0.0);
+    let (qr, kr) = task_rows(p, &seq, &kv);
+    kr.load(k, p.dtype, 1.0, &mut w.k);
+    kr.load_transposed(k, p.dtype, ld, &mut w.tmp, &mut w.kt);
+    kr.load_transposed(v, p.dtype, ld, &mut w.tmp, &mut w.vt);
+    qr.load(q, p.dtype, p.scale * LOG2_E, &mut w.q);
+    qr.load(d_out, p.dtype, 1.0, &mut w.d_out);
+    row_stats(p, &qr, b, o, lse, w);
+    let kv_len = kv.len() * sk * dp;
+    w.dk[..kv_len].fill(0.0);
+    w.dv[..kv_len].fill(0.0);
 
-    for h in hkv * g..(hkv + 1) * g {
-        let q_head = (heads, h, d);
-        load_rows(q, p.dtype, (seq.q_start, sq), q_head, p.scale * LOG2_E, &mut w.q);
-        load_rows(d_out, p.dtype, (seq.q_start, sq), q_head, 1.0, &mut w.d_out);
-        let lse_row = p.lse_base(b, h);
-        for i in 0..sq {
-            // delta = rowsum(dO ∘ O), from the o passed in (as the oracle does).
-            let (a, c) = w.tmp.split_at_mut(d);
-            p.dtype.load(o, at(seq.q_start + i, heads, h, d), a);
-            let dor = &w.d_out[i * dp..i * dp + d];
-            w.delta[i] = a.iter().zip(dor).map(|(x, y)| x * y).sum();
-            DType::F32.load(lse, lse_row + i, &mut c[..1]);
-            w.lse2[i] = if c[0] == f32::NEG_INFINITY { f32::INFINITY } else { c[0] * LOG2_E };
-        }
-        for r0 in (0..sq).step_by(BLOCK_Q) {
-            let rb = RowBlock::new(b, h, seq, r0);
-            let br = rb.rows();
+    for (j, h) in qr.heads.clone().enumerate() {
+        let kj = j / g;
+        let head = j * sq * dp..(j + 1) * sq * dp;
+        let (q_head, do_head) = (&w.q[head.clone()], &w.d_out[head.clone()]);
+        let dq_head = &mut w.dq[head];
+        let (kt, vt) = (&w.kt[kj * d * ld..][..d * ld], &w.vt[kj * d * ld..][..d * ld]);
+        let k_head = &w.k[kj * sk * dp..][..sk * dp];
+        let (lse2, delta) = (&w.lse2[j * sq..][..sq], &w.delta[j * sq..][..sq]);
+        for (i, rb) in sub_blocks(b, h, seq).enumerate() {
+            let (r0, br) = (rb.r0, rb.rows());
             let rows = r0 * dp..(r0 + br) * dp;
             let (s, ds) = (&mut w.s[r0 * ld..], &mut w.ds[r0 * ld..]);
-            let dq_rows = &mut w.dq[..br * dp];
-            match scores(vis, &rb, d, &w.q[rows.clone()], &w.kt, ld, s, &mut w.tiles) {
-                Some((c0, c1)) => {
-                    let n = c1 - c0;
-                    let (q_rows, do_rows) = (&w.q[rows.clone()], &w.d_out[rows.clone()]);
-                    matmul(br, n, d, &mut ds[c0..], ld, false, Mat::rows(do_rows, dp), &w.vt[c0..], ld);
-                    simd::probs_and_dscores(&mut s[c0..], &mut ds[c0..], n, ld, &w.lse2[r0..r0 + br], &w.delta[r0..r0 + br]);
-                    matmul(n, d, br, &mut w.dv[c0 * dp..], dp, true, Mat::transposed(&s[c0..], ld), do_rows, dp);
-                    matmul(n, d, br, &mut w.dk[c0 * dp..], dp, true, Mat::transposed(&ds[c0..], ld), q_rows, dp);
-                    matmul(br, d, n, dq_rows, dp, false, Mat::rows(&ds[c0..], ld), &w.k[c0 * dp..], dp);
-                }
-                None => dq_rows.fill(0.0),
+            let runs = &mut w.runs[i];
+            scores(vis, &rb, d, &q_head[rows.clone()], kt, ld, s, w.tiles, runs);
+            if runs.is_empty() {
+                dq_head[rows.clone()].fill(0.0);
             }
-            for r in 0..br {
-                let row = &mut dq_rows[r * dp..r * dp + d];
-                row.iter_mut().for_each(|x| *x *= p.scale);
-                // SAFETY: row (q_start + r0 + r, h) of dq belongs to this task alone (h is one of
-                // kv head hkv's query heads).
-                unsafe { dq.store(at(seq.q_start + r0 + r, heads, h, d), row) };
+            for (n, &(a, z)) in runs.iter().enumerate() {
+                let (lse2, delta) = (&lse2[r0..r0 + br], &delta[r0..r0 + br]);
+                matmul(br, z - a, d, &mut ds[a..], ld, false, Mat::rows(&do_head[rows.clone()], dp), &vt[a..], ld);
+                simd::probs_and_dscores(&mut s[a..], &mut ds[a..], z - a, ld, lse2, delta);
+                matmul(br, d, z - a, &mut dq_head[rows.clone()], dp, n > 0, Mat::rows(&ds[a..], ld), &k_head[a * dp..], dp);
             }
         }
+        // dV += Pᵀ·dO and dK += dSᵀ·Qs over the keys some row sees, SUB_K keys at a time, each
+        // against the sub-blocks whose span holds them; P and dS are zero elsewhere in between.
+        let runs = &w.runs[..sq.div_ceil(SUB_Q)];
+        let spans: Vec<Option<(usize, usize)>> = runs.iter().map(span).collect();
+        let Some((lo, hi)) = spans.iter().flatten().fold(None, |u: Option<(usize, usize)>, &(a, z)| {
+            Some(u.map_or((a, z), |(x, y)| (x.min(a), y.max(z))))
+        }) else {
+            continue;
+        };
+        for (i, sub) in runs.iter().enumerate() {
+            // The gaps of [lo, hi) around and between this sub-block's runs.
+            let edges: Vec<usize> = std::iter::once(lo).chain(sub.iter().flat_map(|&(a, z)| [a, z])).chain([hi]).collect();
+            for r in i * SUB_Q..((i + 1) * SUB_Q).min(sq) {
+                for gap in edges.chunks_exact(2).filter(|g| g[0] < g[1]) {
+                    w.s[r * ld + gap[0]..r * ld + gap[1]].fill(0.0);
+                    w.ds[r * ld + gap[0]..r * ld + gap[1]].fill(0.0);
+                }
+            }
+        }
+        let (dk_head, dv_head) = (&mut w.dk[kj * sk * dp..][..sk * dp], &mut w.dv[kj * sk * dp..][..sk * dp]);
+        for c in (lo..hi).step_by(SUB_K) {
+            let c1 = (c + SUB_K).min(hi);
+            let hits = |s: &Option<(usize, usize)>| s.is_some_and(|(a, z)| a < c1 && c < z);
+            let (Some(first), Some(last)) = (spans.iter().position(hits), spans.iter().rposition(hits)) else { continue };
+            let (r0, r1) = (first * SUB_Q, ((last + 1) * SUB_Q).min(sq));
+            let (pt, dst) = (Mat::transposed(&w.s[r0 * ld + c..], ld), Mat::transposed(&w.ds[r0 * ld + c..], ld));
+            matmul(c1 - c, d, r1 - r0, &mut dv_head[c * dp..], dp, true, pt, &do_head[r0 * dp..], dp);
+            matmul(c1 - c, d, r1 - r0, &mut dk_head[c * dp..], dp, true, dst, &q_head[r0 * dp..], dp);
+        }
     }
-    for j in 0..sk {
-        let row = at(seq.k_start + j, p.dims.kv_heads, hkv, d);
-        let dk_row = &mut w.dk[j * dp..j * dp + d];
-        dk_row.iter_mut().for_each(|x| *x *= LN_2);
-        // SAFETY: rows (k_start + j, hkv) of dk and dv belong to this task alone.
-        unsafe {
-            dk.store(row, dk_row);
-            dv.store(row, &w.dv[j * dp..j * dp + d]);
+    // SAFETY: the rows of this task's query heads (dq) and kv heads (dk, dv) belong to it alone.
+    unsafe {
+        qr.store(&mut w.dq, p.scale, dq);
+        kr.store(&mut w.dk, LN_2, dk);
+        kr.store(&mut w.dv, 1.0, dv);
+    }
+}
+
+/// lse2 (log2 units; +inf where lse = -inf, so that P = 0) and delta = rowsum(dO ∘ O) of the
+/// task's query heads, from the o and lse passed in (as the oracle does). Needs w.d_out loaded.
+fn row_stats(p: &Problem, qr: &Rows, b: usize, o: &[u8], lse: &[u8], w: &mut BackwardScratch) {
+    let (sq, dp, d) = (qr.rows, padded_dim(qr.d), qr.d);
+    for i in 0..sq {
+        for (j, h) in qr.heads.clone().enumerate() {
+            let o_row = &mut w.tmp[..d];
+            p.dtype.load(o, qr.at(i, h), o_row);
+            let dor = &w.d_out[(j * sq + i) * dp..][..d];
+            w.delta[j * sq + i] = o_row.iter().zip(dor).map(|(x, y)| x * y).sum();
+        }
+    }
+    for (j, h) in qr.heads.clone().enumerate() {
+        let lse2 = &mut w.lse2[j * sq..][..sq];
+        DType::F32.load(lse, p.lse_base(b, h), lse2);
+        for x in lse2.iter_mut() {
+            *x = if *x == f32::NEG_INFINITY { f32::INFINITY } else { *x * LOG2_E };
         }
     }
 }
