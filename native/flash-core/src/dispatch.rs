@@ -99,14 +99,14 @@ pub const DEFAULT_MAX_BYTES: u128 = 1 << 30;
 pub struct Crossover {
     pub pass: Pass,
     pub max_seq: usize,
-    pub min_tasks_per_thread: usize,
+    pub min_tasks_per_thread: f64,
 }
 
 /// The CPU's crossover table. Measured by `bench/dispatch.py` (see bench/RESULTS.md,
 /// "Dispatch"): PLACEHOLDER until the first run.
 pub const CPU_CROSSOVER: &[Crossover] = &[
-    Crossover { pass: Pass::Forward, max_seq: 256, min_tasks_per_thread: 1 },
-    Crossover { pass: Pass::Backward, max_seq: 256, min_tasks_per_thread: 1 },
+    Crossover { pass: Pass::Forward, max_seq: 256, min_tasks_per_thread: 1.0 },
+    Crossover { pass: Pass::Backward, max_seq: 256, min_tasks_per_thread: 1.0 },
 ];
 
 const CPU_MEASURED: &str = "PLACEHOLDER";
@@ -182,7 +182,7 @@ pub fn table_prefers_materialized(p: &Problem, backend: Backend, pass: Pass) -> 
         Backend::Cpu => threads(),
         Backend::Cuda => 1,
     };
-    crossover(backend).iter().any(|c| c.pass == pass && seq <= c.max_seq && tasks >= c.min_tasks_per_thread * threads)
+    crossover(backend).iter().any(|c| c.pass == pass && seq <= c.max_seq && tasks as f64 >= c.min_tasks_per_thread * threads as f64)
 }
 
 /// The path `p` takes on `backend` for `pass` (see the module doc).

@@ -22,6 +22,7 @@
 use super::layout::{padded_dim, transposed_ld};
 use super::matmul::{matmul, Mat};
 use super::simd;
+use super::transpose::transpose;
 use super::tiles::{KeyTile, RowBlock, Visibility};
 use crate::dtype::DType;
 use crate::error::Result;
@@ -84,9 +85,11 @@ pub fn forward(p: &Problem, io: ForwardIo) -> Result<()> {
     let vis = Visibility::new(p, &mask);
     let outs = (SharedOut::new(o, p.dtype), SharedOut::new(lse, DType::F32));
     let chunk = kv_chunk(p);
-    task_list(p).into_par_iter().for_each_init(Lease::take, |kept, (b, kv)| {
+    let tasks = task_list(p);
+    (0..tasks.len()).into_par_iter().for_each_init(Lease::take, |kept, i| {
         let mut w = ForwardScratch::carve(p, chunk, &mut kept.0);
-        forward_task(p, &vis, [q, k, v], &outs, b, kv, &mut w)
+        let next = Ahead::new(p, &[q], &[k, v], tasks.get(i + 1));
+        forward_task(p, &vis, [q, k, v], &outs, tasks[i].clone(), &mut w, next)
     });
     Ok(())
 }
@@ -97,9 +100,11 @@ pub fn backward(p: &Problem, io: BackwardIo) -> Result<()> {
     let vis = Visibility::new(p, &mask);
     let outs = [SharedOut::new(dq, p.dtype), SharedOut::new(dk, p.dtype), SharedOut::new(dv, p.dtype)];
     let chunk = kv_chunk(p);
-    task_list(p).into_par_iter().for_each_init(Lease::take, |kept, (b, kv)| {
+    let tasks = task_list(p);
+    (0..tasks.len()).into_par_iter().for_each_init(Lease::take, |kept, i| {
         let mut w = BackwardScratch::carve(p, chunk, &mut kept.0);
-        backward_task(p, &vis, [d_out, q, k, v, o, lse], &outs, b, kv, &mut w)
+        let next = Ahead::new(p, &[q, d_out, o], &[k, v], tasks.get(i + 1));
+        backward_task(p, &vis, [d_out, q, k, v, o, lse], &outs, tasks[i].clone(), &mut w, next)
     });
     Ok(())
 }
@@ -155,6 +160,58 @@ impl<'a> Carve<'a> {
         self.0 = rest;
         head
     }
+}
+
+/// The next task's input rows (usually this thread's next task: rayon hands each thread a run of
+/// consecutive tasks), asked of the caches a little at a time while this task computes. The
+/// hardware prefetchers follow the rows a task reads, but not into the next batch row, and at
+/// S = 60 reading inputs from memory would otherwise take as long as the products.
+struct Ahead<'a> {
+    regions: Vec<&'a [u8]>,
+    at: (usize, usize), // (region, byte)
+    step: usize,        // bytes per call of `more`
+}
+
+impl<'a> Ahead<'a> {
+    /// The rows of `task` in the q-like tensors (q, dO, o) and the k-like ones (k, v).
+    fn new(p: &Problem, q_like: &[&'a [u8]], k_like: &[&'a [u8]], task: Option<&(usize, Range<usize>)>) -> Self {
+        let mut regions = Vec::new();
+        if let Some((b, kv)) = task {
+            let (qr, kr) = task_rows(p, &p.mask.seq(*b), kv);
+            let elem = p.dtype.size_bytes();
+            regions.extend(k_like.iter().map(|t| kr.bytes(t, elem)));
+            regions.extend(q_like.iter().map(|t| qr.bytes(t, elem)));
+        }
+        let total: usize = regions.iter().map(|r| r.len()).sum();
+        let steps = (p.dims.group() * p.dims.seq_q.div_ceil(SUB_Q)).max(1);
+        Ahead { regions, at: (0, 0), step: total.div_ceil(steps).next_multiple_of(64) }
+    }
+
+    /// Prefetches the next part (into L2).
+    fn more(&mut self) {
+        let mut left = self.step;
+        while left > 0 && self.at.0 < self.regions.len() {
+            let r = self.regions[self.at.0];
+            let end = (self.at.1 + left).min(r.len());
+            for off in (self.at.1..end).step_by(64) {
+                prefetch(&r[off..]);
+            }
+            left -= end - self.at.1;
+            self.at = if end == r.len() { (self.at.0 + 1, 0) } else { (self.at.0, end) };
+        }
+    }
+}
+
+#[inline(always)]
+fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch never faults; the address is inside `bytes` anyway.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        _mm_prefetch::<_MM_HINT_T1>(bytes.as_ptr() as *const i8)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
 }
 
 /// An output buffer of the caller that parallel tasks write, each its own elements.
@@ -218,8 +275,8 @@ impl Rows {
         }
     }
 
-    /// Reads the heads into the transposed `dst` `[heads, D, ld]`, SUB_K rows at a time through
-    /// `tmp` `[SUB_K, D]` (so that each store writes SUB_K consecutive floats).
+    /// Reads the heads into the transposed `dst` `[heads, D, ld]`, SUB_K rows at a time
+    /// through `tmp` `[SUB_K, D]`.
     fn load_transposed(&self, src: &[u8], dtype: DType, ld: usize, tmp: &mut [f32], dst: &mut [f32]) {
         let d = self.d;
         for i0 in (0..self.rows).step_by(SUB_K) {
@@ -228,13 +285,19 @@ impl Rows {
                 for (r, row) in tmp.chunks_exact_mut(d).take(n).enumerate() {
                     dtype.load(src, self.at(i0 + r, h), row);
                 }
-                let head = &mut dst[j * d * ld..][..d * ld];
-                for di in 0..d {
-                    let out = &mut head[di * ld + i0..][..n];
-                    out.iter_mut().enumerate().for_each(|(r, x)| *x = tmp[r * d + di]);
-                }
+                transpose(tmp, d, n, d, &mut dst[j * d * ld + i0..], ld);
             }
         }
+    }
+
+    /// The bytes from this call's first element to its last in a `[rows, n_heads, D]` tensor of
+    /// `elem` bytes per element (other heads' elements in between).
+    fn bytes<'s>(&self, src: &'s [u8], elem: usize) -> &'s [u8] {
+        if self.rows == 0 || self.heads.is_empty() {
+            return &[];
+        }
+        let (first, end) = (self.at(0, self.heads.start), self.at(self.rows - 1, self.heads.end - 1) + self.d);
+        &src[(first * elem).min(src.len())..(end * elem).min(src.len())]
     }
 
     /// Writes `src` `[heads, rows, Dp]` (first D columns, each times `scale`) to the heads.
@@ -353,7 +416,7 @@ impl<'a> ForwardScratch<'a> {
 }
 
 /// Batch row b, kv heads `kv` and their query heads: o and lse.
-fn forward_task(p: &Problem, vis: &Visibility, [q, k, v]: [&[u8]; 3], (o, lse): &(SharedOut, SharedOut), b: usize, kv: Range<usize>, w: &mut ForwardScratch) {
+fn forward_task(p: &Problem, vis: &Visibility, [q, k, v]: [&[u8]; 3], (o, lse): &(SharedOut, SharedOut), (b, kv): (usize, Range<usize>), w: &mut ForwardScratch, mut next: Ahead) {
     let seq = p.mask.seq(b);
     let (sq, sk) = (seq.q_len, seq.k_len);
     let (d, g) = (p.dims.head_dim, p.dims.group());
@@ -368,6 +431,7 @@ fn forward_task(p: &Problem, vis: &Visibility, [q, k, v]: [&[u8]; 3], (o, lse): 
         let (kt, v) = (&w.kt[kj * d * ld..][..d * ld], &w.v[kj * sk * dp..][..sk * dp]);
         let q_head = &mut w.q[j * sq * dp..][..sq * dp];
         for rb in sub_blocks(b, h, seq) {
+            next.more();
             let (r0, br) = (rb.r0, rb.rows());
             let (m, l, alpha) = (&mut w.m[..br], &mut w.l[..br], &mut w.alpha[..br]);
             m.fill(f32::NEG_INFINITY);
@@ -460,7 +524,7 @@ impl<'a> BackwardScratch<'a> {
 /// Batch row b, kv heads `kv` and their query heads: dq of the query heads, dk and dv of `kv`.
 /// P = exp2(S - lse2), dP = dO·Vᵀ, dS = P ∘ (dP - delta); dQ = dS·K (times scale on the way
 /// out), dV = Pᵀ·dO, dK = dSᵀ·Qs (times ln 2 on the way out).
-fn backward_task(p: &Problem, vis: &Visibility, inputs: [&[u8]; 6], [dq, dk, dv]: &[SharedOut; 3], b: usize, kv: Range<usize>, w: &mut BackwardScratch) {
+fn backward_task(p: &Problem, vis: &Visibility, inputs: [&[u8]; 6], [dq, dk, dv]: &[SharedOut; 3], (b, kv): (usize, Range<usize>), w: &mut BackwardScratch, mut next: Ahead) {
     let [d_out, q, k, v, o, lse] = inputs;
     let seq = p.mask.seq(b);
     let (sq, sk) = (seq.q_len, seq.k_len);
@@ -468,7 +532,9 @@ fn backward_task(p: &Problem, vis: &Visibility, inputs: [&[u8]; 6], [dq, dk, dv]
     let (dp, ld) = (padded_dim(d), transposed_ld(p.dims.seq_k));
     let (qr, kr) = task_rows(p, &seq, &kv);
     kr.load(k, p.dtype, 1.0, &mut w.k);
-    kr.load_transposed(k, p.dtype, ld, &mut w.tmp, &mut w.kt);
+    for j in 0..kv.len() {
+        transpose(&w.k[j * sk * dp..], dp, sk, d, &mut w.kt[j * d * ld..], ld);
+    }
     kr.load_transposed(v, p.dtype, ld, &mut w.tmp, &mut w.vt);
     qr.load(q, p.dtype, p.scale * LOG2_E, &mut w.q);
     qr.load(d_out, p.dtype, 1.0, &mut w.d_out);
@@ -486,6 +552,7 @@ fn backward_task(p: &Problem, vis: &Visibility, inputs: [&[u8]; 6], [dq, dk, dv]
         let k_head = &w.k[kj * sk * dp..][..sk * dp];
         let (lse2, delta) = (&w.lse2[j * sq..][..sq], &w.delta[j * sq..][..sq]);
         for (i, rb) in sub_blocks(b, h, seq).enumerate() {
+            next.more();
             let (r0, br) = (rb.r0, rb.rows());
             let rows = r0 * dp..(r0 + br) * dp;
             let (s, ds) = (&mut w.s[r0 * ld..], &mut w.ds[r0 * ld..]);
@@ -539,6 +606,19 @@ fn backward_task(p: &Problem, vis: &Visibility, inputs: [&[u8]; 6], [dq, dk, dv]
     }
 }
 
+/// Σ x·y in 16 interleaved partial sums (which vectorise; a single running sum would not).
+fn dot(x: &[f32], y: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 16];
+    let (xc, yc) = (x.chunks_exact(16), y.chunks_exact(16));
+    let tail: f32 = xc.remainder().iter().zip(yc.remainder()).map(|(a, b)| a * b).sum();
+    for (a, b) in xc.zip(yc) {
+        for i in 0..16 {
+            acc[i] += a[i] * b[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
 /// lse2 (log2 units; +inf where lse = -inf, so that P = 0) and delta = rowsum(dO ∘ O) of the
 /// task's query heads, from the o and lse passed in (as the oracle does). Needs w.d_out loaded.
 fn row_stats(p: &Problem, qr: &Rows, b: usize, o: &[u8], lse: &[u8], w: &mut BackwardScratch) {
@@ -548,7 +628,7 @@ fn row_stats(p: &Problem, qr: &Rows, b: usize, o: &[u8], lse: &[u8], w: &mut Bac
             let o_row = &mut w.tmp[..d];
             p.dtype.load(o, qr.at(i, h), o_row);
             let dor = &w.d_out[(j * sq + i) * dp..][..d];
-            w.delta[j * sq + i] = o_row.iter().zip(dor).map(|(x, y)| x * y).sum();
+            w.delta[j * sq + i] = dot(o_row, dor);
         }
     }
     for (j, h) in qr.heads.clone().enumerate() {

@@ -12,6 +12,7 @@ pub(crate) mod materialized;
 pub mod matmul;
 pub mod simd;
 mod tiles;
+mod transpose;
 mod vector;
 mod workspace;
 
