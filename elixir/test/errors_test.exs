@@ -288,7 +288,7 @@ defmodule FlashNif.ErrorsTest do
 
   test "the NIF's own checks answer terms the wrapper never sends" do
     nif = ExPhil.Native.FlashAttention.Nif
-    opts = %{causal: true, scale: nil, device: :cpu, deterministic: false, window: {nil, nil}}
+    opts = %{causal: true, scale: nil, device: :cpu, deterministic: false, mode: :auto, window: {nil, nil}}
     assert {:argument, msg} = error_of(fn -> nif.forward([], %{}, opts) end)
     assert msg =~ "expected the list"
     assert {:argument, msg} = error_of(fn -> nif.forward([1, 2, 3], %{}, Map.delete(opts, :window)) end)

@@ -19,7 +19,7 @@ use tensor::{HostTensor, IndexTensor, Output};
 /// The contract between this library and the Elixir stubs (function set and term formats).
 /// Bump it on any change: the Elixir side refuses a library that reports another number,
 /// which is how a stale build in `priv/` is detected.
-const NIF_API: u32 = 3;
+const NIF_API: u32 = 4;
 
 rustler::init!("Elixir.ExPhil.Native.FlashAttention.Nif");
 
