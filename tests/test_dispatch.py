@@ -149,9 +149,8 @@ def _same(a, b):
 
 def _in_table(fa, b, s, hkv):
     """Whether the CPU crossover table says materialized for both passes at this shape."""
-    info = fa.info()
-    rows, threads = info["dispatch"]["cpu"]["crossover"], info["threads"]
-    ok = {r["pass"] for r in rows if s <= r["max_seq"] and b * hkv >= r["min_tasks_per_thread"] * threads}
+    rows = fa.info()["dispatch"]["cpu"]["crossover"]
+    ok = {r["pass"] for r in rows if s <= r["max_seq"] and b * hkv >= r["min_pairs"]}
     return ok == {"forward", "backward"}
 
 
@@ -240,7 +239,7 @@ def test_info_reports_the_table(fa):
     assert d["cuda"]["crossover"] == []  # no materialized GPU kernels: auto never picks it there
     assert d["cpu"]["crossover"], "the CPU table has rows"
     for row in d["cpu"]["crossover"]:
-        assert row["pass"] in ("forward", "backward") and row["max_seq"] > 0 and row["min_tasks_per_thread"] >= 0
+        assert row["pass"] in ("forward", "backward") and row["max_seq"] > 0 and row["min_pairs"] >= 1
     assert "bench/dispatch.py" in d["cpu"]["measured"]
 
 

@@ -93,23 +93,27 @@ pub const DEFAULT_MAX_BYTES: u128 = 1 << 30;
 
 /// One row of a crossover table: the materialized path is faster for a pass when the longer
 /// sequence (max of Sq and Sk; the longest one of a varlen call) is at most `max_seq` and the
-/// call has at least `min_tasks_per_thread` × threads (batch row, kv head) pairs, the
-/// materialized path's unit of parallel work.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// call has at least `min_pairs` (batch row, kv head) pairs, the materialized path's unit of
+/// parallel work. (A count, not a share per thread: the choice must not depend on the thread
+/// count, or results would — the two paths agree to the bounds, not to the bit.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Crossover {
     pub pass: Pass,
     pub max_seq: usize,
-    pub min_tasks_per_thread: f64,
+    pub min_pairs: usize,
 }
 
-/// The CPU's crossover table. Measured by `bench/dispatch.py` (see bench/RESULTS.md,
-/// "Dispatch"): PLACEHOLDER until the first run.
+/// The CPU's crossover table, from `bench/dispatch.py` on the project's 2-core AVX-512 machine,
+/// 2026-11-22 (bench/RESULTS.md, "Dispatch issue"; D = 64, causal, B·H from 1 to 256): the
+/// materialized forward is faster at every measured S up to 512 (0.15–0.90× the fused time) and
+/// slower at 1024 (1.14× at B·H = 1); the backward up to 256 (0.15–0.86×), level at 512 (0.91–0.98×
+/// in one run, 1.41× at B·H = 16 in another) and slower at 1024 (1.37×).
 pub const CPU_CROSSOVER: &[Crossover] = &[
-    Crossover { pass: Pass::Forward, max_seq: 256, min_tasks_per_thread: 1.0 },
-    Crossover { pass: Pass::Backward, max_seq: 256, min_tasks_per_thread: 1.0 },
+    Crossover { pass: Pass::Forward, max_seq: 512, min_pairs: 1 },
+    Crossover { pass: Pass::Backward, max_seq: 256, min_pairs: 1 },
 ];
 
-const CPU_MEASURED: &str = "PLACEHOLDER";
+const CPU_MEASURED: &str = "bench/dispatch.py, 2026-11-22, 2-core AMD EPYC (AVX-512), 2 threads: materialized faster up to S = 512 (forward) / 256 (backward)";
 
 /// The CUDA backend has no materialized kernels: auto never picks that path there.
 pub const CUDA_CROSSOVER: &[Crossover] = &[];
@@ -162,7 +166,8 @@ fn threads() -> usize {
 
 /// Bytes of S×S matrices the materialized path of `backend` holds at once for this pass: on the
 /// CPU, every running task (at most one per thread) holds its head's S (forward) or S and dS
-/// (backward), Sq × Sk f32 each (Sk padded).
+/// (backward), Sq × Sk f32 each (Sk padded). The real memory, so it grows with the thread count:
+/// a call near the ceiling may be materialized on fewer threads and fused on more.
 pub fn working_set(p: &Problem, backend: Backend, pass: Pass) -> u128 {
     match backend {
         Backend::Cpu => {
@@ -177,12 +182,8 @@ pub fn working_set(p: &Problem, backend: Backend, pass: Pass) -> u128 {
 /// Whether the crossover table of `backend` says the materialized path is the faster one.
 pub fn table_prefers_materialized(p: &Problem, backend: Backend, pass: Pass) -> bool {
     let seq = p.dims.seq_q.max(p.dims.seq_k);
-    let tasks = p.dims.batch * p.dims.kv_heads;
-    let threads = match backend {
-        Backend::Cpu => threads(),
-        Backend::Cuda => 1,
-    };
-    crossover(backend).iter().any(|c| c.pass == pass && seq <= c.max_seq && tasks as f64 >= c.min_tasks_per_thread * threads as f64)
+    let pairs = p.dims.batch * p.dims.kv_heads;
+    crossover(backend).iter().any(|c| c.pass == pass && seq <= c.max_seq && pairs >= c.min_pairs)
 }
 
 /// The path `p` takes on `backend` for `pass` (see the module doc).

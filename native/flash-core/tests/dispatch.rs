@@ -36,11 +36,15 @@ fn dispatch_rules() {
 
     // Auto follows the table: every row's boundary, on both sides.
     for row in dispatch::CPU_CROSSOVER {
-        let pairs = (row.min_tasks_per_thread * threads as f64).ceil().max(1.0) as usize;
-        let (b, hkv) = (pairs, 1);
+        let (b, hkv) = (row.min_pairs, 1);
         assert_eq!(choose(&problem(b, row.max_seq, hkv, Mode::Auto), row.pass), Ok(Path::Materialized), "{row:?} at its bounds");
         let longest = dispatch::CPU_CROSSOVER.iter().filter(|r| r.pass == row.pass).map(|r| r.max_seq).max().unwrap();
         assert_eq!(choose(&problem(b, longest + 1, hkv, Mode::Auto), row.pass), Ok(Path::Fused), "{row:?} past every row");
+    }
+    // Fewer pairs than every row asks: fused.
+    let fewest = dispatch::CPU_CROSSOVER.iter().map(|r| r.min_pairs).min().unwrap_or(1);
+    if fewest > 1 {
+        assert_eq!(choose(&problem(fewest - 1, 8, 1, Mode::Auto), Pass::Forward), Ok(Path::Fused));
     }
     let p = problem(1, 8, 1, Mode::Auto);
     let want = dispatch::table_prefers_materialized(&p, Backend::Cpu, Pass::Forward);

@@ -155,7 +155,7 @@ fn dispatch_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
                 let r = PyDict::new(py);
                 r.set_item("pass", c.pass.name())?;
                 r.set_item("max_seq", c.max_seq)?;
-                r.set_item("min_tasks_per_thread", c.min_tasks_per_thread)?;
+                r.set_item("min_pairs", c.min_pairs)?;
                 Ok(r)
             })
             .collect::<PyResult<_>>()?;
