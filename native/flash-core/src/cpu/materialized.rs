@@ -342,6 +342,7 @@ type Runs = Vec<(usize, usize)>;
 ///
 /// q: [br, Dp] (times scale·log2 e); kt: [D, ld]; s: [br, ld] (the rows' part of S);
 /// tiles: reused scratch.
+#[allow(clippy::too_many_arguments)] // the tile step's operands, as the fused path passes them
 fn scores(vis: &Visibility, rb: &RowBlock, d: usize, q: &[f32], kt: &[f32], ld: usize, s: &mut [f32], tiles: &mut Vec<KeyTile>, runs: &mut Runs) {
     let (br, dp) = (rb.rows(), padded_dim(d));
     tiles.clear();
@@ -422,9 +423,9 @@ fn forward_task(p: &Problem, vis: &Visibility, [q, k, v]: [&[u8]; 3], (o, lse): 
     let (d, g) = (p.dims.head_dim, p.dims.group());
     let (dp, ld) = (padded_dim(d), transposed_ld(p.dims.seq_k));
     let (qr, kr) = task_rows(p, &seq, &kv);
-    qr.load(q, p.dtype, p.scale * LOG2_E, &mut w.q);
-    kr.load_transposed(k, p.dtype, ld, &mut w.tmp, &mut w.kt);
-    kr.load(v, p.dtype, 1.0, &mut w.v);
+    qr.load(q, p.dtype, p.scale * LOG2_E, w.q);
+    kr.load_transposed(k, p.dtype, ld, w.tmp, w.kt);
+    kr.load(v, p.dtype, 1.0, w.v);
 
     for (j, h) in qr.heads.clone().enumerate() {
         let kj = j / g; // this head's kv head within the chunk
@@ -465,7 +466,7 @@ fn forward_task(p: &Problem, vis: &Visibility, [q, k, v]: [&[u8]; 3], (o, lse): 
         unsafe { lse.store(p.lse_base(b, h), &w.lse[..sq]) };
     }
     // SAFETY: rows of o of this task's query heads belong to it alone.
-    unsafe { qr.store(&mut w.q, 1.0, o) };
+    unsafe { qr.store(w.q, 1.0, o) };
 }
 
 /// One backward task's working memory (sized for the longest sequence).
@@ -531,13 +532,13 @@ fn backward_task(p: &Problem, vis: &Visibility, inputs: [&[u8]; 6], [dq, dk, dv]
     let (d, g) = (p.dims.head_dim, p.dims.group());
     let (dp, ld) = (padded_dim(d), transposed_ld(p.dims.seq_k));
     let (qr, kr) = task_rows(p, &seq, &kv);
-    kr.load(k, p.dtype, 1.0, &mut w.k);
+    kr.load(k, p.dtype, 1.0, w.k);
     for j in 0..kv.len() {
         transpose(&w.k[j * sk * dp..], dp, sk, d, &mut w.kt[j * d * ld..], ld);
     }
-    kr.load_transposed(v, p.dtype, ld, &mut w.tmp, &mut w.vt);
-    qr.load(q, p.dtype, p.scale * LOG2_E, &mut w.q);
-    qr.load(d_out, p.dtype, 1.0, &mut w.d_out);
+    kr.load_transposed(v, p.dtype, ld, w.tmp, w.vt);
+    qr.load(q, p.dtype, p.scale * LOG2_E, w.q);
+    qr.load(d_out, p.dtype, 1.0, w.d_out);
     row_stats(p, &qr, b, o, lse, w);
     let kv_len = kv.len() * sk * dp;
     w.dk[..kv_len].fill(0.0);
@@ -600,9 +601,9 @@ fn backward_task(p: &Problem, vis: &Visibility, inputs: [&[u8]; 6], [dq, dk, dv]
     }
     // SAFETY: the rows of this task's query heads (dq) and kv heads (dk, dv) belong to it alone.
     unsafe {
-        qr.store(&mut w.dq, p.scale, dq);
-        kr.store(&mut w.dk, LN_2, dk);
-        kr.store(&mut w.dv, 1.0, dv);
+        qr.store(w.dq, p.scale, dq);
+        kr.store(w.dk, LN_2, dk);
+        kr.store(w.dv, 1.0, dv);
     }
 }
 
