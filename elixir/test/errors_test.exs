@@ -294,6 +294,7 @@ defmodule FlashNif.ErrorsTest do
       scale: nil,
       device: :cpu,
       deterministic: false,
+      mode: :auto,
       window: {nil, nil},
       softcap: nil,
       alibi_slopes: nil,

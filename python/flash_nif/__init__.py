@@ -61,6 +61,7 @@ def forward_with_states(
     alibi_slopes=None,
     sinks=None,
     device: str | None = None,
+    mode: str = "auto",
 ):
     """Attention output and log-sum-exp.
 
@@ -95,8 +96,15 @@ def forward_with_states(
     (seqused_k and leftpad_k are copied to the host: the core checks their values; so are the small
     alibi_slopes and sinks, from any library, converted to float32).
     A row that sees no key gives o = 0, lse = -inf and zero gradients.
+
+    ``mode``: ``"fused"`` (tiled online softmax, O(S) memory), ``"materialized"`` (each head's
+    whole S x S score matrix; fastest for short sequences) or ``"auto"`` (default: materialized
+    where it fits ``FLASH_NIF_MATERIALIZE_MAX_BYTES`` and the crossover table in ``info()["dispatch"]``
+    says it is faster). Both give the same results to the same bounds. The environment variable
+    ``FLASH_NIF_MODE`` overrides it; an explicit ``"materialized"`` over the ceiling (or on a backend
+    without that path) raises :class:`UnsupportedError`.
     """
-    opts, host_device = _args.options(causal, scale, window, device)
+    opts, host_device = _args.options(causal, scale, window, device, mode=mode)
     opts.update(_args.modifiers(softcap, alibi_slopes, sinks))
     masks = _args.masks(segment_ids, seqused_k, leftpad_k, block_mask)
     if _cuda.any_gpu(q, k, v, *masks.values()):
@@ -121,13 +129,14 @@ def forward(
     alibi_slopes=None,
     sinks=None,
     device: str | None = None,
+    mode: str = "auto",
 ):
     """Attention output o [B, Sq, H, Dv] (q's dtype) for q [B, Sq, H, D], k [B, Sk, Hkv, D] and
     v [B, Sk, Hkv, Dv]; options, masks and modifiers as :func:`forward_with_states`."""
     return forward_with_states(
         q, k, v, causal=causal, scale=scale, window=window, segment_ids=segment_ids, seqused_k=seqused_k,
         leftpad_k=leftpad_k, block_mask=block_mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-        device=device,
+        device=device, mode=mode,
     )[0]
 
 
@@ -151,6 +160,7 @@ def backward(
     sinks=None,
     device: str | None = None,
     deterministic: bool = False,
+    mode: str = "auto",
 ):
     """Gradients (dq [B, Sq, H, D], dk [B, Sk, Hkv, D], dv [B, Sk, Hkv, Dv]) in q's dtype; with
     ``sinks``, (dq, dk, dv, dsinks [H] float32), dsinks summed over batch rows and query rows.
@@ -163,8 +173,11 @@ def backward(
     The CPU backward is always bit-identical run to run (and across thread counts). On a GPU the
     default sums dQ with float32 atomics (faster; dq may differ in its last bits from run to run,
     dk and dv never do); ``deterministic=True`` takes the atomic-free path instead.
+
+    ``mode`` as in :func:`forward_with_states` (the backward decides on its own: either path's
+    backward takes either path's o and lse). The materialized backward holds S and dS per head.
     """
-    opts, host_device = _args.options(causal, scale, window, device, deterministic)
+    opts, host_device = _args.options(causal, scale, window, device, deterministic, mode=mode)
     opts.update(_args.modifiers(softcap, alibi_slopes, sinks))
     masks = _args.masks(segment_ids, seqused_k, leftpad_k, block_mask)
     if _cuda.any_gpu(do, q, k, v, o, lse, *masks.values()):
@@ -175,7 +188,9 @@ def backward(
 
 
 def info() -> dict:
-    """Version, available backends, CPU thread count and instruction set, and the GPU (if any)."""
+    """Version, available backends, CPU thread count and instruction set, the GPU (if any), and
+    ``dispatch``: the fused / materialized choice (the environment's mode and ceiling, and each
+    backend's crossover table, measured by bench/dispatch.py)."""
     return {**dict(_native.info()), "cuda": _cuda.info()}
 
 

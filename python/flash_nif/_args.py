@@ -26,7 +26,10 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
-def options(causal, scale, window, device, deterministic=None) -> tuple[dict, str]:
+MODES = ("auto", "fused", "materialized")
+
+
+def options(causal, scale, window, device, deterministic=None, *, mode="auto") -> tuple[dict, str]:
     """(the native keyword options, the host device name). ``deterministic`` only for backward."""
     if not isinstance(causal, (bool, np.bool_)):
         raise UnsupportedError(f"causal must be a bool, got {causal!r}")
@@ -38,7 +41,9 @@ def options(causal, scale, window, device, deterministic=None) -> tuple[dict, st
         isinstance(window, tuple) and len(window) == 2 and all(s is None or _is_int(s) for s in window)
     ):
         raise UnsupportedError(f"window must be a (left, right) tuple of non-negative ints or None; got {window!r}")
-    opts = {"causal": bool(causal), "scale": None if scale is None else float(scale)}
+    if mode not in MODES:  # also rejects non-strings
+        raise UnsupportedError(f"mode must be 'auto', 'fused' or 'materialized'; got {mode!r}")
+    opts = {"causal": bool(causal), "scale": None if scale is None else float(scale), "mode": mode}
     if window is not None:  # the core checks the sides are >= 0
         opts["window"] = tuple(None if s is None else int(s) for s in window)
     if deterministic is not None:

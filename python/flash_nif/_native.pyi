@@ -14,6 +14,7 @@ class _Options(TypedDict, total=False):
     scale: float | None  # default None: 1/sqrt(D)
     deterministic: bool  # backward only; default False
     window: tuple[int | None, int | None]  # (left, right); None = unbounded on that side
+    mode: str  # "auto" (default), "fused" or "materialized"; FLASH_NIF_MODE overrides it
 
 class _HostMasks(_Options, total=False):
     """Mask arrays of a padded host call (NumPy, C-contiguous); names as flash_nif.forward's."""
@@ -56,7 +57,7 @@ def rotary_host_arrays(
     float32]; `positions` int32 [B, S], or None for row (b, s) at s + `offset`."""
 
 def info() -> dict[str, Any]:
-    """version, backends, threads, cpu_isa."""
+    """version, backends, threads, cpu_isa, dispatch (mode, ceiling and crossover tables)."""
 
 # --- device pointers (CuPy / DLPack arrays); see flash_nif/_cuda.py ----------------------------
 

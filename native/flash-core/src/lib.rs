@@ -17,6 +17,7 @@
 
 pub mod cpu;
 pub mod device;
+pub mod dispatch;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dtype;
@@ -29,6 +30,7 @@ pub mod problem;
 pub mod rotary;
 
 pub use device::{backward_host, cuda_available, forward_host, rotary_host, Device};
+pub use dispatch::Mode;
 pub use dtype::DType;
 pub use error::{FlashError, Result};
 pub use io::{BackwardIo, ForwardIo};

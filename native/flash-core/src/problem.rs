@@ -1,5 +1,6 @@
 //! The attention problem: sizes, dtype and options, validated once for every binding and backend.
 
+use crate::dispatch::Mode;
 use crate::dtype::DType;
 use crate::error::{FlashError, Result};
 use crate::mask::{self, IndexArg, Mask, MaskArgs, Window};
@@ -37,11 +38,14 @@ pub struct Options {
     pub window: Window,
     /// Caps scores at ±softcap with `c · tanh(s / c)` (see [`crate::modifiers`]); `None` = off.
     pub softcap: Option<f64>,
+    /// Fused (tiled, O(S) memory) or materialized (whole S×S scores) kernels; `Auto` lets
+    /// [`dispatch`](crate::dispatch) choose. `FLASH_NIF_MODE` overrides it.
+    pub mode: Mode,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { causal: true, scale: None, deterministic: false, window: Window::default(), softcap: None }
+        Options { causal: true, scale: None, deterministic: false, window: Window::default(), softcap: None, mode: Mode::Auto }
     }
 }
 
@@ -122,6 +126,8 @@ pub struct Problem {
     pub mask: Mask,
     /// Score modifiers ([`Modifiers::is_none`] when none is given).
     pub mods: Modifiers,
+    /// See [`Options::mode`] (as the caller gave it; [`dispatch`](crate::dispatch) resolves it).
+    pub mode: Mode,
 }
 
 impl Problem {
@@ -208,7 +214,7 @@ impl Problem {
             }
         };
         let mods = Modifiers::with_softcap(opts.softcap)?;
-        Ok(Problem { dims, dtype, causal: opts.causal, scale: scale as f32, deterministic: opts.deterministic, mask, mods })
+        Ok(Problem { dims, dtype, causal: opts.causal, scale: scale as f32, deterministic: opts.deterministic, mask, mods, mode: opts.mode })
     }
 
     /// The same problem with the modifier tensors of `args` (ALiBi slopes, sinks) validated

@@ -4,7 +4,7 @@
 
 use crate::reply::Reason;
 use crate::tensor::{FloatTensor, HostTensor, IndexTensor};
-use flash_core::{Device, MaskArgs, MaskBuffers, ModArgs, Options, Window};
+use flash_core::{Device, MaskArgs, MaskBuffers, ModArgs, Mode, Options, Window};
 use rustler::{Atom, Decoder, Term};
 
 rustler::atoms! {
@@ -21,6 +21,7 @@ rustler::atoms! {
     alibi_slopes,
     sinks,
     nil,
+    mode,
 }
 
 fn field<'a, T: Decoder<'a>>(map: Term<'a>, key: Atom, name: &str, what: &str) -> Result<T, Reason> {
@@ -30,9 +31,9 @@ fn field<'a, T: Decoder<'a>>(map: Term<'a>, key: Atom, name: &str, what: &str) -
 }
 
 /// `%{causal: boolean, scale: nil | float, device: :auto | :cpu | :cuda, deterministic: boolean,
-/// window: {nil | integer, nil | integer}, softcap: nil | float, alibi_slopes: nil | tensor,
-/// sinks: nil | tensor}` (`nil`: unbounded side, or not given), every key present. The modifier
-/// tensors are [`Mods::decode`]'s.
+/// window: {nil | integer, nil | integer}, mode: :auto | :fused | :materialized, softcap: nil | float,
+/// alibi_slopes: nil | tensor, sinks: nil | tensor}` (`nil`: unbounded side, or not given), every key
+/// present. The modifier tensors are [`Mods::decode`]'s.
 pub fn options(map: Term) -> Result<(Options, Device), Reason> {
     let (left, right): (Option<i64>, Option<i64>) =
         field(map, window(), "window", "{nil | integer, nil | integer}")?;
@@ -42,12 +43,16 @@ pub fn options(map: Term) -> Result<(Options, Device), Reason> {
         deterministic: field(map, deterministic(), "deterministic", "a boolean")?,
         window: Window { left, right },
         softcap: field(map, softcap(), "softcap", "nil or a float")?,
+        mode: Mode::parse(&atom_field(map, mode(), "mode")?)?,
     };
-    let device: Term = field(map, device(), "device", "an atom")?;
-    let device = device
-        .atom_to_string()
-        .map_err(|_| Reason::argument("options.device must be :auto, :cpu or :cuda".into()))?;
+    let device = atom_field(map, device(), "device")?;
     Ok((opts, Device::parse(&device)?))
+}
+
+/// An atom-valued option, as its name.
+fn atom_field(map: Term, key: Atom, name: &str) -> Result<String, Reason> {
+    let t: Term = field(map, key, name, "an atom")?;
+    t.atom_to_string().map_err(|_| Reason::argument(format!("options must be a map whose {name} is an atom")))
 }
 
 /// The mask tensors of a padded call, borrowing the caller's binaries.

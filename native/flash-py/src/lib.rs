@@ -144,6 +144,40 @@ fn info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("backends", backends)?;
     d.set_item("threads", cpu::threads())?;
     d.set_item("cpu_isa", format!("{:?}", cpu::simd::isa()).to_lowercase())?;
+    d.set_item("dispatch", dispatch_info(py)?)?;
+    Ok(d)
+}
+
+/// The fused / materialized choice: `mode` (FLASH_NIF_MODE, or None), `max_bytes` (the ceiling in
+/// force; an invalid FLASH_NIF_MATERIALIZE_MAX_BYTES is reported as `max_bytes_error`), and per
+/// backend whether it has a materialized path and its crossover table.
+fn dispatch_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    use flash_core::dispatch::{self, Backend};
+    let d = PyDict::new(py);
+    d.set_item("mode_env", dispatch::MODE_ENV)?;
+    d.set_item("mode", std::env::var(dispatch::MODE_ENV).ok().filter(|v| !v.trim().is_empty()))?;
+    d.set_item("max_bytes_env", dispatch::MAX_BYTES_ENV)?;
+    match dispatch::max_bytes() {
+        Ok(b) => d.set_item("max_bytes", b)?,
+        Err(e) => d.set_item("max_bytes_error", e.to_string())?,
+    }
+    for (name, backend) in [("cpu", Backend::Cpu), ("cuda", Backend::Cuda)] {
+        let rows: Vec<Bound<PyDict>> = dispatch::crossover(backend)
+            .iter()
+            .map(|c| {
+                let r = PyDict::new(py);
+                r.set_item("pass", c.pass.name())?;
+                r.set_item("max_seq", c.max_seq)?;
+                r.set_item("min_pairs", c.min_pairs)?;
+                Ok(r)
+            })
+            .collect::<PyResult<_>>()?;
+        let b = PyDict::new(py);
+        b.set_item("materialized", dispatch::has_materialized(backend))?;
+        b.set_item("crossover", rows)?;
+        b.set_item("measured", dispatch::measured(backend))?;
+        d.set_item(name, b)?;
+    }
     Ok(d)
 }
 

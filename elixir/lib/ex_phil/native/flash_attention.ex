@@ -52,6 +52,13 @@ defmodule ExPhil.Native.FlashAttention do
       CPU backward is always bit-identical run to run. On the GPU the default sums `dq` with f32
       atomics (faster; `dq` may differ in its last bits between runs, `dk` and `dv` never do);
       `true` takes the atomic-free path.
+    * `:mode` — `:auto` (default), `:fused` (tiled online softmax, O(seq) memory) or
+      `:materialized` (each head's whole `seq_q × seq_k` score matrix; fastest for short
+      sequences such as ExPhil's 60). `:auto` takes the materialized path where its score
+      matrices fit `FLASH_NIF_MATERIALIZE_MAX_BYTES` (default 1 GiB) and the measured crossover
+      table says it is faster. Both give the same results to the same bounds; the environment
+      variable `FLASH_NIF_MODE` overrides the option. `:materialized` over that ceiling, or with
+      `device: :cuda` (the GPU has fused kernels only), is an `:unsupported` error.
     * `:window` — `{left, right}`, each a non-negative integer or `:infinity` (unbounded): query
       `i` sees keys `j` with `i + off - left <= j <= i + off + right`, `off = seq_k - seq_q`
       (bottom-right, like `:causal`, which caps `right` at 0). ExPhil's sliding window,
@@ -80,9 +87,9 @@ defmodule ExPhil.Native.FlashAttention do
       over batch rows and query rows. A row that sees no key gets output 0, logsumexp `sink`.
 
   `nil` for any mask or modifier option is the same as leaving it out. A varlen call takes
-  `:causal`, `:scale`, `:device`, `:deterministic`, `:window` (aligned within each sequence) and
-  the modifiers (`:alibi_slopes` `{batch, heads}` counts sequences), not the mask tensors. Pass
-  the same options to the forward and the backward of one step.
+  `:causal`, `:scale`, `:device`, `:deterministic`, `:mode`, `:window` (aligned within each
+  sequence) and the modifiers (`:alibi_slopes` `{batch, heads}` counts sequences), not the mask
+  tensors. Pass the same options to the forward and the backward of one step.
 
   ## Errors
 
@@ -190,7 +197,7 @@ defmodule ExPhil.Native.FlashAttention do
   # Options by call: a varlen call takes no mask tensors (its packing is its padding).
   @mask_keys [:segment_ids, :seqused_k, :leftpad_k, :block_mask]
   @mod_keys [:alibi_slopes, :sinks]
-  @varlen_keys [:causal, :scale, :device, :deterministic, :window, :softcap] ++ @mod_keys
+  @varlen_keys [:causal, :scale, :device, :deterministic, :mode, :window, :softcap] ++ @mod_keys
   @padded_keys @varlen_keys ++ @mask_keys
 
   @type tensor :: Tensor.t() | struct
@@ -212,6 +219,7 @@ defmodule ExPhil.Native.FlashAttention do
           | {:scale, number | nil}
           | {:device, :auto | :cpu | :cuda}
           | {:deterministic, boolean}
+          | {:mode, :auto | :fused | :materialized}
           | {:window, {side, side} | nil}
           | {:segment_ids, {tensor, tensor} | nil}
           | {:seqused_k, tensor | nil}
@@ -226,6 +234,7 @@ defmodule ExPhil.Native.FlashAttention do
           | {:scale, number | nil}
           | {:device, :auto | :cpu | :cuda}
           | {:deterministic, boolean}
+          | {:mode, :auto | :fused | :materialized}
           | {:window, {side, side} | nil}
           | {:softcap, number | nil}
           | {:alibi_slopes, tensor | nil}
@@ -437,12 +446,14 @@ defmodule ExPhil.Native.FlashAttention do
   ## Options
 
   @devices [:auto, :cpu, :cuda]
+  @modes [:auto, :fused, :materialized]
   # The NIF's options map: every key, defaults filled (the one place they are set).
   @defaults %{
     causal: true,
     scale: nil,
     device: :cpu,
     deterministic: false,
+    mode: :auto,
     window: {nil, nil},
     softcap: nil,
     alibi_slopes: nil,
@@ -493,6 +504,7 @@ defmodule ExPhil.Native.FlashAttention do
   defp option(:scale, s) when is_integer(s) and abs(s) < 1.0e300, do: {:ok, s * 1.0}
   defp option(:device, d) when d in @devices, do: {:ok, d}
   defp option(:deterministic, x) when is_boolean(x), do: {:ok, x}
+  defp option(:mode, m) when m in @modes, do: {:ok, m}
   defp option(:window, nil), do: {:ok, {nil, nil}}
   defp option(:softcap, c) when is_float(c) or is_nil(c), do: {:ok, c}
   defp option(:softcap, c) when is_integer(c) and abs(c) < 1.0e300, do: {:ok, c * 1.0}
@@ -515,6 +527,9 @@ defmodule ExPhil.Native.FlashAttention do
 
   defp option(:deterministic, x),
     do: unsupported("the :deterministic option must be true or false, got: #{inspect(x)}")
+
+  defp option(:mode, m),
+    do: unsupported("the :mode option must be :auto, :fused or :materialized, got: #{inspect(m)}")
 
   defp option(:window, w), do: window_error(w)
 

@@ -1,19 +1,24 @@
 //! The CPU backend: multithreaded (rayon) tiled FlashAttention in f32, O(B·H·S·D) extra memory.
 //! Every mask of [`Mask`](crate::Mask) is taken; the tiles it hides are skipped (module `tiles`).
+//! Beside it, the materialized path (module `materialized`: whole S×S scores per head), chosen
+//! per call by [`dispatch`](crate::dispatch).
 
 mod backward;
 mod batch;
 mod forward;
 mod layout;
+pub(crate) mod materialized;
 #[doc(hidden)]
 pub mod matmul;
 mod modify;
 mod rotary;
 pub mod simd;
 mod tiles;
+mod transpose;
 mod vector;
 mod workspace;
 
+use crate::dispatch::{self, Backend, Pass, Path};
 use crate::error::Result;
 use crate::guard::{catch_panics, check_backward_buffers, check_forward_buffers};
 use crate::io::{BackwardIo, ForwardIo};
@@ -23,13 +28,19 @@ use crate::rotary::{RotaryIo, RotaryProblem};
 /// Forward on the CPU (layouts in [`ForwardIo`]).
 pub fn forward(p: &Problem, io: ForwardIo) -> Result<()> {
     check_forward_buffers(p, &io)?;
-    catch_panics("CPU", || forward::run(p, io))
+    match dispatch::choose(p, Backend::Cpu, Pass::Forward)? {
+        Path::Fused => catch_panics("CPU", || forward::run(p, io)),
+        Path::Materialized => catch_panics("CPU", || materialized::forward(p, io)),
+    }
 }
 
 /// Backward on the CPU from the forward's o and lse (layouts in [`BackwardIo`]).
 pub fn backward(p: &Problem, io: BackwardIo) -> Result<()> {
     check_backward_buffers(p, &io)?;
-    catch_panics("CPU", || backward::run(p, io))
+    match dispatch::choose(p, Backend::Cpu, Pass::Backward)? {
+        Path::Fused => catch_panics("CPU", || backward::run(p, io)),
+        Path::Materialized => catch_panics("CPU", || materialized::backward(p, io)),
+    }
 }
 
 /// Rotary embeddings on the CPU (layouts in [`RotaryIo`]).

@@ -10,6 +10,7 @@ use super::device::{self, launch, ContextGuard, Device, DeviceBuffer};
 use super::libs;
 use super::pad;
 use super::variant::{Kernel, Variant};
+use crate::dispatch::{self, Backend, Pass};
 use crate::error::{FlashError, Result};
 use crate::guard::catch_panics;
 use crate::problem::Problem;
@@ -346,6 +347,7 @@ pub unsafe fn backward_device(p: &Problem, device: usize, stream: usize, ptrs: B
 /// As [`forward_device`].
 pub(super) unsafe fn forward(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: ForwardPtrs) -> Result<()> {
     check_mask_ptrs(p, &ptrs.mask)?;
+    dispatch::choose(p, Backend::Cuda, Pass::Forward)?; // fused only: refuses an explicit materialized
     // SAFETY: the caller's guarantees, passed on.
     unsafe {
         match pad::needed(&p.dims) {
@@ -382,6 +384,7 @@ pub(super) unsafe fn forward_kernels(dev: &Device, p: &Problem, s: cu::CUstream,
 /// As [`backward_device`].
 pub(super) unsafe fn backward(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: BackwardPtrs) -> Result<()> {
     check_mask_ptrs(p, &ptrs.mask)?;
+    dispatch::choose(p, Backend::Cuda, Pass::Backward)?; // fused only: refuses an explicit materialized
     if p.mods.sinks.is_some() != (ptrs.dsinks != 0) {
         return Err(FlashError::Internal("dsinks' device pointer must be given exactly when the problem has sinks".into()));
     }
