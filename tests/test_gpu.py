@@ -209,7 +209,7 @@ def test_every_output_element_is_written(gpu, make_inputs):
         desc = [(x.data.ptr, list(x.shape), name) for x in (do, q, k, v, o)] + [(lse.data.ptr, [b, h, sq], "float32")]
         for deterministic in (False, True):
             grads = [to_gpu("cupy", np.full(x.shape, np.nan, DTYPES[dtype_name])) for x in (q, k, v)]
-            outputs = [g.data.ptr for g in grads]
+            outputs = [g.data.ptr for g in grads] + [0]  # no dsinks
             native.cuda_backward_device(desc, outputs, 0, stream, causal=causal, deterministic=deterministic)
             cupy.cuda.get_current_stream().synchronize()
             for label, x in zip(("o", "dq", "dk", "dv"), (o, *grads)):

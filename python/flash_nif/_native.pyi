@@ -15,6 +15,9 @@ class _Options(TypedDict, total=False):
     deterministic: bool  # backward only; default False
     window: tuple[int | None, int | None]  # (left, right); None = unbounded on that side
     mode: str  # "auto" (default), "fused" or "materialized"; FLASH_NIF_MODE overrides it
+    softcap: float | None  # s = c * tanh(s / c); None = off
+    alibi_slopes: np.ndarray  # float32 [H] or [B, H], on the host (from any library)
+    sinks: np.ndarray  # float32 [H], on the host; the backward then also returns dsinks
 
 class _HostMasks(_Options, total=False):
     """Mask arrays of a padded host call (NumPy, C-contiguous); names as flash_nif.forward's."""
@@ -80,7 +83,7 @@ def cuda_forward_device(
 def cuda_backward_device(
     inputs: list[DevTensor], outputs: list[int], device: int, stream: int, **options: Unpack[_DeviceMasks]
 ) -> None:
-    """inputs [do, q, k, v, o, lse]; outputs [dq, dk, dv] (pointers)."""
+    """inputs [do, q, k, v, o, lse]; outputs [dq, dk, dv, dsinks] (pointers; dsinks 0 without sinks)."""
 
 def cuda_varlen_forward_device(
     inputs: list[DevTensor], outputs: list[int], cu_seqlens: Sequence[np.ndarray], device: int, stream: int,
@@ -93,7 +96,7 @@ def cuda_varlen_backward_device(
     inputs: list[DevTensor], outputs: list[int], cu_seqlens: Sequence[np.ndarray], device: int, stream: int,
     **options: Unpack[_Options],
 ) -> None:
-    """Packed inputs [do, q, k, v, o, lse]; outputs [dq, dk, dv]."""
+    """Packed inputs [do, q, k, v, o, lse]; outputs [dq, dk, dv, dsinks or 0]."""
 
 def cuda_rotary_device(
     inputs: list[DevTensor], output: int, device: int, stream: int, *, backward: bool, interleaved: bool,
