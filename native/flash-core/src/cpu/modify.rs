@@ -3,6 +3,7 @@
 //! `slope·log2(e)`; the softmax then needs no other change. Sinks live in the row state
 //! ([`sink2`]) and in the backward's dsinks sum, not in the tiles.
 
+use super::simd;
 use super::tiles::{KeyTile, RowBlock};
 use crate::problem::Problem;
 use std::f32::consts::LOG2_E;
@@ -48,16 +49,9 @@ impl TileMods {
     }
 }
 
-/// s <- c2·tanh(s / c2); the tanh values go to `th` when given.
+/// s <- c2·tanh(s / c2); the tanh values go to `th` when given (vectorised: simd::softcap).
 fn cap_row(row: &mut [f32], c2: f32, th: Option<&mut [f32]>) {
-    let inv = 1.0 / c2;
-    match th {
-        Some(th) => row.iter_mut().zip(th).for_each(|(x, t)| {
-            *t = (*x * inv).tanh();
-            *x = c2 * *t;
-        }),
-        None => row.iter_mut().for_each(|x| *x = c2 * (*x * inv).tanh()),
-    }
+    simd::softcap(row, c2, th)
 }
 
 /// The softcap's chain rule on dS: ds *= 1 − tanh², rows × cols of [rows, ld].

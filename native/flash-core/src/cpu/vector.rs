@@ -39,6 +39,7 @@ pub trait Vector: Copy {
     unsafe fn add(self, b: Self) -> Self;
     unsafe fn sub(self, b: Self) -> Self;
     unsafe fn mul(self, b: Self) -> Self;
+    unsafe fn div(self, b: Self) -> Self;
     /// Lane-wise max; a NaN lane in `self` is ignored (the kernels let NaN reach the output
     /// through exp2 instead).
     unsafe fn max(self, b: Self) -> Self;
@@ -84,6 +85,10 @@ impl Vector for Scalar {
     #[inline(always)]
     unsafe fn mul(self, b: Self) -> Self {
         Scalar(self.0 * b.0)
+    }
+    #[inline(always)]
+    unsafe fn div(self, b: Self) -> Self {
+        Scalar(self.0 / b.0)
     }
     #[inline(always)]
     unsafe fn max(self, b: Self) -> Self {
@@ -148,6 +153,10 @@ pub mod x86 {
         #[inline(always)]
         unsafe fn mul(self, b: Self) -> Self {
             Avx512(_mm512_mul_ps(self.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn div(self, b: Self) -> Self {
+            Avx512(_mm512_div_ps(self.0, b.0))
         }
         #[inline(always)]
         unsafe fn max(self, b: Self) -> Self {
@@ -215,6 +224,10 @@ pub mod x86 {
         #[inline(always)]
         unsafe fn mul(self, b: Self) -> Self {
             Avx2(_mm256_mul_ps(self.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn div(self, b: Self) -> Self {
+            Avx2(_mm256_div_ps(self.0, b.0))
         }
         #[inline(always)]
         unsafe fn max(self, b: Self) -> Self {
