@@ -173,7 +173,8 @@ pub fn working_set(p: &Problem, backend: Backend, pass: Pass) -> u128 {
         Backend::Cpu => {
             let backward = pass == Pass::Backward;
             let running = crate::cpu::materialized::tasks(p).min(threads()) as u128;
-            running * crate::cpu::materialized::task_bytes(p, if backward { 2 } else { 1 })
+            let matrices = if !backward { 1 } else if p.mods.softcap.is_some() { 3 } else { 2 };
+            running * crate::cpu::materialized::task_bytes(p, matrices)
         }
         Backend::Cuda => 0,
     }
@@ -187,11 +188,9 @@ pub fn table_prefers_materialized(p: &Problem, backend: Backend, pass: Pass) -> 
 }
 
 /// What the materialized path cannot run yet (`auto` then runs fused, an explicit request is an
-/// error): score modifiers, and a value head dim of its own.
+/// error): a value head dim of its own.
 fn materialized_lacks(p: &Problem) -> Option<&'static str> {
-    if !p.mods.is_none() {
-        Some("score modifiers (softcap, alibi_slopes, sinks)")
-    } else if p.dims.head_dim_v != p.dims.head_dim {
+    if p.dims.head_dim_v != p.dims.head_dim {
         Some("a value head dim different from q's (Dv != D)")
     } else {
         None

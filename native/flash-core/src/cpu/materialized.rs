@@ -21,6 +21,7 @@
 
 use super::layout::{padded_dim, transposed_ld};
 use super::matmul::{matmul, Mat};
+use super::modify::{sink2, softcap_chain, TileMods};
 use super::simd;
 use super::transpose::transpose;
 use super::tiles::{KeyTile, RowBlock, Visibility};
@@ -48,7 +49,8 @@ const SCRATCH_TARGET: usize = 1 << 20;
 const KEEP_SCRATCH: usize = 8 << 20;
 
 /// Bytes of the score matrices one task holds: `matrices` × Sq × ld(Sk) f32 (the longest
-/// sequence of a varlen call). The forward holds S, the backward S and dS.
+/// sequence of a varlen call). The forward holds S, the backward S and dS (and, with softcap,
+/// the scores' tanh: dispatch asks for 3).
 pub fn task_bytes(p: &Problem, matrices: usize) -> u128 {
     let (sq, sk) = (p.dims.seq_q as u128, transposed_ld(p.dims.seq_k) as u128);
     matrices as u128 * sq * sk * 4
@@ -96,7 +98,7 @@ pub fn forward(p: &Problem, io: ForwardIo) -> Result<()> {
 
 /// Backward (layouts in [`BackwardIo`]).
 pub fn backward(p: &Problem, io: BackwardIo) -> Result<()> {
-    let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask, dsinks: _ } = io; // dispatch sends no sinks here
+    let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask, dsinks } = io;
     let vis = Visibility::new(p, &mask);
     let outs = [SharedOut::new(dq, p.dtype), SharedOut::new(dk, p.dtype), SharedOut::new(dv, p.dtype)];
     let chunk = kv_chunk(p);
@@ -106,7 +108,38 @@ pub fn backward(p: &Problem, io: BackwardIo) -> Result<()> {
         let next = Ahead::new(p, &[q, d_out, o], &[k, v], tasks.get(i + 1));
         backward_task(p, &vis, [d_out, q, k, v, o, lse], &outs, tasks[i].clone(), &mut w, next)
     });
+    if let Some(out) = dsinks {
+        DType::F32.store(&sink_grads(p, d_out, o, lse), out, 0);
+    }
     Ok(())
+}
+
+/// dsinks[h] = −Σ over batch rows and query rows of exp(sink_h − lse) · rowsum(dO ∘ O), in f64 in
+/// a fixed order (the fused path's sum, from the caller's o, dO and lse).
+fn sink_grads(p: &Problem, d_out: &[u8], o: &[u8], lse: &[u8]) -> Vec<f32> {
+    let (h_n, d) = (p.dims.heads, p.dims.head_dim_v);
+    let (mut a, mut c, mut l) = (vec![0.0f32; d], vec![0.0f32; d], [0.0f32]);
+    (0..h_n)
+        .map(|h| {
+            let sink = p.mods.sink(h).unwrap_or(f32::NEG_INFINITY) as f64;
+            let mut sum = 0.0f64;
+            for b in 0..p.dims.batch {
+                let seq = p.mask.seq(b);
+                for i in 0..seq.q_len {
+                    DType::F32.load(lse, p.lse_base(b, h) + i, &mut l);
+                    if l[0] == f32::NEG_INFINITY {
+                        continue;
+                    }
+                    let at = ((seq.q_start + i) * h_n + h) * d;
+                    p.dtype.load(d_out, at, &mut a);
+                    p.dtype.load(o, at, &mut c);
+                    let delta: f64 = a.iter().zip(&c).map(|(x, y)| (x * y) as f64).sum();
+                    sum -= (sink - l[0] as f64).exp() * delta;
+                }
+            }
+            sum as f32
+        })
+        .collect()
 }
 
 thread_local! {
@@ -343,8 +376,12 @@ type Runs = Vec<(usize, usize)>;
 /// q: [br, Dp] (times scale·log2 e); kt: [D, ld]; s: [br, ld] (the rows' part of S);
 /// tiles: reused scratch.
 #[allow(clippy::too_many_arguments)] // the tile step's operands, as the fused path passes them
-fn scores(vis: &Visibility, rb: &RowBlock, d: usize, q: &[f32], kt: &[f32], ld: usize, s: &mut [f32], tiles: &mut Vec<KeyTile>, runs: &mut Runs) {
+fn scores(vis: &Visibility, rb: &RowBlock, d: usize, q: &[f32], kt: &[f32], ld: usize, s: &mut [f32], tiles: &mut Vec<KeyTile>, runs: &mut Runs, mods: Option<(&TileMods, Option<&mut [f32]>)>) {
     let (br, dp) = (rb.rows(), padded_dim(d));
+    let (mods, mut tanh) = match mods {
+        Some((m, t)) => (Some(m), t),
+        None => (None, None),
+    };
     tiles.clear();
     tiles.extend(vis.key_blocks(rb).filter_map(|blk| vis.tile(rb, blk)));
     runs.clear();
@@ -352,6 +389,10 @@ fn scores(vis: &Visibility, rb: &RowBlock, d: usize, q: &[f32], kt: &[f32], ld: 
         // Left to right: a tile's product may spill into the next tile's first (padding)
         // columns, which that tile then overwrites.
         matmul(br, t.cols(), d, &mut s[t.c0..], ld, false, Mat::rows(q, dp), &kt[t.c0..], ld);
+        if let Some(m) = mods {
+            // The score modifiers, before the masks (modifiers.rs's order), as the fused path.
+            m.apply(&mut s[t.c0..], ld, rb, t, tanh.as_deref_mut().map(|x| &mut x[t.c0..]));
+        }
         if t.masked() {
             vis.mask_scores(&mut s[t.c0..], ld, rb, t);
         }
@@ -435,11 +476,14 @@ fn forward_task(p: &Problem, vis: &Visibility, [q, k, v]: [&[u8]; 3], (o, lse): 
             next.more();
             let (r0, br) = (rb.r0, rb.rows());
             let (m, l, alpha) = (&mut w.m[..br], &mut w.l[..br], &mut w.alpha[..br]);
-            m.fill(f32::NEG_INFINITY);
-            l.fill(0.0);
+            // A sink starts every row: max = sink, sum = 1 (as the fused path).
+            let sink = sink2(p, h);
+            m.fill(sink.unwrap_or(f32::NEG_INFINITY));
+            l.fill(if sink.is_some() { 1.0 } else { 0.0 });
             let s = &mut w.s[r0 * ld..];
             let o_rows = &mut w.o[..br * dp];
-            scores(vis, &rb, d, &q_head[r0 * dp..(r0 + br) * dp], kt, ld, s, w.tiles, w.runs);
+            let mods = (!p.mods.is_none()).then(|| TileMods::new(p, &rb));
+            scores(vis, &rb, d, &q_head[r0 * dp..(r0 + br) * dp], kt, ld, s, w.tiles, w.runs, mods.as_ref().map(|m| (m, None)));
             match span(w.runs) {
                 Some((c0, c1)) => {
                     simd::online_softmax(&mut s[c0..], c1 - c0, ld, m, l, alpha);
@@ -452,7 +496,7 @@ fn forward_task(p: &Problem, vis: &Visibility, [q, k, v]: [&[u8]; 3], (o, lse): 
             for r in 0..br {
                 let (row, out) = (&o_rows[r * dp..(r + 1) * dp], &mut q_head[(r0 + r) * dp..(r0 + r + 1) * dp]);
                 if l[r] == 0.0 {
-                    // The row sees no key: o = 0, lse = -inf.
+                    // The row sees no key (and has no sink): o = 0, lse = -inf.
                     out.fill(0.0);
                     w.lse[r0 + r] = f32::NEG_INFINITY;
                 } else {
@@ -481,6 +525,7 @@ struct BackwardScratch<'a> {
     dq: &'a mut [f32],    // [heads, Sq, Dp], in units of dS·K
     s: &'a mut [f32],     // [Sq, ld]: one head's scores, then P
     ds: &'a mut [f32],    // [Sq, ld]: dP = dO·Vᵀ, then dS
+    tanh: &'a mut [f32],  // [Sq, ld] with softcap (tanh of the scores, for dS's chain rule), else empty
     lse2: &'a mut [f32],  // [heads, Sq], log2 units, +inf for rows that see no key
     delta: &'a mut [f32], // [heads, Sq]
     tmp: &'a mut [f32],   // [SUB_K, D]
@@ -494,7 +539,8 @@ impl<'a> BackwardScratch<'a> {
         let (dp, ld) = (padded_dim(d), transposed_ld(sk));
         let heads = kv_chunk * g;
         let (kvm, qm) = (kv_chunk * sk * dp, heads * sq * dp);
-        let lens = [kvm, kv_chunk * d * ld, kv_chunk * d * ld, kvm, kvm, qm, qm, qm, sq * ld, sq * ld, heads * sq, heads * sq, SUB_K * d];
+        let tanh = if p.mods.softcap.is_some() { sq * ld } else { 0 };
+        let lens = [kvm, kv_chunk * d * ld, kv_chunk * d * ld, kvm, kvm, qm, qm, qm, sq * ld, sq * ld, heads * sq, heads * sq, SUB_K * d, tanh];
         let Kept { f, tiles, head_runs, .. } = kept;
         head_runs.resize_with(sq.div_ceil(SUB_Q), Runs::new);
         if f.len() < lens.iter().sum() {
@@ -516,6 +562,7 @@ impl<'a> BackwardScratch<'a> {
             lse2: next(10),
             delta: next(11),
             tmp: next(12),
+            tanh: next(13),
             tiles,
             runs: head_runs,
         }
@@ -558,7 +605,10 @@ fn backward_task(p: &Problem, vis: &Visibility, inputs: [&[u8]; 6], [dq, dk, dv]
             let rows = r0 * dp..(r0 + br) * dp;
             let (s, ds) = (&mut w.s[r0 * ld..], &mut w.ds[r0 * ld..]);
             let runs = &mut w.runs[i];
-            scores(vis, &rb, d, &q_head[rows.clone()], kt, ld, s, w.tiles, runs);
+            let mods = (!p.mods.is_none()).then(|| TileMods::new(p, &rb));
+            let softcap = p.mods.softcap.is_some();
+            let tanh = if softcap { Some(&mut w.tanh[r0 * ld..]) } else { None };
+            scores(vis, &rb, d, &q_head[rows.clone()], kt, ld, s, w.tiles, runs, mods.as_ref().map(|m| (m, tanh)));
             if runs.is_empty() {
                 dq_head[rows.clone()].fill(0.0);
             }
@@ -566,6 +616,9 @@ fn backward_task(p: &Problem, vis: &Visibility, inputs: [&[u8]; 6], [dq, dk, dv]
                 let (lse2, delta) = (&lse2[r0..r0 + br], &delta[r0..r0 + br]);
                 matmul(br, z - a, d, &mut ds[a..], ld, false, Mat::rows(&do_head[rows.clone()], dp), &vt[a..], ld);
                 simd::probs_and_dscores(&mut s[a..], &mut ds[a..], z - a, ld, lse2, delta);
+                if softcap {
+                    softcap_chain(&mut ds[a..], &w.tanh[r0 * ld + a..], br, z - a, ld);
+                }
                 matmul(br, d, z - a, &mut dq_head[rows.clone()], dp, n > 0, Mat::rows(&ds[a..], ld), &k_head[a * dp..], dp);
             }
         }
