@@ -5,8 +5,20 @@
 
 use super::simd;
 use super::tiles::{KeyTile, RowBlock};
+use super::workspace::BLOCK_K;
 use crate::problem::Problem;
 use std::f32::consts::LOG2_E;
+
+/// 0, 1, 2, … as f32: the column offsets of a tile's keys (ALiBi's distances).
+static RAMP: [f32; BLOCK_K] = {
+    let mut a = [0.0f32; BLOCK_K];
+    let mut i = 0;
+    while i < BLOCK_K {
+        a[i] = i as f32;
+        i += 1;
+    }
+    a
+};
 
 /// The modifiers of one (batch row, head) in exp2 units.
 pub struct TileMods {
@@ -40,9 +52,11 @@ impl TileMods {
                 cap_row(row, c2, th);
             }
             if let Some(m2) = self.slope2 {
-                let i = (rb.r0 + r) as isize + self.diag0;
-                for (c, x) in row.iter_mut().enumerate() {
-                    *x -= m2 * (i - (t.c0 + c) as isize).unsigned_abs() as f32;
+                // |i + diag0 − j| for the row's keys j = c0 + c: a float base minus a ramp, which
+                // vectorises (exact: distances stay far below 2^24).
+                let base = ((rb.r0 + r) as isize + self.diag0 - t.c0 as isize) as f32;
+                for (x, &c) in row.iter_mut().zip(&RAMP[..cols]) {
+                    *x -= m2 * (base - c).abs();
                 }
             }
         }
