@@ -40,6 +40,9 @@ pub trait Vector: Copy {
     unsafe fn sub(self, b: Self) -> Self;
     unsafe fn mul(self, b: Self) -> Self;
     unsafe fn div(self, b: Self) -> Self;
+    unsafe fn abs(self) -> Self;
+    /// Lane-wise `if self < t { a } else { b }`.
+    unsafe fn select_lt(self, t: Self, a: Self, b: Self) -> Self;
     /// Lane-wise max; a NaN lane in `self` is ignored (the kernels let NaN reach the output
     /// through exp2 instead).
     unsafe fn max(self, b: Self) -> Self;
@@ -89,6 +92,18 @@ impl Vector for Scalar {
     #[inline(always)]
     unsafe fn div(self, b: Self) -> Self {
         Scalar(self.0 / b.0)
+    }
+    #[inline(always)]
+    unsafe fn abs(self) -> Self {
+        Scalar(self.0.abs())
+    }
+    #[inline(always)]
+    unsafe fn select_lt(self, t: Self, a: Self, b: Self) -> Self {
+        if self.0 < t.0 {
+            a
+        } else {
+            b
+        }
     }
     #[inline(always)]
     unsafe fn max(self, b: Self) -> Self {
@@ -157,6 +172,14 @@ pub mod x86 {
         #[inline(always)]
         unsafe fn div(self, b: Self) -> Self {
             Avx512(_mm512_div_ps(self.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn abs(self) -> Self {
+            Avx512(_mm512_abs_ps(self.0))
+        }
+        #[inline(always)]
+        unsafe fn select_lt(self, t: Self, a: Self, b: Self) -> Self {
+            Avx512(_mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(self.0, t.0), b.0, a.0))
         }
         #[inline(always)]
         unsafe fn max(self, b: Self) -> Self {
@@ -228,6 +251,14 @@ pub mod x86 {
         #[inline(always)]
         unsafe fn div(self, b: Self) -> Self {
             Avx2(_mm256_div_ps(self.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn abs(self) -> Self {
+            Avx2(_mm256_andnot_ps(_mm256_set1_ps(-0.0), self.0))
+        }
+        #[inline(always)]
+        unsafe fn select_lt(self, t: Self, a: Self, b: Self) -> Self {
+            Avx2(_mm256_blendv_ps(b.0, a.0, _mm256_cmp_ps::<_CMP_LT_OQ>(self.0, t.0)))
         }
         #[inline(always)]
         unsafe fn max(self, b: Self) -> Self {
