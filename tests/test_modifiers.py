@@ -30,6 +30,9 @@ CASES = {
                                            segment_ids=(documents(r, 2, 150, 3), documents(r, 2, 270, 3)))),
     "all-noncausal-d64": ((1, 97, 140, 4, 1, 64), False, dict(softcap=3.0, alibi_slopes=SLOPES4, sinks=SINKS4),
                           lambda r: dict(window=(30, 20))),
+    # the GPU's modifier kernels take their own tiles at D = 128 and 256 (config.rs's masked_tiles)
+    "all-d128": ((2, 150, 170, 4, 2, 128), True, dict(softcap=3.0, alibi_slopes=SLOPES4, sinks=SINKS4), lambda r: {}),
+    "all-d256": ((1, 150, 170, 4, 2, 256), True, dict(softcap=3.0, alibi_slopes=SLOPES4, sinks=SINKS4), lambda r: {}),
 }
 
 
@@ -74,7 +77,7 @@ def test_modifiers_f32(fa, ref, env, make_inputs, assert_close_to_oracle, record
 @pytest.mark.parametrize("where", DEVICES)
 @pytest.mark.parametrize("dtype_name", ["f16", "bf16"])
 @pytest.mark.parametrize("case", ["softcap", "alibi-batch-padded", "sinks-empty-rows", "all-window-segments",
-                                  "all-noncausal-d64"])
+                                  "all-noncausal-d64", "all-d128", "all-d256"])
 def test_modifiers_low_precision(fa, ref, env, make_inputs, assert_close_to_oracle, record_error, where, case,
                                  dtype_name):
     run_case(fa, ref, env, make_inputs, assert_close_to_oracle, record_error, case, dtype_name, seed=1)
@@ -94,7 +97,7 @@ def test_modifiers_materialized_cpu(fa, ref, env, make_inputs, assert_close_to_o
 
 
 @pytest.mark.parametrize("where", GPU_LIBS)
-@pytest.mark.parametrize("case", ["softcap", "all-window-segments"])
+@pytest.mark.parametrize("case", ["softcap", "all-window-segments", "all-d128", "all-d256"])
 def test_deterministic_backward_with_modifiers(fa, ref, env, make_inputs, assert_close_to_oracle, record_error,
                                               where, case):
     a = run_case(fa, ref, env, make_inputs, assert_close_to_oracle, record_error, case, "bf16", deterministic=True)
