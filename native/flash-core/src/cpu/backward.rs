@@ -18,7 +18,7 @@
 use super::batch::{key_runs, query_runs, split_rows, Geometry};
 use super::layout::{load_f32, pack_rows, pack_transposed, padded_dim, transposed_ld, unpack_rows};
 use super::matmul::{matmul, Mat};
-use super::modify::{sink2, softcap_chain, TileMods};
+use super::modify::{sink_grads, softcap_chain, TileMods};
 use super::simd;
 use super::tiles::{KeyTile, RowBlock, Visibility};
 use super::workspace::{zeroed, Buffer, BLOCK_K, BLOCK_Q};
@@ -83,7 +83,7 @@ pub fn run(p: &Problem, io: BackwardIo) -> Result<()> {
     }
 
     if let Some(out) = dsinks {
-        DType::F32.store(&sink_grads(&cx), out, 0);
+        DType::F32.store(&sink_grads(p, d_out, o, lse), out, 0);
     }
 
     // dQ = scale·dS·K; dK = scale·dSᵀ·Q = ln2·dSᵀ·Qs.
@@ -91,28 +91,6 @@ pub fn run(p: &Problem, io: BackwardIo) -> Result<()> {
     unpack_rows(&dk_acc, dk, p.dtype, geo.kv4(), LN_2);
     unpack_rows(&dv_acc, dv, p.dtype, geo.v4(), 1.0);
     Ok(())
-}
-
-/// dsinks[h] = −Σ over batch rows and query rows of exp(sink_h − lse) · delta, summed in f64 in
-/// a fixed order (deterministic). Rows that see nothing have lse = sink, so every row counts.
-fn sink_grads(cx: &Ctx) -> Vec<f32> {
-    let p = cx.p;
-    (0..p.dims.heads)
-        .map(|h| {
-            let s2 = sink2(p, h).unwrap_or(f32::NEG_INFINITY) as f64;
-            let mut sum = 0.0f64;
-            for b in 0..p.dims.batch {
-                let base = p.lse_base(b, h);
-                for i in base..base + p.mask.seq(b).q_len {
-                    let (l2, dl) = (cx.x.lse2[i] as f64, cx.x.delta[i] as f64);
-                    if l2.is_finite() {
-                        sum -= (s2 - l2).exp2() * dl;
-                    }
-                }
-            }
-            sum as f32
-        })
-        .collect()
 }
 
 /// lse (natural log) -> log2 units; -inf (no visible key) -> +inf so that P = exp2(s - lse2) = 0.

@@ -21,7 +21,7 @@
 
 use super::layout::{padded_dim, transposed_ld};
 use super::matmul::{matmul, Mat};
-use super::modify::{sink2, softcap_chain, TileMods};
+use super::modify::{sink2, sink_grads, softcap_chain, TileMods};
 use super::simd;
 use super::transpose::transpose;
 use super::tiles::{KeyTile, RowBlock, Visibility};
@@ -112,34 +112,6 @@ pub fn backward(p: &Problem, io: BackwardIo) -> Result<()> {
         DType::F32.store(&sink_grads(p, d_out, o, lse), out, 0);
     }
     Ok(())
-}
-
-/// dsinks[h] = −Σ over batch rows and query rows of exp(sink_h − lse) · rowsum(dO ∘ O), in f64 in
-/// a fixed order (the fused path's sum, from the caller's o, dO and lse).
-fn sink_grads(p: &Problem, d_out: &[u8], o: &[u8], lse: &[u8]) -> Vec<f32> {
-    let (h_n, d) = (p.dims.heads, p.dims.head_dim_v);
-    let (mut a, mut c, mut l) = (vec![0.0f32; d], vec![0.0f32; d], [0.0f32]);
-    (0..h_n)
-        .map(|h| {
-            let sink = p.mods.sink(h).unwrap_or(f32::NEG_INFINITY) as f64;
-            let mut sum = 0.0f64;
-            for b in 0..p.dims.batch {
-                let seq = p.mask.seq(b);
-                for i in 0..seq.q_len {
-                    DType::F32.load(lse, p.lse_base(b, h) + i, &mut l);
-                    if l[0] == f32::NEG_INFINITY {
-                        continue;
-                    }
-                    let at = ((seq.q_start + i) * h_n + h) * d;
-                    p.dtype.load(d_out, at, &mut a);
-                    p.dtype.load(o, at, &mut c);
-                    let delta: f64 = a.iter().zip(&c).map(|(x, y)| (x * y) as f64).sum();
-                    sum -= (sink - l[0] as f64).exp() * delta;
-                }
-            }
-            sum as f32
-        })
-        .collect()
 }
 
 thread_local! {

@@ -6,6 +6,7 @@
 use super::simd;
 use super::tiles::{KeyTile, RowBlock};
 use super::workspace::BLOCK_K;
+use crate::dtype::DType;
 use crate::problem::Problem;
 use std::f32::consts::LOG2_E;
 
@@ -79,4 +80,32 @@ pub fn softcap_chain(ds: &mut [f32], tanh: &[f32], rows: usize, cols: usize, ld:
 /// Head h's sink in exp2 units, the online softmax's starting max (with a running sum of 1).
 pub fn sink2(p: &Problem, h: usize) -> Option<f32> {
     p.mods.sink(h).map(|s| s * LOG2_E)
+}
+
+/// dsinks[h] = −Σ over batch rows and query rows of exp(sink_h − lse) · rowsum(dO ∘ O), in f64 in
+/// a fixed order, from the caller's o, dO and lse (both CPU paths' dsinks).
+pub fn sink_grads(p: &Problem, d_out: &[u8], o: &[u8], lse: &[u8]) -> Vec<f32> {
+    let (h_n, d) = (p.dims.heads, p.dims.head_dim_v);
+    let (mut a, mut c, mut l) = (vec![0.0f32; d], vec![0.0f32; d], [0.0f32]);
+    (0..h_n)
+        .map(|h| {
+            let sink = p.mods.sink(h).unwrap_or(f32::NEG_INFINITY) as f64;
+            let mut sum = 0.0f64;
+            for b in 0..p.dims.batch {
+                let seq = p.mask.seq(b);
+                for i in 0..seq.q_len {
+                    DType::F32.load(lse, p.lse_base(b, h) + i, &mut l);
+                    if l[0] == f32::NEG_INFINITY {
+                        continue;
+                    }
+                    let at = ((seq.q_start + i) * h_n + h) * d;
+                    p.dtype.load(d_out, at, &mut a);
+                    p.dtype.load(o, at, &mut c);
+                    let delta: f64 = a.iter().zip(&c).map(|(x, y)| (x * y) as f64).sum();
+                    sum -= (sink - l[0] as f64).exp() * delta;
+                }
+            }
+            sum as f32
+        })
+        .collect()
 }
