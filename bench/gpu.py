@@ -11,6 +11,7 @@ implementation sees the same tensors.
 
     python bench/gpu.py [--quick] [--dtypes bf16,f32] [--dims 64,128] [--md bench/gpu_results.md]
     python bench/gpu.py --modifiers [--dims 64,128] [--md out.md]
+    python bench/gpu.py --forward [--dims 64,128,256] [--md out.md]
 
 ``--modifiers``: bf16 rows of softcap (30, Gemma 2's) and ALiBi (slopes 2^(-8h/H)) against
 FlexAttention with the equivalent ``score_mod`` (and its block mask for causal), next to the plain
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import os
 import statistics
 
 import torch
@@ -189,6 +191,48 @@ def bench_one(name, make, q, k, v, do, causal, flops, warmup, reps, extra_mem=0)
         return name, None, None, None, f"{type(e).__name__}", str(e)[:60]
 
 
+def forward_rows(args, lines):
+    """Forward only, bf16: ours (the Hopper kernel where it runs), ours with FLASH_NIF_SM90=0 (the
+    portable kernels), FA2 and cuDNN through SDPA, TFLOPS and the ratio to cuDNN, in one run."""
+    lines += ["Forward TFLOPS (bf16; ratio = ours / cuDNN)", "",
+              "| D | causal | S | B·H | ours | kernel | ours portable | torch flash (FA2) | torch cuDNN | ours / cuDNN |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    seqs = [2048, 8192] if args.quick else [2048, 4096, 8192, 16384]
+    for d in [int(x) for x in args.dims.split(",")]:
+        for causal in (False, True):
+            for s in seqs:
+                b, h = 16384 // s, 2048 // d
+                g = torch.Generator(device="cuda").manual_seed(s + d)
+                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+                flops = 4 * b * h * s * s * d / (2 if causal else 1)
+
+                def ours():
+                    return flash_nif.forward_with_states(q, k, v, causal=causal)
+
+                res = {"ours": flops / timed(ours, args.warmup, args.reps) / 1e9}
+                kernel = flash_nif.info()["cuda"]["last_kernels"]["forward"]["kernel"] or "?"
+                os.environ["FLASH_NIF_SM90"] = "0"
+                try:
+                    res["portable"] = flops / timed(ours, args.warmup, args.reps) / 1e9
+                finally:
+                    del os.environ["FLASH_NIF_SM90"]
+                for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                    try:
+                        fwd, _ = run_torch(backend, q, k, v, q, causal)
+                        res[name] = flops / timed(fwd, args.warmup, args.reps) / 1e9
+                    except Exception as e:  # noqa: BLE001 - a backend that refuses is reported
+                        res[name] = f"({type(e).__name__})"
+                cell = lambda x: f"{x:.0f}" if isinstance(x, float) else x  # noqa: E731
+                ratio = res["ours"] / res["cudnn"] if isinstance(res["cudnn"], float) else float("nan")
+                row = (f"| {d} | {'yes' if causal else 'no'} | {s} | {b}·{h} | {cell(res['ours'])} | "
+                       f"{'sm90' if kernel.startswith('fwd_sm90') else 'portable'} | {cell(res['portable'])} | "
+                       f"{cell(res['flash'])} | {cell(res['cudnn'])} | {ratio:.2f} |")
+                print(row, flush=True)
+                lines.append(row)
+                del q, k, v
+                torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="S in {2048, 8192} only")
@@ -198,15 +242,17 @@ def main():
     ap.add_argument("--dtypes", default="bf16,f32", help="comma list of bf16, f32")
     ap.add_argument("--dims", default="64,128", help="comma list of head dims")
     ap.add_argument("--modifiers", action="store_true", help="softcap and ALiBi rows against FlexAttention")
+    ap.add_argument("--forward", action="store_true",
+                    help="forward only (bf16): ours, ours portable (FLASH_NIF_SM90=0), FA2, cuDNN")
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
     info = flash_nif.info()["cuda"]
     head = (f"{datetime.date.today()} · {dev} · torch {torch.__version__} · cuDNN {torch.backends.cudnn.version()} · "
             f"flash_nif {flash_nif.__version__} ({info.get('arch')}, NVRTC {info.get('nvrtc_version')})")
     print(head)
-    if args.modifiers:
+    if args.modifiers or args.forward:
         lines = [head, ""]
-        modifier_rows(args, lines)
+        (modifier_rows if args.modifiers else forward_rows)(args, lines)
         if args.md:
             with open(args.md, "w") as f:
                 f.write("\n".join(lines) + "\n")

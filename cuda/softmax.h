@@ -23,6 +23,16 @@ struct OnlineSoftmax {
     // unnormalised probabilities; acc (the 16 x 8*NO output tile) is rescaled.
     template <int NT, int NO>
     __device__ __forceinline__ void update(float (&s)[NT][4], float (&acc)[NO][4]) {
+        float alpha[2];
+        step(s, alpha);
+        rescale_rows(acc, alpha);
+    }
+
+    // update's first half, which leaves the output tile alone (the sm90 forward rescales it once its
+    // previous P V product has landed): s becomes the unnormalised probabilities, and alpha[r] the
+    // factor exp2(m_old - m_new) by which row r's output must be rescaled.
+    template <int NT>
+    __device__ __forceinline__ void step(float (&s)[NT][4], float (&alpha)[2]) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float mx = m[r];
@@ -32,7 +42,7 @@ struct OnlineSoftmax {
             // A row that has seen no visible key keeps max -inf; use 0 as its base so that
             // exp2(-inf - base) = 0 rather than NaN.
             const float base = (mx == NEG_INF) ? 0.f : mx;
-            const float alpha = fast_exp2(m[r] - base);
+            alpha[r] = fast_exp2(m[r] - base);
             m[r] = mx;
             float sum = 0.f;
 #pragma unroll
@@ -41,12 +51,19 @@ struct OnlineSoftmax {
                 s[nt][2 * r + 1] = fast_exp2(s[nt][2 * r + 1] - base);
                 sum += s[nt][2 * r] + s[nt][2 * r + 1];
             }
-            l[r] = l[r] * alpha + sum;
+            l[r] = l[r] * alpha[r] + sum;
+        }
+    }
+
+    // update's second half: row r of acc times alpha[r].
+    template <int NO>
+    __device__ __forceinline__ static void rescale_rows(float (&acc)[NO][4], const float (&alpha)[2]) {
 #pragma unroll
-            for (int no = 0; no < NO; ++no) {
-                acc[no][2 * r] *= alpha;
-                acc[no][2 * r + 1] *= alpha;
-            }
+        for (int no = 0; no < NO; ++no) {
+            acc[no][0] *= alpha[0];
+            acc[no][1] *= alpha[0];
+            acc[no][2] *= alpha[1];
+            acc[no][3] *= alpha[1];
         }
     }
 

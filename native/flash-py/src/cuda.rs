@@ -126,6 +126,18 @@ fn cuda_info(py: Python<'_>, device: usize) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("nvrtc", i.nvrtc_source)?;
     d.set_item("cache_dir", i.cache_dir.display().to_string())?;
     d.set_item("device_count", cuda::device_count().unwrap_or(0))?;
+    d.set_item("sm90_env", cuda::SM90_ENV)?;
+    d.set_item("sm90", i.sm90)?;
+    d.set_item("log_env", cuda::LOG_ENV)?;
+    let last = cuda::last_kernels();
+    let kernels = PyDict::new(py);
+    for (pass, ran) in [("forward", last.forward), ("backward", last.backward)] {
+        let r = PyDict::new(py);
+        r.set_item("kernel", ran.kernel)?;
+        r.set_item("not_sm90_because", ran.fallback)?;
+        kernels.set_item(pass, r)?;
+    }
+    d.set_item("last_kernels", kernels)?;
     Ok(d)
 }
 

@@ -114,6 +114,11 @@ fn attention_variants(head_dims: &[usize]) -> Vec<Variant> {
                     out.extend(table_candidates(&spec(k, causal, masked, mods)));
                 }
             }
+            if dtype != DType::F32 && super::sm90::HEAD_DIMS.contains(&head_dim) {
+                for causal in [false, true] {
+                    out.extend(table_candidates(&spec(Kernel::FwdSm90, causal, false, false)));
+                }
+            }
         }
     }
     out
@@ -129,6 +134,11 @@ fn tiles((block_m, block_n, num_warps, d_split, min_blocks): (usize, usize, usiz
 fn default_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, usize, usize) {
     if kernel.is_elementwise() {
         return (8, 1, 8, 1, 1); // 8 warps, one row each
+    }
+    // The Hopper forward: a producer warpgroup and two consumer warpgroups of 64 query rows each
+    // (ping-pong), K/V two stages deep (the 4th value is STAGES).
+    if kernel == Kernel::FwdSm90 {
+        return if d <= 128 { (128, 128, 12, 2, 1) } else { (128, 64, 12, 2, 1) };
     }
     // The atomic-dQ dK/dV kernel takes 128 keys per block on 8 warps (the deterministic one: 64 on
     // 4): half the dQ atomics per query, and 8 warps per SM at D = 128 where 4-warp blocks of
@@ -170,7 +180,7 @@ fn default_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize
 /// Tiles for GPUs whose blocks get less shared memory than [`default_tiles`] asks for (sm_86 /
 /// sm_89: 99 KiB): every variant here needs at most 101376 bytes (the compile check verifies it).
 fn small_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, usize, usize) {
-    if kernel.is_elementwise() {
+    if kernel.is_elementwise() || kernel.is_sm90() {
         return default_tiles(kernel, dtype, d);
     }
     let kernel = if kernel == Kernel::BwdDkdvDq { Kernel::BwdDkdv } else { kernel };
@@ -213,6 +223,7 @@ fn source(kernel: Kernel, dtype: DType, d: usize) -> &'static str {
         (Kernel::BwdDq, DType::F32) => "bwd_dq_f32.cu",
         (Kernel::BwdDkdv | Kernel::BwdDkdvDq, DType::F32) => "bwd_dkdv_f32.cu",
         (Kernel::Fwd, _) => "fwd.cu",
+        (Kernel::FwdSm90, _) => "fwd_sm90.cu",
         (Kernel::BwdDq, _) => "bwd_dq.cu",
         (Kernel::BwdDkdv | Kernel::BwdDkdvDq, _) => "bwd_dkdv.cu",
         (Kernel::BwdPreprocess, _) => "bwd_preprocess.cu",
@@ -263,6 +274,10 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
         }
         if kernel == Kernel::Fwd && dtype != DType::F32 {
             defines.push(("M_TILES", t.d_split as i64));
+        }
+        if kernel == Kernel::FwdSm90 {
+            // Two consumer warpgroups take turns issuing their products (cuda/fwd_sm90.cu).
+            defines.extend([("STAGES", t.d_split as i64), ("PINGPONG", (t.num_warps == 12) as i64)]);
         }
         defines.push(("MIN_BLOCKS", t.min_blocks as i64));
     }
@@ -332,6 +347,7 @@ mod tests {
             if v.dtype != DType::F32 {
                 match v.kernel {
                     Kernel::Fwd => assert_eq!(t.block_m, 16 * t.num_warps * t.d_split, "{}", v.name()),
+                    Kernel::FwdSm90 => assert_eq!(t.block_m, 64 * (t.num_warps / 4 - 1), "{}", v.name()),
                     Kernel::BwdDq => assert_eq!(t.block_m, 16 * t.num_warps, "{}", v.name()),
                     Kernel::BwdDkdv | Kernel::BwdDkdvDq => {
                         assert_eq!(t.block_n * t.d_split, 16 * t.num_warps, "{}", v.name())

@@ -9,6 +9,8 @@ use super::config::{self, Spec};
 use super::device::{self, launch, ContextGuard, Device, DeviceBuffer};
 use super::libs;
 use super::pad;
+use super::sm90;
+use super::trace;
 use super::variant::{Kernel, Variant};
 use crate::dispatch::{self, Backend, Pass};
 use crate::error::{FlashError, Result};
@@ -18,10 +20,10 @@ use crate::problem::Problem;
 /// The params struct of cuda/params.h, field for field.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-struct FlashParams {
-    q: u64,
-    k: u64,
-    v: u64,
+pub(super) struct FlashParams {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
     o: u64,
     lse: u64,
     dout: u64,
@@ -366,12 +368,18 @@ pub(super) unsafe fn forward_kernels(dev: &Device, p: &Problem, s: cu::CUstream,
     if d.batch == 0 || d.seq_q == 0 {
         return Ok(());
     }
+    let mut prm = params(p);
+    (prm.q, prm.k, prm.v, prm.o, prm.lse) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse);
+    match sm90::forward_choice(dev, p, [ptrs.q, ptrs.k, ptrs.v]) {
+        // SAFETY: the caller's guarantees, passed on.
+        Ok(()) => return unsafe { sm90::forward(dev, p, s, &prm) },
+        Err(why) => trace::fallback("forward", &why),
+    }
     let v = kernel_variant(dev, p, Kernel::Fwd)?;
     let f = device::function(dev, &v)?;
     let tables = upload_tables(p, s)?;
     let mask = tables.as_ref().map(|t| mask_fields(p, &ptrs.mask, t));
-    let mut prm = params(p);
-    (prm.q, prm.k, prm.v, prm.o, prm.lse) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse);
+    trace::kernel("forward", &v);
     let grid = (grid_over(d.seq_q, v.tiles.block_m), d.heads as u32, d.batch as u32);
     // SAFETY: the caller guarantees the pointers; the table is freed stream-ordered after the launch.
     unsafe { launch_tiled("flash_fwd", f, grid, s, &prm, mask.as_ref()) }
@@ -435,6 +443,7 @@ pub(super) unsafe fn backward_kernels(dev: &Device, p: &Problem, s: cu::CUstream
             let vk = kernel_variant(dev, p, Kernel::BwdDkdvDq)?;
             let vc = kernel_variant(dev, p, Kernel::BwdDqConvert)?;
             let (fk, fc) = (device::function(dev, &vk)?, device::function(dev, &vc)?);
+            trace::kernel("backward", &vk);
             device::check("cuMemsetD32Async", cu::cuMemsetD32Async(prm.dq_accum, 0, dq_len, s))?;
             launch_tiled("flash_bwd_dkdv(atomic dQ)", fk, kv_grid(&vk), s, &prm, mask)?;
             let pairs = dq_len / 2;
@@ -444,6 +453,7 @@ pub(super) unsafe fn backward_kernels(dev: &Device, p: &Problem, s: cu::CUstream
             let vq = kernel_variant(dev, p, Kernel::BwdDq)?;
             let vk = kernel_variant(dev, p, Kernel::BwdDkdv)?;
             let (fq, fk) = (device::function(dev, &vq)?, device::function(dev, &vk)?);
+            trace::kernel("backward", &vk);
             let q_grid = (grid_over(d.seq_q, vq.tiles.block_m), d.heads as u32, d.batch as u32);
             launch_tiled("flash_bwd_dq", fq, q_grid, s, &prm, mask)?;
             launch_tiled("flash_bwd_dkdv", fk, kv_grid(&vk), s, &prm, mask)?;

@@ -32,7 +32,9 @@ mod libs;
 pub mod pad;
 mod report;
 mod rotary;
+mod sm90;
 mod sources;
+mod trace;
 mod variant;
 
 use crate::error::{FlashError, Result};
@@ -45,6 +47,8 @@ pub use launch::{backward_device, forward_device, BackwardPtrs, ForwardPtrs, Mas
 pub use libs::{add_search_roots, ensure_nvrtc};
 pub use report::{compile_report, Report, Usage};
 pub use rotary::{rotary_device, rotary_host, RotaryPtrs};
+pub use sm90::SM90_ENV;
+pub use trace::{last_kernels, LastKernels, Ran, LOG_ENV};
 pub use variant::{dtype_short, Kernel, TileSet, Tiles, Variant, ANY_HEAD_DIM};
 
 /// What `flash_nif.info()` reports about a GPU.
@@ -58,6 +62,8 @@ pub struct DeviceInfo {
     pub nvrtc_version: (i32, i32),
     pub nvrtc_source: String,
     pub cache_dir: std::path::PathBuf,
+    /// The Hopper kernels run here (compute capability 9.0 and `FLASH_NIF_SM90` not `0`).
+    pub sm90: bool,
 }
 
 /// Number of visible CUDA devices; an error says why there are none usable.
@@ -90,6 +96,7 @@ pub fn info(ordinal: usize) -> Result<DeviceInfo> {
             nvrtc_version: compile::nvrtc_version()?,
             nvrtc_source: src,
             cache_dir: compile::cache_dir(),
+            sm90: d.cc == (9, 0) && sm90::enabled(),
         })
     })
 }

@@ -39,7 +39,11 @@ pub struct Usage {
 /// when NVRTC is missing.
 pub fn compile_report(variants: &[Variant], archs: &[String], jobs: usize, fresh: bool) -> Result<Vec<Report>> {
     libs::ensure_nvrtc()?;
-    let pairs: Vec<(&Variant, &String)> = variants.iter().flat_map(|v| archs.iter().map(move |a| (v, a))).collect();
+    // The sm_90a-only kernels are compiled for sm_90a alone.
+    let pairs: Vec<(&Variant, &String)> = variants
+        .iter()
+        .flat_map(|v| archs.iter().filter(move |a| !v.kernel.is_sm90() || *a == "sm_90a").map(move |a| (v, a)))
+        .collect();
     // Distinct compiles, the heaviest (largest head dim, tiled kernels) first so that the last
     // jobs to start are short ones.
     let mut unique: Vec<(&Variant, &String)> = Vec::new();

@@ -10,6 +10,8 @@ use crate::error::{FlashError, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kernel {
     Fwd,
+    /// The Hopper forward (sm_90a only: wgmma, the tensor copy engine; sm90.rs decides when).
+    FwdSm90,
     BwdPreprocess,
     BwdDq,
     BwdDkdv,
@@ -25,8 +27,9 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 9] = [
+    pub const ALL: [Kernel; 10] = [
         Kernel::Fwd,
+        Kernel::FwdSm90,
         Kernel::BwdPreprocess,
         Kernel::BwdDq,
         Kernel::BwdDkdv,
@@ -40,6 +43,7 @@ impl Kernel {
     pub fn name(self) -> &'static str {
         match self {
             Kernel::Fwd => "fwd",
+            Kernel::FwdSm90 => "fwd_sm90",
             Kernel::BwdPreprocess => "bwd_preprocess",
             Kernel::BwdDq => "bwd_dq",
             Kernel::BwdDkdv => "bwd_dkdv",
@@ -63,6 +67,7 @@ impl Kernel {
     pub fn entry(self) -> &'static str {
         match self {
             Kernel::Fwd => "flash_fwd",
+            Kernel::FwdSm90 => "flash_fwd_sm90",
             Kernel::BwdPreprocess => "flash_bwd_preprocess",
             Kernel::BwdDq => "flash_bwd_dq",
             Kernel::BwdDkdv | Kernel::BwdDkdvDq => "flash_bwd_dkdv",
@@ -71,6 +76,11 @@ impl Kernel {
             Kernel::Pad => "flash_pad",
             Kernel::Rotary => "flash_rotary",
         }
+    }
+
+    /// Kernels that only sm_90a (Hopper) can run.
+    pub fn is_sm90(self) -> bool {
+        matches!(self, Kernel::FwdSm90)
     }
 
     /// Elementwise kernels have no tiles and no shared memory.
@@ -98,7 +108,8 @@ pub struct Tiles {
     pub block_m: usize,
     pub block_n: usize,
     pub num_warps: usize,
-    /// bwd_dkdv: warps sharing a key slice (D_SPLIT); fwd: 16-row tiles per warp (M_TILES).
+    /// bwd_dkdv: warps sharing a key slice (D_SPLIT); fwd: 16-row tiles per warp (M_TILES);
+    /// fwd_sm90: shared-memory stages of K and V (STAGES).
     pub d_split: usize,
     /// Blocks per SM the register allocation must allow (MIN_BLOCKS).
     pub min_blocks: usize,

@@ -1,0 +1,270 @@
+// fwd_sm90.cu — attention forward for Hopper (sm_90a, fp16 / bf16, D = 64, 128, 256): the tensor
+// copy engine, warpgroup MMA and warp specialisation.
+//
+// Grid (ceil(Sq / BLOCK_M), H, B), NUM_WARPS = 4 * (1 + CONSUMERS) warps in warpgroups of 4:
+// - warpgroup 0, the producer, gives most of its registers away (setmaxnreg) and one thread issues
+//   the copies: the block's Q tile once, then the K and V tiles of every key tile the block visits
+//   into a ring of STAGES shared-memory stages, each completing on its own mbarrier (full), each
+//   stage reused once every consumer warp has released it (empty);
+// - warpgroups 1..CONSUMERS each own 64 query rows (warp w of one: 16 rows, the mma.sync
+//   accumulator layout, so the masks and the online softmax are the other kernels'). Per key
+//   tile j: S_j = Q K_j^T (wgmma, both operands in shared memory) is issued together with
+//   O += P_{j-1} V_{j-1} (wgmma, P from registers), and the softmax of S_j runs while the second
+//   product is still on the tensor cores; O is rescaled once it has landed.
+//   With PINGPONG, the consumers take turns issuing their products (named barriers), so that one
+//   warpgroup's softmax overlaps the other's products; a consumer hands the turn over once its
+//   S_j has landed (a barrier between a wgmma and its wait makes ptxas serialize them all).
+// Shared memory tiles are 64-column blocks of 128-byte rows with the 128-byte swizzle, the layout
+// the copy engine writes (CU_TENSOR_MAP_SWIZZLE_128B) and wgmma reads (desc_sw128). O and the LSE are
+// written as fwd.cu writes them. Causal grids run the heaviest blocks first; MASKED blocks visit
+// only the key tiles some row sees (block.h), the producer and the consumers walking the same tiles.
+#include "hopper.h"
+#include "wgmma.h"
+#include "tile.h"
+#include "block.h"
+#include "softmax.h"
+
+#define CONSUMERS (NUM_WARPS / 4 - 1)
+#define COL_BLOCKS (HEAD_DIM / 64)  // 64-element (128-byte) column blocks per row
+#ifndef STAGES
+#define STAGES 2
+#endif
+#ifndef PINGPONG
+#define PINGPONG 0
+#endif
+#if CONSUMERS == 2
+#define PRODUCER_REGS 24
+#define CONSUMER_REGS 240
+#elif CONSUMERS == 3
+#define PRODUCER_REGS 24
+#define CONSUMER_REGS 160
+#else
+#error "fwd_sm90: two or three consumer warpgroups"
+#endif
+#if FLASH_DTYPE == 2 || HEAD_DIM % 64 != 0 || NUM_WARPS % 4 != 0 || BLOCK_M != 64 * CONSUMERS || BLOCK_N % 16 != 0
+#error "fwd_sm90: fp16 / bf16, HEAD_DIM a multiple of 64, 64 query rows per consumer warpgroup, BLOCK_N % 16 == 0"
+#endif
+#if PINGPONG && CONSUMERS != 2
+#error "fwd_sm90: PINGPONG takes two consumer warpgroups"
+#endif
+
+// Bytes of one [rows][64] column block.
+#define CB_BYTES(rows) ((rows) * 128)
+
+// Shared memory: Q [COL_BLOCKS][BLOCK_M][64]; K and V [STAGES][COL_BLOCKS][BLOCK_N][64]; the
+// mbarriers. Every column block starts on a 1024-byte boundary (the swizzle's period).
+struct __align__(1024) Smem {
+    elem_t q[COL_BLOCKS * BLOCK_M * 64];
+    elem_t k[STAGES * COL_BLOCKS * BLOCK_N * 64];
+    elem_t v[STAGES * COL_BLOCKS * BLOCK_N * 64];
+    u64 q_full, k_full[STAGES], v_full[STAGES], kv_empty[STAGES];
+};
+// + 1024: the dynamic shared memory's start is rounded up to the swizzle's period.
+FLASH_EXPORT_SMEM(sizeof(Smem) + 1024)
+
+// The kernel's parameter: the tensor maps of q, k, v (4-d: D, heads, rows, batch) and the params.
+struct Sm90Params {
+    TensorMap tq, tk, tv;
+    FlashParams p;
+};
+
+#define TILE_BYTES(rows) (CB_BYTES(rows) * COL_BLOCKS)
+#define PINGPONG_BARRIER 1  // named barriers 1 and 2: consumer c waits on 1 + c for its turn
+
+__device__ __forceinline__ u32 stage_of(int j) { return j % STAGES; }
+__device__ __forceinline__ u32 phase_of(int j) { return (j / STAGES) & 1; }
+
+// The producer's one thread: Q, then every key tile's K and V.
+__device__ __forceinline__ void produce(const Sm90Params& P, const QueryBlock& blk, Smem& smem) {
+    const u32 q_full = smem_addr(&smem.q_full);
+    mbar_expect_tx(q_full, TILE_BYTES(BLOCK_M));
+#pragma unroll
+    for (int cb = 0; cb < COL_BLOCKS; ++cb)
+        tma_load_4d(smem_addr(smem.q) + cb * CB_BYTES(BLOCK_M), &P.tq, cb * 64, blk.h, blk.m0, blk.b, q_full);
+    for (KeyWalk w = blk.key_walk(); w.more(); w.advance()) {
+        blk.look_ahead(w);
+        const u32 s = stage_of(w.j);
+        if (w.j >= STAGES) mbar_wait(smem_addr(&smem.kv_empty[s]), phase_of(w.j) ^ 1);
+        const u32 kf = smem_addr(&smem.k_full[s]), vf = smem_addr(&smem.v_full[s]);
+        const u32 k_dst = smem_addr(smem.k) + s * TILE_BYTES(BLOCK_N);
+        const u32 v_dst = smem_addr(smem.v) + s * TILE_BYTES(BLOCK_N);
+        mbar_expect_tx(kf, TILE_BYTES(BLOCK_N));
+#pragma unroll
+        for (int cb = 0; cb < COL_BLOCKS; ++cb)
+            tma_load_4d(k_dst + cb * CB_BYTES(BLOCK_N), &P.tk, cb * 64, blk.hkv, w.n0(), blk.b, kf);
+        mbar_expect_tx(vf, TILE_BYTES(BLOCK_N));
+#pragma unroll
+        for (int cb = 0; cb < COL_BLOCKS; ++cb)
+            tma_load_4d(v_dst + cb * CB_BYTES(BLOCK_N), &P.tv, cb * 64, blk.hkv, w.n0(), blk.b, vf);
+    }
+}
+
+// S = Q K^T for the warpgroup's 64 rows (q_rows: their first row in each Q column block) against the
+// K tile at k_tile; issued, not waited for.
+__device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 8][4], u32 q_rows, u32 k_tile) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        const u32 off = (kk % 4) * 32;  // 16 elements = 32 bytes along a 128-byte row
+        const u64 da = desc_sw128(q_rows + (kk / 4) * CB_BYTES(BLOCK_M) + off, 0);
+        const u64 db = desc_sw128(k_tile + (kk / 4) * CB_BYTES(BLOCK_N) + off, 0);
+        Wgmma<BLOCK_N>::ss(s, da, db, kk > 0);
+    }
+    wgmma_commit();
+}
+
+// O += P V for the warpgroup's rows, P in registers (the A fragments of 16 keys each), V MN-major
+// at v_tile; issued, not waited for.
+__device__ __forceinline__ void issue_pv(float (&o)[HEAD_DIM / 8][4], const u32 (&pa)[BLOCK_N / 16][4], u32 v_tile) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+        Wgmma<HEAD_DIM>::rs(o, pa[kk], desc_sw128(v_tile + kk * 16 * 128, CB_BYTES(BLOCK_N)), 1);
+    wgmma_commit();
+}
+
+// Probabilities (accumulator layout, f32) -> the A fragments of P V (16-bit pairs).
+__device__ __forceinline__ void pack_p(u32 (&pa)[BLOCK_N / 16][4], const float (&s)[BLOCK_N / 8][4]) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        pa[kk][0] = pack2(s[2 * kk][0], s[2 * kk][1]);
+        pa[kk][1] = pack2(s[2 * kk][2], s[2 * kk][3]);
+        pa[kk][2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pa[kk][3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+}
+
+// PINGPONG: consumer c waits for its turn to issue products, and hands the turn over after.
+__device__ __forceinline__ void take_turn(int c) {
+#if PINGPONG
+    named_sync(PINGPONG_BARRIER + c, 2 * 128);
+#endif
+}
+__device__ __forceinline__ void pass_turn(int c) {
+#if PINGPONG
+    named_arrive(PINGPONG_BARRIER + (1 - c), 2 * 128);
+#endif
+}
+
+// A consumer warpgroup (c = 0 .. CONSUMERS-1): rows m0 + 64 c .. of the block.
+__device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& blk, Smem& smem, int c) {
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int row0 = blk.m0 + 64 * c + 16 * warp;  // this warp's 16 rows
+    const u32 q_rows = smem_addr(smem.q) + 64 * c * 128;
+    const u32 k_base = smem_addr(smem.k), v_base = smem_addr(smem.v);
+    const Visibility vis = blk.vis();
+
+    float o[HEAD_DIM / 8][4];
+    float s[BLOCK_N / 8][4];
+    u32 pa[BLOCK_N / 16][4];
+    OnlineSoftmax sm;
+    zero(o);
+    sm.init(blk.sink2(p));
+#if PINGPONG
+    if (c == 1) pass_turn(c);  // consumer 0 goes first
+#endif
+    mbar_wait(smem_addr(&smem.q_full), 0);
+
+    // Scales, masks and modifies S_j, and takes its softmax step (alpha: the rescale of O).
+    auto softmax_step = [&](const KeyWalk& w, float (&alpha)[2]) {
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[i][e] *= p.scale_log2;
+        if (blk.tile_mask(w)) mask_tile<BLOCK_N / 8>(s, row0, w.n0(), vis);
+        modify_tile<BLOCK_N / 8>(s, row0, w.n0(), vis);
+        sm.step(s, alpha);
+    };
+
+    KeyWalk w = blk.key_walk();
+    u32 prev = 0;  // the stage of the tile whose P V is pending
+    bool pending = false;
+    for (; w.more(); w.advance()) {
+        blk.look_ahead(w);
+        const u32 st = stage_of(w.j);
+        mbar_wait(smem_addr(&smem.k_full[st]), phase_of(w.j));
+        take_turn(c);
+        issue_qk(s, q_rows, k_base + st * TILE_BYTES(BLOCK_N));
+        if (pending) {
+            mbar_wait(smem_addr(&smem.v_full[prev]), phase_of(w.j - 1));
+            issue_pv(o, pa, v_base + prev * TILE_BYTES(BLOCK_N));
+        }
+        float alpha[2];
+        if (pending) {
+            wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
+            pass_turn(c);     // (not before the wait: ptxas would serialize every wgmma)
+            fence_regs(s);
+            softmax_step(w, alpha);
+            wgmma_wait<0>();
+            fence_regs(o);
+            if (lane == 0) mbar_arrive(smem_addr(&smem.kv_empty[prev]));
+            OnlineSoftmax::rescale_rows(o, alpha);
+        } else {
+            wgmma_wait<0>();
+            pass_turn(c);
+            fence_regs(s);
+            softmax_step(w, alpha);
+            OnlineSoftmax::rescale_rows(o, alpha);
+        }
+        pack_p(pa, s);
+        prev = st;
+        pending = true;
+    }
+    if (pending) {
+        take_turn(c);
+        mbar_wait(smem_addr(&smem.v_full[prev]), phase_of(w.j - 1));
+        issue_pv(o, pa, v_base + prev * TILE_BYTES(BLOCK_N));
+        wgmma_wait<0>();
+        fence_regs(o);
+#if PINGPONG
+        // Consumer 1 has no turn left to take.
+        if (c == 0) pass_turn(c);
+#endif
+        if (lane == 0) mbar_arrive(smem_addr(&smem.kv_empty[prev]));
+    }
+#if PINGPONG
+    else if (c == 0) {
+        pass_turn(c);  // keep the turns balanced: consumer 1 waits for one more
+    }
+#endif
+
+    float inv[2], lse[2];
+    sm.finish(inv, lse);
+    store_tile<HEAD_DIM / 8>(p.o + blk.q_base(p), o, inv[0], inv[1], row0, blk.Sq, 0, blk.q_stride);
+    if (lane % 4 == 0) {
+        float* out_lse = p.lse + blk.stat_base(p);
+        const int g = lane / 4;
+        if (row0 + g < blk.Sq) out_lse[row0 + g] = lse[0];
+        if (row0 + g + 8 < blk.Sq) out_lse[row0 + g + 8] = lse[1];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_fwd_sm90(const __grid_constant__ Sm90Params P) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    Smem& smem = *reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+    const FlashParams& p = P.p;
+    const QueryBlock blk(p);
+    if (blk.empty()) return;
+    const int wg = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        tma_prefetch_map(&P.tq);
+        tma_prefetch_map(&P.tk);
+        tma_prefetch_map(&P.tv);
+        mbar_init(smem_addr(&smem.q_full), 1);
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(smem_addr(&smem.k_full[s]), 1);
+            mbar_init(smem_addr(&smem.v_full[s]), 1);
+            mbar_init(smem_addr(&smem.kv_empty[s]), 4 * CONSUMERS);  // every consumer warp's lane 0
+        }
+        mbar_fence_init();
+    }
+    __syncthreads();
+    if (wg == 0) {
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (threadIdx.x == 0) produce(P, blk, smem);
+    } else {
+        setmaxnreg_inc<CONSUMER_REGS>();
+        consume(p, blk, smem, wg - 1);
+    }
+}

@@ -1,0 +1,93 @@
+// hopper.h — the sm_90a kernels' inline-PTX wrappers: mbarriers, the tensor copy engine (TMA),
+// warpgroup MMA fences and shared-memory matrix descriptors, register reallocation and named
+// barriers. The MMA instructions themselves are wgmma.h's (generated).
+#pragma once
+#include "ptx.h"
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+
+// A tensor map built on the host by cuTensorMapEncodeTiled (cuda/tma.rs), passed by value inside a
+// __grid_constant__ parameter: the copy engine reads it from the parameter space.
+struct __align__(128) TensorMap {
+    u64 opaque[16];
+};
+
+// ---- mbarriers ----------------------------------------------------------------------------------
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes the initialised barriers visible to the copy engine (the async proxy).
+__device__ __forceinline__ void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// Arrives once and adds `bytes` to the transaction count the phase waits for.
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Waits until the phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+// ---- the tensor copy engine ---------------------------------------------------------------------
+// Box at coordinates (c0 innermost .. c3) of the 4-d tensor `map` -> shared memory at dst, completing
+// on mbarrier bar (which must expect the box's bytes). Elements outside the tensor arrive as zeros.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, int c0, int c1, int c2, int c3, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];"
+        ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_map(const TensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
+}
+
+// ---- warpgroup MMA ------------------------------------------------------------------------------
+// Orders this warpgroup's earlier register writes before the next wgmma reads them.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+// Waits until at most N committed groups are pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Pins a register tile in place around asynchronous MMAs: the compiler may not move its reads or
+// writes across this point (the asm "defines" every element).
+template <int R, int C>
+__device__ __forceinline__ void fence_regs(float (&d)[R][C]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int j = 0; j < C; ++j) asm volatile("" : "+f"(d[i][j])::"memory");
+}
+
+// Descriptor of a wgmma operand in shared memory with the 128-byte swizzle (what the copy engine
+// writes with CU_TENSOR_MAP_SWIZZLE_128B): 8-row groups of 128-byte rows, 1024 bytes apart (SBO);
+// `lbo` is the distance between 64-element column blocks along M/N, for MN-major operands only
+// (K-major ones step through K by moving the start address).
+__device__ __forceinline__ u64 desc_sw128(u32 addr, u32 lbo) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo & 0x3FFFF) >> 4) << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// ---- registers and named barriers ---------------------------------------------------------------
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
+// Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+#endif

@@ -1,0 +1,132 @@
+//! The Hopper forward (cuda/fwd_sm90.cu): when a call takes it, its tensor maps, and its launch.
+//!
+//! It runs on compute capability 9.0 for fp16 / bf16 at D = 64, 128 and 256 (the call's head dim
+//! after padding), plain or causal, unless `FLASH_NIF_SM90=0`. Anything else runs the portable
+//! kernels (fwd.cu), which compute the same function; [`forward_choice`] says which and why, and
+//! `FLASH_NIF_LOG=1` prints it per call.
+
+use cudarc::driver::sys as cu;
+
+use super::device::{self, Device};
+use super::launch::FlashParams;
+use crate::dtype::DType;
+use crate::error::{FlashError, Result};
+use crate::problem::Problem;
+
+/// The environment variable that turns the Hopper kernels off (`0`).
+pub const SM90_ENV: &str = "FLASH_NIF_SM90";
+
+/// Is the Hopper path allowed by the environment (`FLASH_NIF_SM90` unset or not `0`)?
+pub fn enabled() -> bool {
+    std::env::var(SM90_ENV).map_or(true, |v| v.trim() != "0")
+}
+
+/// Head dims the Hopper forward has kernels for.
+pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// Whether `p`'s forward (head dims already the kernels') runs the Hopper kernel on `dev`: Ok(())
+/// when it does, else the reason it does not.
+pub fn forward_choice(dev: &Device, p: &Problem, ptrs: [u64; 3]) -> std::result::Result<(), String> {
+    if dev.cc != (9, 0) {
+        return Err(format!("compute capability {}.{} is not 9.0", dev.cc.0, dev.cc.1));
+    }
+    if !enabled() {
+        return Err(format!("{SM90_ENV}=0"));
+    }
+    if p.dtype == DType::F32 {
+        return Err("float32 runs the portable kernels".into());
+    }
+    if !HEAD_DIMS.contains(&p.dims.head_dim) {
+        return Err(format!("head dim {} is not one of {HEAD_DIMS:?}", p.dims.head_dim));
+    }
+    if !p.is_plain() {
+        return Err("masks and score modifiers run the portable kernels".into());
+    }
+    if p.dims.seq_k == 0 {
+        return Err("no keys".into());
+    }
+    if ptrs.iter().any(|x| x % 16 != 0) {
+        return Err("q, k and v must be 16-byte aligned for the tensor copy engine".into());
+    }
+    Ok(())
+}
+
+/// The kernel parameter of cuda/fwd_sm90.cu: the tensor maps of q, k, v, then the params.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Sm90Params {
+    tq: cu::CUtensorMap,
+    tk: cu::CUtensorMap,
+    tv: cu::CUtensorMap,
+    p: FlashParams,
+}
+
+/// The 4-d tensor map (D, heads, rows, batch) of a [B, S, H, D] tensor at `ptr`, read in boxes of
+/// 64 elements (128 bytes, swizzled) x 1 head x `box_rows` rows x 1 batch row. Rows past S arrive
+/// as zeros.
+fn tensor_map(ptr: u64, dtype: DType, batch: usize, rows: usize, heads: usize, d: usize, box_rows: usize) -> Result<cu::CUtensorMap> {
+    use cu::CUtensorMapDataType as T;
+    let data_type = match dtype {
+        DType::F16 => T::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        DType::BF16 => T::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        DType::F32 => return Err(FlashError::Internal("no float32 tensor maps".into())),
+    };
+    let e = dtype.size_bytes() as u64;
+    let dims = [d as u64, heads as u64, rows as u64, batch as u64];
+    let strides = [d as u64 * e, (heads * d) as u64 * e, (rows * heads * d) as u64 * e];
+    let boxes = [64u32, 1, box_rows as u32, 1];
+    let elem_strides = [1u32; 4];
+    let mut map = std::mem::MaybeUninit::<cu::CUtensorMap>::zeroed();
+    // SAFETY: out-pointer to a zeroed map; the arrays hold rank (4) entries (strides rank - 1).
+    device::check("cuTensorMapEncodeTiled", unsafe {
+        cu::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            data_type,
+            4,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem_strides.as_ptr(),
+            cu::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            cu::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            cu::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            cu::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    })?;
+    // SAFETY: written by the driver on success.
+    Ok(unsafe { map.assume_init() })
+}
+
+/// Launches the Hopper forward for `p` with `prm` (pointers set).
+///
+/// # Safety
+/// As [`super::launch::forward_device`]; [`forward_choice`] must have accepted `p`.
+pub(super) unsafe fn forward(dev: &Device, p: &Problem, s: cu::CUstream, prm: &FlashParams) -> Result<()> {
+    let d = &p.dims;
+    let v = super::launch::kernel_variant(dev, p, super::variant::Kernel::FwdSm90)?;
+    let f = device::function(dev, &v)?;
+    let (bm, bn) = (v.tiles.block_m, v.tiles.block_n);
+    let args = Sm90Params {
+        tq: tensor_map(prm.q, p.dtype, d.batch, d.seq_q, d.heads, d.head_dim, bm)?,
+        tk: tensor_map(prm.k, p.dtype, d.batch, d.seq_k, d.kv_heads, d.head_dim, bn)?,
+        tv: tensor_map(prm.v, p.dtype, d.batch, d.seq_k, d.kv_heads, d.head_dim, bn)?,
+        p: *prm,
+    };
+    let grid = (super::launch::grid_over(d.seq_q, bm), d.heads as u32, d.batch as u32);
+    super::trace::kernel("forward", &v);
+    // SAFETY: the caller's guarantees; the struct mirrors the kernel's parameter.
+    unsafe { device::launch("flash_fwd_sm90", f, grid, s, &args) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn params_struct_matches_the_kernel_layout() {
+        // Three 128-byte, 128-aligned tensor maps, then FlashParams (cuda/fwd_sm90.cu).
+        assert_eq!(std::mem::offset_of!(Sm90Params, p), 3 * 128);
+        assert_eq!(std::mem::align_of::<Sm90Params>(), 128);
+    }
+}
