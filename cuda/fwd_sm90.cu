@@ -4,15 +4,15 @@
 // Grid (ceil(Sq / BLOCK_M), H, B), NUM_WARPS = 4 * (1 + CONSUMERS) warps in warpgroups of 4:
 // - warpgroup 0, the producer, gives most of its registers away (setmaxnreg) and one thread issues
 //   the copies: the block's Q tile once, then the K and V tiles of every key tile the block visits
-//   into a ring of STAGES shared-memory stages, each completing on its own mbarrier (full), each
-//   stage reused once every consumer warp has released it (empty);
+//   into rings of STAGES shared-memory stages, each tile completing on its own mbarrier (full),
+//   each stage reused once every consumer warp has released it (empty);
 // - warpgroups 1..CONSUMERS each own 64 query rows (warp w of one: 16 rows, the mma.sync
 //   accumulator layout, so the masks and the online softmax are the other kernels'). Per key
 //   tile j: S_j = Q K_j^T (wgmma, both operands in shared memory) is issued together with
 //   O += P_{j-1} V_{j-1} (wgmma, P from registers), and the softmax of S_j runs while the second
 //   product is still on the tensor cores; O is rescaled once it has landed.
-//   With PINGPONG, the consumers take turns issuing their products (named barriers), so that one
-//   warpgroup's softmax overlaps the other's products; a consumer hands the turn over once its
+//   With PINGPONG, the consumers take turns issuing their products (named barriers, round robin),
+//   so that one warpgroup's softmax overlaps the others' products; a consumer hands the turn over once its
 //   S_j has landed (a barrier between a wgmma and its wait makes ptxas serialize them all).
 // Shared memory tiles are 64-column blocks of 128-byte rows with the 128-byte swizzle, the layout
 // the copy engine writes (CU_TENSOR_MAP_SWIZZLE_128B) and wgmma reads (desc_sw128). O and the LSE are
@@ -44,8 +44,8 @@
 #if FLASH_DTYPE == 2 || HEAD_DIM % 64 != 0 || NUM_WARPS % 4 != 0 || BLOCK_M != 64 * CONSUMERS || BLOCK_N % 16 != 0
 #error "fwd_sm90: fp16 / bf16, HEAD_DIM a multiple of 64, 64 query rows per consumer warpgroup, BLOCK_N % 16 == 0"
 #endif
-#if PINGPONG && CONSUMERS != 2
-#error "fwd_sm90: PINGPONG takes two consumer warpgroups"
+#if MODS
+#error "fwd_sm90: no score modifiers (the softmax step takes raw scores)"
 #endif
 
 // Bytes of one [rows][64] column block.
@@ -57,7 +57,7 @@ struct __align__(1024) Smem {
     elem_t q[COL_BLOCKS * BLOCK_M * 64];
     elem_t k[STAGES * COL_BLOCKS * BLOCK_N * 64];
     elem_t v[STAGES * COL_BLOCKS * BLOCK_N * 64];
-    u64 q_full, k_full[STAGES], v_full[STAGES], kv_empty[STAGES];
+    u64 q_full, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
 };
 // + 1024: the dynamic shared memory's start is rounded up to the swizzle's period.
 FLASH_EXPORT_SMEM(sizeof(Smem) + 1024)
@@ -69,33 +69,38 @@ struct Sm90Params {
 };
 
 #define TILE_BYTES(rows) (CB_BYTES(rows) * COL_BLOCKS)
-#define PINGPONG_BARRIER 1  // named barriers 1 and 2: consumer c waits on 1 + c for its turn
+#define PINGPONG_BARRIER 1  // named barriers 1 .. CONSUMERS: consumer c waits on 1 + c for its turn
 
 __device__ __forceinline__ u32 stage_of(int j) { return j % STAGES; }
 __device__ __forceinline__ u32 phase_of(int j) { return (j / STAGES) & 1; }
 
-// The producer's one thread: Q, then every key tile's K and V.
+// The producer's one thread: Q, then the K and V tiles in the order the consumers use them
+// (K_0, K_1, V_0, K_2, V_1, ...: P_{j-1} V_{j-1} is issued after S_j = Q K_j^T). A stage's K and V
+// are released separately (K once S_j has landed, V once P_j V_j has), so each load waits only for
+// the tile it replaces.
+__device__ __forceinline__ void load_kv(const TensorMap* map, u32 tiles, u32 full, u32 empty, int j, int n0, const QueryBlock& blk) {
+    const u32 s = stage_of(j);
+    if (j >= STAGES) mbar_wait(empty + 8 * s, phase_of(j) ^ 1);
+    mbar_expect_tx(full + 8 * s, TILE_BYTES(BLOCK_N));
+#pragma unroll
+    for (int cb = 0; cb < COL_BLOCKS; ++cb)
+        tma_load_4d(tiles + s * TILE_BYTES(BLOCK_N) + cb * CB_BYTES(BLOCK_N), map, cb * 64, blk.hkv, n0, blk.b, full + 8 * s);
+}
+
 __device__ __forceinline__ void produce(const Sm90Params& P, const QueryBlock& blk, Smem& smem) {
     const u32 q_full = smem_addr(&smem.q_full);
     mbar_expect_tx(q_full, TILE_BYTES(BLOCK_M));
 #pragma unroll
     for (int cb = 0; cb < COL_BLOCKS; ++cb)
         tma_load_4d(smem_addr(smem.q) + cb * CB_BYTES(BLOCK_M), &P.tq, cb * 64, blk.h, blk.m0, blk.b, q_full);
-    for (KeyWalk w = blk.key_walk(); w.more(); w.advance()) {
+    const u32 k_tiles = smem_addr(smem.k), k_full = smem_addr(smem.k_full), k_empty = smem_addr(smem.k_empty);
+    const u32 v_tiles = smem_addr(smem.v), v_full = smem_addr(smem.v_full), v_empty = smem_addr(smem.v_empty);
+    KeyWalk w = blk.key_walk();
+    if (w.more()) load_kv(&P.tk, k_tiles, k_full, k_empty, 0, w.n0(), blk);
+    for (; w.more(); w.advance()) {
         blk.look_ahead(w);
-        const u32 s = stage_of(w.j);
-        if (w.j >= STAGES) mbar_wait(smem_addr(&smem.kv_empty[s]), phase_of(w.j) ^ 1);
-        const u32 kf = smem_addr(&smem.k_full[s]), vf = smem_addr(&smem.v_full[s]);
-        const u32 k_dst = smem_addr(smem.k) + s * TILE_BYTES(BLOCK_N);
-        const u32 v_dst = smem_addr(smem.v) + s * TILE_BYTES(BLOCK_N);
-        mbar_expect_tx(kf, TILE_BYTES(BLOCK_N));
-#pragma unroll
-        for (int cb = 0; cb < COL_BLOCKS; ++cb)
-            tma_load_4d(k_dst + cb * CB_BYTES(BLOCK_N), &P.tk, cb * 64, blk.hkv, w.n0(), blk.b, kf);
-        mbar_expect_tx(vf, TILE_BYTES(BLOCK_N));
-#pragma unroll
-        for (int cb = 0; cb < COL_BLOCKS; ++cb)
-            tma_load_4d(v_dst + cb * CB_BYTES(BLOCK_N), &P.tv, cb * 64, blk.hkv, w.n0(), blk.b, vf);
+        if (w.has_next()) load_kv(&P.tk, k_tiles, k_full, k_empty, w.j + 1, w.next_n0(), blk);
+        load_kv(&P.tv, v_tiles, v_full, v_empty, w.j, w.n0(), blk);
     }
 }
 
@@ -134,7 +139,8 @@ __device__ __forceinline__ void pack_p(u32 (&pa)[BLOCK_N / 16][4], const float (
     }
 }
 
-// PINGPONG: consumer c waits for its turn to issue products, and hands the turn over after.
+// PINGPONG: consumer c waits for its turn to issue products, and hands the turn to the next one
+// (round robin) after.
 __device__ __forceinline__ void take_turn(int c) {
 #if PINGPONG
     named_sync(PINGPONG_BARRIER + c, 2 * 128);
@@ -142,7 +148,7 @@ __device__ __forceinline__ void take_turn(int c) {
 }
 __device__ __forceinline__ void pass_turn(int c) {
 #if PINGPONG
-    named_arrive(PINGPONG_BARRIER + (1 - c), 2 * 128);
+    named_arrive(PINGPONG_BARRIER + (c + 1) % CONSUMERS, 2 * 128);
 #endif
 }
 
@@ -161,19 +167,15 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
     zero(o);
     sm.init(blk.sink2(p));
 #if PINGPONG
-    if (c == 1) pass_turn(c);  // consumer 0 goes first
+    if (c == CONSUMERS - 1 && blk.key_walk().more()) pass_turn(c);  // consumer 0 goes first
 #endif
     mbar_wait(smem_addr(&smem.q_full), 0);
 
-    // Scales, masks and modifies S_j, and takes its softmax step (alpha: the rescale of O).
+    // Masks S_j and takes its softmax step, the scale folded into the exponent (alpha: the
+    // rescale of O). (No score modifiers here: they would need the scaled scores.)
     auto softmax_step = [&](const KeyWalk& w, float (&alpha)[2]) {
-#pragma unroll
-        for (int i = 0; i < BLOCK_N / 8; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[i][e] *= p.scale_log2;
         if (blk.tile_mask(w)) mask_tile<BLOCK_N / 8>(s, row0, w.n0(), vis);
-        modify_tile<BLOCK_N / 8>(s, row0, w.n0(), vis);
-        sm.step(s, alpha);
+        sm.step_scaled(s, p.scale_log2, alpha);
     };
 
     KeyWalk w = blk.key_walk();
@@ -193,15 +195,17 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
         if (pending) {
             wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
             pass_turn(c);     // (not before the wait: ptxas would serialize every wgmma)
+            if (lane == 0) mbar_arrive(smem_addr(&smem.k_empty[st]));
             fence_regs(s);
             softmax_step(w, alpha);
             wgmma_wait<0>();
             fence_regs(o);
-            if (lane == 0) mbar_arrive(smem_addr(&smem.kv_empty[prev]));
+            if (lane == 0) mbar_arrive(smem_addr(&smem.v_empty[prev]));
             OnlineSoftmax::rescale_rows(o, alpha);
         } else {
             wgmma_wait<0>();
             pass_turn(c);
+            if (lane == 0) mbar_arrive(smem_addr(&smem.k_empty[st]));
             fence_regs(s);
             softmax_step(w, alpha);
             OnlineSoftmax::rescale_rows(o, alpha);
@@ -217,16 +221,11 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
         wgmma_wait<0>();
         fence_regs(o);
 #if PINGPONG
-        // Consumer 1 has no turn left to take.
-        if (c == 0) pass_turn(c);
+        // The last consumer's turn would go to consumer 0, which has none left to take.
+        if (c != CONSUMERS - 1) pass_turn(c);
 #endif
-        if (lane == 0) mbar_arrive(smem_addr(&smem.kv_empty[prev]));
+        if (lane == 0) mbar_arrive(smem_addr(&smem.v_empty[prev]));
     }
-#if PINGPONG
-    else if (c == 0) {
-        pass_turn(c);  // keep the turns balanced: consumer 1 waits for one more
-    }
-#endif
 
     float inv[2], lse[2];
     sm.finish(inv, lse);
@@ -255,7 +254,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_fwd_sm90(cons
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(smem_addr(&smem.k_full[s]), 1);
             mbar_init(smem_addr(&smem.v_full[s]), 1);
-            mbar_init(smem_addr(&smem.kv_empty[s]), 4 * CONSUMERS);  // every consumer warp's lane 0
+            mbar_init(smem_addr(&smem.k_empty[s]), 4 * CONSUMERS);  // every consumer warp's lane 0
+            mbar_init(smem_addr(&smem.v_empty[s]), 4 * CONSUMERS);
         }
         mbar_fence_init();
     }

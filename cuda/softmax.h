@@ -33,12 +33,19 @@ struct OnlineSoftmax {
     // factor exp2(m_old - m_new) by which row r's output must be rescaled.
     template <int NT>
     __device__ __forceinline__ void step(float (&s)[NT][4], float (&alpha)[2]) {
+        step_scaled(s, 1.f, alpha);
+    }
+
+    // step on raw scores s (masked to -inf, not yet scaled): the scale (> 0) goes into the
+    // exponent's one FMA, exp2(scale * s - scale * max), instead of a multiply per score first.
+    template <int NT>
+    __device__ __forceinline__ void step_scaled(float (&s)[NT][4], float scale, float (&alpha)[2]) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float mx = m[r];
+            float mx = NEG_INF;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-            mx = quad_max(mx);
+            mx = fmaxf(m[r], quad_max(mx) * scale);
             // A row that has seen no visible key keeps max -inf; use 0 as its base so that
             // exp2(-inf - base) = 0 rather than NaN.
             const float base = (mx == NEG_INF) ? 0.f : mx;
@@ -47,8 +54,8 @@ struct OnlineSoftmax {
             float sum = 0.f;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                s[nt][2 * r] = fast_exp2(s[nt][2 * r] - base);
-                s[nt][2 * r + 1] = fast_exp2(s[nt][2 * r + 1] - base);
+                s[nt][2 * r] = fast_exp2(fmaf(s[nt][2 * r], scale, -base));
+                s[nt][2 * r + 1] = fast_exp2(fmaf(s[nt][2 * r + 1], scale, -base));
                 sum += s[nt][2 * r] + s[nt][2 * r + 1];
             }
             l[r] = l[r] * alpha[r] + sum;

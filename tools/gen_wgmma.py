@@ -7,7 +7,7 @@ operand lists (N / 2 registers) are too long to write by hand.
     python tools/gen_wgmma.py > cuda/wgmma.h
 """
 
-NS = [64, 128, 256]
+NS = [64, 80, 96, 128, 176, 192, 256]
 
 
 def regs(n, first):

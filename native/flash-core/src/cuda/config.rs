@@ -135,10 +135,15 @@ fn default_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize
     if kernel.is_elementwise() {
         return (8, 1, 8, 1, 1); // 8 warps, one row each
     }
-    // The Hopper forward: a producer warpgroup and two consumer warpgroups of 64 query rows each
-    // (ping-pong), K/V two stages deep (the 4th value is STAGES).
+    // The Hopper forward: a producer warpgroup and consumer warpgroups of 64 query rows each (taking
+    // turns): three at D = 64 (192 rows), two above; the 4th value is STAGES, the depth of the K
+    // and V rings (tools/sweep_sm90.py on an H100; bench/RESULTS.md).
     if kernel == Kernel::FwdSm90 {
-        return if d <= 128 { (128, 128, 12, 2, 1) } else { (128, 64, 12, 2, 1) };
+        return match d {
+            ..=64 => (192, 128, 16, 4, 1),
+            ..=128 => (128, 176, 12, 2, 1),
+            _ => (128, 80, 12, 2, 1),
+        };
     }
     // The atomic-dQ dK/dV kernel takes 128 keys per block on 8 warps (the deterministic one: 64 on
     // 4): half the dQ atomics per query, and 8 warps per SM at D = 128 where 4-warp blocks of
@@ -276,8 +281,8 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
             defines.push(("M_TILES", t.d_split as i64));
         }
         if kernel == Kernel::FwdSm90 {
-            // Two consumer warpgroups take turns issuing their products (cuda/fwd_sm90.cu).
-            defines.extend([("STAGES", t.d_split as i64), ("PINGPONG", (t.num_warps == 12) as i64)]);
+            // The consumer warpgroups take turns issuing their products (cuda/fwd_sm90.cu).
+            defines.extend([("STAGES", t.d_split as i64), ("PINGPONG", (t.num_warps >= 12) as i64)]);
         }
         defines.push(("MIN_BLOCKS", t.min_blocks as i64));
     }
