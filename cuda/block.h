@@ -106,7 +106,7 @@ struct QueryWalk {
 // It owns query rows [m0, m0 + BLOCK_M) of head h of batch b and reads keys [n_begin(), n_end())
 // of kv head hkv, tile by tile: first_tile(), next_tile(t), ... while t.n0 < n_end() (or with a
 // KeyWalk); MASKED blocks visit only the tiles some row sees (key_tile). Causal grids run the
-// heaviest blocks (the last rows) first. Offsets are computed where they are asked for, as the
+// heaviest blocks (the last rows) first. (A persistent kernel names its tile's block itself.) Offsets are computed where they are asked for, as the
 // kernels did before this struct (same code, same registers).
 struct QueryBlock {
     int b, h, hkv;       // batch, query head, its key/value head
@@ -121,10 +121,12 @@ struct QueryBlock {
     IdRange ids;         // segment ids of rows [m0, r_end)
 #endif
 
-    __device__ __forceinline__ explicit QueryBlock(const FlashParams& p) {
-        const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
-        h = blockIdx.y;
-        b = blockIdx.z;
+    __device__ __forceinline__ explicit QueryBlock(const FlashParams& p)
+        : QueryBlock(p, IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x, blockIdx.y, blockIdx.z) {}
+    // Query block m_block of head h of batch row b (a persistent grid's tile).
+    __device__ __forceinline__ QueryBlock(const FlashParams& p, int m_block, int h_, int b_) {
+        h = h_;
+        b = b_;
         hkv = h / GQA_GROUP;
         m0 = m_block * BLOCK_M;
 #if MASKED

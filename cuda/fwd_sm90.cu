@@ -1,9 +1,14 @@
 // fwd_sm90.cu — attention forward for Hopper (sm_90a, fp16 / bf16, D = 64, 128, 256): the tensor
 // copy engine, warpgroup MMA and warp specialisation.
 //
-// Grid (ceil(Sq / BLOCK_M), H, B), NUM_WARPS = 4 * (1 + CONSUMERS) warps in warpgroups of 4:
+// Block i takes the tiles (query block, head, batch row) i, i + gridDim.x, ... in the order of the
+// portable kernels' grid (query blocks fastest, heaviest first when causal): the host launches a
+// persistent grid (at most a block per SM, so that one tile's epilogue overlaps the next one's
+// first loads) or, causal, a block per tile (sm90.rs says why).
+// NUM_WARPS = 4 * (1 + CONSUMERS) warps in warpgroups of 4:
 // - warpgroup 0, the producer, gives most of its registers away (setmaxnreg) and one thread issues
-//   the copies: the block's Q tile once, then the K and V tiles of every key tile the block visits
+//   the copies: each tile's Q once (when the consumers are done with the last one), then the K and
+//   V tiles of every key tile the block visits
 //   into rings of STAGES shared-memory stages, each tile completing on its own mbarrier (full),
 //   each stage reused once every consumer warp has released it (empty);
 // - warpgroups 1..CONSUMERS each own 64 query rows (warp w of one: 16 rows, the mma.sync
@@ -17,7 +22,8 @@
 // Shared memory tiles are 64-column blocks of 128-byte rows with the 128-byte swizzle, the layout
 // the copy engine writes (CU_TENSOR_MAP_SWIZZLE_128B) and wgmma reads (desc_sw128). O and the LSE are
 // written as fwd.cu writes them. Causal grids run the heaviest blocks first; MASKED blocks visit
-// only the key tiles some row sees (block.h), the producer and the consumers walking the same tiles.
+// only the key tiles some row sees (block.h), the producer and the consumers walking the same tiles;
+// the K/V rings' positions run on across tiles.
 #include "hopper.h"
 #include "wgmma.h"
 #include "tile.h"
@@ -57,7 +63,7 @@ struct __align__(1024) Smem {
     elem_t q[COL_BLOCKS * BLOCK_M * 64];
     elem_t k[STAGES * COL_BLOCKS * BLOCK_N * 64];
     elem_t v[STAGES * COL_BLOCKS * BLOCK_N * 64];
-    u64 q_full, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
+    u64 q_full, q_empty, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
 };
 // + 1024: the dynamic shared memory's start is rounded up to the swizzle's period.
 FLASH_EXPORT_SMEM(sizeof(Smem) + 1024)
@@ -87,8 +93,24 @@ __device__ __forceinline__ void load_kv(const TensorMap* map, u32 tiles, u32 ful
         tma_load_4d(tiles + s * TILE_BYTES(BLOCK_N) + cb * CB_BYTES(BLOCK_N), map, cb * 64, blk.hkv, n0, blk.b, full + 8 * s);
 }
 
-__device__ __forceinline__ void produce(const Sm90Params& P, const QueryBlock& blk, Smem& smem) {
+// The tiles of the persistent grid: (query block, head, batch row), query blocks fastest.
+struct TileSchedule {
+    int m_blocks, total;
+    __device__ __forceinline__ explicit TileSchedule(const FlashParams& p) {
+        m_blocks = (p.seqlen_q + BLOCK_M - 1) / BLOCK_M;
+        total = m_blocks * p.heads * p.batch;
+    }
+    __device__ __forceinline__ QueryBlock block(const FlashParams& p, int t) const {
+        const int m = t % m_blocks, hb = t / m_blocks;
+        return QueryBlock(p, IS_CAUSAL ? m_blocks - 1 - m : m, hb % p.heads, hb / p.heads);
+    }
+};
+
+// One tile's loads; `done`: the key tiles loaded for earlier tiles (the rings' position), `i`:
+// the tiles before this one. Returns this tile's key tiles.
+__device__ __forceinline__ int produce_tile(const Sm90Params& P, const QueryBlock& blk, Smem& smem, int done, int i) {
     const u32 q_full = smem_addr(&smem.q_full);
+    if (i > 0) mbar_wait(smem_addr(&smem.q_empty), (i - 1) & 1);
     mbar_expect_tx(q_full, TILE_BYTES(BLOCK_M));
 #pragma unroll
     for (int cb = 0; cb < COL_BLOCKS; ++cb)
@@ -96,12 +118,13 @@ __device__ __forceinline__ void produce(const Sm90Params& P, const QueryBlock& b
     const u32 k_tiles = smem_addr(smem.k), k_full = smem_addr(smem.k_full), k_empty = smem_addr(smem.k_empty);
     const u32 v_tiles = smem_addr(smem.v), v_full = smem_addr(smem.v_full), v_empty = smem_addr(smem.v_empty);
     KeyWalk w = blk.key_walk();
-    if (w.more()) load_kv(&P.tk, k_tiles, k_full, k_empty, 0, w.n0(), blk);
+    if (w.more()) load_kv(&P.tk, k_tiles, k_full, k_empty, done, w.n0(), blk);
     for (; w.more(); w.advance()) {
         blk.look_ahead(w);
-        if (w.has_next()) load_kv(&P.tk, k_tiles, k_full, k_empty, w.j + 1, w.next_n0(), blk);
-        load_kv(&P.tv, v_tiles, v_full, v_empty, w.j, w.n0(), blk);
+        if (w.has_next()) load_kv(&P.tk, k_tiles, k_full, k_empty, done + w.j + 1, w.next_n0(), blk);
+        load_kv(&P.tv, v_tiles, v_full, v_empty, done + w.j, w.n0(), blk);
     }
+    return w.j;
 }
 
 // S = Q K^T for the warpgroup's 64 rows (q_rows: their first row in each Q column block) against the
@@ -152,8 +175,9 @@ __device__ __forceinline__ void pass_turn(int c) {
 #endif
 }
 
-// A consumer warpgroup (c = 0 .. CONSUMERS-1): rows m0 + 64 c .. of the block.
-__device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& blk, Smem& smem, int c) {
+// A consumer warpgroup (c = 0 .. CONSUMERS-1) on one tile: rows m0 + 64 c .. of the block; `done`
+// and `i` as in produce_tile. Returns the tile's key tiles.
+__device__ __forceinline__ int consume_tile(const FlashParams& p, const QueryBlock& blk, Smem& smem, int c, int done, int i) {
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int row0 = blk.m0 + 64 * c + 16 * warp;  // this warp's 16 rows
     const u32 q_rows = smem_addr(smem.q) + 64 * c * 128;
@@ -166,10 +190,7 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
     OnlineSoftmax sm;
     zero(o);
     sm.init(blk.sink2(p));
-#if PINGPONG
-    if (c == CONSUMERS - 1 && blk.key_walk().more()) pass_turn(c);  // consumer 0 goes first
-#endif
-    mbar_wait(smem_addr(&smem.q_full), 0);
+    mbar_wait(smem_addr(&smem.q_full), i & 1);
 
     // Masks S_j and takes its softmax step, the scale folded into the exponent (alpha: the
     // rescale of O). (No score modifiers here: they would need the scaled scores.)
@@ -183,12 +204,12 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
     bool pending = false;
     for (; w.more(); w.advance()) {
         blk.look_ahead(w);
-        const u32 st = stage_of(w.j);
-        mbar_wait(smem_addr(&smem.k_full[st]), phase_of(w.j));
+        const u32 st = stage_of(done + w.j);
+        mbar_wait(smem_addr(&smem.k_full[st]), phase_of(done + w.j));
         take_turn(c);
         issue_qk(s, q_rows, k_base + st * TILE_BYTES(BLOCK_N));
         if (pending) {
-            mbar_wait(smem_addr(&smem.v_full[prev]), phase_of(w.j - 1));
+            mbar_wait(smem_addr(&smem.v_full[prev]), phase_of(done + w.j - 1));
             issue_pv(o, pa, v_base + prev * TILE_BYTES(BLOCK_N));
         }
         float alpha[2];
@@ -214,16 +235,14 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
         prev = st;
         pending = true;
     }
+    if (lane == 0) mbar_arrive(smem_addr(&smem.q_empty));  // every S of the tile has landed
     if (pending) {
         take_turn(c);
-        mbar_wait(smem_addr(&smem.v_full[prev]), phase_of(w.j - 1));
+        mbar_wait(smem_addr(&smem.v_full[prev]), phase_of(done + w.j - 1));
         issue_pv(o, pa, v_base + prev * TILE_BYTES(BLOCK_N));
         wgmma_wait<0>();
         fence_regs(o);
-#if PINGPONG
-        // The last consumer's turn would go to consumer 0, which has none left to take.
-        if (c != CONSUMERS - 1) pass_turn(c);
-#endif
+        pass_turn(c);
         if (lane == 0) mbar_arrive(smem_addr(&smem.v_empty[prev]));
     }
 
@@ -236,35 +255,54 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
         if (row0 + g < blk.Sq) out_lse[row0 + g] = lse[0];
         if (row0 + g + 8 < blk.Sq) out_lse[row0 + g + 8] = lse[1];
     }
+    return w.j;
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_fwd_sm90(const __grid_constant__ Sm90Params P) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     Smem& smem = *reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
     const FlashParams& p = P.p;
-    const QueryBlock blk(p);
-    if (blk.empty()) return;
+    const TileSchedule tiles(p);
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         tma_prefetch_map(&P.tq);
         tma_prefetch_map(&P.tk);
         tma_prefetch_map(&P.tv);
         mbar_init(smem_addr(&smem.q_full), 1);
+        mbar_init(smem_addr(&smem.q_empty), 4 * CONSUMERS);  // every consumer warp's lane 0
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(smem_addr(&smem.k_full[s]), 1);
             mbar_init(smem_addr(&smem.v_full[s]), 1);
-            mbar_init(smem_addr(&smem.k_empty[s]), 4 * CONSUMERS);  // every consumer warp's lane 0
+            mbar_init(smem_addr(&smem.k_empty[s]), 4 * CONSUMERS);
             mbar_init(smem_addr(&smem.v_empty[s]), 4 * CONSUMERS);
         }
         mbar_fence_init();
     }
     __syncthreads();
+    int done = 0, i = 0;  // key tiles and tiles this block has walked
     if (wg == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();
-        if (threadIdx.x == 0) produce(P, blk, smem);
+        if (threadIdx.x == 0) {
+            for (int t = blockIdx.x; t < tiles.total; t += gridDim.x) {
+                const QueryBlock blk = tiles.block(p, t);
+                if (blk.empty()) continue;
+                done += produce_tile(P, blk, smem, done, i++);
+            }
+        }
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();
-        consume(p, blk, smem, wg - 1);
+        const int c = wg - 1;
+#if PINGPONG
+        if (c == CONSUMERS - 1) pass_turn(c);  // consumer 0 goes first
+#endif
+        for (int t = blockIdx.x; t < tiles.total; t += gridDim.x) {
+            const QueryBlock blk = tiles.block(p, t);
+            if (blk.empty()) continue;
+            done += consume_tile(p, blk, smem, c, done, i++);
+        }
+#if PINGPONG
+        if (c == 0) take_turn(c);  // the last consumer's last pass: every turn taken
+#endif
     }
 }

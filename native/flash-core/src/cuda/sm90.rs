@@ -113,7 +113,16 @@ pub(super) unsafe fn forward(dev: &Device, p: &Problem, s: cu::CUstream, prm: &F
         tv: tensor_map(prm.v, p.dtype, d.batch, d.seq_k, d.kv_heads, d.head_dim, bn)?,
         p: *prm,
     };
-    let grid = (super::launch::grid_over(d.seq_q, bm), d.heads as u32, d.batch as u32);
+    // Non-causal: persistent, a block per SM at most, each walking tiles (query block, head, batch
+    // row) with a fixed stride. Causal tiles differ in work, which a fixed stride would share out
+    // unevenly (measured 0.57-0.77x cuDNN against 0.76-1.05x): a block per tile, heaviest first,
+    // which the hardware hands to SMs as they free up.
+    let tiles = d.seq_q.div_ceil(bm) * d.heads * d.batch;
+    if tiles > i32::MAX as usize {
+        return Err(FlashError::Unsupported(format!("{tiles} query tiles exceed the Hopper forward's limit")));
+    }
+    let blocks = if p.causal { tiles } else { tiles.min(dev.sm_count.max(1) as usize) };
+    let grid = (blocks as u32, 1, 1);
     super::trace::kernel("forward", &v);
     // SAFETY: the caller's guarantees; the struct mirrors the kernel's parameter.
     unsafe { device::launch("flash_fwd_sm90", f, grid, s, &args) }
