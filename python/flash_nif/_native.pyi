@@ -110,6 +110,7 @@ def cuda_info(device: int = 0) -> dict[str, Any]: ...
 
 # --- the launcher's kernel table and compile check (no GPU); see flash_nif/kernels.py -----------
 
+def cuda_sm90_kernels() -> list[str]: ...
 def cuda_kernel_variants(head_dims: list[int]) -> list[dict[str, Any]]:
     """Every variant the launcher can use for these head dims: name, kernel, dtype, head_dim, source,
     entry, defines (dict, in order), block_m, block_n, num_warps, tile_set ("default" / "small")."""

@@ -35,6 +35,9 @@ CHECK_HEAD_DIMS = (8, 40, 64, 72, 128, 136, 256)
 MAX_SMEM_DEFAULT = 227 * 1024
 MAX_SMEM_ANY = 99 * 1024
 
+# Kernels only sm_90a runs (compiled for it alone; their shared memory need only fit a Hopper GPU).
+SM90_KERNELS = frozenset(_native.cuda_sm90_kernels())
+
 # The head dim of a kernel that takes it at run time (rotary): every check lists it, whatever head dims.
 ANY_HEAD_DIM = 0
 
@@ -71,14 +74,14 @@ def fit_errors(rows) -> list[str]:
     """Shared-memory rules of compiled variants (rows with kernel, dtype, head_dim, defines,
     tile_set, smem_bytes and optionally arch): the default tiles fit MAX_SMEM_DEFAULT, and each
     launch's last candidate (its small tiles, or the default when there are none) MAX_SMEM_ANY, on
-    the archs that launch small tiles (see launched_tile_sets)."""
+    the archs that launch small tiles (see launched_tile_sets), the sm_90a-only kernels aside."""
     last = {}
     errors = []
     for r in rows:
         if r["tile_set"] == "default" and r["smem_bytes"] > MAX_SMEM_DEFAULT:
             errors.append(f"{r['name']} ({r.get('arch', '')}) needs {r['smem_bytes']} bytes > {MAX_SMEM_DEFAULT}")
         key = (r["kernel"], r["dtype"], r["head_dim"], r["defines"].get("IS_CAUSAL"), r["defines"].get("MASKED"), r.get("arch"))
-        if "small" not in launched_tile_sets(r.get("arch", "")):
+        if "small" not in launched_tile_sets(r.get("arch", "")) or r["kernel"] in SM90_KERNELS:
             continue
         if key not in last or r["tile_set"] == "small":
             last[key] = r

@@ -114,8 +114,16 @@ fn cuda_set_tile_override(
     Ok(cuda::set_tile_override(Kernel::parse(kernel)?, DType::parse(dtype, "dtype")?, head_dim, tiles)?)
 }
 
+/// The kernels only sm_90a (Hopper) runs, by name (the compile check builds them for sm_90a alone,
+/// and their shared memory need only fit a Hopper GPU).
+#[pyfunction]
+fn cuda_sm90_kernels() -> Vec<&'static str> {
+    Kernel::ALL.into_iter().filter(|k| k.is_sm90()).map(|k| k.name()).collect()
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     for f in [
+        wrap_pyfunction!(cuda_sm90_kernels, m)?,
         wrap_pyfunction!(cuda_kernel_variants, m)?,
         wrap_pyfunction!(cuda_compile_report, m)?,
         wrap_pyfunction!(cuda_nvrtc, m)?,
