@@ -9,6 +9,7 @@ use cudarc::driver::sys as cu;
 
 use super::device::{self, Device};
 use super::launch::FlashParams;
+use super::variant::Kernel;
 use crate::dtype::DType;
 use crate::error::{FlashError, Result};
 use crate::problem::Problem;
@@ -48,7 +49,11 @@ pub fn forward_choice(dev: &Device, p: &Problem, ptrs: [u64; 3]) -> std::result:
     if ptrs.iter().any(|x| x % 16 != 0) {
         return Err("q, k and v must be 16-byte aligned for the tensor copy engine".into());
     }
-    Ok(())
+    // A GPU (or FLASH_NIF_MAX_SMEM) that gives a block less shared memory than the kernel needs.
+    match super::launch::kernel_variant(dev, p, Kernel::FwdSm90) {
+        Err(FlashError::Unsupported(why)) => Err(why),
+        _ => Ok(()), // a compile error surfaces from the launch itself
+    }
 }
 
 /// The kernel parameter of cuda/fwd_sm90.cu: the tensor maps of q, k, v, then the params.
@@ -104,7 +109,7 @@ fn tensor_map(ptr: u64, dtype: DType, batch: usize, rows: usize, heads: usize, d
 /// As [`super::launch::forward_device`]; [`forward_choice`] must have accepted `p`.
 pub(super) unsafe fn forward(dev: &Device, p: &Problem, s: cu::CUstream, prm: &FlashParams) -> Result<()> {
     let d = &p.dims;
-    let v = super::launch::kernel_variant(dev, p, super::variant::Kernel::FwdSm90)?;
+    let v = super::launch::kernel_variant(dev, p, Kernel::FwdSm90)?;
     let f = device::function(dev, &v)?;
     let (bm, bn) = (v.tiles.block_m, v.tiles.block_n);
     let args = Sm90Params {
