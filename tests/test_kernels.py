@@ -107,3 +107,13 @@ def test_tools_parse():
     assert tools
     for path in tools:
         ast.parse(path.read_text(), str(path))
+
+
+def test_sm90_warnings_are_failures():
+    """ptxas's serialized-wgmma and ignored-setmaxnreg warnings fail the sm_90a-only kernels only."""
+    log = ("ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized\n"
+           "ptxas info    : Used 168 registers")
+    sm90 = next(iter(kernels.SM90_KERNELS))
+    assert len(kernels.sm90_warnings({"kernel": sm90, "log": log})) == 1
+    assert kernels.sm90_warnings({"kernel": sm90, "log": "ptxas info    : Used 168 registers"}) == []
+    assert kernels.sm90_warnings({"kernel": "fwd", "log": log}) == []

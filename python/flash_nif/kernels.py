@@ -4,7 +4,8 @@
 library can launch with NVRTC (the system's, or pip's ``nvidia-cuda-nvrtc``), from the sources
 embedded in the extension, on all cores and through the launcher's disk cache (``--fresh`` skips
 it); prints registers, spill bytes, stack and the shared memory each kernel declares; and exits 1
-on a compile error, a spill, or shared memory that fits no GPU it is meant for.
+on a compile error, a spill, shared memory that fits no GPU it is meant for, or (sm_90a-only
+kernels) a ptxas warning that wgmma was serialized or setmaxnreg ignored.
 
 The variant table is the launcher's (``_native.cuda_kernel_variants``, from config.rs). The golden
 snapshot ``tests/golden/kernel_variants.json`` pins it, with each kernel's shared memory; after an
@@ -68,6 +69,15 @@ def compile_report(archs, head_dims=CHECK_HEAD_DIMS, jobs=None, fresh=False, mas
         groups.setdefault((tuple(launched_tile_sets(a)), masked), []).append(a)
     return [r for (sets, masked), group in groups.items()
             for r in _native.cuda_compile_report(group, list(head_dims), jobs, fresh, list(sets), masked)]
+
+
+def sm90_warnings(report: dict) -> list[str]:
+    """ptxas's warnings that an sm_90a-only kernel lost what it is for: wgmma serialized (C7510-C7515:
+    "Potential Performance Loss"), or setmaxnreg ignored (C7508)."""
+    if report["kernel"] not in SM90_KERNELS:
+        return []
+    return [line.split("ptxas info    : ")[-1].strip() for line in report.get("log", "").splitlines()
+            if "Potential Performance Loss" in line or "C7508" in line]
 
 
 def fit_errors(rows) -> list[str]:
@@ -162,6 +172,9 @@ def main(argv=None) -> int:
         if r["spill_bytes"] > 0:
             failures.append(f"{r['name']} ({r['arch']}) spills {r['spill_bytes']} bytes")
             flag = "  <- SPILL"
+        for warning in sm90_warnings(r):
+            failures.append(f"{r['name']} ({r['arch']}): {warning}")
+            flag = "  <- " + warning.split(":")[0]
         print(f"{r['name']:72s} {r['arch']:7s} {r['registers']:4d} {r['spill_bytes']:5d} {r['stack_bytes']:5d} "
               f"{r['smem_bytes']:7d}{flag}")
         if args.verbose:
