@@ -5,6 +5,15 @@ defmodule FlashNif.BackendInfoTest do
 
   alias ExPhil.Native.FlashAttention, as: FA
 
+  test "info/0 names the GPU kernels last run per pass (nil before any)" do
+    {:ok, %{last_kernels: %{forward: fwd, backward: bwd}}} = FA.info()
+
+    for k <- [fwd, bwd] do
+      assert Map.keys(k) |> Enum.sort() == [:kernel, :not_sm90_because]
+      assert is_nil(k.kernel) or is_binary(k.kernel)
+    end
+  end
+
   test "cuda_available?/0 is a boolean that agrees with info/0" do
     {:ok, %{backends: backends}} = FA.info()
     assert FA.cuda_available?() == :cuda in backends

@@ -117,8 +117,11 @@ defmodule FlashNif.CudaTest do
     {:ok, dq, dk, dv} = FA.backward(d_out, q, k, v, o, lse, device: :cuda)
     {:ok, adq, adk, adv} = FA.backward(d_out, q, k, v, o, lse, device: :auto)
     for {a, g} <- [{adq, dq}, {adk, dk}, {adv, dv}], do: assert(Numeric.rel_err(a, g) <= 1.0e-6)
-    assert {:ok, %{backends: backends}} = FA.info()
+    assert {:ok, %{backends: backends, last_kernels: last}} = FA.info()
     assert :cuda in backends
+    # f32 never runs the Hopper kernel: the portable one, and why.
+    assert last.forward.kernel =~ ~r/^fwd_f32_d64/
+    assert last.forward.not_sm90_because =~ ~r/float32|9\.0/
   end
 
   test "deterministic: true repeats the GPU backward bit for bit; the default is within rounding" do

@@ -20,7 +20,7 @@ use tensor::{HostTensor, IndexTensor, Output};
 /// The contract between this library and the Elixir stubs (function set and term formats).
 /// Bump it on any change: the Elixir side refuses a library that reports another number,
 /// which is how a stale build in `priv/` is detected.
-const NIF_API: u32 = 4;
+const NIF_API: u32 = 5;
 
 rustler::init!("Elixir.ExPhil.Native.FlashAttention.Nif");
 
@@ -30,7 +30,9 @@ fn nif_api(env: Env) -> Term {
     (NIF_API, flash_core::VERSION).encode(env)
 }
 
-/// `{:ok, version, backends}`; may probe for a CUDA driver, hence a dirty I/O scheduler.
+/// `{:ok, version, backends, last_kernels}`, last_kernels `[{pass, kernel | nil, not_sm90_because
+/// | nil}]` for "forward" and "backward" (the GPU kernels this process last ran); may probe for a
+/// CUDA driver, hence a dirty I/O scheduler.
 #[rustler::nif(schedule = "DirtyIo")]
 fn info(env: Env) -> Term {
     guard(env, || {
@@ -38,7 +40,12 @@ fn info(env: Env) -> Term {
         if flash_core::cuda_available() {
             backends.push("cuda");
         }
-        Ok(vec![flash_core::VERSION.encode(env), backends.encode(env)])
+        let last = flash_core::cuda::last_kernels();
+        let kernels: Vec<(&str, Option<String>, Option<String>)> = [("forward", last.forward), ("backward", last.backward)]
+            .into_iter()
+            .map(|(pass, ran)| (pass, ran.kernel, ran.fallback))
+            .collect();
+        Ok(vec![flash_core::VERSION.encode(env), backends.encode(env), kernels.encode(env)])
     })
 }
 

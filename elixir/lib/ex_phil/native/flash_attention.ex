@@ -386,12 +386,21 @@ defmodule ExPhil.Native.FlashAttention do
     do: d_out |> varlen_backward(q, k, v, output, logsumexp, cu_seqlens_q, cu_seqlens_k, opts) |> unwrap!()
 
   @doc """
-  What the native library offers: `{:ok, %{version: String.t, backends: [:cpu | :cuda]}}`.
+  What the native library offers: `{:ok, %{version: String.t, backends: [:cpu | :cuda],
+  last_kernels: %{forward: k, backward: k}}}`, where `k` is `%{kernel: name | nil,
+  not_sm90_because: reason | nil}`: the GPU kernel this VM last ran for that pass and, when it was
+  not the Hopper kernel, why (`FLASH_NIF_SM90=0`, a mask, a head dim, ...). `FLASH_NIF_LOG=1`
+  prints the same per call on stderr.
   """
-  @spec info() :: {:ok, %{version: String.t(), backends: [atom]}} | {:error, reason}
+  @spec info() :: {:ok, %{version: String.t(), backends: [atom], last_kernels: map}} | {:error, reason}
   def info do
-    with :ok <- loaded(), {:ok, version, backends} <- Nif.info() do
-      {:ok, %{version: version, backends: Enum.map(backends, &String.to_atom/1)}}
+    with :ok <- loaded(), {:ok, version, backends, kernels} <- Nif.info() do
+      last =
+        Map.new(kernels, fn {pass, kernel, why} ->
+          {String.to_atom(pass), %{kernel: kernel, not_sm90_because: why}}
+        end)
+
+      {:ok, %{version: version, backends: Enum.map(backends, &String.to_atom/1), last_kernels: last}}
     end
   end
 
