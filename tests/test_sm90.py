@@ -48,13 +48,15 @@ def forward_poisoned(fa, q, k, v, causal):
 
 
 # (B, Sq, Sk, H, Hkv, D): ragged tiles, GQA / MQA, decode, Sq > Sk (causal rows that see
-# nothing), several key tiles, each head dim.
+# nothing), several key tiles, more tiles than blocks, each head dim.
 SHAPES = [
     pytest.param((2, 300, 300, 4, 2, 64), id="s300-gqa-d64"),
     pytest.param((1, 129, 257, 3, 3, 64), id="sq129<sk257-d64"),
     pytest.param((1, 1, 1000, 4, 1, 128), id="decode-mqa-d128"),
     pytest.param((1, 513, 200, 2, 2, 128), id="sq513>sk200-d128"),
     pytest.param((2, 1024, 1024, 2, 1, 128), id="s1024-gqa-d128"),
+    # 192 tiles of 128 rows: more than an H100's 132 blocks, so persistent blocks take several.
+    pytest.param((2, 1024, 1024, 12, 4, 128), id="persistent-s1024-gqa-d128"),
     pytest.param((1, 200, 513, 2, 1, 256), id="sq200<sk513-d256"),
     pytest.param((1, 384, 384, 2, 2, 256), id="s384-d256"),
 ]
