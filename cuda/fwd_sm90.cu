@@ -6,8 +6,8 @@
 // persistent grid (at most a block per SM, so that one tile's epilogue overlaps the next one's
 // first loads) or, causal, a block per tile (sm90.rs says why).
 // NUM_WARPS = 4 * (1 + CONSUMERS) warps in warpgroups of 4:
-// - warpgroup 0, the producer, gives most of its registers away (setmaxnreg) and one thread issues
-//   the copies: each tile's Q once (when the consumers are done with the last one), then the K and
+// - warpgroup 0, the producer, gives most of its registers away (setmaxnreg); its first warp walks
+//   the tiles and one thread issues the copies: each tile's Q once (when the consumers are done with the last one), then the K and
 //   V tiles of every key tile the block visits
 //   into rings of STAGES shared-memory stages, each tile completing on its own mbarrier (full),
 //   each stage reused once every consumer warp has released it (empty);
@@ -23,7 +23,9 @@
 // the copy engine writes (CU_TENSOR_MAP_SWIZZLE_128B) and wgmma reads (desc_sw128). O and the LSE are
 // written as fwd.cu writes them. Causal grids run the heaviest blocks first; MASKED blocks visit
 // only the key tiles some row sees (block.h), the producer and the consumers walking the same tiles;
-// the K/V rings' positions run on across tiles.
+// the K/V rings' positions run on across tiles. MASKED kernels take every mask but varlen batches
+// (their rows are batch-local: q_start = b Sq, k_start = b Sk, which the 4-d tensor maps address),
+// and with MODS the score modifiers.
 #include "hopper.h"
 #include "wgmma.h"
 #include "tile.h"
@@ -49,9 +51,6 @@
 #endif
 #if FLASH_DTYPE == 2 || HEAD_DIM % 64 != 0 || NUM_WARPS % 4 != 0 || BLOCK_M != 64 * CONSUMERS || BLOCK_N % 16 != 0
 #error "fwd_sm90: fp16 / bf16, HEAD_DIM a multiple of 64, 64 query rows per consumer warpgroup, BLOCK_N % 16 == 0"
-#endif
-#if MODS
-#error "fwd_sm90: no score modifiers (the softmax step takes raw scores)"
 #endif
 
 // Bytes of one [rows][64] column block.
@@ -80,13 +79,17 @@ struct Sm90Params {
 __device__ __forceinline__ u32 stage_of(int j) { return j % STAGES; }
 __device__ __forceinline__ u32 phase_of(int j) { return (j / STAGES) & 1; }
 
-// The producer's one thread: Q, then the K and V tiles in the order the consumers use them
+// The producer: Q, then the K and V tiles in the order the consumers use them
 // (K_0, K_1, V_0, K_2, V_1, ...: P_{j-1} V_{j-1} is issued after S_j = Q K_j^T). A stage's K and V
 // are released separately (K once S_j has landed, V once P_j V_j has), so each load waits only for
 // the tile it replaces.
+// The producer is one warp (the MASKED tile walk's skip probes are warp-wide); its lane 0 issues.
+__device__ __forceinline__ bool producer_leader() { return threadIdx.x % 32 == 0; }
+
 __device__ __forceinline__ void load_kv(const TensorMap* map, u32 tiles, u32 full, u32 empty, int j, int n0, const QueryBlock& blk) {
     const u32 s = stage_of(j);
     if (j >= STAGES) mbar_wait(empty + 8 * s, phase_of(j) ^ 1);
+    if (!producer_leader()) return;
     mbar_expect_tx(full + 8 * s, TILE_BYTES(BLOCK_N));
 #pragma unroll
     for (int cb = 0; cb < COL_BLOCKS; ++cb)
@@ -111,10 +114,12 @@ struct TileSchedule {
 __device__ __forceinline__ int produce_tile(const Sm90Params& P, const QueryBlock& blk, Smem& smem, int done, int i) {
     const u32 q_full = smem_addr(&smem.q_full);
     if (i > 0) mbar_wait(smem_addr(&smem.q_empty), (i - 1) & 1);
-    mbar_expect_tx(q_full, TILE_BYTES(BLOCK_M));
+    if (producer_leader()) {
+        mbar_expect_tx(q_full, TILE_BYTES(BLOCK_M));
 #pragma unroll
-    for (int cb = 0; cb < COL_BLOCKS; ++cb)
-        tma_load_4d(smem_addr(smem.q) + cb * CB_BYTES(BLOCK_M), &P.tq, cb * 64, blk.h, blk.m0, blk.b, q_full);
+        for (int cb = 0; cb < COL_BLOCKS; ++cb)
+            tma_load_4d(smem_addr(smem.q) + cb * CB_BYTES(BLOCK_M), &P.tq, cb * 64, blk.h, blk.m0, blk.b, q_full);
+    }
     const u32 k_tiles = smem_addr(smem.k), k_full = smem_addr(smem.k_full), k_empty = smem_addr(smem.k_empty);
     const u32 v_tiles = smem_addr(smem.v), v_full = smem_addr(smem.v_full), v_empty = smem_addr(smem.v_empty);
     KeyWalk w = blk.key_walk();
@@ -192,11 +197,21 @@ __device__ __forceinline__ int consume_tile(const FlashParams& p, const QueryBlo
     sm.init(blk.sink2(p));
     mbar_wait(smem_addr(&smem.q_full), i & 1);
 
-    // Masks S_j and takes its softmax step, the scale folded into the exponent (alpha: the
-    // rescale of O). (No score modifiers here: they would need the scaled scores.)
+    // Masks S_j and takes its softmax step (alpha: the rescale of O): the scale folded into the
+    // exponent, or with score modifiers (which take scaled scores) applied first.
     auto softmax_step = [&](const KeyWalk& w, float (&alpha)[2]) {
+#if MODS
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[i][e] *= p.scale_log2;
+        if (blk.tile_mask(w)) mask_tile<BLOCK_N / 8>(s, row0, w.n0(), vis);
+        modify_tile<BLOCK_N / 8>(s, row0, w.n0(), vis);
+        sm.step(s, alpha);
+#else
         if (blk.tile_mask(w)) mask_tile<BLOCK_N / 8>(s, row0, w.n0(), vis);
         sm.step_scaled(s, p.scale_log2, alpha);
+#endif
     };
 
     KeyWalk w = blk.key_walk();
@@ -283,7 +298,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_fwd_sm90(cons
     int done = 0, i = 0;  // key tiles and tiles this block has walked
     if (wg == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();
-        if (threadIdx.x == 0) {
+        if (threadIdx.x < 32) {
             for (int t = blockIdx.x; t < tiles.total; t += gridDim.x) {
                 const QueryBlock blk = tiles.block(p, t);
                 if (blk.empty()) continue;

@@ -1,7 +1,7 @@
 """The Hopper forward (cuda/fwd_sm90.cu) against the float64 oracle, and its dispatch (marked ``gpu``).
 
-On a GPU of compute capability 9.0 the forward of fp16 / bf16 at D = 64, 128 and 256, plain or
-causal, runs the sm90 kernel; ``FLASH_NIF_SM90=0`` (read per call) forces the portable kernels;
+On a GPU of compute capability 9.0 the forward of fp16 / bf16 at D = 64, 128 and 256, with any mask
+but varlen batches and any score modifier, runs the sm90 kernel; ``FLASH_NIF_SM90=0`` (read per call) forces the portable kernels;
 anything the sm90 kernel does not take falls back to them and ``info()["cuda"]["last_kernels"]``
 says which kernel ran and why. Outputs are poisoned with NaN before each run. On other GPUs the
 accuracy cases still run (on the portable kernels) and the dispatch checks skip.
@@ -103,16 +103,58 @@ def test_hopper_kernel_runs_and_the_env_switches_it_off(hopper, make_inputs, mon
     assert torch.allclose(lse1, lse2, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("what, opts, d, dtype_name, why", [
-    ("a window", {"window": (16, 0)}, 128, "bf16", "masks"),
-    ("softcap", {"softcap": 30.0}, 64, "f16", "modifiers"),
-    ("D = 96", {}, 96, "bf16", "head dim 96"),
-    ("float32", {}, 128, "f32", "float32"),
-])
-def test_what_it_cannot_take_falls_back_and_says_why(hopper, make_inputs, what, opts, d, dtype_name, why):
-    q, k, v = (to_gpu("torch", x) for x in make_inputs(0, 1, 64, 64, 2, 2, d, DTYPES[dtype_name])[:3])
-    o, _ = hopper.forward_with_states(q, k, v, **opts)
-    assert not torch.isnan(o).any()
-    ran = last_forward(hopper)
-    assert not ran["kernel"].startswith("fwd_sm90"), (what, ran)
-    assert why in ran["not_sm90_because"], (what, ran)
+def test_what_it_cannot_take_falls_back_and_says_why(hopper, make_inputs):
+    for what, d, dtype_name, why in (("varlen", 128, "bf16", "varlen"), ("D = 96", 96, "bf16", "head dim 96"),
+                                     ("float32", 128, "f32", "float32")):
+        q, k, v = (to_gpu("torch", x) for x in make_inputs(0, 1, 64, 64, 2, 2, d, DTYPES[dtype_name])[:3])
+        if what == "varlen":
+            cu = torch.tensor([0, 20, 64], dtype=torch.int32, device="cuda")
+            o, _ = hopper.varlen.forward_with_states(q[0], k[0], v[0], cu, cu, causal=True)
+        else:
+            o, _ = hopper.forward_with_states(q, k, v)
+        assert not torch.isnan(o).any()
+        ran = last_forward(hopper)
+        assert not ran["kernel"].startswith("fwd_sm90"), (what, ran)
+        assert why in ran["not_sm90_because"], (what, ran)
+
+
+# Masks (test_masks.py's cases at the sm90 head dims) and score modifiers, through NumPy arrays
+# with device="cuda". On compute capability 9.0 they run the sm90 kernel's MASKED variants.
+MASK_CASES = ["window", "segments-sq-ne-sk", "seqused-leftpad", "block", "all-causal-gqa", "all-noncausal",
+              "sees-nothing", "s1000-window"]
+
+
+def check_host_call(fa, ref, assert_close_to_oracle, record_error, q, k, v, causal, ctx, **opts):
+    o, lse = fa.forward_with_states(q, k, v, causal=causal, device="cuda", **opts)
+    ro, rlse = ref.forward_with_states(q, k, v, causal=causal, **opts)
+    ran = last_forward(fa)
+    if fa.info()["cuda"].get("sm90"):
+        assert ran["kernel"].startswith("fwd_sm90"), ran
+    ctx = f"{ctx} kernel={ran['kernel']}"
+    record_error("bf16", "o", assert_close_to_oracle("o", o, ro, DTYPES["bf16"], ctx))
+    record_error("bf16", "lse", assert_close_to_oracle("lse", lse, rlse, np.float32, ctx))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("case", MASK_CASES)
+def test_masks_against_oracle(gpu, ref, make_inputs, assert_close_to_oracle, record_error, case, d):
+    from test_masks import CASES
+
+    (b, sq, sk, h, hkv, _), causal, build = CASES[case]
+    masks = build(np.random.default_rng(5))
+    q, k, v, _ = make_inputs(5, b, sq, sk, h, hkv, d, DTYPES["bf16"])
+    check_host_call(gpu, ref, assert_close_to_oracle, record_error, q, k, v, causal, f"case={case} d={d}", **masks)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mods", ["softcap", "alibi", "sinks", "all-causal-window"])
+def test_modifiers_against_oracle(gpu, ref, make_inputs, assert_close_to_oracle, record_error, mods, d):
+    b, sq, sk, h, hkv = 2, 300, 400, 4, 2
+    rng = np.random.default_rng(6)
+    q, k, v, _ = make_inputs(6, b, sq, sk, h, hkv, d, DTYPES["bf16"])
+    slopes = (2.0 ** (-8.0 * np.arange(1, h + 1) / h)).astype(np.float32)
+    sinks = rng.normal(size=h).astype(np.float32)
+    opts = {"softcap": dict(softcap=2.0), "alibi": dict(alibi_slopes=slopes), "sinks": dict(sinks=sinks),
+            "all-causal-window": dict(softcap=2.0, alibi_slopes=slopes, sinks=sinks, window=(64, 0))}[mods]
+    causal = mods.startswith("all-causal")
+    check_host_call(gpu, ref, assert_close_to_oracle, record_error, q, k, v, causal, f"mods={mods} d={d}", **opts)

@@ -66,7 +66,10 @@ pub fn variant(spec: &Spec, set: TileSet) -> Variant {
 /// 148-384 bytes on sm_90a with the softcap's chain rule, NVRTC 13.5), and at D = 128 splits the
 /// head dim over two warps (4 warps of 64 x 64 spilled 32 bytes, 32-row steps 332).
 fn masked_tiles(kernel: Kernel, dtype: DType, d: usize, t: Tiles, mods: bool) -> Tiles {
-    if kernel == Kernel::Fwd && dtype == DType::F32 && simt_f32(d) && t.block_n > 64 {
+    if kernel == Kernel::FwdSm90 && d <= 64 {
+        // Three consumers at 160 registers spilled 28 bytes with the masks (sm_90a): two at 240.
+        Tiles { block_m: 128, num_warps: 12, ..t }
+    } else if kernel == Kernel::Fwd && dtype == DType::F32 && simt_f32(d) && t.block_n > 64 {
         Tiles { block_n: 64, ..t }
     } else if mods && kernel == Kernel::BwdDq && dtype != DType::F32 && d <= 64 && t.block_n > 64 {
         Tiles { block_n: 64, ..t } // 128 keys spilled 56 bytes at D = 40 (sm_90a)
@@ -115,8 +118,8 @@ fn attention_variants(head_dims: &[usize]) -> Vec<Variant> {
                 }
             }
             if dtype != DType::F32 && super::sm90::HEAD_DIMS.contains(&head_dim) {
-                for causal in [false, true] {
-                    out.extend(table_candidates(&spec(Kernel::FwdSm90, causal, false, false)));
+                for (causal, masked, mods) in [(false, false, false), (true, false, false), (false, true, false), (false, true, true)] {
+                    out.extend(table_candidates(&spec(Kernel::FwdSm90, causal, masked, mods)));
                 }
             }
         }

@@ -47,14 +47,14 @@ pub(super) struct FlashParams {
 /// part), so that the plain kernels' params stay as they were.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-struct MaskedParams {
-    base: FlashParams,
-    mask: MaskFields,
+pub(super) struct MaskedParams {
+    pub base: FlashParams,
+    pub mask: MaskFields,
 }
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-struct MaskFields {
+pub(super) struct MaskFields {
     seqs: u64,
     seg_q: u64,
     seg_k: u64,
@@ -370,15 +370,15 @@ pub(super) unsafe fn forward_kernels(dev: &Device, p: &Problem, s: cu::CUstream,
     }
     let mut prm = params(p);
     (prm.q, prm.k, prm.v, prm.o, prm.lse) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse);
+    let tables = upload_tables(p, s)?;
+    let mask = tables.as_ref().map(|t| mask_fields(p, &ptrs.mask, t));
     match sm90::forward_choice(dev, p, [ptrs.q, ptrs.k, ptrs.v]) {
-        // SAFETY: the caller's guarantees, passed on.
-        Ok(()) => return unsafe { sm90::forward(dev, p, s, &prm) },
+        // SAFETY: the caller's guarantees, passed on; the tables are freed stream-ordered after it.
+        Ok(()) => return unsafe { sm90::forward(dev, p, s, &prm, mask.as_ref()) },
         Err(why) => trace::fallback("forward", &why),
     }
     let v = kernel_variant(dev, p, Kernel::Fwd)?;
     let f = device::function(dev, &v)?;
-    let tables = upload_tables(p, s)?;
-    let mask = tables.as_ref().map(|t| mask_fields(p, &ptrs.mask, t));
     trace::kernel("forward", &v);
     let grid = (grid_over(d.seq_q, v.tiles.block_m), d.heads as u32, d.batch as u32);
     // SAFETY: the caller guarantees the pointers; the table is freed stream-ordered after the launch.

@@ -1,14 +1,15 @@
 //! The Hopper forward (cuda/fwd_sm90.cu): when a call takes it, its tensor maps, and its launch.
 //!
 //! It runs on compute capability 9.0 for fp16 / bf16 at D = 64, 128 and 256 (the call's head dim
-//! after padding), plain or causal, unless `FLASH_NIF_SM90=0`. Anything else runs the portable
+//! after padding), with every mask but varlen batches and every score modifier, unless
+//! `FLASH_NIF_SM90=0`. Anything else runs the portable
 //! kernels (fwd.cu), which compute the same function; [`forward_choice`] says which and why, and
 //! `FLASH_NIF_LOG=1` prints it per call.
 
 use cudarc::driver::sys as cu;
 
 use super::device::{self, Device};
-use super::launch::FlashParams;
+use super::launch::{FlashParams, MaskFields, MaskedParams};
 use super::variant::Kernel;
 use crate::dtype::DType;
 use crate::error::{FlashError, Result};
@@ -40,8 +41,8 @@ pub fn forward_choice(dev: &Device, p: &Problem, ptrs: [u64; 3]) -> std::result:
     if !HEAD_DIMS.contains(&p.dims.head_dim) {
         return Err(format!("head dim {} is not one of {HEAD_DIMS:?}", p.dims.head_dim));
     }
-    if !p.is_plain() {
-        return Err("masks and score modifiers run the portable kernels".into());
+    if p.mask.varlen.is_some() {
+        return Err("varlen batches run the portable kernels".into());
     }
     if p.dims.seq_k == 0 {
         return Err("no keys".into());
@@ -56,14 +57,15 @@ pub fn forward_choice(dev: &Device, p: &Problem, ptrs: [u64; 3]) -> std::result:
     }
 }
 
-/// The kernel parameter of cuda/fwd_sm90.cu: the tensor maps of q, k, v, then the params.
+/// The kernel parameter of cuda/fwd_sm90.cu: the tensor maps of q, k, v, then the params
+/// ([`FlashParams`], or for the MASKED variants [`MaskedParams`]).
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct Sm90Params {
+struct Sm90Params<P> {
     tq: cu::CUtensorMap,
     tk: cu::CUtensorMap,
     tv: cu::CUtensorMap,
-    p: FlashParams,
+    p: P,
 }
 
 /// The 4-d tensor map (D, heads, rows, batch) of a [B, S, H, D] tensor at `ptr`, read in boxes of
@@ -107,30 +109,35 @@ fn tensor_map(ptr: u64, dtype: DType, batch: usize, rows: usize, heads: usize, d
 ///
 /// # Safety
 /// As [`super::launch::forward_device`]; [`forward_choice`] must have accepted `p`.
-pub(super) unsafe fn forward(dev: &Device, p: &Problem, s: cu::CUstream, prm: &FlashParams) -> Result<()> {
+pub(super) unsafe fn forward(dev: &Device, p: &Problem, s: cu::CUstream, prm: &FlashParams, mask: Option<&MaskFields>) -> Result<()> {
     let d = &p.dims;
     let v = super::launch::kernel_variant(dev, p, Kernel::FwdSm90)?;
     let f = device::function(dev, &v)?;
     let (bm, bn) = (v.tiles.block_m, v.tiles.block_n);
-    let args = Sm90Params {
-        tq: tensor_map(prm.q, p.dtype, d.batch, d.seq_q, d.heads, d.head_dim, bm)?,
-        tk: tensor_map(prm.k, p.dtype, d.batch, d.seq_k, d.kv_heads, d.head_dim, bn)?,
-        tv: tensor_map(prm.v, p.dtype, d.batch, d.seq_k, d.kv_heads, d.head_dim, bn)?,
-        p: *prm,
-    };
-    // Non-causal: persistent, a block per SM at most, each walking tiles (query block, head, batch
-    // row) with a fixed stride. Causal tiles differ in work, which a fixed stride would share out
-    // unevenly (measured 0.57-0.77x cuDNN against 0.76-1.05x): a block per tile, heaviest first,
-    // which the hardware hands to SMs as they free up.
+    let (tq, tk, tv) = (
+        tensor_map(prm.q, p.dtype, d.batch, d.seq_q, d.heads, d.head_dim, bm)?,
+        tensor_map(prm.k, p.dtype, d.batch, d.seq_k, d.kv_heads, d.head_dim, bn)?,
+        tensor_map(prm.v, p.dtype, d.batch, d.seq_k, d.kv_heads, d.head_dim, bn)?,
+    );
+    // Plain non-causal calls: persistent, a block per SM at most, each walking tiles (query block,
+    // head, batch row) with a fixed stride. Causal and masked tiles differ in work, which a fixed
+    // stride would share out unevenly (measured 0.57-0.77x cuDNN causal against 0.76-1.05x): a
+    // block per tile, heaviest first, which the hardware hands to SMs as they free up.
     let tiles = d.seq_q.div_ceil(bm) * d.heads * d.batch;
     if tiles > i32::MAX as usize {
         return Err(FlashError::Unsupported(format!("{tiles} query tiles exceed the Hopper forward's limit")));
     }
-    let blocks = if p.causal { tiles } else { tiles.min(dev.sm_count.max(1) as usize) };
+    let uniform = !p.causal && p.is_plain();
+    let blocks = if uniform { tiles.min(dev.sm_count.max(1) as usize) } else { tiles };
     let grid = (blocks as u32, 1, 1);
     super::trace::kernel("forward", &v);
-    // SAFETY: the caller's guarantees; the struct mirrors the kernel's parameter.
-    unsafe { device::launch("flash_fwd_sm90", f, grid, s, &args) }
+    // SAFETY: the caller's guarantees; each struct mirrors its kernel's parameter.
+    unsafe {
+        match mask {
+            None => device::launch("flash_fwd_sm90", f, grid, s, &Sm90Params { tq, tk, tv, p: *prm }),
+            Some(m) => device::launch("flash_fwd_sm90", f, grid, s, &Sm90Params { tq, tk, tv, p: MaskedParams { base: *prm, mask: *m } }),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -140,7 +147,8 @@ mod tests {
     #[test]
     fn params_struct_matches_the_kernel_layout() {
         // Three 128-byte, 128-aligned tensor maps, then FlashParams (cuda/fwd_sm90.cu).
-        assert_eq!(std::mem::offset_of!(Sm90Params, p), 3 * 128);
-        assert_eq!(std::mem::align_of::<Sm90Params>(), 128);
+        assert_eq!(std::mem::offset_of!(Sm90Params<FlashParams>, p), 3 * 128);
+        assert_eq!(std::mem::offset_of!(Sm90Params<MaskedParams>, p), 3 * 128);
+        assert_eq!(std::mem::align_of::<Sm90Params<MaskedParams>>(), 128);
     }
 }
