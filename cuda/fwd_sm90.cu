@@ -4,28 +4,27 @@
 // Block i takes the tiles (query block, head, batch row) i, i + gridDim.x, ... in the order of the
 // portable kernels' grid (query blocks fastest, heaviest first when causal): the host launches a
 // persistent grid (at most a block per SM, so that one tile's epilogue overlaps the next one's
-// first loads) or, causal, a block per tile (sm90.rs says why).
+// first loads) or, causal or masked, a block per tile (sm90.rs says why).
 // NUM_WARPS = 4 * (1 + CONSUMERS) warps in warpgroups of 4:
 // - warpgroup 0, the producer, gives most of its registers away (setmaxnreg); its first warp walks
-//   the tiles and one thread issues the copies: each tile's Q once (when the consumers are done with the last one), then the K and
-//   V tiles of every key tile the block visits
-//   into rings of STAGES shared-memory stages, each tile completing on its own mbarrier (full),
-//   each stage reused once every consumer warp has released it (empty);
+//   the tiles and one thread issues the copies: each tile's Q (once the consumers are done with the
+//   last one), then the K and V tiles of every key tile the block visits into rings of STAGES
+//   shared-memory stages, each tile completing on its own mbarrier (full), each stage reused once
+//   every consumer warp has released it (empty);
 // - warpgroups 1..CONSUMERS each own 64 query rows (warp w of one: 16 rows, the mma.sync
 //   accumulator layout, so the masks and the online softmax are the other kernels'). Per key
 //   tile j: S_j = Q K_j^T (wgmma, both operands in shared memory) is issued together with
 //   O += P_{j-1} V_{j-1} (wgmma, P from registers), and the softmax of S_j runs while the second
 //   product is still on the tensor cores; O is rescaled once it has landed.
 //   With PINGPONG, the consumers take turns issuing their products (named barriers, round robin),
-//   so that one warpgroup's softmax overlaps the others' products; a consumer hands the turn over once its
-//   S_j has landed (a barrier between a wgmma and its wait makes ptxas serialize them all).
+//   so that one warpgroup's softmax overlaps the others' products; a consumer hands the turn over
+//   once its S_j has landed (a barrier between a wgmma and its wait makes ptxas serialize them all).
 // Shared memory tiles are 64-column blocks of 128-byte rows with the 128-byte swizzle, the layout
-// the copy engine writes (CU_TENSOR_MAP_SWIZZLE_128B) and wgmma reads (desc_sw128). O and the LSE are
-// written as fwd.cu writes them. Causal grids run the heaviest blocks first; MASKED blocks visit
-// only the key tiles some row sees (block.h), the producer and the consumers walking the same tiles;
-// the K/V rings' positions run on across tiles. MASKED kernels take every mask but varlen batches
-// (their rows are batch-local: q_start = b Sq, k_start = b Sk, which the 4-d tensor maps address),
-// and with MODS the score modifiers.
+// the copy engine writes (CU_TENSOR_MAP_SWIZZLE_128B) and wgmma reads (desc_sw128). O and the LSE
+// are written as fwd.cu writes them. MASKED blocks visit only the key tiles some row sees (block.h),
+// the producer and the consumers walking the same tiles; the K/V rings' positions run on across
+// tiles. MASKED kernels take every mask but varlen batches (their rows are batch-local: q_start =
+// b Sq, k_start = b Sk, which the 4-d tensor maps address), and with MODS the score modifiers.
 #include "hopper.h"
 #include "wgmma.h"
 #include "tile.h"
@@ -202,9 +201,9 @@ __device__ __forceinline__ int consume_tile(const FlashParams& p, const QueryBlo
     auto softmax_step = [&](const KeyWalk& w, float (&alpha)[2]) {
 #if MODS
 #pragma unroll
-        for (int i = 0; i < BLOCK_N / 8; ++i)
+        for (int nt = 0; nt < BLOCK_N / 8; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[i][e] *= p.scale_log2;
+            for (int e = 0; e < 4; ++e) s[nt][e] *= p.scale_log2;
         if (blk.tile_mask(w)) mask_tile<BLOCK_N / 8>(s, row0, w.n0(), vis);
         modify_tile<BLOCK_N / 8>(s, row0, w.n0(), vis);
         sm.step(s, alpha);

@@ -2,9 +2,8 @@
 //!
 //! It runs on compute capability 9.0 for fp16 / bf16 at D = 64, 128 and 256 (the call's head dim
 //! after padding), with every mask but varlen batches and every score modifier, unless
-//! `FLASH_NIF_SM90=0`. Anything else runs the portable
-//! kernels (fwd.cu), which compute the same function; [`forward_choice`] says which and why, and
-//! `FLASH_NIF_LOG=1` prints it per call.
+//! `FLASH_NIF_SM90=0`. Anything else runs the portable kernels (fwd.cu), which compute the same
+//! function; [`forward_choice`] says which and why, and `FLASH_NIF_LOG=1` prints it per call.
 
 use cudarc::driver::sys as cu;
 
