@@ -618,3 +618,96 @@ def test_own_dv_shapes_are_checked(ref):
         ref.backward(do[..., :3], q, k, v, o, lse)  # do has Dv columns, not D
     with pytest.raises(ValueError):
         ref.backward(do, q, k, v, o[..., :3], lse)
+
+
+# ---- decode: quantized caches, merged states ---------------------------------------------------
+
+_STORE_EPS = {"f32": 2.0**-24, "f16": 2.0**-11, "bf16": 2.0**-8}
+_STORE = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize("dtype_name", ["f32", "f16", "bf16"])
+def test_quantize_round_trip_within_half_a_step(ref, bits, group_size, dtype_name):
+    """Within half a step of the element's group, plus what rounding the stored scale and bias to
+    the dtype moves the end codes (clipped)."""
+    x = (np.random.default_rng(bits + group_size).standard_normal((2, 7, 3, 128)) * 3).astype(_STORE[dtype_name])
+    c = ref.quantize_kv(x, bits=bits, group_size=group_size)
+    assert c.values.dtype == np.uint32 and c.values.shape == (2, 7, 3, 128 * bits // 32)
+    assert c.scales.dtype == x.dtype and c.scales.shape == (2, 7, 3, 128 // group_size) == c.biases.shape
+    assert c.shape == x.shape
+    err = np.abs(ref.dequantize_kv(c) - x.astype(np.float64))
+    sc = c.scales.astype(np.float64).repeat(group_size, axis=-1)
+    bi = np.abs(c.biases.astype(np.float64)).repeat(group_size, axis=-1)
+    eps = _STORE_EPS[dtype_name]
+    assert np.all(err <= 0.5 * sc + (2**bits - 1) * sc * eps + bi * eps + 1e-12)
+    assert np.median(err / sc) < 0.3  # not a trivially loose bound: codes do their work
+
+
+@pytest.mark.parametrize("bits, word", [(4, 0x76543210), (8, 0x03020100)])
+def test_quantize_packs_from_the_lowest_bits(ref, bits, word):
+    x = (np.arange(32) % 2**bits).astype(np.float64).reshape(1, 1, 1, 32)  # min 0: codes = x
+    x[..., -1] = 2**bits - 1  # max = 2^bits - 1: scale 1
+    c = ref.quantize_kv(x, bits=bits, group_size=32)
+    assert float(c.scales[0, 0, 0, 0]) == 1.0 and float(c.biases[0, 0, 0, 0]) == 0.0
+    assert int(c.values[0, 0, 0, 0]) == word
+    np.testing.assert_array_equal(ref.dequantize_kv(c), x)
+
+
+def test_quantize_constant_group_is_exact(ref):
+    x = np.full((1, 2, 1, 64), 0.37)
+    c = ref.quantize_kv(x, bits=4, group_size=32)
+    assert np.all(c.scales == 0)
+    np.testing.assert_array_equal(ref.dequantize_kv(c), x)
+
+
+@pytest.mark.parametrize("shape, bits, group_size, match", [
+    ((1, 1, 1, 64), 3, 32, "bits"),
+    ((1, 1, 1, 64), 4, 48, "group_size"),
+    ((1, 1, 1, 96), 4, 64, "multiple of group_size"),
+    ((1, 1, 64), 4, 32, "rank 4"),
+])
+def test_quantize_rejects_bad_arguments(ref, shape, bits, group_size, match):
+    with pytest.raises(ValueError, match=match):
+        ref.quantize_kv(np.zeros(shape), bits=bits, group_size=group_size)
+
+
+def test_merge_states_of_disjoint_key_sets_is_full_attention(ref):
+    q, k, v, _ = _inputs(11, 2, 5, 23, 4, 2, 8)
+    want_o, want_lse = ref.forward_with_states(q, k, v, causal=False)
+    cuts = [(0, 7), (7, 7), (7, 16), (16, 23)]  # an empty part weighs nothing
+    parts = [ref.forward_with_states(q, k[:, a:b], v[:, a:b], causal=False) for a, b in cuts]
+    o, lse = ref.merge_states(np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts]))
+    np.testing.assert_allclose(o, want_o, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-13)
+
+
+def test_merge_states_rows_no_part_saw_are_zero(ref):
+    o_parts = np.random.default_rng(0).standard_normal((2, 1, 3, 2, 4))
+    lse_parts = np.full((2, 1, 2, 3), -np.inf)
+    lse_parts[1, 0, 0, 1] = 0.5  # only (h 0, row 1) seen, by part 1
+    o, lse = ref.merge_states(o_parts * np.isfinite(lse_parts).transpose(0, 1, 3, 2)[..., None], lse_parts)
+    assert lse[0, 0, 1] == 0.5 and np.isneginf(np.delete(lse.ravel(), 1)).all()
+    np.testing.assert_array_equal(o[0, 1, 0], o_parts[1, 0, 1, 0])
+    assert not np.isnan(o).any() and np.count_nonzero(o) == 4
+
+
+def test_decode_is_each_rows_valid_cache_with_causal_at_its_end(ref):
+    """Row b attends over its cache keys [leftpad, seqlen) alone, causal aligned to their end;
+    quantized caches are read dequantized; a row with no valid key gives o = 0, lse = -inf."""
+    b, sq, s_cache, h, hkv, d = 3, 4, 40, 4, 2, 64
+    q, k, v, _ = _inputs(12, b, sq, s_cache, h, hkv, d)
+    seqlens, leftpad = np.array([40, 17, 5], np.int32), np.array([3, 0, 5], np.int32)
+    o, lse = ref.decode(q, k, v, cache_seqlens=seqlens, leftpad_k=leftpad)
+    for r in range(2):
+        lo, hi = leftpad[r], seqlens[r]
+        ro, rlse = ref.forward_with_states(q[r:r + 1], k[r:r + 1, lo:hi], v[r:r + 1, lo:hi], causal=True)
+        np.testing.assert_allclose(o[r:r + 1], ro, rtol=1e-12, atol=1e-13)
+        np.testing.assert_allclose(lse[r:r + 1], rlse, rtol=1e-12, atol=1e-13)
+    assert np.all(o[2] == 0) and np.isneginf(lse[2]).all()
+    kq, vq = ref.quantize_kv(k, bits=8, group_size=32), ref.quantize_kv(v, bits=4, group_size=64)
+    got = ref.decode(q, kq, vq, cache_seqlens=seqlens)
+    want = ref.forward_with_states(q, ref.dequantize_kv(kq), ref.dequantize_kv(vq), causal=True, seqused_k=seqlens)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)

@@ -476,3 +476,119 @@ def rotary_backward(dy, cos, sin, *, interleaved: bool = False, positions=None) 
 
 
 __all__ += ["rotary_apply", "rotary_backward"]
+
+
+# ---- decode over a KV cache: quantized caches, merging partial states --------------------------
+#
+# A quantized cache stores each group of ``group_size`` consecutive head-dim elements x of one
+# (batch row, position, kv head) as ``x ~ scale * q + bias`` with ``scale = (max - min) / (2**bits
+# - 1)``, ``bias = min`` and ``q = round((x - bias) / scale)`` in ``[0, 2**bits - 1]`` (0 when the
+# group is constant: scale 0), MLX's affine format. The codes are packed into uint32 words from the
+# lowest bits up (element e of a word at bits ``[e * bits, (e + 1) * bits)``): ``values`` ``[B, S,
+# Hkv, D * bits / 32]``; ``scales`` and ``biases`` ``[B, S, Hkv, D / group_size]``. The oracle
+# computes in float64 from the stored scales and biases; a library stores them in x's dtype and
+# quantizes with those rounded values.
+
+
+class QuantizedKV:
+    """A quantized cache: ``values`` (uint32), ``scales``, ``biases``, ``bits``, ``group_size``."""
+
+    def __init__(self, values, scales, biases, bits: int, group_size: int):
+        self.values, self.scales, self.biases = values, scales, biases
+        self.bits, self.group_size = int(bits), int(group_size)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The shape of the cache it stands for, ``[B, S, Hkv, D]``."""
+        return (*self.values.shape[:3], self.values.shape[3] * 32 // self.bits)
+
+
+QUANT_BITS = (4, 8)
+QUANT_GROUP_SIZES = (32, 64)
+
+
+def _check_quant(d: int, bits: int, group_size: int) -> None:
+    if bits not in QUANT_BITS:
+        raise ValueError(f"bits must be one of {QUANT_BITS}, got {bits!r}")
+    if group_size not in QUANT_GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {QUANT_GROUP_SIZES}, got {group_size!r}")
+    if d % group_size != 0:
+        raise ValueError(f"the head dim ({d}) must be a multiple of group_size ({group_size})")
+
+
+def quantize_kv(x, *, bits: int = 4, group_size: int = 64, store_dtype=None) -> QuantizedKV:
+    """``x [B, S, Hkv, D]`` -> :class:`QuantizedKV`. Scales and biases are rounded to ``store_dtype``
+    (default x's own float dtype) before the codes are computed from them, as a library stores them."""
+    a = np.asarray(x)
+    if a.ndim != 4:
+        raise ValueError(f"x must have rank 4 [B, S, Hkv, D], got shape {a.shape}")
+    b, s, hkv, d = a.shape
+    _check_quant(d, bits, group_size)
+    store = np.dtype(store_dtype or (a.dtype if a.dtype.kind == "f" or a.dtype.name == "bfloat16" else np.float64))
+    g = a.astype(np.float64).reshape(b, s, hkv, d // group_size, group_size)
+    lo, hi = g.min(axis=-1), g.max(axis=-1)
+    levels = 2**bits - 1
+    scales = ((hi - lo) / levels).astype(store)
+    biases = lo.astype(store)
+    sc, bi = scales.astype(np.float64)[..., None], biases.astype(np.float64)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        codes = np.where(sc > 0, np.rint((g - bi) / sc), 0.0)
+    codes = np.clip(codes, 0, levels).astype(np.uint64).reshape(b, s, hkv, d)
+    per_word = 32 // bits
+    words = codes.reshape(b, s, hkv, d // per_word, per_word) << (np.arange(per_word, dtype=np.uint64) * bits)
+    values = words.sum(axis=-1).astype(np.uint32)
+    return QuantizedKV(values, scales, biases, bits, group_size)
+
+
+def dequantize_kv(c: QuantizedKV) -> np.ndarray:
+    """:class:`QuantizedKV` -> float64 ``[B, S, Hkv, D]``: ``scale * q + bias`` per group."""
+    b, s, hkv, d = c.shape
+    _check_quant(d, c.bits, c.group_size)
+    per_word = 32 // c.bits
+    w = np.asarray(c.values).astype(np.uint64)[..., None] >> (np.arange(per_word, dtype=np.uint64) * c.bits)
+    codes = (w & np.uint64(2**c.bits - 1)).reshape(b, s, hkv, d // c.group_size, c.group_size).astype(np.float64)
+    sc = np.asarray(c.scales).astype(np.float64)[..., None]
+    bi = np.asarray(c.biases).astype(np.float64)[..., None]
+    ngroups = d // c.group_size
+    if sc.shape[:4] != (b, s, hkv, ngroups) or bi.shape[:4] != (b, s, hkv, ngroups):
+        raise ValueError(f"scales and biases must be [B, S, Hkv, D / group_size] = {[b, s, hkv, ngroups]}; "
+                         f"got {list(sc.shape[:4])} and {list(bi.shape[:4])}")
+    return (codes * sc + bi).reshape(b, s, hkv, d)
+
+
+def merge_states(o_parts, lse_parts) -> tuple[np.ndarray, np.ndarray]:
+    """Attention over the union of disjoint key sets from each set's ``(o, lse)``: ``o_parts [P, B,
+    Sq, H, Dv]``, ``lse_parts [P, B, H, Sq]`` -> ``(o [B, Sq, H, Dv], lse [B, H, Sq])`` float64,
+    ``lse = log(sum_p exp(lse_p))`` and ``o = sum_p exp(lse_p - lse) o_p``. Parts whose lse is
+    ``-inf`` (no key) weigh nothing; a row no part saw gives ``o = 0``, ``lse = -inf``."""
+    o = np.asarray(o_parts).astype(np.float64)
+    lse = np.asarray(lse_parts).astype(np.float64)
+    if o.ndim != 5 or lse.ndim != 4 or lse.shape != (o.shape[0], o.shape[1], o.shape[3], o.shape[2]):
+        raise ValueError(f"o_parts must be [P, B, Sq, H, Dv] and lse_parts [P, B, H, Sq]; got {o.shape}, {lse.shape}")
+    m = lse.max(axis=0, initial=-np.inf)  # [B, H, Sq]
+    seen = np.isfinite(m)
+    m_safe = np.where(seen, m, 0.0)
+    w = np.exp(lse - m_safe)  # [P, B, H, Sq]; -inf parts weigh 0
+    total = w.sum(axis=0)
+    out_lse = np.where(seen, m_safe + np.log(np.where(seen, total, 1.0)), -np.inf)
+    w = w / np.where(seen, total, 1.0)
+    out = np.einsum("pbhs,pbshd->bshd", w, o)
+    out[np.broadcast_to(~seen.transpose(0, 2, 1)[..., None], out.shape)] = 0.0
+    return out, out_lse
+
+
+def decode(q, k_cache, v_cache, *, cache_seqlens=None, leftpad_k=None, causal: bool = True,
+           scale: float | None = None, window=None, softcap=None) -> tuple[np.ndarray, np.ndarray]:
+    """Attention of a few new queries over a KV cache: ``q [B, Sq, H, D]``, caches ``[B, S_cache,
+    Hkv, D]`` (arrays, or :class:`QuantizedKV`, read dequantized) -> ``(o, lse)`` as
+    :func:`forward_with_states`. Row b's valid keys are ``[leftpad_k[b], cache_seqlens[b])``
+    (defaults 0 and S_cache), and causal is aligned to the end of them: the last query sees every
+    valid key."""
+    k = dequantize_kv(k_cache) if isinstance(k_cache, QuantizedKV) else k_cache
+    v = dequantize_kv(v_cache) if isinstance(v_cache, QuantizedKV) else v_cache
+    return forward_with_states(q, k, v, causal=causal, scale=scale, softcap=softcap, window=window,
+                               seqused_k=cache_seqlens, leftpad_k=leftpad_k)
+
+
+__all__ += ["QuantizedKV", "QUANT_BITS", "QUANT_GROUP_SIZES", "quantize_kv", "dequantize_kv", "merge_states",
+            "decode"]
