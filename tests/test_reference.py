@@ -647,7 +647,7 @@ def test_quantize_round_trip_within_half_a_step(ref, bits, group_size, dtype_nam
 
 @pytest.mark.parametrize("bits, word", [(4, 0x76543210), (8, 0x03020100)])
 def test_quantize_packs_from_the_lowest_bits(ref, bits, word):
-    x = (np.arange(32) % 2**bits).astype(np.float64).reshape(1, 1, 1, 32)  # min 0: codes = x
+    x = (np.arange(32) % 2**bits).astype(np.float32).reshape(1, 1, 1, 32)  # min 0: codes = x
     x[..., -1] = 2**bits - 1  # max = 2^bits - 1: scale 1
     c = ref.quantize_kv(x, bits=bits, group_size=32)
     assert float(c.scales[0, 0, 0, 0]) == 1.0 and float(c.biases[0, 0, 0, 0]) == 0.0
@@ -656,7 +656,7 @@ def test_quantize_packs_from_the_lowest_bits(ref, bits, word):
 
 
 def test_quantize_constant_group_is_exact(ref):
-    x = np.full((1, 2, 1, 64), 0.37)
+    x = np.full((1, 2, 1, 64), 0.37, np.float32)
     c = ref.quantize_kv(x, bits=4, group_size=32)
     assert np.all(c.scales == 0)
     np.testing.assert_array_equal(ref.dequantize_kv(c), x)

@@ -485,9 +485,11 @@ __all__ += ["rotary_apply", "rotary_backward"]
 # - 1)``, ``bias = min`` and ``q = round((x - bias) / scale)`` in ``[0, 2**bits - 1]`` (0 when the
 # group is constant: scale 0), MLX's affine format. The codes are packed into uint32 words from the
 # lowest bits up (element e of a word at bits ``[e * bits, (e + 1) * bits)``): ``values`` ``[B, S,
-# Hkv, D * bits / 32]``; ``scales`` and ``biases`` ``[B, S, Hkv, D / group_size]``. The oracle
-# computes in float64 from the stored scales and biases; a library stores them in x's dtype and
-# quantizes with those rounded values.
+# Hkv, D * bits / 32]``; ``scales`` and ``biases`` ``[B, S, Hkv, D / group_size]`` in x's dtype.
+# Quantizing is defined in float32 arithmetic, so that every implementation gets the same bits:
+# ``scale = store(f32(f32(max - min) / levels))``, ``bias = store(min)``, and each code
+# ``rint(f32(f32(x - bias) / scale))`` (ties to even) clipped to ``[0, levels]``, with bias and scale
+# the stored values read back as float32 (no fused multiply-add). Dequantizing is float64 here.
 
 
 class QuantizedKV:
@@ -517,22 +519,23 @@ def _check_quant(d: int, bits: int, group_size: int) -> None:
 
 
 def quantize_kv(x, *, bits: int = 4, group_size: int = 64, store_dtype=None) -> QuantizedKV:
-    """``x [B, S, Hkv, D]`` -> :class:`QuantizedKV`. Scales and biases are rounded to ``store_dtype``
-    (default x's own float dtype) before the codes are computed from them, as a library stores them."""
+    """``x [B, S, Hkv, D]`` (float16, bfloat16 or float32) -> :class:`QuantizedKV`, bit for bit what
+    a library gives (the float32 definition above). Scales and biases are stored in ``store_dtype``
+    (default x's dtype) and the codes computed from the stored values."""
     a = np.asarray(x)
     if a.ndim != 4:
         raise ValueError(f"x must have rank 4 [B, S, Hkv, D], got shape {a.shape}")
     b, s, hkv, d = a.shape
     _check_quant(d, bits, group_size)
-    store = np.dtype(store_dtype or (a.dtype if a.dtype.kind == "f" or a.dtype.name == "bfloat16" else np.float64))
-    g = a.astype(np.float64).reshape(b, s, hkv, d // group_size, group_size)
+    store = np.dtype(store_dtype or a.dtype)
+    g = a.astype(np.float32).reshape(b, s, hkv, d // group_size, group_size)
     lo, hi = g.min(axis=-1), g.max(axis=-1)
-    levels = 2**bits - 1
-    scales = ((hi - lo) / levels).astype(store)
+    levels = np.float32(2**bits - 1)
+    scales = ((hi - lo) / levels).astype(np.float32).astype(store)
     biases = lo.astype(store)
-    sc, bi = scales.astype(np.float64)[..., None], biases.astype(np.float64)[..., None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        codes = np.where(sc > 0, np.rint((g - bi) / sc), 0.0)
+    sc, bi = scales.astype(np.float32)[..., None], biases.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        codes = np.where(sc > 0, np.rint((g - bi) / sc), np.float32(0))
     codes = np.clip(codes, 0, levels).astype(np.uint64).reshape(b, s, hkv, d)
     per_word = 32 // bits
     words = codes.reshape(b, s, hkv, d // per_word, per_word) << (np.arange(per_word, dtype=np.uint64) * bits)
