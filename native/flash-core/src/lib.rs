@@ -27,6 +27,7 @@ pub mod io;
 pub mod mask;
 pub mod modifiers;
 pub mod problem;
+pub mod quant;
 pub mod rotary;
 
 pub use device::{backward_host, cuda_available, forward_host, rotary_host, Device};
@@ -37,6 +38,7 @@ pub use io::{BackwardIo, ForwardIo};
 pub use mask::{IndexArg, Mask, MaskArgs, MaskBuffers, Window, MASK_BLOCK};
 pub use modifiers::{FloatArg, ModArgs, Modifiers};
 pub use problem::{Dims, Options, Problem, TensorSpec, MAX_HEAD_DIM};
+pub use quant::{QuantFormat, QUANT_BITS, QUANT_GROUP_SIZES};
 pub use rotary::{Positions, RotaryDims, RotaryIo, RotaryOptions, RotaryProblem};
 
 /// The crate version (the Python package and the NIF report it).

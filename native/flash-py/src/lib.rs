@@ -7,6 +7,7 @@ mod errors;
 mod kernels;
 mod masks;
 mod modifiers;
+mod quant;
 mod rotary;
 
 use arrays::{empty_f32, empty_like_dtype, HostArray};
@@ -195,5 +196,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     cuda::register(m)?;
     kernels::register(m)?;
     rotary::register(m)?;
+    quant::register(m)?;
     Ok(())
 }
