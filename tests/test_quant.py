@@ -96,3 +96,50 @@ def test_merge_states_errors(fa):
         fa.merge_states(np.zeros((2, 1, 3, 2, 4), np.float32), np.zeros((2, 1, 3, 2), np.float32))
     with pytest.raises(fa.DTypeError, match="float32"):
         fa.merge_states(np.zeros((2, 1, 3, 2, 4), np.float32), np.zeros((2, 1, 2, 3), np.float64))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq, group", [(1, 4), (4, 1), (16, 8)])
+@pytest.mark.parametrize("quant", [None, (8, 32), (4, 64)])
+def test_decode_against_the_oracle(fa, ref, assert_close_to_oracle, d, sq, group, quant):
+    """Ragged cache lengths (one 0), left padding, GQA, split keys, plain and quantized caches."""
+    b, s_cache, hkv = 3, 300, 2
+    rng = np.random.default_rng(d + sq)
+    q = rng.standard_normal((b, sq, hkv * group, d)).astype(np.float32)
+    k, v = (rng.standard_normal((b, s_cache, hkv, d)).astype(np.float32) for _ in range(2))
+    seqlens, leftpad = np.array([300, 123, 0], np.int32), np.array([10, 0, 0], np.int32)
+    kc, vc = (k, v) if quant is None else (fa.quantize_kv(x, bits=quant[0], group_size=quant[1]) for x in (k, v))
+    rk, rv = (k, v) if quant is None else (ref.dequantize_kv(ref.quantize_kv(x, bits=quant[0], group_size=quant[1])) for x in (k, v))
+    want = ref.decode(q, rk, rv, cache_seqlens=seqlens, leftpad_k=leftpad)
+    for splits in (None, 1, 5):
+        o, lse = fa.decode(q, kc, vc, cache_seqlens=seqlens, leftpad_k=leftpad, num_splits=splits)
+        ctx = f"d={d} sq={sq} group={group} quant={quant} splits={splits}"
+        assert_close_to_oracle("o", o, want[0], np.float32, ctx)
+        assert_close_to_oracle("lse", lse, want[1], np.float32, ctx)
+        assert np.all(o[2] == 0) and np.isneginf(lse[2]).all()
+
+
+def test_decode_options_against_the_oracle(fa, ref, assert_close_to_oracle):
+    b, sq, s_cache, h, hkv, d = 2, 4, 200, 4, 2, 64
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((b, sq, h, d)).astype(np.float32)
+    k, v = (rng.standard_normal((b, s_cache, hkv, d)).astype(np.float32) for _ in range(2))
+    seqlens = np.array([200, 77], np.int32)
+    for opts in (dict(causal=False), dict(window=(16, None)), dict(softcap=2.0, scale=0.3), dict(causal=False, window=(5, 3))):
+        o, lse = fa.decode(q, k, v, cache_seqlens=seqlens, **opts)
+        ro, rlse = ref.decode(q, k, v, cache_seqlens=seqlens, **opts)
+        assert_close_to_oracle("o", o, ro, np.float32, str(opts))
+        assert_close_to_oracle("lse", lse, rlse, np.float32, str(opts))
+
+
+def test_decode_errors(fa):
+    q = np.ones((1, 1, 2, 64), np.float32)
+    k = np.ones((1, 8, 1, 64), np.float32)
+    with pytest.raises(fa.ShapeError, match="cache_seqlens"):
+        fa.decode(q, k, k, cache_seqlens=np.array([9], np.int32))
+    with pytest.raises(fa.ShapeError, match="1 to 16"):
+        fa.decode(np.ones((1, 17, 2, 64), np.float32), k, k)
+    with pytest.raises(fa.DTypeError, match="must match"):
+        fa.decode(q.astype(np.float16), k, k)
+    with pytest.raises(fa.UnsupportedError, match="CPU"):
+        fa.decode(q, k, k, device="cuda")

@@ -30,7 +30,7 @@ from . import _args, _native
 from . import _cuda  # GPU arrays (CuPy, torch, DLPack) dispatch
 from . import varlen  # packed variable-length batches (cu_seqlens)
 from . import rotary  # rotary position embeddings (RoPE)
-from .kv import QuantizedKV, dequantize_kv, merge_states, quantize_kv  # KV caches for decoding
+from .kv import QuantizedKV, decode, dequantize_kv, merge_states, quantize_kv  # KV caches for decoding
 from . import errors, reference  # reference: the float64 oracle, flash_nif.reference.forward(...)
 from .errors import (
     CompileError,
@@ -208,6 +208,7 @@ __all__ = [
     "quantize_kv",
     "dequantize_kv",
     "merge_states",
+    "decode",
     "forward",
     "forward_with_states",
     "backward",

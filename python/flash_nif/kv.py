@@ -11,8 +11,8 @@ uint32 ``[B, S, Hkv, D * bits / 32]`` (codes packed from the lowest bits of each
 :func:`merge_states` combines the ``(o, lse)`` of attention over disjoint key sets (split caches,
 cache plus new tokens) into the attention over their union.
 
-These run on the CPU with NumPy arrays; the GPU versions and ``decode`` itself are not built yet
-(a GPU array is an ``UnsupportedError``).
+:func:`decode` runs a few new queries against a plain or quantized cache. These run on the CPU
+with NumPy arrays; their GPU versions are not built yet (a GPU array is an ``UnsupportedError``).
 """
 
 from __future__ import annotations
@@ -110,4 +110,52 @@ def merge_states(o_parts, lse_parts):
     return o, lse
 
 
-__all__ = ["QuantizedKV", "quantize_kv", "dequantize_kv", "merge_states"]
+def decode(q, k_cache, v_cache, *, cache_seqlens=None, leftpad_k=None, causal: bool = True, scale=None, window=None,
+           softcap=None, num_splits=None, device=None):
+    """``(o, lse)`` of a few new queries ``q [B, Sq, H, D]`` (Sq = 1 .. 16) against a KV cache
+    ``[B, S_cache, Hkv, D]``: arrays in q's dtype, or :class:`QuantizedKV` (read quantized, no
+    dequantized copy; scales in q's dtype). Row b's valid keys are ``[leftpad_k[b],
+    cache_seqlens[b])`` (int32 ``[B]``; defaults 0 and S_cache); causal and the window are aligned
+    to their end, so the last query sees every valid key; ``softcap`` as in
+    :func:`flash_nif.forward`. The keys of each row are split ``num_splits`` ways (None: chosen
+    from the sizes) and the parts merged by their logsumexp. A row with no valid key gives
+    ``o = 0``, ``lse = -inf``. CPU only for now (``device`` None or "cpu")."""
+    if device not in (None, "cpu"):
+        raise UnsupportedError(f"decode runs on the CPU for now (device None or 'cpu'); got device={device!r}")
+    caches = []
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if isinstance(c, QuantizedKV):
+            _cpu_only("decode", c.values, c.scales, c.biases)
+            parts = [_args.host_array(x, n) for x, n in ((c.values, "values"), (c.scales, "scales"), (c.biases, "biases"))]
+            caches.append((parts, (_int("bits", c.bits), _int("group_size", c.group_size))))
+        else:
+            _cpu_only("decode", c)
+            caches.append(([_args.host_array(c, name)], None))
+    _cpu_only("decode", q)
+    q = _args.host_array(q, "q")
+    if q.ndim != 4:
+        raise ShapeError(f"q must be [B, Sq, H, D]; got shape {q.shape}")
+    b, sq, h, _ = q.shape
+    s_cache = caches[0][0][0].shape[1] if caches[0][0][0].ndim == 4 else 0
+    seqlens = np.full(b, s_cache, np.int32) if cache_seqlens is None else _args.host_int32(cache_seqlens, "cache_seqlens")
+    leftpad = np.zeros(b, np.int32) if leftpad_k is None else _args.host_int32(leftpad_k, "leftpad_k")
+    left, right = (None, None) if window is None else _window(window)
+    o, lse = np.empty(q.shape, q.dtype), np.empty((b, h, sq), np.float32)
+    _native.decode_host(q, caches[0][0], caches[1][0], seqlens, leftpad, o, lse, k_quant=caches[0][1], v_quant=caches[1][1],
+                        causal=bool(causal), scale=None if scale is None else float(scale), window_left=left,
+                        window_right=right, softcap=None if softcap is None else float(softcap),
+                        num_splits=None if num_splits is None else _int("num_splits", num_splits))
+    return o, lse
+
+
+def _window(window):
+    if not (isinstance(window, tuple) and len(window) == 2 and all(x is None or (_is_nonneg_int(x)) for x in window)):
+        raise UnsupportedError(f"window must be a (left, right) tuple of non-negative ints or None; got {window!r}")
+    return tuple(None if x is None else int(x) for x in window)
+
+
+def _is_nonneg_int(x) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, np.integer)) and x >= 0
+
+
+__all__ = ["QuantizedKV", "quantize_kv", "dequantize_kv", "merge_states", "decode"]

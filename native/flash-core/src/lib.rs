@@ -16,6 +16,7 @@
 //! D and Dv (v's last axis, often equal to D) are each any head dim from 1 to 256.
 
 pub mod cpu;
+pub mod decode;
 pub mod device;
 pub mod dispatch;
 #[cfg(feature = "cuda")]
