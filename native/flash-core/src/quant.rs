@@ -204,18 +204,36 @@ pub fn dequantize(dtype: DType, fmt: &QuantFormat, values: &[u32], scales: &[u8]
 }
 
 fn dequantize_row(dtype: DType, fmt: &QuantFormat, words: &[u32], scales: &[u8], biases: &[u8], out: &mut [u8]) {
-    let (d, gs, bits) = (fmt.head_dim, fmt.group_size, fmt.bits);
-    let (per_word, mask) = (32 / bits, (1u32 << bits) - 1);
+    let mut xs = [0f32; MAX_HEAD_DIM];
+    unpack_row(dtype, fmt, words, scales, biases, &mut xs[..fmt.head_dim]);
+    dtype.store(&xs[..fmt.head_dim], out, 0);
+}
+
+/// One row's values in f32, `scale * q + bias`: its words, and its scales and biases (`dtype`
+/// bytes). Decode reads cache rows through this, with no dequantized copy of the cache.
+pub(crate) fn unpack_row(dtype: DType, fmt: &QuantFormat, words: &[u32], scales: &[u8], biases: &[u8], out: &mut [f32]) {
     let mut sc = [0f32; MAX_HEAD_DIM / 32];
     let mut bi = [0f32; MAX_HEAD_DIM / 32];
     dtype.load(scales, 0, &mut sc[..fmt.groups()]);
     dtype.load(biases, 0, &mut bi[..fmt.groups()]);
-    let mut xs = [0f32; MAX_HEAD_DIM];
-    for (i, x) in xs[..d].iter_mut().enumerate() {
-        let q = (words[i / per_word] >> ((i % per_word) * bits)) & mask;
-        *x = sc[i / gs] * q as f32 + bi[i / gs];
+    match fmt.bits {
+        4 => unpack::<4>(words, &sc, &bi, fmt.group_size, out),
+        _ => unpack::<8>(words, &sc, &bi, fmt.group_size, out),
     }
-    dtype.store(&xs[..d], out, 0);
+}
+
+// Compile-time widths: the shifts and the word walk unroll (no division per element).
+fn unpack<const BITS: usize>(words: &[u32], sc: &[f32], bi: &[f32], group_size: usize, out: &mut [f32]) {
+    let (per_word, mask) = (32 / BITS, (1u32 << BITS) - 1);
+    for (g, group) in out.chunks_exact_mut(group_size).enumerate() {
+        let (s, b) = (sc[g], bi[g]);
+        let w0 = g * group_size / per_word;
+        for (w, xs) in words[w0..w0 + group_size / per_word].iter().zip(group.chunks_exact_mut(per_word)) {
+            for (e, x) in xs.iter_mut().enumerate() {
+                *x = s * ((w >> (e * BITS)) & mask) as f32 + b;
+            }
+        }
+    }
 }
 
 /// Attention over the union of disjoint key sets from each set's state: `o_parts [P, rows, H, Dv]`
