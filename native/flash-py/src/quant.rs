@@ -23,7 +23,7 @@ fn quantize_kv_host<'py>(
     if (parts_dtype, parts_fmt, parts_shape) != (dtype, fmt, shape) {
         return Err(FlashError::Internal("the outputs do not match x".into()).into());
     }
-    let (x, words, s, b) = (x.bytes(), words_mut(&v)?, s.bytes_mut(), b.bytes_mut());
+    let (x, words, s, b) = (x.bytes(), view_mut::<u32>(&v)?, s.bytes_mut(), b.bytes_mut());
     py.detach(|| quant::quantize(dtype, &fmt, x, words, s, b))?;
     Ok(())
 }
@@ -37,7 +37,7 @@ fn dequantize_kv_host<'py>(
     let (v, s, b) = (HostArray::extract(&values, "values")?, HostArray::extract(&scales, "scales")?, HostArray::extract(&biases, "biases")?);
     let out = HostArray::extract(&out, "out")?;
     let (dtype, fmt, _) = quant::check_parts(&v.spec(), &s.spec(), &b.spec(), bits, group_size)?;
-    let (words, s, b, out) = (words(&v)?, s.bytes(), b.bytes(), out.bytes_mut());
+    let (words, s, b, out) = (view::<u32>(&v)?, s.bytes(), b.bytes(), out.bytes_mut());
     py.detach(|| quant::dequantize(dtype, &fmt, words, s, b, out))?;
     Ok(())
 }
@@ -48,7 +48,7 @@ fn merge_states_host<'py>(py: Python<'py>, o_parts: Array<'py>, lse_parts: Array
     let (op, lp) = (HostArray::extract(&o_parts, "o_parts")?, HostArray::extract(&lse_parts, "lse_parts")?);
     let (o, lse) = (HostArray::extract(&o, "o")?, HostArray::extract(&lse, "lse")?);
     let (dtype, [p, b, sq, h, dv]) = quant::check_states(&op.spec(), &lp.spec())?;
-    let (op, lp, o, lse) = (op.bytes(), floats(&lp)?, o.bytes_mut(), floats_mut(&lse)?);
+    let (op, lp, o, lse) = (op.bytes(), view::<f32>(&lp)?, o.bytes_mut(), view_mut::<f32>(&lse)?);
     py.detach(|| quant::merge_states(dtype, p, b, sq, h, dv, op, lp, o, lse))?;
     Ok(())
 }
@@ -84,7 +84,7 @@ impl<'py> CacheArrays<'py> {
     fn cache(&self) -> Result<Cache<'_>, FlashError> {
         Ok(match self.quant {
             None => Cache::Plain(self.arrays[0].bytes()),
-            Some((fmt, _)) => Cache::Quant { fmt, values: words(&self.arrays[0])?, scales: self.arrays[1].bytes(), biases: self.arrays[2].bytes() },
+            Some((fmt, _)) => Cache::Quant { fmt, values: view::<u32>(&self.arrays[0])?, scales: self.arrays[1].bytes(), biases: self.arrays[2].bytes() },
         })
     }
 }
@@ -111,51 +111,40 @@ fn decode_host<'py>(
     }
     let (o, lse) = (HostArray::extract(&o, "o")?, HostArray::extract(&lse, "lse")?);
     let (kc, vc) = (k.cache()?, v.cache()?);
-    let (qb, sl, lp, ob, lse) = (q.bytes(), ints(&sl)?, ints(&lp)?, o.bytes_mut(), floats_mut(&lse)?);
+    let (qb, sl, lp, ob, lse) = (q.bytes(), view::<i32>(&sl)?, view::<i32>(&lp)?, o.bytes_mut(), view_mut::<f32>(&lse)?);
     py.detach(|| decode::decode_cpu(&p, qb, kc, vc, sl, lp, ob, lse))?;
     Ok(())
 }
 
-fn ints<'a>(a: &'a HostArray) -> Result<&'a [i32], FlashError> {
-    aligned(a)?;
-    let b = a.bytes();
-    // SAFETY: an int32 array's buffer (checked by the caller), aligned to 4 (checked).
-    Ok(unsafe { std::slice::from_raw_parts(b.as_ptr() as *const i32, b.len() / 4) })
-}
+// The arrays' bytes as 4-byte elements (u32, i32, f32): their dtype is checked by the core first;
+// an array whose buffer is not 4-byte aligned (a view into foreign memory) is an error rather than
+// a misaligned read.
+trait Word: Copy {}
+impl Word for u32 {}
+impl Word for i32 {}
+impl Word for f32 {}
 
-// The arrays' bytes as u32 / f32: their dtype is checked by the core first; an array whose buffer
-// is not 4-byte aligned (a view into foreign memory) is an error rather than a misaligned read.
 fn aligned(a: &HostArray) -> Result<(), FlashError> {
     if !(a.bytes().as_ptr() as usize).is_multiple_of(4) {
         return Err(FlashError::Shape("an array's buffer is not 4-byte aligned; pass a copy (numpy.array(x))".into()));
     }
     Ok(())
 }
-fn words<'a>(a: &'a HostArray) -> Result<&'a [u32], FlashError> {
+
+fn view<'a, T: Word>(a: &'a HostArray) -> Result<&'a [T], FlashError> {
     aligned(a)?;
     let b = a.bytes();
-    // SAFETY: a uint32 array's buffer, aligned to 4 (checked), of b.len() / 4 elements.
-    Ok(unsafe { std::slice::from_raw_parts(b.as_ptr() as *const u32, b.len() / 4) })
+    // SAFETY: an array of 4-byte elements of T's dtype (checked by the caller), aligned to 4
+    // (checked), of b.len() / 4 elements; every bit pattern is a valid u32, i32 or f32.
+    Ok(unsafe { std::slice::from_raw_parts(b.as_ptr() as *const T, b.len() / 4) })
 }
+
 #[allow(clippy::mut_from_ref)]
-fn words_mut<'a>(a: &'a HostArray) -> Result<&'a mut [u32], FlashError> {
+fn view_mut<'a, T: Word>(a: &'a HostArray) -> Result<&'a mut [T], FlashError> {
     aligned(a)?;
     let b = a.bytes_mut();
-    // SAFETY: as `words`, an output array this call owns.
-    Ok(unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr() as *mut u32, b.len() / 4) })
-}
-fn floats<'a>(a: &'a HostArray) -> Result<&'a [f32], FlashError> {
-    aligned(a)?;
-    let b = a.bytes();
-    // SAFETY: a float32 array's buffer, aligned to 4 (checked).
-    Ok(unsafe { std::slice::from_raw_parts(b.as_ptr() as *const f32, b.len() / 4) })
-}
-#[allow(clippy::mut_from_ref)]
-fn floats_mut<'a>(a: &'a HostArray) -> Result<&'a mut [f32], FlashError> {
-    aligned(a)?;
-    let b = a.bytes_mut();
-    // SAFETY: as `floats`, an output array this call owns.
-    Ok(unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr() as *mut f32, b.len() / 4) })
+    // SAFETY: as `view`, an output array this call owns.
+    Ok(unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr() as *mut T, b.len() / 4) })
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
