@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use crate::dtype::DType;
 use crate::error::{FlashError, Result};
 use crate::problem::{TensorSpec, MAX_HEAD_DIM};
-use crate::quant::{self, QuantFormat};
+use crate::quant::{self, merge_state, QuantFormat};
 
 /// Most query rows a decode call takes.
 pub const MAX_DECODE_ROWS: usize = 16;
@@ -92,8 +92,8 @@ impl Decode {
         if self.seq_q == 0 || self.seq_q > MAX_DECODE_ROWS {
             return Err(FlashError::Shape(format!("decode takes 1 to {MAX_DECODE_ROWS} query rows; got Sq = {}", self.seq_q)));
         }
-        if self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
-            return Err(FlashError::Shape(format!("H ({}) must be a multiple of Hkv ({})", self.heads, self.kv_heads)));
+        if self.kv_heads == 0 || self.heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
+            return Err(FlashError::Shape(format!("H ({}) must be a positive multiple of Hkv ({})", self.heads, self.kv_heads)));
         }
         if self.head_dim == 0 || self.head_dim > MAX_HEAD_DIM {
             return Err(FlashError::Shape(format!("head dim {} must be in [1, {MAX_HEAD_DIM}]", self.head_dim)));
@@ -177,40 +177,20 @@ pub fn decode_cpu(p: &Decode, q: &[u8], k: Cache, v: Cache, seqlens: &[i32], lef
         let (k0, k1) = (lo + n * s / splits, lo + n * (s + 1) / splits);
         decode_task(p, q, &k, &v, b, kv, (lo, hi), (k0, k1), po, pl);
     });
-    // Merge the splits into o [B, Sq, H, D] and lse [B, H, Sq].
+    // Merge the splits into o [B, Sq, H, D] and lse [B, H, Sq] (quant::merge_state's rule).
+    let lse_ptr = quant::SyncPtr(lse.as_mut_ptr());
     o.par_chunks_mut(h * d * es).enumerate().for_each(|(row, out)| {
         let (b, i) = (row / sq, row % sq);
-        let mut acc = vec![0f32; d];
+        let (mut acc, mut part) = (vec![0f32; d], vec![0f32; d]);
         for hh in 0..h {
-            let (kv, g) = (hh / group, hh % group);
-            let state = g * sq + i;
-            let at = |s: usize| (b * hkv + kv) * splits + s;
-            let m = (0..splits).map(|s| part_lse[at(s) * states + state]).fold(f32::NEG_INFINITY, f32::max);
-            acc.fill(0.0);
-            if m.is_finite() {
-                let mut total = 0f32;
-                for s in 0..splits {
-                    let w = (part_lse[at(s) * states + state] - m).exp();
-                    total += w;
-                    let src = &part_o[(at(s) * states + state) * d..][..d];
-                    acc.iter_mut().zip(src).for_each(|(a, x)| *a += w * x);
-                }
-                acc.iter_mut().for_each(|a| *a /= total);
-            }
+            let state = (hh % group) * sq + i;
+            let at = |s: usize| ((b * hkv + hh / group) * splits + s) * states + state;
+            let value = merge_state(splits, |s| part_lse[at(s)], |s, buf| buf.copy_from_slice(&part_o[at(s) * d..][..d]), &mut acc, &mut part);
             p.dtype.store(&acc, out, hh * d);
+            // SAFETY: (b, hh, i) is written by the task of row (b, i) only.
+            unsafe { *lse_ptr.get().add((b * h + hh) * sq + i) = value };
         }
     });
-    for b in 0..b_ {
-        for hh in 0..h {
-            let (kv, g) = (hh / group, hh % group);
-            for i in 0..sq {
-                let state = g * sq + i;
-                let at = |s: usize| ((b * hkv + kv) * splits + s) * states + state;
-                let m = (0..splits).map(|s| part_lse[at(s)]).fold(f32::NEG_INFINITY, f32::max);
-                lse[(b * h + hh) * sq + i] = if m.is_finite() { m + (0..splits).map(|s| (part_lse[at(s)] - m).exp()).sum::<f32>().ln() } else { f32::NEG_INFINITY };
-            }
-        }
-    }
     Ok(())
 }
 

@@ -263,24 +263,8 @@ pub fn merge_states(dtype: DType, parts: usize, batch: usize, seq_q: usize, head
         let mut part = vec![0f32; dv];
         for h in 0..heads {
             let state = (b * heads + h) * seq_q + i;
-            let m = (0..parts).map(|p| lse_parts[p * states + state]).fold(f32::NEG_INFINITY, f32::max);
-            let seen = m.is_finite();
-            acc.fill(0.0);
-            let mut total = 0f32;
-            if seen {
-                for p in 0..parts {
-                    let w = (lse_parts[p * states + state] - m).exp();
-                    if w == 0.0 {
-                        continue;
-                    }
-                    total += w;
-                    dtype.load(o_parts, ((p * batch * seq_q + row) * heads + h) * dv, &mut part);
-                    acc.iter_mut().zip(&part).for_each(|(a, x)| *a += w * x);
-                }
-                acc.iter_mut().for_each(|a| *a /= total);
-            }
+            let value = merge_state(parts, |p| lse_parts[p * states + state], |p, buf| dtype.load(o_parts, ((p * batch * seq_q + row) * heads + h) * dv, buf), &mut acc, &mut part);
             dtype.store(&acc, out, h * dv);
-            let value = if seen { m + total.ln() } else { f32::NEG_INFINITY };
             // SAFETY: state = (b, h, i) is written by the task of row (b, i) only.
             unsafe { *lse_ptr.get().add(state) = value };
         }
@@ -288,14 +272,37 @@ pub fn merge_states(dtype: DType, parts: usize, batch: usize, seq_q: usize, head
     Ok(())
 }
 
+/// One state's merge, merge_states' rule: `lse_of(p)` is its lse in part p and `load(p, buf)` its o
+/// there (each read only for parts that weigh something); `acc` receives the merged o (0 when no
+/// part saw the state), `part` is scratch of acc's length. Returns the merged lse.
+pub(crate) fn merge_state(parts: usize, lse_of: impl Fn(usize) -> f32, mut load: impl FnMut(usize, &mut [f32]), acc: &mut [f32], part: &mut [f32]) -> f32 {
+    let m = (0..parts).map(&lse_of).fold(f32::NEG_INFINITY, f32::max);
+    acc.fill(0.0);
+    if !m.is_finite() {
+        return f32::NEG_INFINITY;
+    }
+    let mut total = 0f32;
+    for p in 0..parts {
+        let w = (lse_of(p) - m).exp();
+        if w == 0.0 {
+            continue;
+        }
+        total += w;
+        load(p, part);
+        acc.iter_mut().zip(part.iter()).for_each(|(a, x)| *a += w * x);
+    }
+    acc.iter_mut().for_each(|a| *a /= total);
+    m + total.ln()
+}
+
 /// A raw pointer the row tasks share, each writing its own elements.
 #[derive(Clone, Copy)]
-struct SyncPtr(*mut f32);
+pub(crate) struct SyncPtr(pub(crate) *mut f32);
 // SAFETY: the tasks write disjoint elements (see merge_states).
 unsafe impl Send for SyncPtr {}
 unsafe impl Sync for SyncPtr {}
 impl SyncPtr {
-    fn get(self) -> *mut f32 {
+    pub(crate) fn get(self) -> *mut f32 {
         self.0
     }
 }
