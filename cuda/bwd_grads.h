@@ -5,32 +5,6 @@
 #pragma once
 #include "mask.h"
 
-// S^T (raw scores) -> P^T = exp2(S^T * scale_log2 - lse2), masked when `masked` (KEY_ROWS mask).
-template <int NT>
-__device__ __forceinline__ void probs_t(float (&s)[NT][4], float scale_log2, bool masked, int key0, int m0,
-                                        const Visibility& vis, const float* lse2) {
-    const int t = threadIdx.x % 4;
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[i][e] *= scale_log2;
-    if (masked) mask_tile<NT, true>(s, key0, m0, vis);
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[i][e] = fast_exp2(s[i][e] - lse2[i * 8 + 2 * t + (e % 2)]);
-}
-
-// dP^T -> dS^T = P^T (dP^T - delta).
-template <int NT>
-__device__ __forceinline__ void dscores_t(float (&dp)[NT][4], const float (&pt)[NT][4], const float* dlt) {
-    const int t = threadIdx.x % 4;
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dp[i][e] = pt[i][e] * (dp[i][e] - dlt[i * 8 + 2 * t + (e % 2)]);
-}
-
 #if MODS
 // Both at once with the score modifiers (which take scaled scores): S^T -> P^T and dP^T -> dS^T,
 // the softcap's chain rule folded into dS^T.
@@ -59,8 +33,8 @@ __device__ __forceinline__ void grads_t(float (&s)[NT][4], float (&dp)[NT][4], f
         }
 }
 #else
-// Both at once: S^T -> P^T and dP^T -> dS^T (one pass, fewer registers live than probs_t then
-// dscores_t).
+// S^T (raw scores) -> P^T = exp2(S^T scale_log2 - lse2), masked when `masked` (KEY_ROWS mask), and
+// dP^T -> dS^T = P^T (dP^T - delta), in one pass.
 template <int NT>
 __device__ __forceinline__ void grads_t(float (&s)[NT][4], float (&dp)[NT][4], float scale_log2, bool masked, int key0,
                                         int m0, const Visibility& vis, const float* lse2, const float* dlt) {

@@ -32,14 +32,16 @@
 #ifndef STAGES
 #define STAGES 2
 #endif
-// 2 x 128 x CONSUMER_REGS + 128 x PRODUCER_REGS = 64 K registers: 24 spilled the causal walk, 32 the
-// MASKED one (whose skip tests take registers).
+// Registers per thread after setmaxnreg. The block holds 168 x 384 (launch bounds), which the
+// roles' shares must not exceed (setmaxnreg.inc waits for them): 128 x PRODUCER_REGS + 256 x
+// CONSUMER_REGS <= 64512. The producer's and the writer's walks spilled at 24 (causal) and 48
+// (MASKED, whose tile tests take registers).
 #if MASKED
-#define PRODUCER_REGS 48
-#define CONSUMER_REGS 232
+#define PRODUCER_REGS 56
+#define CONSUMER_REGS 224
 #else
-#define PRODUCER_REGS 32
-#define CONSUMER_REGS 240
+#define PRODUCER_REGS 40
+#define CONSUMER_REGS 232
 #endif
 #if FLASH_DTYPE == 2 || HEAD_DIM % 64 != 0 || NUM_WARPS != 12 || BLOCK_N != 64 * CONSUMERS || (BLOCK_M != 64 && BLOCK_M != 128)
 #error "bwd_sm90: fp16 / bf16, two consumer warpgroups of 64 keys, 64 or 128 query rows per step"
@@ -48,9 +50,6 @@
 // else by columns: each computes a 64 x DQ_N part.
 #define DQ_SPLIT_ROWS (BLOCK_M == 128)
 #define DQ_N (DQ_SPLIT_ROWS ? HEAD_DIM : HEAD_DIM / 2)
-// P^T V's product issued before dS^T is computed (overlapping it), which keeps S^T's registers live
-// longer: with 64 query rows and no masks only (128 rows, or 232 registers with the masks, spilled).
-#define OVERLAP_DV (BLOCK_M == 64 && !MASKED)
 
 #define CB_BYTES(rows) ((rows) * 128)                    // one [rows][64] column block
 #define TILE_BYTES(rows) (CB_BYTES(rows) * COL_BLOCKS)   // a [rows][HEAD_DIM] tile
@@ -269,23 +268,12 @@ __device__ __forceinline__ void consume(const Sm90BwdParams& P, Smem& smem, int 
         mbar_wait(smem_addr(&smem.do_full[st]), ph);
         issue_abt<BLOCK_M>(dp, v_rows, CB_BYTES(BLOCK_N), do_tile);
         u32 pa[BLOCK_M / 16][4], da[BLOCK_M / 16][4];
-#if OVERLAP_DV
-        wgmma_wait<1>();  // S^T has landed; dP^T may still run
-        fence_regs(s);
-        probs_t<BLOCK_M / 8>(s, p.scale_log2, masked, key0, m0, blk.vis(h), lse2);
-        pack_a(pa, s);
-        issue_ab(dv, pa, do_tile);
-        wgmma_wait<1>();  // dP^T has landed; dV may still run
-        fence_regs(dp);
-        dscores_t<BLOCK_M / 8>(dp, s, dlt);
-#else
-        wgmma_wait<0>();
+        wgmma_wait<0>();  // S^T and dP^T (P^T V issued before dS^T is computed spilled at 232 registers)
         fence_regs(s);
         fence_regs(dp);
         grads_t<BLOCK_M / 8>(s, dp, p.scale_log2, masked, key0, m0, blk.vis(h), lse2, dlt);
         pack_a(pa, s);
         issue_ab(dv, pa, do_tile);
-#endif
         pack_a(da, dp);
         issue_ab(dk, da, q_tile);
 

@@ -1,8 +1,9 @@
 """The Hopper backward (cuda/bwd_sm90.cu) against the float64 oracle, its deterministic mode and its
 dispatch (marked ``gpu``).
 
-On a GPU of compute capability 9.0 the backward of fp16 / bf16 at D = 64 and 128, with any mask but
-varlen batches and any score modifier, runs the sm90 kernel (deterministic: plain and causal only);
+On a GPU of compute capability 9.0 the backward of fp16 / bf16 at D = 64 and 128 runs the sm90
+kernel; with masks (but varlen batches) and score modifiers at D = 64 only, deterministic without
+masks only;
 ``FLASH_NIF_SM90=0`` forces the portable kernels; ``info()["cuda"]["last_kernels"]["backward"]``
 says which kernel ran and why. On other GPUs the accuracy cases still run (on the portable kernels)
 and the dispatch checks skip.
@@ -115,7 +116,8 @@ def test_env_switches_it_off_and_the_portable_path_agrees(hopper, make_inputs, m
 
 def test_what_it_cannot_take_falls_back_and_says_why(hopper, make_inputs):
     cases = (("D = 256", 256, {}, False, "head dim 256"), ("float32", 128, {}, False, "float32"),
-             ("deterministic window", 128, {"window": (16, 0)}, True, "deterministic with masks"))
+             ("window at D = 128", 128, {"window": (16, 0)}, False, "masks at head dim 128"),
+             ("deterministic window", 64, {"window": (16, 0)}, True, "deterministic with masks"))
     for what, d, opts, deterministic, why in cases:
         dtype = DTYPES["f32" if what == "float32" else "bf16"]
         q, k, v, do = (to_gpu("torch", x) for x in make_inputs(0, 1, 64, 64, 2, 2, d, dtype))
@@ -127,7 +129,8 @@ def test_what_it_cannot_take_falls_back_and_says_why(hopper, make_inputs):
 
 
 # Masks (test_masks.py's cases) and score modifiers at the sm90 head dims, through NumPy arrays with
-# device="cuda": the sm90 kernel's MASKED variants (which compile the modifiers in).
+# device="cuda": at D = 64 the sm90 kernel's MASKED variants (which compile the modifiers in), at
+# D = 128 the portable kernels.
 MASK_CASES = ["window", "segments-sq-ne-sk", "seqused-leftpad", "block", "all-causal-gqa", "sees-nothing"]
 
 
@@ -136,7 +139,7 @@ def check_host(fa, ref, assert_close_to_oracle, record_error, q, k, v, do, causa
     got = fa.backward(do, q, k, v, o, lse, causal=causal, device="cuda", **opts)
     ran = last_backward(fa)
     if fa.info()["cuda"].get("sm90"):
-        assert ran["kernel"].startswith("bwd_sm90"), ran
+        assert ran["kernel"].startswith("bwd_sm90") == (q.shape[-1] == 64), ran
     want = ref.backward(do, q, k, v, o, lse, causal=causal, **opts)
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         record_error("bf16", name, assert_close_to_oracle(name, g, w, DTYPES["bf16"], f"{ctx} kernel={ran['kernel']}"))

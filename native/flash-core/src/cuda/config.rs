@@ -125,7 +125,9 @@ fn attention_variants(head_dims: &[usize]) -> Vec<Variant> {
             if dtype != DType::F32 && super::sm90::BWD_HEAD_DIMS.contains(&head_dim) {
                 // Masked variants are MODS ones (make_variant): one per (dtype, head dim).
                 for (causal, masked) in [(false, false), (true, false), (false, true)] {
-                    out.extend(table_candidates(&spec(Kernel::BwdSm90, causal, masked, masked)));
+                    if !masked || head_dim <= 64 {  // sm90.rs: masks at D = 64 only
+                        out.extend(table_candidates(&spec(Kernel::BwdSm90, causal, masked, masked)));
+                    }
                 }
             }
         }

@@ -438,10 +438,12 @@ pub(super) unsafe fn backward_kernels(dev: &Device, p: &Problem, s: cu::CUstream
     let fp = device::function(dev, &vp)?;
     let dq_len = if atomic_dq { p.q_len() } else { 0 };
     let sem_len = if hopper && p.deterministic { d.batch * d.heads * sm90::backward_m_blocks(dev, p)? } else { 0 };
-    let work = DeviceBuffer::alloc((2 * stats + dq_len + sem_len) * 4, s)?;
+    // Each part on a 128-byte boundary (the Hopper kernel's bulk reductions need 16).
+    let stats_pad = stats.next_multiple_of(32);
+    let work = DeviceBuffer::alloc((2 * stats_pad + dq_len + sem_len) * 4, s)?;
     prm.delta = work.ptr;
-    prm.lse_log2 = work.ptr + (stats * 4) as u64;
-    prm.dq_accum = work.ptr + (2 * stats * 4) as u64;
+    prm.lse_log2 = work.ptr + (stats_pad * 4) as u64;
+    prm.dq_accum = work.ptr + (2 * stats_pad * 4) as u64;
     let dq_sem = if sem_len > 0 { prm.dq_accum + (dq_len * 4) as u64 } else { 0 };
     let kv_grid = |v: &Variant| (grid_over(d.seq_k, v.tiles.block_n), d.kv_heads as u32, d.batch as u32);
     let rows = elementwise_params(&prm, p);

@@ -41,6 +41,10 @@ pub fn forward_choice(dev: &Device, p: &Problem, ptrs: [u64; 3]) -> std::result:
 /// (`ptrs`: q, k, v, dO): Ok(()) when it does, else the reason it does not.
 pub fn backward_choice(dev: &Device, p: &Problem, ptrs: [u64; 4]) -> std::result::Result<(), String> {
     common_choice(dev, p, &ptrs, &BWD_HEAD_DIMS)?;
+    if !p.is_plain() && p.dims.head_dim > 64 {
+        // Its masked kernel has 224 registers per consumer thread, too few for D = 128's products.
+        return Err(format!("masks at head dim {} run the portable kernels", p.dims.head_dim));
+    }
     if p.deterministic && !p.is_plain() {
         // The ordered dQ reductions count the key blocks before this one, which a mask may skip.
         return Err("deterministic with masks runs the portable kernels".into());
