@@ -188,11 +188,9 @@ defmodule ExPhil.Native.FlashAttention do
   `:interleaved`, `:positions` and `:device`, the same as Python's `flash_nif.rotary`.
   """
 
-  alias ExPhil.Native.FlashAttention.{Error, Nif, Tensor}
-
-  # Nx is optional and never a compile-time dependency: an Nx.Tensor is recognised by its struct
-  # name and converted through Nx's public functions, which exist whenever one was built.
-  # (mix.exs's `xref: [exclude: [Nx]]` keeps the compiler quiet with Nx and without it.)
+  alias ExPhil.Native.FlashAttention.{Nif, Options, Tensor}
+  # Tensors in and out (Nx tensors included), and the plumbing every function shares.
+  import ExPhil.Native.FlashAttention.Wire
 
   # Options by call: a varlen call takes no mask tensors (its packing is its padding).
   @mask_keys [:segment_ids, :seqused_k, :leftpad_k, :block_mask]
@@ -439,23 +437,8 @@ defmodule ExPhil.Native.FlashAttention do
     end
   end
 
-  defp unwrap!({:ok, one}), do: one
-  defp unwrap!({:ok, a, b}), do: {a, b}
-  defp unwrap!({:ok, a, b, c}), do: {a, b, c}
-  defp unwrap!({:ok, a, b, c, d}), do: {a, b, c, d}
-  defp unwrap!({:error, {kind, message}}), do: raise(Error, kind: kind, message: message)
-
-  defp loaded do
-    case Nif.status() do
-      :ok -> :ok
-      {:error, message} -> {:error, {:nif_not_loaded, message}}
-    end
-  end
-
   ## Options
 
-  @devices [:auto, :cpu, :cuda]
-  @modes [:auto, :fused, :materialized]
   # The NIF's options map: every key, defaults filled (the one place they are set).
   @defaults %{
     causal: true,
@@ -468,7 +451,7 @@ defmodule ExPhil.Native.FlashAttention do
     alibi_slopes: nil,
     sinks: nil
   }
-  @max_i64 0x7FFFFFFFFFFFFFFF
+  @max_i64 Options.max_i64()
 
   # {:ok, options_map, masks}: the NIF's options, and the mask options given (a keyword list of
   # the caller's tensors). Types are checked here, values (scale > 0, mask shapes) in the core.
@@ -507,55 +490,9 @@ defmodule ExPhil.Native.FlashAttention do
 
   defp options(opts, _keys), do: unsupported("options must be a keyword list, got: #{inspect(opts)}")
 
-  # One option's value as the NIF takes it.
-  defp option(:causal, c) when is_boolean(c), do: {:ok, c}
-  defp option(:scale, s) when is_float(s) or is_nil(s), do: {:ok, s}
-  defp option(:scale, s) when is_integer(s) and abs(s) < 1.0e300, do: {:ok, s * 1.0}
-  defp option(:device, d) when d in @devices, do: {:ok, d}
-  defp option(:deterministic, x) when is_boolean(x), do: {:ok, x}
-  defp option(:mode, m) when m in @modes, do: {:ok, m}
-  defp option(:window, nil), do: {:ok, {nil, nil}}
-  defp option(:softcap, c) when is_float(c) or is_nil(c), do: {:ok, c}
-  defp option(:softcap, c) when is_integer(c) and abs(c) < 1.0e300, do: {:ok, c * 1.0}
-  # Modifier tensors: wired by wire_mods/1 (nil: not given).
+  # Modifier tensors: wired by wire_mods/1 (nil: not given); the rest as Options checks them.
   defp option(key, t) when key in @mod_keys, do: {:ok, t}
-
-  defp option(:window, {left, right} = w) do
-    if side?(left) and side?(right),
-      do: {:ok, {side(left), side(right)}},
-      else: window_error(w)
-  end
-
-  defp option(:causal, c), do: unsupported("the :causal option must be true or false, got: #{inspect(c)}")
-
-  defp option(:scale, s),
-    do: unsupported("the :scale option must be a positive number or nil, got: #{inspect(s)}")
-
-  defp option(:device, d),
-    do: unsupported("the :device option must be :auto, :cpu or :cuda, got: #{inspect(d)}")
-
-  defp option(:deterministic, x),
-    do: unsupported("the :deterministic option must be true or false, got: #{inspect(x)}")
-
-  defp option(:mode, m),
-    do: unsupported("the :mode option must be :auto, :fused or :materialized, got: #{inspect(m)}")
-
-  defp option(:window, w), do: window_error(w)
-
-  defp option(:softcap, c),
-    do: unsupported("the :softcap option must be a positive number or nil, got: #{inspect(c)}")
-
-  defp window_error(w) do
-    unsupported(
-      "the :window option must be {left, right}, each a non-negative integer or :infinity " <>
-        "(or nil for no window), got: #{inspect(w)}"
-    )
-  end
-
-  # :infinity (unbounded) travels as nil; larger integers than the core's i64 are refused.
-  defp side?(x), do: x == :infinity or (is_integer(x) and x >= 0 and x <= @max_i64)
-  defp side(:infinity), do: nil
-  defp side(x), do: x
+  defp option(key, value), do: Options.option(key, value)
 
   # Mask values are tensors, checked when wired; nil means not given.
   defp mask(_key, nil), do: :ok
@@ -566,7 +503,6 @@ defmodule ExPhil.Native.FlashAttention do
 
   defp mask(_key, _tensor), do: :ok
 
-  defp unsupported(message), do: {:error, {:unsupported, message}}
 
   ## Tensors in and out
 
@@ -584,20 +520,6 @@ defmodule ExPhil.Native.FlashAttention do
           end
       end
     end)
-  end
-
-  # Each named argument as the NIF's {data, [dims], dtype_name}, or the first problem found.
-  defp wire(named) do
-    Enum.reduce_while(named, {:ok, []}, fn {name, t}, {:ok, acc} ->
-      case wire(t, name) do
-        {:ok, w} -> {:cont, {:ok, [w | acc]}}
-        error -> {:halt, error}
-      end
-    end)
-    |> case do
-      {:ok, acc} -> {:ok, Enum.reverse(acc)}
-      error -> error
-    end
   end
 
   # The NIF's masks map from the mask options: segment ids travel as {seg_q, seg_k}, named
@@ -619,71 +541,6 @@ defmodule ExPhil.Native.FlashAttention do
       end
     end
   end
-
-  defp wire(%Tensor{data: data, shape: shape, type: type}, name) when is_binary(data) do
-    if shape?(shape) do
-      {:ok, {data, Tuple.to_list(shape), type_name(type)}}
-    else
-      {:error,
-       {:shape, "#{name} has shape #{inspect(shape)}; a shape must be a tuple of non-negative integers"}}
-    end
-  end
-
-  defp wire(%Tensor{data: data}, name),
-    do: {:error, {:argument, "#{name}.data must be a binary, got: #{short(data)}"}}
-
-  # Nx.to_binary/1 would give every entry's data and Nx.shape/1 one entry's shape: refuse instead.
-  defp wire(%{__struct__: Nx.Tensor, vectorized_axes: [_ | _] = axes}, name) do
-    {:error,
-     {:argument,
-      "#{name} is a vectorized Nx tensor (vectorized axes #{inspect(axes)}), which is not " <>
-        "supported; devectorize it first (Nx.devectorize/2) and fold those axes into the batch axis"}}
-  end
-
-  defp wire(%{__struct__: Nx.Tensor} = t, name) do
-    if Code.ensure_loaded?(Nx) do
-      try do
-        %Tensor{data: Nx.to_binary(t), shape: Nx.shape(t), type: Nx.type(t)}
-      rescue
-        e -> {:error, {:argument, "cannot read #{name} with Nx.to_binary/1: #{Exception.message(e)}"}}
-      else
-        host -> wire(host, name)
-      end
-    else
-      {:error, {:argument, "#{name} is an Nx.Tensor but the Nx module is not available"}}
-    end
-  end
-
-  defp wire(other, name) do
-    {:error,
-     {:argument,
-      "#{name} must be an ExPhil.Native.FlashAttention.Tensor or an Nx.Tensor, got: #{short(other)}"}}
-  end
-
-  defp shape?(shape) when is_tuple(shape),
-    do: shape |> Tuple.to_list() |> Enum.all?(&(is_integer(&1) and &1 >= 0))
-
-  defp shape?(_), do: false
-
-  # The core parses these names; any other type reaches it as its inspect() and is rejected there
-  # with a :dtype error naming the accepted types.
-  defp type_name({:f, 32}), do: "float32"
-  defp type_name({:f, 16}), do: "float16"
-  defp type_name({:bf, 16}), do: "bfloat16"
-  defp type_name({:s, 32}), do: "int32"
-  defp type_name({:u, 8}), do: "uint8"
-  defp type_name(other), do: inspect(other)
-
-  defp type_of(%Tensor{type: type}), do: type
-  defp type_of(%{__struct__: Nx.Tensor} = t), do: Nx.type(t)
-
-  # A NIF output {data, shape} in the form of q: an Nx tensor when q is one, else a Tensor struct.
-  defp result(%{__struct__: Nx.Tensor}, {data, shape}, type),
-    do: data |> Nx.from_binary(type) |> Nx.reshape(shape)
-
-  defp result(_q, {data, shape}, type), do: %Tensor{data: data, shape: shape, type: type}
-
-  defp short(term), do: inspect(term, limit: 5, printable_limit: 40)
 
   ## Rotary position embeddings
 
