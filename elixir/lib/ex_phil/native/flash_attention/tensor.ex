@@ -5,7 +5,8 @@ defmodule ExPhil.Native.FlashAttention.Tensor do
     * `data` — the elements, row-major, native-endian (exactly what `Nx.to_binary/1` gives);
     * `shape` — a tuple of non-negative integers;
     * `type` — `{:f, 32}`, `{:f, 16}` or `{:bf, 16}` (logsumexp is always `{:f, 32}`); masks
-      are `{:s, 32}` (segment ids, lengths, offsets) or `{:u, 8}` (block masks).
+      are `{:s, 32}` (segment ids, lengths, offsets) or `{:u, 8}` (block masks); the codes of a
+      quantized KV cache are `{:u, 32}`.
 
   `from_list/3` and `to_list/1` convert flat lists of numbers for small tensors, tests and
   examples (non-finite values are the atoms `:infinity`, `:neg_infinity` and `:nan`, as in Nx;
@@ -15,7 +16,7 @@ defmodule ExPhil.Native.FlashAttention.Tensor do
   @enforce_keys [:data, :shape, :type]
   defstruct [:data, :shape, :type]
 
-  @type type :: {:f, 32} | {:f, 16} | {:bf, 16} | {:s, 32} | {:u, 8}
+  @type type :: {:f, 32} | {:f, 16} | {:bf, 16} | {:s, 32} | {:u, 8} | {:u, 32}
   @type element :: float | integer | :infinity | :neg_infinity | :nan
   @type t :: %__MODULE__{data: binary, shape: tuple, type: type}
 
@@ -30,6 +31,7 @@ defmodule ExPhil.Native.FlashAttention.Tensor do
   def byte_size({:bf, 16}), do: 2
   def byte_size({:s, 32}), do: 4
   def byte_size({:u, 8}), do: 1
+  def byte_size({:u, 32}), do: 4
 
   @doc """
   A tensor of `type` holding the numbers of `list` (flat, row-major) in `shape`.
@@ -54,6 +56,7 @@ defmodule ExPhil.Native.FlashAttention.Tensor do
   def to_list(%__MODULE__{data: data, type: {:bf, 16}}), do: for(<<c::binary-size(2) <- data>>, do: bf16(c))
   def to_list(%__MODULE__{data: data, type: {:s, 32}}), do: for(<<x::signed-32-native <- data>>, do: x)
   def to_list(%__MODULE__{data: data, type: {:u, 8}}), do: :binary.bin_to_list(data)
+  def to_list(%__MODULE__{data: data, type: {:u, 32}}), do: for(<<x::32-native <- data>>, do: x)
 
   # Encoding one element. Non-finite values are written as their bit patterns.
   defp encode(:infinity, {f, _} = type) when f in [:f, :bf], do: bits(type, 0x7F800000, 0x7C00, 0x7F80)
@@ -63,6 +66,7 @@ defmodule ExPhil.Native.FlashAttention.Tensor do
   defp encode(x, {:f, 16}) when is_number(x), do: <<x::float-16-native>>
   defp encode(x, {:s, 32}) when is_integer(x) and x in -0x80000000..0x7FFFFFFF, do: <<x::signed-32-native>>
   defp encode(x, {:u, 8}) when is_integer(x) and x in 0..255, do: <<x::8>>
+  defp encode(x, {:u, 32}) when is_integer(x) and x in 0..0xFFFFFFFF, do: <<x::32-native>>
 
   defp encode(x, {:bf, 16}) when is_number(x) do
     # bfloat16 is the top half of a float32, rounded to nearest even.
