@@ -186,9 +186,40 @@ defmodule ExPhil.Native.FlashAttention do
   `rotary/4` and `rotary_backward/4` apply RoPE to `x` `{batch, seq, heads, head_dim}` (and its
   gradient) with float32 tables `cos`, `sin` `{max_pos, rotary_dim / 2}`; the options are
   `:interleaved`, `:positions` and `:device`, the same as Python's `flash_nif.rotary`.
+
+  ## Decoding over (quantized) KV caches
+
+  `quantize_kv/2`, `dequantize_kv/1`, `merge_states/2` and `decode/4` are Python's
+  `flash_nif.quantize_kv`, `dequantize_kv`, `merge_states` and `decode`: the same option names,
+  defaults, semantics and errors, on the CPU for now (`device: :cuda` is an `:unsupported`
+  error; the GPU decode is not built yet). A cache is `{batch, s_cache, kv_heads, head_dim}` in
+  `q`'s type, or an `ExPhil.Native.FlashAttention.QuantizedKV` (4- or 8-bit codes read as
+  stored: no dequantized copy). A decode loop preallocates the cache to its longest length and
+  lets `:cache_seqlens` say how much of each batch row is filled, appending each step's new keys
+  and values first (`QuantizedKV.put_seq/3`, or `Tensor.put_seq/3` for a plain cache):
+
+      alias ExPhil.Native.FlashAttention, as: FA
+      alias ExPhil.Native.FlashAttention.{QuantizedKV, Tensor}
+
+      # Room for 256 tokens in each of 2 rows, 2 kv heads of 64 dims; nothing filled yet.
+      empty = Tensor.from_list(List.duplicate(0.0, 2 * 256 * 2 * 64), {2, 256, 2, 64}, {:f, 32})
+      cache = %{k: FA.quantize_kv!(empty, bits: 4), v: FA.quantize_kv!(empty, bits: 4), lens: [0, 0]}
+
+      step = fn cache, q, k_new, v_new ->
+        # q {2, 1, 8, 64}; k_new, v_new {2, 1, 2, 64}: this token's query, key and value
+        k = QuantizedKV.put_seq(cache.k, cache.lens, FA.quantize_kv!(k_new, bits: 4))
+        v = QuantizedKV.put_seq(cache.v, cache.lens, FA.quantize_kv!(v_new, bits: 4))
+        lens = Enum.map(cache.lens, &(&1 + 1))
+        seqlens = Tensor.from_list(lens, {2}, {:s, 32})
+        {out, _lse} = FA.decode!(q, k, v, cache_seqlens: seqlens)   # out {2, 1, 8, 64}
+        {out, %{k: k, v: v, lens: lens}}
+      end
+
+  `elixir/examples/decode_loop.exs` runs this loop and checks each step against
+  `forward_with_states/4` over the dequantized cache.
   """
 
-  alias ExPhil.Native.FlashAttention.{Nif, Options, Tensor}
+  alias ExPhil.Native.FlashAttention.{KV, Nif, Options, Tensor}
   # Tensors in and out (Nx tensors included), and the plumbing every function shares.
   import ExPhil.Native.FlashAttention.Wire
 
@@ -503,7 +534,6 @@ defmodule ExPhil.Native.FlashAttention do
 
   defp mask(_key, _tensor), do: :ok
 
-
   ## Tensors in and out
 
   # The options map with its modifier tensors (alibi_slopes, sinks) wired; nil stays nil.
@@ -655,4 +685,136 @@ defmodule ExPhil.Native.FlashAttention do
 
   defp wire_positions(p) when is_nil(p) or is_integer(p), do: {:ok, p}
   defp wire_positions(t), do: wire(t, :positions)
+
+  ## KV caches and decode (ExPhil.Native.FlashAttention.KV)
+
+  @typedoc "The options of `quantize_kv/2`."
+  @type quant_option :: {:bits, 4 | 8} | {:group_size, 32 | 64}
+
+  @typedoc "The options of `decode/4`: Python's `flash_nif.decode` keywords."
+  @type decode_option ::
+          {:cache_seqlens, tensor | nil}
+          | {:leftpad_k, tensor | nil}
+          | {:causal, boolean}
+          | {:scale, number | nil}
+          | {:window, {side, side} | nil}
+          | {:softcap, number | nil}
+          | {:num_splits, pos_integer | nil}
+          | {:device, :cpu}
+
+  @doc """
+  `x` `{b, s, kv_heads, d}` (`{:f, 32}`, `{:f, 16}` or `{:bf, 16}`) quantized:
+  `{:ok, %ExPhil.Native.FlashAttention.QuantizedKV{}}` (its moduledoc has the format), bit for
+  bit what Python's `flash_nif.quantize_kv` and the float64 oracle give. Its parts take the form
+  of `x` (Nx tensors when `x` is one).
+
+  Options: `:bits` — 4 (default) or 8; `:group_size` — 64 (default) or 32, elements of the head
+  dim per scale and bias; it must divide `d`.
+
+  Errors: `:unsupported` (other bits or group sizes, an unknown option), `:shape` (`x` not of
+  rank 4, `d` not a multiple of the group size or past 256), `:dtype` (`x` not a float type).
+
+      iex> alias ExPhil.Native.FlashAttention, as: FA
+      iex> x = FA.Tensor.from_list(Enum.map(0..31, &(rem(&1, 16) * 1.0)), {1, 1, 1, 32}, {:f, 32})
+      iex> {:ok, c} = FA.quantize_kv(x, bits: 4, group_size: 32)
+      iex> {c.shape, c.values.shape, c.scales.shape, FA.Tensor.to_list(c.scales)}
+      {{1, 1, 1, 32}, {1, 1, 1, 4}, {1, 1, 1, 1}, [1.0]}
+      iex> FA.dequantize_kv!(c) == x
+      true
+  """
+  @spec quantize_kv(tensor, [quant_option]) ::
+          {:ok, ExPhil.Native.FlashAttention.QuantizedKV.t()} | {:error, reason}
+  def quantize_kv(x, opts \\ []), do: KV.quantize_kv(x, opts)
+
+  @doc """
+  A quantized cache back in its float type: `{:ok, x}`, `x` `{b, s, kv_heads, d}` in the scales'
+  type, `scale * q + bias` computed in f32 (within half a quantization step of the original).
+  Errors: `:argument` (not a `QuantizedKV`), `:shape` (scales or biases not `{b, s, kv_heads,
+  d / group_size}`), `:dtype` (`values` not `{:u, 32}`, scales and biases of two types),
+  `:unsupported` (bits or group size).
+  """
+  @spec dequantize_kv(ExPhil.Native.FlashAttention.QuantizedKV.t()) :: {:ok, tensor} | {:error, reason}
+  def dequantize_kv(cache), do: KV.dequantize_kv(cache)
+
+  @doc """
+  Attention over the union of disjoint key sets from each set's output and logsumexp:
+  `o_parts` `{p, b, seq_q, heads, dv}` (a float type) and `lse_parts` `{p, b, heads, seq_q}`
+  (`{:f, 32}`), each stacked or as a list of `p` tensors. `{:ok, o, lse}` with `lse =
+  log(Σ exp(lse_p))` and `o = Σ exp(lse_p - lse) o_p` in `o_parts`' type; parts with logsumexp
+  `:neg_infinity` weigh nothing, and a row no part saw gives `o = 0`, `lse = :neg_infinity`.
+  Errors: `:shape` (`lse_parts` not `{p, b, heads, seq_q}`, list parts of different shapes),
+  `:dtype` (`lse_parts` not `{:f, 32}`).
+
+      iex> alias ExPhil.Native.FlashAttention, as: FA
+      iex> o = [FA.Tensor.from_list([1.0, 2.0], {1, 1, 1, 2}, {:f, 32}), FA.Tensor.from_list([3.0, 4.0], {1, 1, 1, 2}, {:f, 32})]
+      iex> lse = [FA.Tensor.from_list([0.0], {1, 1, 1}, {:f, 32}), FA.Tensor.from_list([0.0], {1, 1, 1}, {:f, 32})]
+      iex> {:ok, out, lse} = FA.merge_states(o, lse)
+      iex> {FA.Tensor.to_list(out), Enum.map(FA.Tensor.to_list(lse), &Float.round(&1, 6))}
+      {[2.0, 3.0], [0.693147]}
+  """
+  @spec merge_states(tensor | [tensor], tensor | [tensor]) :: {:ok, tensor, tensor} | {:error, reason}
+  def merge_states(o_parts, lse_parts), do: KV.merge_states(o_parts, lse_parts)
+
+  @doc """
+  Attention of a few new queries `q` `{b, seq_q, heads, d}` (`seq_q` 1 to 16) over a KV cache:
+  `k_cache`, `v_cache` `{b, s_cache, kv_heads, d}` in `q`'s type, or
+  `ExPhil.Native.FlashAttention.QuantizedKV`s with scales in `q`'s type (read as stored, no
+  dequantized copy). `{:ok, output, logsumexp}`, output `{b, seq_q, heads, d}` in `q`'s type,
+  logsumexp `{b, heads, seq_q}` `{:f, 32}`, as `forward_with_states/4`. `heads` must be a
+  multiple of `kv_heads`; each key is read once for its whole GQA group.
+
+  Options (Python's `flash_nif.decode` keywords, same defaults):
+
+    * `:cache_seqlens`, `:leftpad_k` — `{:s, 32}` `{b}`: row `r`'s valid keys are
+      `leftpad_k[r] <= j < cache_seqlens[r]` (defaults 0 and `s_cache`; `0 <= leftpad_k[r] <=
+      cache_seqlens[r] <= s_cache`). A row with none gives output 0, logsumexp `:neg_infinity`.
+    * `:causal` (default `true`) and `:window` (`{left, right}`, as for `forward/4`) — aligned to
+      the end of the valid keys: the last query sees every one of them.
+    * `:scale` (default `1 / sqrt(d)`), `:softcap` — as for `forward/4`.
+    * `:num_splits` — split each row's keys this many ways and merge the parts by their
+      logsumexp (`nil`, the default: chosen from the sizes). Results agree to rounding.
+    * `:device` — `:cpu` (the default and, for now, the only one: `:cuda` and `:auto` are
+      `:unsupported` errors, never a silent CPU run).
+
+  Errors: `:shape` (ranks, batch or head dims that disagree, `seq_q` outside 1..16, lengths
+  outside `[0, s_cache]`, length tensors not `{b}`), `:dtype` (caches not in `q`'s type, lengths
+  not `{:s, 32}`), `:unsupported` (an option's type or value), `:argument` (not a tensor).
+
+      iex> alias ExPhil.Native.FlashAttention, as: FA
+      iex> q = FA.Tensor.from_list([1.0, 0.0], {1, 1, 1, 2}, {:f, 32})
+      iex> kv = FA.Tensor.from_list([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], {1, 3, 1, 2}, {:f, 32})
+      iex> lens = FA.Tensor.from_list([2], {1}, {:s, 32})
+      iex> {:ok, out, _lse} = FA.decode(q, kv, kv, cache_seqlens: lens, scale: 1.0e-9)
+      iex> FA.Tensor.to_list(out) |> Enum.map(&Float.round(&1, 4))
+      [2.0, 3.0]
+  """
+  @spec decode(
+          tensor,
+          tensor | ExPhil.Native.FlashAttention.QuantizedKV.t(),
+          tensor | ExPhil.Native.FlashAttention.QuantizedKV.t(),
+          [decode_option]
+        ) ::
+          {:ok, tensor, tensor} | {:error, reason}
+  def decode(q, k_cache, v_cache, opts \\ []), do: KV.decode(q, k_cache, v_cache, opts)
+
+  @doc "Like `quantize_kv/2`, but returns the `QuantizedKV` and raises on error."
+  @spec quantize_kv!(tensor, [quant_option]) :: ExPhil.Native.FlashAttention.QuantizedKV.t()
+  def quantize_kv!(x, opts \\ []), do: x |> quantize_kv(opts) |> unwrap!()
+
+  @doc "Like `dequantize_kv/1`, but returns the tensor and raises on error."
+  @spec dequantize_kv!(ExPhil.Native.FlashAttention.QuantizedKV.t()) :: tensor
+  def dequantize_kv!(cache), do: cache |> dequantize_kv() |> unwrap!()
+
+  @doc "Like `merge_states/2`, but returns `{o, lse}` and raises on error."
+  @spec merge_states!(tensor | [tensor], tensor | [tensor]) :: {tensor, tensor}
+  def merge_states!(o_parts, lse_parts), do: o_parts |> merge_states(lse_parts) |> unwrap!()
+
+  @doc "Like `decode/4`, but returns `{output, logsumexp}` and raises on error."
+  @spec decode!(
+          tensor,
+          tensor | ExPhil.Native.FlashAttention.QuantizedKV.t(),
+          tensor | ExPhil.Native.FlashAttention.QuantizedKV.t(),
+          [decode_option]
+        ) :: {tensor, tensor}
+  def decode!(q, k_cache, v_cache, opts \\ []), do: q |> decode(k_cache, v_cache, opts) |> unwrap!()
 end

@@ -58,6 +58,63 @@ defmodule ExPhil.Native.FlashAttention.Tensor do
   def to_list(%__MODULE__{data: data, type: {:u, 8}}), do: :binary.bin_to_list(data)
   def to_list(%__MODULE__{data: data, type: {:u, 32}}), do: for(<<x::32-native <- data>>, do: x)
 
+  @doc """
+  `t` `{batch, seq, ...}` with `update` `{batch, n, ...}` (same type and trailing dims) written
+  at sequence positions `start .. start + n - 1` of every batch row; `start` is an integer, or a
+  list with one start per batch row. Appending a decode step's keys or values to a preallocated
+  cache, without Nx (`Nx.put_slice/3` does it for Nx tensors). It copies `t` (binaries are
+  immutable). Raises `ArgumentError` on mismatched shapes or types, or rows past `seq`.
+
+      iex> alias ExPhil.Native.FlashAttention.Tensor
+      iex> cache = Tensor.from_list([1, 2, 0, 3, 4, 0], {2, 3}, {:s, 32})
+      iex> new = Tensor.from_list([5, 6], {2, 1}, {:s, 32})
+      iex> Tensor.put_seq(cache, [2, 1], new) |> Tensor.to_list()
+      [1, 2, 5, 3, 6, 0]
+  """
+  @spec put_seq(t, non_neg_integer | [non_neg_integer], t) :: t
+  def put_seq(
+        %__MODULE__{shape: shape, type: type} = t,
+        start,
+        %__MODULE__{shape: ushape, type: type} = update
+      )
+      when tuple_size(shape) >= 2 and tuple_size(ushape) == tuple_size(shape) and
+             elem(shape, 0) == elem(ushape, 0) do
+    [b, s | rest] = Tuple.to_list(shape)
+    [_, n | urest] = Tuple.to_list(ushape)
+    starts = if is_integer(start), do: List.duplicate(start, b), else: start
+
+    unless rest == urest and is_list(starts) and length(starts) == b and
+             Enum.all?(starts, &(is_integer(&1) and &1 >= 0 and &1 + n <= s)) do
+      raise ArgumentError,
+            "put_seq/3: cannot write #{inspect(ushape)} into #{inspect(shape)} at #{inspect(start)}"
+    end
+
+    inner = Enum.reduce(rest, __MODULE__.byte_size(type), &(&1 * &2))
+    {row, urow} = {s * inner, n * inner}
+
+    data =
+      for {st, i} <- Enum.with_index(starts) do
+        at = i * row
+
+        [
+          binary_part(t.data, at, st * inner),
+          binary_part(update.data, i * urow, urow),
+          binary_part(t.data, at + (st + n) * inner, (s - st - n) * inner)
+        ]
+      end
+
+    %{t | data: IO.iodata_to_binary(data)}
+  end
+
+  def put_seq(t, start, update) do
+    raise ArgumentError,
+          "put_seq/3: cannot write #{inspect(shape_and_type(update))} into #{inspect(shape_and_type(t))} " <>
+            "at #{inspect(start)}: both must be tensors {batch, seq, ...} of one type and batch"
+  end
+
+  defp shape_and_type(%__MODULE__{shape: shape, type: type}), do: {shape, type}
+  defp shape_and_type(other), do: other
+
   # Encoding one element. Non-finite values are written as their bit patterns.
   defp encode(:infinity, {f, _} = type) when f in [:f, :bf], do: bits(type, 0x7F800000, 0x7C00, 0x7F80)
   defp encode(:neg_infinity, {f, _} = type) when f in [:f, :bf], do: bits(type, 0xFF800000, 0xFC00, 0xFF80)
