@@ -78,6 +78,15 @@ def test_merge_fixtures(fa, rel_err):
         assert rel_err(lse, t["lse"]) <= c["tol"]["lse"], c["name"]
 
 
+def test_readme_decode_loop_runs(fa):
+    """The README's decode loop (its own assert checks each step against forward)."""
+    readme = (FIXTURES.parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Decoding over (quantized) KV caches"):]
+    loop = [b.split("```")[0] for b in section.split("```python")[1:] if "for step in" in b.split("```")[0]]
+    assert len(loop) == 1
+    exec(compile(loop[0], "README.md decode loop", "exec"), {})
+
+
 def test_fixtures_are_what_the_generator_writes(tmp_path):
     sys.path.insert(0, str(FIXTURES))
     try:
