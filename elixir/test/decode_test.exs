@@ -4,6 +4,8 @@ defmodule FlashNif.DecodeTest do
   # cases of tests/test_quant.py), a decode loop appending to a preallocated cache, the forms of
   # the results, and the errors of tests/test_quant.py (never a crash).
   use ExUnit.Case, async: true
+  # Tensor.put_seq/3's example (the decode functions' examples run with the module's doctests).
+  doctest ExPhil.Native.FlashAttention.Tensor
 
   alias ExPhil.Native.FlashAttention, as: FA
   alias ExPhil.Native.FlashAttention.{Error, QuantizedKV, Tensor}
