@@ -328,7 +328,8 @@ pub unsafe fn forward_device(p: &Problem, device: usize, stream: usize, ptrs: Fo
 
 /// Backward on device memory: dq, dk, dv from dO, q, k, v, o and lse. Allocates two lse-sized f32
 /// buffers of workspace (stream-ordered) for delta and the log2-domain lse, and on the atomic-dQ
-/// path a q-sized one more for the f32 dQ sums (and, masked, the [B, 6] int32 batch-row table);
+/// path (and the Hopper kernel's) a q-sized one more for the f32 dQ sums (the Hopper kernel's
+/// deterministic mode: and an int32 per 64-row dQ tile; masked: the [B, 6] int32 batch-row table);
 /// through the padding layer ([`pad`]) the q-sized one is at the kernels' head dim, and the copies
 /// of [`pad::workspace_bytes`] come on top.
 ///
