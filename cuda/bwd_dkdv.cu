@@ -147,7 +147,26 @@ flash_bwd_dkdv(const FlashParams p) {
         if (w.has_next()) load_do(w.next_it(), buf ^ 1);
         cp_async_commit();
         gemm_abt<BLOCK_M / 8>(dp, sVw, sdOi);
+#if MODS
         grads_t<BLOCK_M / 8>(s, dp, p.scale_log2, blk.slice_mask(w, key0), key0, m0, blk.vis(blk.head(it)), lse2, dlt);
+#else
+        // As grads_t, but the visibility built only for the slices that need the mask: passing it
+        // made the MASKED atomic-dQ kernels spill 52-436 bytes (sm_90a).
+#pragma unroll
+        for (int i = 0; i < BLOCK_M / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[i][e] *= p.scale_log2;
+        if (blk.slice_mask(w, key0)) mask_tile<BLOCK_M / 8, true>(s, key0, m0, blk.vis(blk.head(it)));
+#pragma unroll
+        for (int i = 0; i < BLOCK_M / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = i * 8 + 2 * t + (e % 2);
+                const float pr = fast_exp2(s[i][e] - lse2[col]);
+                s[i][e] = pr;                                // P^T
+                dp[i][e] = pr * (dp[i][e] - dlt[col]);       // dS^T
+            }
+#endif
         gemm_pb<BLOCK_M / 16, DPART / 8>(dv, s, sdOi, col0);
         gemm_pb<BLOCK_M / 16, DPART / 8>(dk, dp, sQi, col0);
 #if ATOMIC_DQ
