@@ -15,28 +15,12 @@ import numpy as np
 import pytest
 
 from test_gpu import DTYPES, HAVE_TORCH_GPU, to_gpu, to_host
+from test_sm90 import gpu, hopper  # noqa: F401 (fixtures: a usable GPU; one of compute capability 9.0)
 
 if HAVE_TORCH_GPU:
     import torch
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def gpu(fa):
-    info = fa.info().get("cuda", {})
-    if not info.get("available"):
-        pytest.skip(f"no usable CUDA GPU: {info.get('reason')}")
-    if not HAVE_TORCH_GPU:
-        pytest.skip("needs torch with CUDA")
-    return fa
-
-
-@pytest.fixture
-def hopper(gpu):
-    if not gpu.info()["cuda"].get("sm90"):
-        pytest.skip("the sm90 kernels run on compute capability 9.0 only (and not with FLASH_NIF_SM90=0)")
-    return gpu
 
 
 def last_backward(fa) -> dict:
