@@ -1,0 +1,139 @@
+//! The KV-cache kernels' part of the variant table (config.rs lists them after the others): decode
+//! on tensor cores (cuda/decode.cu, fp16 / bf16 at head dims 64, 128, 256) or on CUDA cores
+//! (cuda/decode_simt.cu, every dtype, D at run time), the state merge (cuda/merge.cu) and the
+//! cache format's conversions (cuda/quantize_kv.cu, cuda/dequantize_kv.cu). Which decode kernel a
+//! call gets, with which tiles, is decided here; decode.rs and kv.rs launch them.
+
+use super::config::dtype_code;
+use super::variant::{Kernel, TileSet, Tiles, Variant, ANY_HEAD_DIM};
+use crate::dtype::DType;
+
+/// Head dims of the tensor-core decode kernel; fp32 and every other head dim run the SIMT one.
+pub const DECODE_MMA_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// Warps of a decode block, each a tile of query states (cuda/decode.h).
+const DECODE_WARPS: usize = 4;
+/// Depth of the decode kernels' cp.async pipeline (cuda/decode.h's STAGES).
+const DECODE_STAGES: usize = 3;
+/// Warps of the merge and conversion kernels (grid-stride; no shared memory).
+const ELEMENTWISE_WARPS: usize = 8;
+
+/// The kernel's source file.
+pub(super) fn source(kernel: Kernel) -> &'static str {
+    match kernel {
+        Kernel::Decode => "decode.cu",
+        Kernel::DecodeSimt => "decode_simt.cu",
+        Kernel::MergeStates => "merge.cu",
+        Kernel::QuantizeKv => "quantize_kv.cu",
+        _ => "dequantize_kv.cu",
+    }
+}
+
+/// Query states per warp: the mma's n for the tensor-core kernel, what the registers hold for the
+/// SIMT one (each kernel checks its STATE_TILE). A variant carries it as `tiles.block_m`.
+fn state_tile(kernel: Kernel) -> usize {
+    if kernel == Kernel::Decode {
+        8
+    } else {
+        4
+    }
+}
+
+/// Whether decode at this dtype and head dim runs on tensor cores.
+pub fn decode_uses_mma(dtype: DType, head_dim: usize) -> bool {
+    dtype != DType::F32 && DECODE_MMA_HEAD_DIMS.contains(&head_dim)
+}
+
+/// The decode kernels a call may use, in order of preference (device.rs's `choose` takes the first
+/// whose shared memory fits): the default tiles, then, where they need more than a 99 KiB GPU
+/// (sm_86 / sm_89) or an A100 gives, fewer stages or warps.
+pub fn decode_candidates(dtype: DType, head_dim: usize) -> Vec<Variant> {
+    let mut out = vec![decode_variant(dtype, head_dim, TileSet::Default)];
+    let small = decode_variant(dtype, head_dim, TileSet::Small);
+    if small.defines != out[0].defines {
+        out.push(small);
+    }
+    out
+}
+
+/// A decode variant. The tensor-core kernel's shared memory is STAGES stages of 16 plain keys per
+/// warp (a stage of D = 128 bf16 rows: 37 KiB): at D = 128, 3 stages (111 KiB, two blocks per H100
+/// SM); the small tiles 2 stages (74 KiB), and at D = 256 also 2 warps (69 KiB). The SIMT kernel
+/// takes 3 stages of 32 KiB for every D.
+fn decode_variant(dtype: DType, head_dim: usize, set: TileSet) -> Variant {
+    let mma = decode_uses_mma(dtype, head_dim);
+    let kernel = if mma { Kernel::Decode } else { Kernel::DecodeSimt };
+    let (warps, stages) = match (mma, set, head_dim) {
+        (true, TileSet::Small, 256) => (2, 2),
+        (true, TileSet::Small, 128) => (DECODE_WARPS, 2),
+        _ => (DECODE_WARPS, DECODE_STAGES),
+    };
+    let st = state_tile(kernel);
+    let mut defines = vec![("FLASH_DTYPE", dtype_code(dtype))];
+    if mma {
+        defines.push(("HEAD_DIM", head_dim as i64));
+    }
+    defines.extend([("NUM_WARPS", warps as i64), ("STATE_TILE", st as i64), ("STAGES", stages as i64)]);
+    // block_m: query states per warp; block_n: keys per softmax step.
+    let tiles = Tiles { block_m: st, block_n: if mma { 16 } else { 4 }, num_warps: warps, d_split: 1, min_blocks: 1 };
+    let head_dim = if mma { head_dim } else { ANY_HEAD_DIM };
+    Variant { kernel, dtype, head_dim, source: source(kernel), tiles, tile_set: set, defines }
+}
+
+/// The merge or conversion kernel for `dtype`.
+pub fn elementwise_variant(kernel: Kernel, dtype: DType) -> Variant {
+    let tiles = Tiles { block_m: 1, block_n: 1, num_warps: ELEMENTWISE_WARPS, d_split: 1, min_blocks: 1 };
+    let defines = vec![("FLASH_DTYPE", dtype_code(dtype)), ("NUM_WARPS", ELEMENTWISE_WARPS as i64)];
+    Variant { kernel, dtype, head_dim: ANY_HEAD_DIM, source: source(kernel), tiles, tile_set: TileSet::Default, defines }
+}
+
+/// Every KV-cache variant: the tensor-core decode kernels of `head_dims` (those it takes), default
+/// and small tiles where they differ; then per dtype the SIMT decode kernel, the merge and the
+/// conversions (which take any head dim).
+pub fn all(head_dims: &[usize]) -> Vec<Variant> {
+    let mut out = Vec::new();
+    for dtype in [DType::F16, DType::BF16] {
+        for &d in head_dims.iter().filter(|d| DECODE_MMA_HEAD_DIMS.contains(d)) {
+            out.extend(decode_candidates(dtype, d));
+        }
+    }
+    for dtype in [DType::F16, DType::BF16, DType::F32] {
+        out.extend(decode_candidates(dtype, ANY_HEAD_DIM));
+        for kernel in [Kernel::MergeStates, Kernel::QuantizeKv, Kernel::DequantizeKv] {
+            out.push(elementwise_variant(kernel, dtype));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_takes_tensor_cores_at_its_head_dims_only() {
+        let v = decode_candidates(DType::BF16, 128);
+        assert_eq!((v[0].kernel, v[0].head_dim, v.len()), (Kernel::Decode, 128, 2));
+        assert_eq!(v[0].name(), "decode_bf16_d128_num_warps4_state_tile8_stages3");
+        assert_eq!(v[1].name(), "decode_bf16_d128_num_warps4_state_tile8_stages2");
+        assert_eq!(decode_candidates(DType::F16, 64).len(), 1);
+        for (dtype, d) in [(DType::F32, 128), (DType::BF16, 96), (DType::F16, 40)] {
+            let v = decode_candidates(dtype, d);
+            assert_eq!((v.len(), v[0].kernel, v[0].head_dim), (1, Kernel::DecodeSimt, ANY_HEAD_DIM));
+            assert!(!v[0].defines.iter().any(|(k, _)| *k == "HEAD_DIM"));
+        }
+    }
+
+    #[test]
+    fn the_table_lists_each_variant_once() {
+        let all = all(&[8, 64, 128, 256]);
+        let mut names: Vec<String> = all.iter().map(Variant::name).collect();
+        let n = names.len();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), n);
+        // 2 dtypes x (64: 1, 128: 2, 256: 2) mma; 3 dtypes x (simt, merge, quantize, dequantize).
+        assert_eq!(n, 2 * 5 + 3 * 4);
+        assert!(all.iter().all(|v| v.tiles.block_m == state_tile(v.kernel) || !v.kernel.is_decode()));
+    }
+}
