@@ -4,23 +4,23 @@
 //
 // A warp takes STATE_TILE = 8 query states and the 16-key blocks wk, wk + WK, ... of each stage.
 // Per block:
-//   S [8 (of 16) x 16] = Q K^T   per 16 head dims two m16n8k16 (n-tiles of 8 keys): A = Q (rows
-//                                8..15 zero), B = K, dequantized in registers right after its
-//                                shared-memory load
-//   online softmax               per state, in the exp2 domain (quad reductions)
+//   S^T [16 x 8] = K Q^T         per 16 head dims one m16n8k16: A = the block's 16 K rows,
+//                                dequantized in registers right after their shared-memory load;
+//                                B = Q^T (kept in registers for the whole call)
+//   online softmax               per state, in the exp2 domain (reduced over the lanes of a column)
 //   O^T [D x 8] += V^T P^T       per 16 head dims one m16n8k16: A = V^T, dequantized likewise;
-//                                B = P^T, the S accumulators packed as they lie (no shuffle)
+//                                B = P^T, S^T's accumulators packed and transposed (movmatrix)
 //
 // Head-dim permutations. q.k sums over d, so any bijection of d onto the mma's k index serves if Q
 // and K share it, and O^T's rows may be any permutation of d if the store undoes it. Both are
 // chosen so that each lane reads whole units (16 bytes, fewer for short rows) of a row, no two
 // lanes the same bytes:
-//   K: lane t (= lane % 4) owns units t, t + 4, ... of each K row (UK bytes, EK elements each). A
-//      unit's elements form pairs P_0, P_1, ... (pair_lo / pair_hi); step r of the unit feeds
-//      b0 = P_2r to k indices (2t, 2t+1) and b1 = P_2r+1 to (2t+8, 2t+9), and Q's A fragment takes
-//      the same elements.
-//   V: lane g (= lane / 4) owns units g, g + 8, ... of each V row (UV bytes, EV elements); pair k of
-//      its unit j is m-block mb = j * EV / 2 + k, the pair's two elements O^T rows g and g + 8.
+//   K: lane t (= lane % 4) owns units t, t + 4, ... of K rows g and g + 8 (g = lane / 4; UK bytes,
+//      EK elements each). A unit's elements form pairs P_0, P_1, ... (pair_lo / pair_hi); step r
+//      of the unit feeds P_2r to k indices (2t, 2t+1) and P_2r+1 to (2t+8, 2t+9), and Q's B
+//      fragment takes the same elements of state g.
+//   V: lane g owns units g, g + 8, ... of each V row (UV bytes, EV elements); pair k of its unit j
+//      is m-block mb = j * EV / 2 + k, the pair's two elements O^T rows g and g + 8 of that block.
 // Pairs of a u32 word: plain rows, its two elements; 8-bit codes, (0, 1) and (2, 3); 4-bit codes,
 // (k, k + 4) for k < 4 (one shift and mask reach both).
 #include "decode.h"
@@ -79,16 +79,16 @@ __device__ __forceinline__ constexpr int pair_elem(int P, int hi) {
 }
 
 // Dequantization, right after a unit's shared-memory load: scale * code + bias, rounded once to
-// elem_t. Two 16-bit lanes at a time where the code is exact in elem_t after a magic offset (OR-ing
-// the code under the exponent of 2^k gives 2^k + code; subtracting 2^k is exact): 4-bit codes in
-// fp16 and bf16, 8-bit codes in fp16 (2^10 + c needs 11 significant bits, bf16 has 8). 8-bit codes
-// in bf16 go through f32 (2^23 + c), then one pack.
+// elem_t. Two 16-bit lanes at a time where the code is exact in elem_t after a magic offset (the
+// code under the high byte of 2^k gives 2^k + code; subtracting 2^k is exact): 4-bit codes in fp16
+// and bf16, 8-bit codes in fp16 (2^10 + c needs 11 significant bits, bf16 has 8). 8-bit codes in
+// bf16 go through f32 (2^23 + c), then one pack.
 #if FLASH_DTYPE == 1
-#define MAGIC2 0x43004300u      // bf16 2^7, both lanes (exact up to 2^7 + 127)
-#define ONE2 0x3f803f80u        // bf16 1.0
-#define NEG_MAGIC2 0xc300c300u  // bf16 -2^7
+#define MAGIC_BYTES 0x43434343u  // bf16 2^7 = 0x4300: its high byte in every byte
+#define ONE2 0x3f803f80u         // bf16 1.0, both lanes
+#define NEG_MAGIC2 0xc300c300u   // bf16 -2^7
 #else
-#define MAGIC2 0x64006400u      // fp16 2^10 (exact up to 2^10 + 1023)
+#define MAGIC_BYTES 0x64646464u  // fp16 2^10 = 0x6400
 #define ONE2 0x3c003c00u
 #define NEG_MAGIC2 0xe400e400u
 #endif
@@ -119,13 +119,18 @@ __device__ __forceinline__ void word_pairs(u32 w, u32 sc, u32 bi, u32 (&out)[Geo
         out[0] = w;
     } else if constexpr (BITS == 4) {
         const u32 s2 = sc | (sc << 16), b2 = bi | (bi << 16);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) out[k] = deq2(((w >> (4 * k)) & 0x000f000fu) | MAGIC2, s2, b2);  // codes k, k + 4
+        // Code c_i is the low nibble of byte i / 2 of lo (i even) or hi (i odd); pair k = (c_k,
+        // c_k+4) is two bytes of one of them under the magic's high byte.
+        const u32 lo = w & 0x0f0f0f0fu, hi = (w >> 4) & 0x0f0f0f0fu;
+        out[0] = deq2(__byte_perm(lo, MAGIC_BYTES, 0x5240), s2, b2);  // c0, c4
+        out[1] = deq2(__byte_perm(hi, MAGIC_BYTES, 0x5240), s2, b2);  // c1, c5
+        out[2] = deq2(__byte_perm(lo, MAGIC_BYTES, 0x5341), s2, b2);  // c2, c6
+        out[3] = deq2(__byte_perm(hi, MAGIC_BYTES, 0x5341), s2, b2);  // c3, c7
     } else if constexpr (FLASH_DTYPE == 0) {
         const u32 s2 = sc | (sc << 16), b2 = bi | (bi << 16);
-        // Bytes 2k and 2k + 1 of w under fp16 2^10's high byte 0x64.
-        out[0] = deq2(__byte_perm(w, 0x64646464u, 0x5140), s2, b2);
-        out[1] = deq2(__byte_perm(w, 0x64646464u, 0x5342), s2, b2);
+        // Bytes 2k and 2k + 1 of w under fp16 2^10's high byte.
+        out[0] = deq2(__byte_perm(w, MAGIC_BYTES, 0x5140), s2, b2);
+        out[1] = deq2(__byte_perm(w, MAGIC_BYTES, 0x5342), s2, b2);
     } else {
         const float s = to_float((u16)sc), b = to_float((u16)bi);
         // __byte_perm puts byte k of w under the exponent bytes of 2^23.
@@ -157,8 +162,8 @@ __device__ __forceinline__ u32 scale_bits(const unsigned char* row, int index) {
     return reinterpret_cast<const u16*>(row)[index];
 }
 
-// Q's A fragments of this lane, the same for every format: [(unit j, step r), b0's elements | b1's]
-// as packed pairs, qa[2 (j EK / 4 + r) + f] (state g of the warp's tile; zero past the last state).
+// Q^T's B fragments of this lane, the same shape for every format: [(unit j, step r), b0 | b1] as
+// packed pairs, qa[2 (j EK / 4 + r) + f] (state g of the warp's tile; zero past the last state).
 #define Q_REGS (HEAD_DIM / 8)
 
 template <int BITS>
@@ -185,47 +190,64 @@ __device__ __forceinline__ void load_q(u32 (&qa)[Q_REGS], const DecodeParams& p,
     }
 }
 
-// s += Q K^T for the 8 keys of an n-tile: this lane's K row is `row` (key g of the tile), its scale
-// row `sc` / `bi` (`half` + group: scale_index) — quantized caches only.
+// The pairs of unit u of a K row (its scale row `sc` / `bi` at ScaleOffset `half`:
+// quantized caches only).
 template <int BITS>
-__device__ __forceinline__ void qk_tile(float (&s)[4], const u32 (&qa)[Q_REGS],
-                                        const unsigned char* row, const unsigned char* sc, const unsigned char* bi,
-                                        int half, int gs_shift) {
+__device__ __forceinline__ void k_unit(u32 (&pairs)[Geom<BITS>::EK / 2], const unsigned char* row, const unsigned char* sc,
+                                       const unsigned char* bi, int half, int gs_shift, int u) {
+    using G = Geom<BITS>;
+    u32 words[G::UK / 4];
+    load_unit<G::UK>(words, row + u * G::UK);
+    u32 scale = 0, bias = 0;
+    if constexpr (BITS != 0) {
+        const int grp = half + ((u * G::EK) >> gs_shift);
+        scale = scale_bits(sc, grp);
+        bias = scale_bits(bi, grp);
+    }
+#pragma unroll
+    for (int x = 0; x < G::UK / 4; ++x) {
+        u32 wp[G::PPW];
+        word_pairs<BITS>(words[x], scale, bias, wp);
+#pragma unroll
+        for (int k = 0; k < G::PPW; ++k) pairs[x * G::PPW + k] = wp[k];
+    }
+}
+
+// s = S^T of a 16-key block: this lane's K rows are r (key g) and r8 (key g + 8), with their scale
+// rows and ScaleOffsets.
+template <int BITS>
+__device__ __forceinline__ void qk_block(float (&s)[4], const u32 (&qa)[Q_REGS], const unsigned char* r, const unsigned char* r8,
+                                         const unsigned char* sc, const unsigned char* bi, const unsigned char* sc8,
+                                         const unsigned char* bi8, int half, int half8, int gs_shift) {
     using G = Geom<BITS>;
     const int t = threadIdx.x % 4;
 #pragma unroll
     for (int j = 0; j < G::NK; ++j) {
-        const int u = t + 4 * j;
-        u32 words[G::UK / 4];
-        load_unit<G::UK>(words, row + u * G::UK);
-        u32 scale = 0, bias = 0;
-        if constexpr (BITS != 0) {
-            const int grp = half + ((u * G::EK) >> gs_shift);
-            scale = scale_bits(sc, grp);
-            bias = scale_bits(bi, grp);
-        }
-        u32 pairs[G::EK / 2];
+        u32 pg[G::EK / 2], pg8[G::EK / 2];
+        k_unit<BITS>(pg, r, sc, bi, half, gs_shift, t + 4 * j);
+        k_unit<BITS>(pg8, r8, sc8, bi8, half8, gs_shift, t + 4 * j);
 #pragma unroll
-        for (int x = 0; x < G::UK / 4; ++x) {
-            u32 wp[G::PPW];
-            word_pairs<BITS>(words[x], scale, bias, wp);
-#pragma unroll
-            for (int k = 0; k < G::PPW; ++k) pairs[x * G::PPW + k] = wp[k];
-        }
-#pragma unroll
-        for (int r = 0; r < G::EK / 4; ++r) {
-            const int at = 2 * (j * (G::EK / 4) + r);
-            const u32 a[4] = {qa[at], 0u, qa[at + 1], 0u};
-            mma16816(s, a, pairs[2 * r], pairs[2 * r + 1]);
+        for (int x = 0; x < G::EK / 4; ++x) {
+            const int at = 2 * (j * (G::EK / 4) + x);
+            const u32 a[4] = {pg[2 * x], pg8[2 * x], pg[2 * x + 1], pg8[2 * x + 1]};
+            mma16816(s, a, qa[at], qa[at + 1]);
         }
     }
+}
+
+// The 8 x 8 b16 matrix whose rows the lanes hold as mma fragments (lane l: row l / 4, columns
+// 2 (l % 4) and + 1), transposed in the same layout.
+__device__ __forceinline__ u32 transpose8x8(u32 x) {
+    u32 y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
 }
 
 // The four V rows of this lane in a 16-key block: keys 2t, 2t + 1, 2t + 8, 2t + 9.
 __device__ __forceinline__ int v_row(int n) { return 2 * (threadIdx.x % 4) + (n & 1) + (n >> 1) * 8; }
 
 // o += V^T P^T for a 16-key block whose first V row is `rows` (stride SROW_V); bp0 / bp1: P^T's B
-// fragment; sc / bi: the block's scale rows (stride sw words), half[n]: scale_index offsets of
+// fragment; sc / bi: the block's scale rows (stride sw words), half[n]: the ScaleOffsets of
 // this lane's rows.
 template <int BITS>
 __device__ __forceinline__ void pv_block(float (&o)[HEAD_DIM / 16][4], const unsigned char* rows,
@@ -264,52 +286,74 @@ __device__ __forceinline__ void pv_block(float (&o)[HEAD_DIM / 16][4], const uns
     }
 }
 
-// One 16-key block of a stage (rows r0 .. r0 + 15, keys key0 + r0 ..): S, the softmax step, O.
+// Max and sum over the 8 lanes of a column of S^T (the lanes of one t: the keys of a state).
+__device__ __forceinline__ float column_max(float x) {
+#pragma unroll
+    for (int o = 4; o < 32; o *= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+__device__ __forceinline__ float column_sum(float x) {
+#pragma unroll
+    for (int o = 4; o < 32; o *= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+// One 16-key block of a stage (rows r0 .. r0 + 15, keys key0 + r0 ..): S^T, the softmax step of
+// states 2t and 2t + 1 (m, l: theirs; vis: their visible keys), O^T.
 template <int BITS>
-__device__ __forceinline__ void block_step(float (&o)[HEAD_DIM / 16][4], float& m, float& l, const u32 (&qa)[Q_REGS],
+__device__ __forceinline__ void block_step(float (&o)[HEAD_DIM / 16][4], float (&m)[2], float (&l)[2], const u32 (&qa)[Q_REGS],
                                            const unsigned char* stage, const StageLayout& L, const DecodeParams& p,
-                                           const DecodeWork& w, int key0, int nkeys, int r0, int2 vis) {
+                                           int key0, int nkeys, int r0, const int2 (&vis)[2], const ScaleOffset& k_off,
+                                           const ScaleOffset& v_off) {
     using G = Geom<BITS>;
     const int t = threadIdx.x % 4, g = (threadIdx.x % 32) / 4;
-    const int gk = BITS ? HEAD_DIM / p.k_group_size : 0, gv = BITS ? HEAD_DIM / p.v_group_size : 0;
     const int key_base = key0 + r0;
-    // S: keys 2t, 2t+1 (n-tile A: K rows g) and 8 + 2t, 9 + 2t (n-tile B: K rows 8 + g).
-    float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-        const int r = r0 + nt * 8 + g;
-        const int half = BITS ? scale_index(scale_elem(p, w, key0 + r, gk), 0) : 0;
-        const unsigned char* sc = stage + L.off_ks + r * 4 * L.sw_k;
-        const unsigned char* bi = stage + L.off_kb + r * 4 * L.sw_k;
-        qk_tile<BITS>(nt ? sb : sa, qa, stage + r * G::SROW_K, sc, bi, half, p.k_group_size == 64 ? 6 : 5);
+    // S^T: rows keys g and g + 8, columns states 2t and 2t + 1.
+    float x[4] = {0.f, 0.f, 0.f, 0.f};
+    {
+        const int r = r0 + g, r8 = r + 8;
+        const int half = BITS ? k_off(key0 + r) : 0, half8 = BITS ? k_off(key0 + r8) : 0;
+        const unsigned char* sc = stage + L.off_ks;
+        const unsigned char* bi = stage + L.off_kb;
+        qk_block<BITS>(x, qa, stage + r * G::SROW_K, stage + r8 * G::SROW_K, sc + r * 4 * L.sw_k, bi + r * 4 * L.sw_k,
+                       sc + r8 * 4 * L.sw_k, bi + r8 * 4 * L.sw_k, half, half8, p.k_group_size == 64 ? 6 : 5);
     }
-    float x[4] = {sa[0], sa[1], sb[0], sb[1]};
-    float mx = NEG_INF;
+    float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-        const int key = key_base + (e >> 1) * 8 + 2 * t + (e & 1);
-        const bool ok = key - key0 < nkeys && key >= vis.x && key <= vis.y;
+        const int key = key_base + g + (e >> 1) * 8, c = e & 1;
+        const bool ok = key - key0 < nkeys && key >= vis[c].x && key <= vis[c].y;
         x[e] = ok ? score_log2(p, x[e]) : NEG_INF;
-        mx = fmaxf(mx, x[e]);
+        mx[c] = fmaxf(mx[c], x[e]);
     }
-    const float m_new = fmaxf(m, quad_max(mx));
-    const float m_use = m_new == NEG_INF ? 0.f : m_new;  // no -inf - -inf
-    const float alpha = fast_exp2(m - m_use);
+    float alpha[2];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) x[e] = fast_exp2(x[e] - m_use);
-    l = l * alpha + (x[0] + x[1] + x[2] + x[3]);
-    m = m_new;
-    // O^T's columns are states 2t and 2t + 1: their factors live in quads 2t and 2t + 1.
-    const float a_lo = __shfl_sync(0xffffffffu, alpha, 8 * t), a_hi = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+    for (int c = 0; c < 2; ++c) {
+        const float m_new = fmaxf(m[c], column_max(mx[c]));
+        const float m_use = m_new == NEG_INF ? 0.f : m_new;  // no -inf - -inf
+        alpha[c] = fast_exp2(m[c] - m_use);
+        x[c] = fast_exp2(x[c] - m_use);
+        x[c + 2] = fast_exp2(x[c + 2] - m_use);
+        l[c] = l[c] * alpha[c] + x[c] + x[c + 2];
+        m[c] = m_new;
+    }
+    // Once the maxima settle most blocks change none: skip the D / 4 multiplies (warp-uniform).
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-    for (int mb = 0; mb < HEAD_DIM / 16; ++mb) o[mb][0] *= a_lo, o[mb][1] *= a_hi, o[mb][2] *= a_lo, o[mb][3] *= a_hi;
+        for (int mb = 0; mb < HEAD_DIM / 16; ++mb) {
+            o[mb][0] *= alpha[0], o[mb][1] *= alpha[1], o[mb][2] *= alpha[0], o[mb][3] *= alpha[1];
+        }
+    }
     int half[4] = {0, 0, 0, 0};
     if constexpr (BITS != 0) {
 #pragma unroll
-        for (int n = 0; n < 4; ++n) half[n] = scale_index(scale_elem(p, w, key_base + v_row(n), gv), 0);
+        for (int n = 0; n < 4; ++n) half[n] = v_off(key_base + v_row(n));
     }
+    // P^T's B fragment: lane (g, t) needs P[state g][keys 2t, 2t+1 | 2t+8, 2t+9]; S^T gave it
+    // P[states 2t, 2t+1][key g | g+8], the transposed 8 x 8 blocks.
+    const u32 bp0 = transpose8x8(pack2(x[0], x[1])), bp1 = transpose8x8(pack2(x[2], x[3]));
     pv_block<BITS>(o, stage + L.off_v + r0 * G::SROW_V, stage + L.off_vs + r0 * 4 * L.sw_v, stage + L.off_vb + r0 * 4 * L.sw_v,
-                   L.sw_v, half, p.v_group_size == 64 ? 6 : 5, pack2(x[0], x[1]), pack2(x[2], x[3]));
+                   L.sw_v, half, p.v_group_size == 64 ? 6 : 5, bp0, bp1);
 }
 
 // The warp's partial o into shared memory: states 2t, 2t + 1 at the head dims of its V pairs.
@@ -349,7 +393,7 @@ __device__ __forceinline__ void with_bits(int bits, F&& f) {
 }
 #define BITS_OF(arg) decltype(arg)::value
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_decode(const DecodeParams p) {
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) flash_decode(const DecodeParams p) {
     unsigned char* smem = &shared_memory<unsigned char>();
     const DecodeWork w(p);
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
@@ -363,26 +407,34 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_decode(const 
 
     u32 qa[Q_REGS];
     with_bits(p.bits, [&](auto bits) { load_q<BITS_OF(bits)>(qa, p, w); });
-    const int2 vis = visible_keys(p, w, w.row_of(p, w.state0 + g));
+    // This lane's columns of S^T and O^T: states 2t and 2t + 1.
+    const int2 vis[2] = {visible_keys(p, w, w.row_of(p, w.state0 + 2 * t)), visible_keys(p, w, w.row_of(p, w.state0 + 2 * t + 1))};
     float o[HEAD_DIM / 16][4];
 #pragma unroll
     for (int mb = 0; mb < HEAD_DIM / 16; ++mb) o[mb][0] = o[mb][1] = o[mb][2] = o[mb][3] = 0.f;
-    float m = NEG_INF, l = 0.f;  // state g's running max (log2 domain); this lane's part of its sum
+    // States 2t, 2t + 1: running max (log2 domain) and this lane's part of the sum.
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+
+    const ScaleOffset k_off(p, w, p.bits ? HEAD_DIM / p.k_group_size : 0), v_off(p, w, p.bits ? HEAD_DIM / p.v_group_size : 0);
 
     pipeline(smem, L, p, w, [&](const unsigned char* stage, int key0, int nkeys) {
         if (!active) return;
         with_bits(p.bits, [&](auto bits) {
             for (int r0 = w.wk * KEY_BLOCK; r0 < nkeys; r0 += wk_n * KEY_BLOCK) {
-                block_step<BITS_OF(bits)>(o, m, l, qa, stage, L, p, w, key0, nkeys, r0, vis);
+                block_step<BITS_OF(bits)>(o, m, l, qa, stage, L, p, key0, nkeys, r0, vis, k_off, v_off);
             }
         });
     });
 
-    // Partials: state g's m and l (quad lanes t = 0), o of states 2t, 2t + 1 (undoing the V pairs).
-    l = quad_sum(l);
+    // Partials: m, l and o of states 2t, 2t + 1 (lanes g = 0 write m and l; o undoes the V pairs).
+    l[0] = column_sum(l[0]);
+    l[1] = column_sum(l[1]);
     const Partials part(smem, HEAD_DIM);
     const int row = (threadIdx.x / 32) * STATE_TILE;
-    if (t == 0) part.m[row + g] = m, part.l[row + g] = l;
+    if (g == 0) {
+        part.m[row + 2 * t] = m[0], part.l[row + 2 * t] = l[0];
+        part.m[row + 2 * t + 1] = m[1], part.l[row + 2 * t + 1] = l[1];
+    }
     with_bits(p.bits, [&](auto bits) { store_partial_o<BITS_OF(bits)>(part.o + row * HEAD_DIM, o); });
     __syncthreads();
     store_states(p, w, part);

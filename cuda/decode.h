@@ -19,7 +19,8 @@
 // a block loads each key once for the STATE_TILE * warp_states states of its chunk.
 //
 // Defines: FLASH_DTYPE, HEAD_DIM (decode.cu: the head dim; decode_simt.cu: 256, the bound of its
-// run-time D), NUM_WARPS, STATE_TILE (query states per warp), STAGES (pipeline depth).
+// run-time D), NUM_WARPS, STATE_TILE (query states per warp), STAGES (pipeline depth), MIN_BLOCKS
+// (blocks per SM the registers must allow; params.h's default 1).
 #pragma once
 #include "ptx.h"
 
@@ -223,7 +224,7 @@ __device__ __forceinline__ void copy_rows(unsigned char* dst, int srow, const un
 // The scale (or bias) rows of keys [key0, key0 + nrows): the `groups` elements of row r start at
 // element e = (row0 + (key0 + r) * Hkv) * groups of the tensor; the sw words from the one holding
 // element e are copied (4-byte cp.async: the host checks the tensor is 4-byte aligned), so element g
-// of the row sits at scale_index(e, g) of the copied words. A word that would cross the tensor's
+// of the row sits at ScaleOffset + g of the copied words. A word that would cross the tensor's
 // end gets its first half by a plain load; keys >= key_end are zero. m: CopyMap(4 * sw, 4).
 __device__ __forceinline__ void copy_scales(u32* dst, int sw, const elem_t* tensor, int groups, const DecodeParams& p,
                                             const DecodeWork& w, int key0, int key_end, int nrows, const CopyMap& m) {
@@ -244,14 +245,18 @@ __device__ __forceinline__ void copy_scales(u32* dst, int sw, const elem_t* tens
     }
 }
 
-// Index (in elements of the copied words) of element g of the scale row whose first element is
-// element e of its tensor.
-__device__ __forceinline__ int scale_index(i64 e, int g) { return (sizeof(elem_t) == 2 ? (int)(e & 1) : 0) + g; }
-
-// The scale-row element index e of key j of (b, kvh), for scale_index.
-__device__ __forceinline__ i64 scale_elem(const DecodeParams& p, const DecodeWork& w, int key, int groups) {
-    return (w.row0 + (i64)key * p.kv_heads) * groups;
-}
+// Where key j's scale row starts in its copied words, in elements: 16-bit scales, the parity of its
+// first element (row0 + j * Hkv) * groups (copy_scales copies from the word holding it); f32, 0.
+// Element g of the row is at offset(j) + g.
+struct ScaleOffset {
+    int base, step;  // offset(j) = base ^ (j & step)
+    __device__ __forceinline__ ScaleOffset(const DecodeParams& p, const DecodeWork& w, int groups) {
+        const int odd = sizeof(elem_t) == 2 ? groups & 1 : 0;
+        base = (int)(w.row0 & odd);
+        step = p.kv_heads & odd;
+    }
+    __device__ __forceinline__ int operator()(int key) const { return base ^ (key & step); }
+};
 
 // How this thread copies a stage: the rows' unit, and its share of rows and scale words.
 struct StageCopy {

@@ -52,14 +52,14 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 template <int BITS>
 __device__ __forceinline__ void row_elements_of(float (&x)[NI], const unsigned char* row, const unsigned char* sc,
-                                                const unsigned char* bi, i64 e, int gs_shift, int d) {
+                                                const unsigned char* bi, int half, int gs_shift, int d) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int i = 0; i < NI; ++i) {
         const int col = lane + 32 * i;
         float s = 0.f, b = 0.f;
         if constexpr (BITS != 0) {
-            const int at = scale_index(e, col >> gs_shift);
+            const int at = half + (col >> gs_shift);
             if (col < d) s = scale_at(sc, at), b = scale_at(bi, at);
         }
         x[i] = col < d ? element<BITS>(row, col, s, b) : 0.f;
@@ -67,23 +67,23 @@ __device__ __forceinline__ void row_elements_of(float (&x)[NI], const unsigned c
 }
 
 // This lane's elements of key row r of a stage (0 past D): rows at `rows` (stride srow), scale
-// rows at sc / bi (stride sw words), the row's scale-row element e (decode.h's scale_elem).
+// rows at sc / bi (stride sw words), the row's ScaleOffset `half`.
 __device__ __forceinline__ void row_elements(float (&x)[NI], int bits, const unsigned char* rows, int srow,
-                                             const unsigned char* sc, const unsigned char* bi, int sw, int r, i64 e,
+                                             const unsigned char* sc, const unsigned char* bi, int sw, int r, int half,
                                              int gs_shift, int d) {
     const unsigned char* row = rows + r * srow;
     sc += r * 4 * sw;
     bi += r * 4 * sw;
     if (bits == 4) {
-        row_elements_of<4>(x, row, sc, bi, e, gs_shift, d);
+        row_elements_of<4>(x, row, sc, bi, half, gs_shift, d);
     } else if (bits == 8) {
-        row_elements_of<8>(x, row, sc, bi, e, gs_shift, d);
+        row_elements_of<8>(x, row, sc, bi, half, gs_shift, d);
     } else {
-        row_elements_of<0>(x, row, sc, bi, e, gs_shift, d);
+        row_elements_of<0>(x, row, sc, bi, half, gs_shift, d);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_decode_simt(const DecodeParams p) {
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) flash_decode_simt(const DecodeParams p) {
     unsigned char* smem = &shared_memory<unsigned char>();
     const DecodeWork w(p);
     const int d = p.head_dim, lane = threadIdx.x % 32;
@@ -92,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_decode_simt(c
     const bool active = w.state0 < p.states;
     const int wk_n = NUM_WARPS / p.warp_states;
     const int gk_shift = p.k_group_size == 64 ? 6 : 5, gv_shift = p.v_group_size == 64 ? 6 : 5;
-    const int gk = p.bits ? d / p.k_group_size : 0, gv = p.bits ? d / p.v_group_size : 0;
+    const ScaleOffset k_off(p, w, p.bits ? d / p.k_group_size : 0), v_off(p, w, p.bits ? d / p.v_group_size : 0);
 
     float q[STATE_TILE][NI], o[STATE_TILE][NI], m[STATE_TILE], l[STATE_TILE];
     int2 vis[STATE_TILE];
@@ -121,7 +121,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_decode_simt(c
                 const int r = blk * KEYS + x;
                 float kx[NI];
                 row_elements(kx, p.bits, stage, L.srow_k, stage + L.off_ks, stage + L.off_kb, L.sw_k, r,
-                             scale_elem(p, w, key0 + r, gk), gk_shift, d);
+                             k_off(key0 + r), gk_shift, d);
 #pragma unroll
                 for (int s = 0; s < STATE_TILE; ++s) {
                     float dot = 0.f;
@@ -156,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_decode_simt(c
                 const int r = blk * KEYS + x;
                 float vx[NI];
                 row_elements(vx, p.bits, stage + L.off_v, L.srow_v, stage + L.off_vs, stage + L.off_vb, L.sw_v, r,
-                             scale_elem(p, w, key0 + r, gv), gv_shift, d);
+                             v_off(key0 + r), gv_shift, d);
 #pragma unroll
                 for (int s = 0; s < STATE_TILE; ++s) {
 #pragma unroll

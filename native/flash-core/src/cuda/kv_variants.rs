@@ -11,10 +11,23 @@ use crate::dtype::DType;
 /// Head dims of the tensor-core decode kernel; fp32 and every other head dim run the SIMT one.
 pub const DECODE_MMA_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
-/// Warps of a decode block, each a tile of query states (cuda/decode.h).
-const DECODE_WARPS: usize = 4;
-/// Depth of the decode kernels' cp.async pipeline (cuda/decode.h's STAGES).
-const DECODE_STAGES: usize = 3;
+/// Warps of a decode block, each a tile of query states (cuda/decode.h), and the depth of its cp.async
+/// pipeline (STAGES), for the tensor-core kernel at head dim `d` (0: the SIMT kernel). A tensor-core
+/// stage holds 16 plain keys per warp (a D = 128 bf16 stage: 37 KiB); two stages keep one in flight
+/// while one is read, and leave room for three blocks or more per H100 SM (43 KiB at D = 64, 74 KiB
+/// at D = 128; D = 256 takes 2 warps, 69 KiB), quantized caches filling the same stages with more
+/// keys. Every variant fits a 99 KiB sm_86 / sm_89. The SIMT kernel: 3 stages of 32 KiB. The third
+/// value is MIN_BLOCKS: at D = 128 three blocks need at most 168 registers (ptxas used 167 with
+/// NVRTC 13.5); elsewhere shared memory bounds the blocks first.
+fn decode_shape(d: usize) -> (usize, usize, usize) {
+    match d {
+        256 => (2, 2, 1),
+        128 => (4, 2, 3),
+        64 => (4, 2, 1),
+        _ => (4, 3, 1),
+    }
+}
+
 /// Warps of the merge and conversion kernels (grid-stride; no shared memory).
 const ELEMENTWISE_WARPS: usize = 8;
 
@@ -45,39 +58,25 @@ pub fn decode_uses_mma(dtype: DType, head_dim: usize) -> bool {
 }
 
 /// The decode kernels a call may use, in order of preference (device.rs's `choose` takes the first
-/// whose shared memory fits): the default tiles, then, where they need more than a 99 KiB GPU
-/// (sm_86 / sm_89) or an A100 gives, fewer stages or warps.
+/// whose shared memory fits the GPU): one, which fits every GPU the library runs on.
 pub fn decode_candidates(dtype: DType, head_dim: usize) -> Vec<Variant> {
-    let mut out = vec![decode_variant(dtype, head_dim, TileSet::Default)];
-    let small = decode_variant(dtype, head_dim, TileSet::Small);
-    if small.defines != out[0].defines {
-        out.push(small);
-    }
-    out
+    vec![decode_variant(dtype, head_dim)]
 }
 
-/// A decode variant. The tensor-core kernel's shared memory is STAGES stages of 16 plain keys per
-/// warp (a stage of D = 128 bf16 rows: 37 KiB): at D = 128, 3 stages (111 KiB, two blocks per H100
-/// SM); the small tiles 2 stages (74 KiB), and at D = 256 also 2 warps (69 KiB). The SIMT kernel
-/// takes 3 stages of 32 KiB for every D.
-fn decode_variant(dtype: DType, head_dim: usize, set: TileSet) -> Variant {
+fn decode_variant(dtype: DType, head_dim: usize) -> Variant {
     let mma = decode_uses_mma(dtype, head_dim);
     let kernel = if mma { Kernel::Decode } else { Kernel::DecodeSimt };
-    let (warps, stages) = match (mma, set, head_dim) {
-        (true, TileSet::Small, 256) => (2, 2),
-        (true, TileSet::Small, 128) => (DECODE_WARPS, 2),
-        _ => (DECODE_WARPS, DECODE_STAGES),
-    };
+    let (warps, stages, min_blocks) = decode_shape(if mma { head_dim } else { ANY_HEAD_DIM });
     let st = state_tile(kernel);
     let mut defines = vec![("FLASH_DTYPE", dtype_code(dtype))];
     if mma {
         defines.push(("HEAD_DIM", head_dim as i64));
     }
-    defines.extend([("NUM_WARPS", warps as i64), ("STATE_TILE", st as i64), ("STAGES", stages as i64)]);
+    defines.extend([("NUM_WARPS", warps as i64), ("STATE_TILE", st as i64), ("STAGES", stages as i64), ("MIN_BLOCKS", min_blocks as i64)]);
     // block_m: query states per warp; block_n: keys per softmax step.
-    let tiles = Tiles { block_m: st, block_n: if mma { 16 } else { 4 }, num_warps: warps, d_split: 1, min_blocks: 1 };
+    let tiles = Tiles { block_m: st, block_n: if mma { 16 } else { 4 }, num_warps: warps, d_split: 1, min_blocks };
     let head_dim = if mma { head_dim } else { ANY_HEAD_DIM };
-    Variant { kernel, dtype, head_dim, source: source(kernel), tiles, tile_set: set, defines }
+    Variant { kernel, dtype, head_dim, source: source(kernel), tiles, tile_set: TileSet::Default, defines }
 }
 
 /// The merge or conversion kernel for `dtype`.
@@ -87,8 +86,7 @@ pub fn elementwise_variant(kernel: Kernel, dtype: DType) -> Variant {
     Variant { kernel, dtype, head_dim: ANY_HEAD_DIM, source: source(kernel), tiles, tile_set: TileSet::Default, defines }
 }
 
-/// Every KV-cache variant: the tensor-core decode kernels of `head_dims` (those it takes), default
-/// and small tiles where they differ; then per dtype the SIMT decode kernel, the merge and the
+/// Every KV-cache variant: the tensor-core decode kernels of `head_dims` (those it takes); then per dtype the SIMT decode kernel, the merge and the
 /// conversions (which take any head dim).
 pub fn all(head_dims: &[usize]) -> Vec<Variant> {
     let mut out = Vec::new();
@@ -113,10 +111,9 @@ mod tests {
     #[test]
     fn decode_takes_tensor_cores_at_its_head_dims_only() {
         let v = decode_candidates(DType::BF16, 128);
-        assert_eq!((v[0].kernel, v[0].head_dim, v.len()), (Kernel::Decode, 128, 2));
-        assert_eq!(v[0].name(), "decode_bf16_d128_num_warps4_state_tile8_stages3");
-        assert_eq!(v[1].name(), "decode_bf16_d128_num_warps4_state_tile8_stages2");
-        assert_eq!(decode_candidates(DType::F16, 64).len(), 1);
+        assert_eq!((v[0].kernel, v[0].head_dim, v.len()), (Kernel::Decode, 128, 1));
+        assert_eq!(v[0].name(), "decode_bf16_d128_num_warps4_state_tile8_stages2_min_blocks3");
+        assert_eq!(decode_candidates(DType::F16, 256)[0].name(), "decode_f16_d256_num_warps2_state_tile8_stages2_min_blocks1");
         for (dtype, d) in [(DType::F32, 128), (DType::BF16, 96), (DType::F16, 40)] {
             let v = decode_candidates(dtype, d);
             assert_eq!((v.len(), v[0].kernel, v[0].head_dim), (1, Kernel::DecodeSimt, ANY_HEAD_DIM));
@@ -132,8 +129,8 @@ mod tests {
         names.sort();
         names.dedup();
         assert_eq!(names.len(), n);
-        // 2 dtypes x (64: 1, 128: 2, 256: 2) mma; 3 dtypes x (simt, merge, quantize, dequantize).
-        assert_eq!(n, 2 * 5 + 3 * 4);
+        // 2 dtypes x 3 head dims of mma; 3 dtypes x (simt, merge, quantize, dequantize).
+        assert_eq!(n, 2 * 3 + 3 * 4);
         assert!(all.iter().all(|v| v.tiles.block_m == state_tile(v.kernel) || !v.kernel.is_decode()));
     }
 }
