@@ -13,6 +13,7 @@
 // kernels, at the price of a run-to-run order of the additions (bwd_dq_convert finishes dQ).
 #include "tile.h"
 #include "block.h"
+#include "bwd_grads.h"
 
 #if BLOCK_N * D_SPLIT != 16 * NUM_WARPS
 #error "dkdv: BLOCK_N * D_SPLIT must be 16 * NUM_WARPS"
@@ -146,26 +147,15 @@ flash_bwd_dkdv(const FlashParams p) {
         if (w.has_next()) load_do(w.next_it(), buf ^ 1);
         cp_async_commit();
         gemm_abt<BLOCK_M / 8>(dp, sVw, sdOi);
+#if MODS
+        grads_t<BLOCK_M / 8>(s, dp, p.scale_log2, blk.slice_mask(w, key0), key0, m0, blk.vis(blk.head(it)), lse2, dlt);
+#else
+        // As grads_t, but the visibility built only for the slices that need the mask: passing it
+        // made the MASKED atomic-dQ kernels spill 52-436 bytes (sm_90a).
 #pragma unroll
         for (int i = 0; i < BLOCK_M / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[i][e] *= p.scale_log2;
-#if MODS
-        const Visibility vis = blk.vis(blk.head(it));
-        if (blk.slice_mask(w, key0)) mask_tile<BLOCK_M / 8, true>(s, key0, m0, vis);
-        const float d0 = vis.dist(m0 + 2 * t, key0 + g);  // mask.h's modify_tile
-#pragma unroll
-        for (int i = 0; i < BLOCK_M / 8; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = i * 8 + 2 * t + (e % 2);
-                float dcap;  // the softcap's chain rule (1 without one)
-                const float x = vis.modify_at(s[i][e], d0 + (float)(8 * i + e % 2 - 8 * (e / 2)), dcap);
-                const float pr = fast_exp2(x - lse2[col]);
-                s[i][e] = pr;                                   // P^T
-                dp[i][e] = pr * (dp[i][e] - dlt[col]) * dcap;   // dS^T
-            }
-#else
         if (blk.slice_mask(w, key0)) mask_tile<BLOCK_M / 8, true>(s, key0, m0, blk.vis(blk.head(it)));
 #pragma unroll
         for (int i = 0; i < BLOCK_M / 8; ++i)

@@ -7,7 +7,7 @@ operand lists (N / 2 registers) are too long to write by hand.
     python tools/gen_wgmma.py > cuda/wgmma.h
 """
 
-NS = [64, 80, 96, 128, 176, 192, 256]
+NS = [32, 64, 80, 96, 128, 176, 192, 256]
 
 
 def regs(n, first):
@@ -40,6 +40,16 @@ struct Wgmma<{n}> {{
             "{{{regs(n, 0)}}}, {{%{k}, %{k + 1}, %{k + 2}, %{k + 3}}}, %{k + 4}, p, 1, 1, 1; }}\\n"
             : {outs(n)}
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+    }}
+    // d (+)= A B: A [64 x 16] and B [16 x {n}] both MN-major in shared memory (each transposed on
+    // the fly): the Hopper backward's dQ = dS K, with dS stored transposed.
+    __device__ __forceinline__ static void tt(float (&d)[{n // 8}][4], u64 desc_a, u64 desc_b, int accumulate) {{
+        asm volatile(
+            "{{ .reg .pred p; setp.ne.b32 p, %{k + 2}, 0;\\n"
+            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32." WGMMA_AB " "
+            "{{{regs(n, 0)}}}, %{k}, %{k + 1}, p, 1, 1, 1, 1; }}\\n"
+            : {outs(n)}
+            : "l"(desc_a), "l"(desc_b), "r"(accumulate));
     }}
 }};
 """

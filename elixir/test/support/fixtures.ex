@@ -57,6 +57,7 @@ defmodule FlashNif.Fixtures do
   def type("bfloat16"), do: {:bf, 16}
   def type("int32"), do: {:s, 32}
   def type("uint8"), do: {:u, 8}
+  def type("uint32"), do: {:u, 32}
 
   @doc "A case's forward on its inputs with `opts` (padded or varlen): `{:ok, o, lse}` or the error."
   def forward(%{varlen: true, tensors: t}, opts),

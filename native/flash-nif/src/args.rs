@@ -24,7 +24,7 @@ rustler::atoms! {
     mode,
 }
 
-fn field<'a, T: Decoder<'a>>(map: Term<'a>, key: Atom, name: &str, what: &str) -> Result<T, Reason> {
+pub(crate) fn field<'a, T: Decoder<'a>>(map: Term<'a>, key: Atom, name: &str, what: &str) -> Result<T, Reason> {
     map.map_get(key)
         .and_then(|t| t.decode())
         .map_err(|_| Reason::argument(format!("options must be a map whose {name} is {what}")))
@@ -50,7 +50,7 @@ pub fn options(map: Term) -> Result<(Options, Device), Reason> {
 }
 
 /// An atom-valued option, as its name.
-fn atom_field(map: Term, key: Atom, name: &str) -> Result<String, Reason> {
+pub(crate) fn atom_field(map: Term, key: Atom, name: &str) -> Result<String, Reason> {
     let t: Term = field(map, key, name, "an atom")?;
     t.atom_to_string().map_err(|_| Reason::argument(format!("options must be a map whose {name} is an atom")))
 }

@@ -7,9 +7,11 @@
 //! itself with `:erlang.load_nif/2`, so only the rustler crate is needed, not the hex package.
 
 mod args;
+mod kv;
 mod reply;
 mod rotary;
 mod tensor;
+mod words;
 
 use args::{options, Masks, Mods};
 use flash_core::{backward_host, forward_host, BackwardIo, DType, Device, ForwardIo, MaskBuffers, Problem};
@@ -20,7 +22,7 @@ use tensor::{HostTensor, IndexTensor, Output};
 /// The contract between this library and the Elixir stubs (function set and term formats).
 /// Bump it on any change: the Elixir side refuses a library that reports another number,
 /// which is how a stale build in `priv/` is detected.
-const NIF_API: u32 = 5;
+const NIF_API: u32 = 6;
 
 rustler::init!("Elixir.ExPhil.Native.FlashAttention.Nif");
 

@@ -2,8 +2,8 @@
 //!
 //! In: `{data, [d0, d1, ...], dtype_name}` where `data` is a native-endian, row-major binary
 //! (any alignment; sub-binaries are fine) and `dtype_name` is "float32", "float16" or "bfloat16"
-//! ("int32" and "uint8" for masks; anything else reaches the core's validation, which names the
-//! accepted types).
+//! ("int32" and "uint8" for masks, "uint32" for quantized cache codes; anything else reaches the
+//! core's validation, which names the accepted types).
 //! Out: `{data, {d0, d1, ...}}`, `data` a fresh binary written in place by the core.
 
 use crate::reply::Reason;
@@ -46,8 +46,28 @@ impl<'a> HostTensor<'a> {
         }
     }
 
-    pub fn bytes(&self) -> &[u8] {
+    /// The binary's bytes, for as long as the call's terms live.
+    pub fn bytes(&self) -> &'a [u8] {
         self.data.as_slice()
+    }
+
+    /// The binary must hold exactly the shape's elements of `elem` bytes. The core's forward and
+    /// rotary checks do this themselves; the KV-cache functions take NumPy's word for it, so the
+    /// NIF checks (after the core has named the dtype, before any kernel reads).
+    pub fn check_nbytes(&self, elem: usize) -> Result<(), Reason> {
+        let need = self.shape.iter().try_fold(elem, |acc, &d| acc.checked_mul(d));
+        match need {
+            Some(n) if n == self.data.len() => Ok(()),
+            Some(n) => Err(FlashError::Shape(format!(
+                "{} has shape {:?} and dtype {}, which needs {n} bytes, but its buffer holds {} bytes",
+                self.name,
+                self.shape,
+                self.dtype,
+                self.data.len()
+            ))
+            .into()),
+            None => Err(FlashError::OutOfMemory(format!("{} with shape {:?} is too large to address", self.name, self.shape)).into()),
+        }
     }
 }
 
@@ -105,9 +125,14 @@ impl Output {
     /// Allocates the (uninitialised) binary for output `name`. Unlike `OwnedBinary::new`, which
     /// aborts the whole VM when the allocation fails, a failure is an `:out_of_memory` error.
     pub fn alloc(name: &str, shape: &[usize], dtype: DType) -> Result<Output, Reason> {
+        Output::alloc_elems(name, shape, dtype.size_bytes())
+    }
+
+    /// As [`Output::alloc`], for elements of `elem` bytes (the u32 codes of a quantized cache).
+    pub fn alloc_elems(name: &str, shape: &[usize], elem: usize) -> Result<Output, Reason> {
         let nbytes = shape
             .iter()
-            .try_fold(dtype.size_bytes(), |acc, &d| acc.checked_mul(d))
+            .try_fold(elem, |acc, &d| acc.checked_mul(d))
             .ok_or_else(|| {
                 FlashError::OutOfMemory(format!(
                     "{name} with shape {shape:?} is too large to address"

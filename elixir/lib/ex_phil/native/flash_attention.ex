@@ -186,13 +186,42 @@ defmodule ExPhil.Native.FlashAttention do
   `rotary/4` and `rotary_backward/4` apply RoPE to `x` `{batch, seq, heads, head_dim}` (and its
   gradient) with float32 tables `cos`, `sin` `{max_pos, rotary_dim / 2}`; the options are
   `:interleaved`, `:positions` and `:device`, the same as Python's `flash_nif.rotary`.
+
+  ## Decoding over (quantized) KV caches
+
+  `quantize_kv/2`, `dequantize_kv/1`, `merge_states/2` and `decode/4` are Python's
+  `flash_nif.quantize_kv`, `dequantize_kv`, `merge_states` and `decode`: the same option names,
+  defaults, semantics and errors, on the CPU for now (`device: :cuda` is an `:unsupported`
+  error; the GPU decode is not built yet). A cache is `{batch, s_cache, kv_heads, head_dim}` in
+  `q`'s type, or an `ExPhil.Native.FlashAttention.QuantizedKV` (4- or 8-bit codes read as
+  stored: no dequantized copy). A decode loop preallocates the cache to its longest length and
+  lets `:cache_seqlens` say how much of each batch row is filled, appending each step's new keys
+  and values first (`QuantizedKV.put_seq/3`, or `Tensor.put_seq/3` for a plain cache):
+
+      alias ExPhil.Native.FlashAttention, as: FA
+      alias ExPhil.Native.FlashAttention.{QuantizedKV, Tensor}
+
+      # Room for 256 tokens in each of 2 rows, 2 kv heads of 64 dims; nothing filled yet.
+      empty = Tensor.from_list(List.duplicate(0.0, 2 * 256 * 2 * 64), {2, 256, 2, 64}, {:f, 32})
+      cache = %{k: FA.quantize_kv!(empty, bits: 4), v: FA.quantize_kv!(empty, bits: 4), lens: [0, 0]}
+
+      step = fn cache, q, k_new, v_new ->
+        # q {2, 1, 8, 64}; k_new, v_new {2, 1, 2, 64}: this token's query, key and value
+        k = QuantizedKV.put_seq(cache.k, cache.lens, FA.quantize_kv!(k_new, bits: 4))
+        v = QuantizedKV.put_seq(cache.v, cache.lens, FA.quantize_kv!(v_new, bits: 4))
+        lens = Enum.map(cache.lens, &(&1 + 1))
+        seqlens = Tensor.from_list(lens, {2}, {:s, 32})
+        {out, _lse} = FA.decode!(q, k, v, cache_seqlens: seqlens)   # out {2, 1, 8, 64}
+        {out, %{k: k, v: v, lens: lens}}
+      end
+
+  `elixir/examples/decode_loop.exs` runs this loop and checks each step against
+  `forward_with_states/4` over the dequantized cache.
   """
 
-  alias ExPhil.Native.FlashAttention.{Error, Nif, Tensor}
-
-  # Nx is optional and never a compile-time dependency: an Nx.Tensor is recognised by its struct
-  # name and converted through Nx's public functions, which exist whenever one was built.
-  # (mix.exs's `xref: [exclude: [Nx]]` keeps the compiler quiet with Nx and without it.)
+  alias ExPhil.Native.FlashAttention.{KV, Nif, Options, Tensor}
+  # Tensors in and out (Nx tensors included), and the plumbing every function shares.
+  import ExPhil.Native.FlashAttention.Wire
 
   # Options by call: a varlen call takes no mask tensors (its packing is its padding).
   @mask_keys [:segment_ids, :seqused_k, :leftpad_k, :block_mask]
@@ -439,23 +468,8 @@ defmodule ExPhil.Native.FlashAttention do
     end
   end
 
-  defp unwrap!({:ok, one}), do: one
-  defp unwrap!({:ok, a, b}), do: {a, b}
-  defp unwrap!({:ok, a, b, c}), do: {a, b, c}
-  defp unwrap!({:ok, a, b, c, d}), do: {a, b, c, d}
-  defp unwrap!({:error, {kind, message}}), do: raise(Error, kind: kind, message: message)
-
-  defp loaded do
-    case Nif.status() do
-      :ok -> :ok
-      {:error, message} -> {:error, {:nif_not_loaded, message}}
-    end
-  end
-
   ## Options
 
-  @devices [:auto, :cpu, :cuda]
-  @modes [:auto, :fused, :materialized]
   # The NIF's options map: every key, defaults filled (the one place they are set).
   @defaults %{
     causal: true,
@@ -468,7 +482,7 @@ defmodule ExPhil.Native.FlashAttention do
     alibi_slopes: nil,
     sinks: nil
   }
-  @max_i64 0x7FFFFFFFFFFFFFFF
+  @max_i64 Options.max_i64()
 
   # {:ok, options_map, masks}: the NIF's options, and the mask options given (a keyword list of
   # the caller's tensors). Types are checked here, values (scale > 0, mask shapes) in the core.
@@ -507,55 +521,9 @@ defmodule ExPhil.Native.FlashAttention do
 
   defp options(opts, _keys), do: unsupported("options must be a keyword list, got: #{inspect(opts)}")
 
-  # One option's value as the NIF takes it.
-  defp option(:causal, c) when is_boolean(c), do: {:ok, c}
-  defp option(:scale, s) when is_float(s) or is_nil(s), do: {:ok, s}
-  defp option(:scale, s) when is_integer(s) and abs(s) < 1.0e300, do: {:ok, s * 1.0}
-  defp option(:device, d) when d in @devices, do: {:ok, d}
-  defp option(:deterministic, x) when is_boolean(x), do: {:ok, x}
-  defp option(:mode, m) when m in @modes, do: {:ok, m}
-  defp option(:window, nil), do: {:ok, {nil, nil}}
-  defp option(:softcap, c) when is_float(c) or is_nil(c), do: {:ok, c}
-  defp option(:softcap, c) when is_integer(c) and abs(c) < 1.0e300, do: {:ok, c * 1.0}
-  # Modifier tensors: wired by wire_mods/1 (nil: not given).
+  # Modifier tensors: wired by wire_mods/1 (nil: not given); the rest as Options checks them.
   defp option(key, t) when key in @mod_keys, do: {:ok, t}
-
-  defp option(:window, {left, right} = w) do
-    if side?(left) and side?(right),
-      do: {:ok, {side(left), side(right)}},
-      else: window_error(w)
-  end
-
-  defp option(:causal, c), do: unsupported("the :causal option must be true or false, got: #{inspect(c)}")
-
-  defp option(:scale, s),
-    do: unsupported("the :scale option must be a positive number or nil, got: #{inspect(s)}")
-
-  defp option(:device, d),
-    do: unsupported("the :device option must be :auto, :cpu or :cuda, got: #{inspect(d)}")
-
-  defp option(:deterministic, x),
-    do: unsupported("the :deterministic option must be true or false, got: #{inspect(x)}")
-
-  defp option(:mode, m),
-    do: unsupported("the :mode option must be :auto, :fused or :materialized, got: #{inspect(m)}")
-
-  defp option(:window, w), do: window_error(w)
-
-  defp option(:softcap, c),
-    do: unsupported("the :softcap option must be a positive number or nil, got: #{inspect(c)}")
-
-  defp window_error(w) do
-    unsupported(
-      "the :window option must be {left, right}, each a non-negative integer or :infinity " <>
-        "(or nil for no window), got: #{inspect(w)}"
-    )
-  end
-
-  # :infinity (unbounded) travels as nil; larger integers than the core's i64 are refused.
-  defp side?(x), do: x == :infinity or (is_integer(x) and x >= 0 and x <= @max_i64)
-  defp side(:infinity), do: nil
-  defp side(x), do: x
+  defp option(key, value), do: Options.option(key, value)
 
   # Mask values are tensors, checked when wired; nil means not given.
   defp mask(_key, nil), do: :ok
@@ -565,8 +533,6 @@ defmodule ExPhil.Native.FlashAttention do
     do: unsupported("the :segment_ids option must be a tuple {seg_q, seg_k} of tensors, got: #{short(other)}")
 
   defp mask(_key, _tensor), do: :ok
-
-  defp unsupported(message), do: {:error, {:unsupported, message}}
 
   ## Tensors in and out
 
@@ -584,20 +550,6 @@ defmodule ExPhil.Native.FlashAttention do
           end
       end
     end)
-  end
-
-  # Each named argument as the NIF's {data, [dims], dtype_name}, or the first problem found.
-  defp wire(named) do
-    Enum.reduce_while(named, {:ok, []}, fn {name, t}, {:ok, acc} ->
-      case wire(t, name) do
-        {:ok, w} -> {:cont, {:ok, [w | acc]}}
-        error -> {:halt, error}
-      end
-    end)
-    |> case do
-      {:ok, acc} -> {:ok, Enum.reverse(acc)}
-      error -> error
-    end
   end
 
   # The NIF's masks map from the mask options: segment ids travel as {seg_q, seg_k}, named
@@ -619,71 +571,6 @@ defmodule ExPhil.Native.FlashAttention do
       end
     end
   end
-
-  defp wire(%Tensor{data: data, shape: shape, type: type}, name) when is_binary(data) do
-    if shape?(shape) do
-      {:ok, {data, Tuple.to_list(shape), type_name(type)}}
-    else
-      {:error,
-       {:shape, "#{name} has shape #{inspect(shape)}; a shape must be a tuple of non-negative integers"}}
-    end
-  end
-
-  defp wire(%Tensor{data: data}, name),
-    do: {:error, {:argument, "#{name}.data must be a binary, got: #{short(data)}"}}
-
-  # Nx.to_binary/1 would give every entry's data and Nx.shape/1 one entry's shape: refuse instead.
-  defp wire(%{__struct__: Nx.Tensor, vectorized_axes: [_ | _] = axes}, name) do
-    {:error,
-     {:argument,
-      "#{name} is a vectorized Nx tensor (vectorized axes #{inspect(axes)}), which is not " <>
-        "supported; devectorize it first (Nx.devectorize/2) and fold those axes into the batch axis"}}
-  end
-
-  defp wire(%{__struct__: Nx.Tensor} = t, name) do
-    if Code.ensure_loaded?(Nx) do
-      try do
-        %Tensor{data: Nx.to_binary(t), shape: Nx.shape(t), type: Nx.type(t)}
-      rescue
-        e -> {:error, {:argument, "cannot read #{name} with Nx.to_binary/1: #{Exception.message(e)}"}}
-      else
-        host -> wire(host, name)
-      end
-    else
-      {:error, {:argument, "#{name} is an Nx.Tensor but the Nx module is not available"}}
-    end
-  end
-
-  defp wire(other, name) do
-    {:error,
-     {:argument,
-      "#{name} must be an ExPhil.Native.FlashAttention.Tensor or an Nx.Tensor, got: #{short(other)}"}}
-  end
-
-  defp shape?(shape) when is_tuple(shape),
-    do: shape |> Tuple.to_list() |> Enum.all?(&(is_integer(&1) and &1 >= 0))
-
-  defp shape?(_), do: false
-
-  # The core parses these names; any other type reaches it as its inspect() and is rejected there
-  # with a :dtype error naming the accepted types.
-  defp type_name({:f, 32}), do: "float32"
-  defp type_name({:f, 16}), do: "float16"
-  defp type_name({:bf, 16}), do: "bfloat16"
-  defp type_name({:s, 32}), do: "int32"
-  defp type_name({:u, 8}), do: "uint8"
-  defp type_name(other), do: inspect(other)
-
-  defp type_of(%Tensor{type: type}), do: type
-  defp type_of(%{__struct__: Nx.Tensor} = t), do: Nx.type(t)
-
-  # A NIF output {data, shape} in the form of q: an Nx tensor when q is one, else a Tensor struct.
-  defp result(%{__struct__: Nx.Tensor}, {data, shape}, type),
-    do: data |> Nx.from_binary(type) |> Nx.reshape(shape)
-
-  defp result(_q, {data, shape}, type), do: %Tensor{data: data, shape: shape, type: type}
-
-  defp short(term), do: inspect(term, limit: 5, printable_limit: 40)
 
   ## Rotary position embeddings
 
@@ -798,4 +685,136 @@ defmodule ExPhil.Native.FlashAttention do
 
   defp wire_positions(p) when is_nil(p) or is_integer(p), do: {:ok, p}
   defp wire_positions(t), do: wire(t, :positions)
+
+  ## KV caches and decode (ExPhil.Native.FlashAttention.KV)
+
+  @typedoc "The options of `quantize_kv/2`."
+  @type quant_option :: {:bits, 4 | 8} | {:group_size, 32 | 64}
+
+  @typedoc "The options of `decode/4`: Python's `flash_nif.decode` keywords."
+  @type decode_option ::
+          {:cache_seqlens, tensor | nil}
+          | {:leftpad_k, tensor | nil}
+          | {:causal, boolean}
+          | {:scale, number | nil}
+          | {:window, {side, side} | nil}
+          | {:softcap, number | nil}
+          | {:num_splits, pos_integer | nil}
+          | {:device, :cpu}
+
+  @doc """
+  `x` `{b, s, kv_heads, d}` (`{:f, 32}`, `{:f, 16}` or `{:bf, 16}`) quantized:
+  `{:ok, %ExPhil.Native.FlashAttention.QuantizedKV{}}` (its moduledoc has the format), bit for
+  bit what Python's `flash_nif.quantize_kv` and the float64 oracle give. Its parts take the form
+  of `x` (Nx tensors when `x` is one).
+
+  Options: `:bits` — 4 (default) or 8; `:group_size` — 64 (default) or 32, elements of the head
+  dim per scale and bias; it must divide `d`.
+
+  Errors: `:unsupported` (other bits or group sizes, an unknown option), `:shape` (`x` not of
+  rank 4, `d` not a multiple of the group size or past 256), `:dtype` (`x` not a float type).
+
+      iex> alias ExPhil.Native.FlashAttention, as: FA
+      iex> x = FA.Tensor.from_list(Enum.map(0..31, &(rem(&1, 16) * 1.0)), {1, 1, 1, 32}, {:f, 32})
+      iex> {:ok, c} = FA.quantize_kv(x, bits: 4, group_size: 32)
+      iex> {c.shape, c.values.shape, c.scales.shape, FA.Tensor.to_list(c.scales)}
+      {{1, 1, 1, 32}, {1, 1, 1, 4}, {1, 1, 1, 1}, [1.0]}
+      iex> FA.dequantize_kv!(c) == x
+      true
+  """
+  @spec quantize_kv(tensor, [quant_option]) ::
+          {:ok, ExPhil.Native.FlashAttention.QuantizedKV.t()} | {:error, reason}
+  def quantize_kv(x, opts \\ []), do: KV.quantize_kv(x, opts)
+
+  @doc """
+  A quantized cache back in its float type: `{:ok, x}`, `x` `{b, s, kv_heads, d}` in the scales'
+  type, `scale * q + bias` computed in f32 (within half a quantization step of the original).
+  Errors: `:argument` (not a `QuantizedKV`), `:shape` (scales or biases not `{b, s, kv_heads,
+  d / group_size}`), `:dtype` (`values` not `{:u, 32}`, scales and biases of two types),
+  `:unsupported` (bits or group size).
+  """
+  @spec dequantize_kv(ExPhil.Native.FlashAttention.QuantizedKV.t()) :: {:ok, tensor} | {:error, reason}
+  def dequantize_kv(cache), do: KV.dequantize_kv(cache)
+
+  @doc """
+  Attention over the union of disjoint key sets from each set's output and logsumexp:
+  `o_parts` `{p, b, seq_q, heads, dv}` (a float type) and `lse_parts` `{p, b, heads, seq_q}`
+  (`{:f, 32}`), each stacked or as a list of `p` tensors. `{:ok, o, lse}` with `lse =
+  log(Σ exp(lse_p))` and `o = Σ exp(lse_p - lse) o_p` in `o_parts`' type; parts with logsumexp
+  `:neg_infinity` weigh nothing, and a row no part saw gives `o = 0`, `lse = :neg_infinity`.
+  Errors: `:shape` (`lse_parts` not `{p, b, heads, seq_q}`, list parts of different shapes),
+  `:dtype` (`lse_parts` not `{:f, 32}`).
+
+      iex> alias ExPhil.Native.FlashAttention, as: FA
+      iex> o = [FA.Tensor.from_list([1.0, 2.0], {1, 1, 1, 2}, {:f, 32}), FA.Tensor.from_list([3.0, 4.0], {1, 1, 1, 2}, {:f, 32})]
+      iex> lse = [FA.Tensor.from_list([0.0], {1, 1, 1}, {:f, 32}), FA.Tensor.from_list([0.0], {1, 1, 1}, {:f, 32})]
+      iex> {:ok, out, lse} = FA.merge_states(o, lse)
+      iex> {FA.Tensor.to_list(out), Enum.map(FA.Tensor.to_list(lse), &Float.round(&1, 6))}
+      {[2.0, 3.0], [0.693147]}
+  """
+  @spec merge_states(tensor | [tensor], tensor | [tensor]) :: {:ok, tensor, tensor} | {:error, reason}
+  def merge_states(o_parts, lse_parts), do: KV.merge_states(o_parts, lse_parts)
+
+  @doc """
+  Attention of a few new queries `q` `{b, seq_q, heads, d}` (`seq_q` 1 to 16) over a KV cache:
+  `k_cache`, `v_cache` `{b, s_cache, kv_heads, d}` in `q`'s type, or
+  `ExPhil.Native.FlashAttention.QuantizedKV`s with scales in `q`'s type (read as stored, no
+  dequantized copy). `{:ok, output, logsumexp}`, output `{b, seq_q, heads, d}` in `q`'s type,
+  logsumexp `{b, heads, seq_q}` `{:f, 32}`, as `forward_with_states/4`. `heads` must be a
+  multiple of `kv_heads`; each key is read once for its whole GQA group.
+
+  Options (Python's `flash_nif.decode` keywords, same defaults):
+
+    * `:cache_seqlens`, `:leftpad_k` — `{:s, 32}` `{b}`: row `r`'s valid keys are
+      `leftpad_k[r] <= j < cache_seqlens[r]` (defaults 0 and `s_cache`; `0 <= leftpad_k[r] <=
+      cache_seqlens[r] <= s_cache`). A row with none gives output 0, logsumexp `:neg_infinity`.
+    * `:causal` (default `true`) and `:window` (`{left, right}`, as for `forward/4`) — aligned to
+      the end of the valid keys: the last query sees every one of them.
+    * `:scale` (default `1 / sqrt(d)`), `:softcap` — as for `forward/4`.
+    * `:num_splits` — split each row's keys this many ways and merge the parts by their
+      logsumexp (`nil`, the default: chosen from the sizes). Results agree to rounding.
+    * `:device` — `:cpu` (the default and, for now, the only one: `:cuda` and `:auto` are
+      `:unsupported` errors, never a silent CPU run).
+
+  Errors: `:shape` (ranks, batch or head dims that disagree, `seq_q` outside 1..16, lengths
+  outside `[0, s_cache]`, length tensors not `{b}`), `:dtype` (caches not in `q`'s type, lengths
+  not `{:s, 32}`), `:unsupported` (an option's type or value), `:argument` (not a tensor).
+
+      iex> alias ExPhil.Native.FlashAttention, as: FA
+      iex> q = FA.Tensor.from_list([1.0, 0.0], {1, 1, 1, 2}, {:f, 32})
+      iex> kv = FA.Tensor.from_list([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], {1, 3, 1, 2}, {:f, 32})
+      iex> lens = FA.Tensor.from_list([2], {1}, {:s, 32})
+      iex> {:ok, out, _lse} = FA.decode(q, kv, kv, cache_seqlens: lens, scale: 1.0e-9)
+      iex> FA.Tensor.to_list(out) |> Enum.map(&Float.round(&1, 4))
+      [2.0, 3.0]
+  """
+  @spec decode(
+          tensor,
+          tensor | ExPhil.Native.FlashAttention.QuantizedKV.t(),
+          tensor | ExPhil.Native.FlashAttention.QuantizedKV.t(),
+          [decode_option]
+        ) ::
+          {:ok, tensor, tensor} | {:error, reason}
+  def decode(q, k_cache, v_cache, opts \\ []), do: KV.decode(q, k_cache, v_cache, opts)
+
+  @doc "Like `quantize_kv/2`, but returns the `QuantizedKV` and raises on error."
+  @spec quantize_kv!(tensor, [quant_option]) :: ExPhil.Native.FlashAttention.QuantizedKV.t()
+  def quantize_kv!(x, opts \\ []), do: x |> quantize_kv(opts) |> unwrap!()
+
+  @doc "Like `dequantize_kv/1`, but returns the tensor and raises on error."
+  @spec dequantize_kv!(ExPhil.Native.FlashAttention.QuantizedKV.t()) :: tensor
+  def dequantize_kv!(cache), do: cache |> dequantize_kv() |> unwrap!()
+
+  @doc "Like `merge_states/2`, but returns `{o, lse}` and raises on error."
+  @spec merge_states!(tensor | [tensor], tensor | [tensor]) :: {tensor, tensor}
+  def merge_states!(o_parts, lse_parts), do: o_parts |> merge_states(lse_parts) |> unwrap!()
+
+  @doc "Like `decode/4`, but returns `{output, logsumexp}` and raises on error."
+  @spec decode!(
+          tensor,
+          tensor | ExPhil.Native.FlashAttention.QuantizedKV.t(),
+          tensor | ExPhil.Native.FlashAttention.QuantizedKV.t(),
+          [decode_option]
+        ) :: {tensor, tensor}
+  def decode!(q, k_cache, v_cache, opts \\ []), do: q |> decode(k_cache, v_cache, opts) |> unwrap!()
 end

@@ -123,6 +123,14 @@ fn attention_variants(head_dims: &[usize]) -> Vec<Variant> {
                     out.extend(table_candidates(&spec(Kernel::FwdSm90, causal, masked, mods)));
                 }
             }
+            if dtype != DType::F32 && super::sm90::BWD_HEAD_DIMS.contains(&head_dim) {
+                // Masked variants are MODS ones (make_variant): one per (dtype, head dim).
+                for (causal, masked) in [(false, false), (true, false), (false, true)] {
+                    if !masked || head_dim <= 64 {  // sm90.rs: masks at D = 64 only
+                        out.extend(table_candidates(&spec(Kernel::BwdSm90, causal, masked, masked)));
+                    }
+                }
+            }
         }
     }
     out
@@ -148,6 +156,11 @@ fn default_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize
             ..=128 => (128, 176, 12, 2, 1),
             _ => (128, 80, 12, 2, 1),
         };
+    }
+    // The Hopper backward: 128 keys per block (two consumer warpgroups of 64), 64 query rows per
+    // step, Q and dO STAGES = 2 deep (cuda/bwd_sm90.cu; D = 64 and 128 only).
+    if kernel == Kernel::BwdSm90 {
+        return (64, 128, 12, 2, 1);
     }
     // The atomic-dQ dK/dV kernel takes 128 keys per block on 8 warps (the deterministic one: 64 on
     // 4): half the dQ atomics per query, and 8 warps per SM at D = 128 where 4-warp blocks of
@@ -233,6 +246,7 @@ fn source(kernel: Kernel, dtype: DType, d: usize) -> &'static str {
         (Kernel::BwdDkdv | Kernel::BwdDkdvDq, DType::F32) => "bwd_dkdv_f32.cu",
         (Kernel::Fwd, _) => "fwd.cu",
         (Kernel::FwdSm90, _) => "fwd_sm90.cu",
+        (Kernel::BwdSm90, _) => "bwd_sm90.cu",
         (Kernel::BwdDq, _) => "bwd_dq.cu",
         (Kernel::BwdDkdv | Kernel::BwdDkdvDq, _) => "bwd_dkdv.cu",
         (Kernel::BwdPreprocess, _) => "bwd_preprocess.cu",
@@ -257,6 +271,9 @@ pub(super) fn dtype_code(d: DType) -> i64 {
 
 fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
     let Spec { kernel, dtype, head_dim, causal, mods, group, seq_k, .. } = *spec;
+    // The Hopper backward's masked kernels always compile the modifiers in (run-time values: none
+    // is the identity): without them its D = 128 kernel spilled 28 bytes (sm_90a, NVRTC 13.0).
+    let mods = mods || (kernel == Kernel::BwdSm90 && spec.masked);
     let masked = spec.masked || mods;
     let mut defines: Vec<(&'static str, i64)> =
         vec![("FLASH_DTYPE", dtype_code(dtype)), ("HEAD_DIM", head_dim as i64), ("NUM_WARPS", t.num_warps as i64)];
@@ -290,6 +307,9 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
         if kernel == Kernel::FwdSm90 {
             // The consumer warpgroups take turns issuing their products (cuda/fwd_sm90.cu).
             defines.extend([("STAGES", t.d_split as i64), ("PINGPONG", (t.num_warps >= 12) as i64)]);
+        }
+        if kernel == Kernel::BwdSm90 {
+            defines.push(("STAGES", t.d_split as i64));
         }
         defines.push(("MIN_BLOCKS", t.min_blocks as i64));
     }
@@ -360,6 +380,7 @@ mod tests {
                 match v.kernel {
                     Kernel::Fwd => assert_eq!(t.block_m, 16 * t.num_warps * t.d_split, "{}", v.name()),
                     Kernel::FwdSm90 => assert_eq!(t.block_m, 64 * (t.num_warps / 4 - 1), "{}", v.name()),
+                    Kernel::BwdSm90 => assert_eq!(t.block_n, 64 * (t.num_warps / 4 - 1), "{}", v.name()),
                     Kernel::BwdDq => assert_eq!(t.block_m, 16 * t.num_warps, "{}", v.name()),
                     Kernel::BwdDkdv | Kernel::BwdDkdvDq => {
                         assert_eq!(t.block_n * t.d_split, 16 * t.num_warps, "{}", v.name())

@@ -26,7 +26,7 @@ pub(super) struct FlashParams {
     pub v: u64,
     o: u64,
     lse: u64,
-    dout: u64,
+    pub dout: u64,
     dq: u64,
     dk: u64,
     dv: u64,
@@ -328,7 +328,8 @@ pub unsafe fn forward_device(p: &Problem, device: usize, stream: usize, ptrs: Fo
 
 /// Backward on device memory: dq, dk, dv from dO, q, k, v, o and lse. Allocates two lse-sized f32
 /// buffers of workspace (stream-ordered) for delta and the log2-domain lse, and on the atomic-dQ
-/// path a q-sized one more for the f32 dQ sums (and, masked, the [B, 6] int32 batch-row table);
+/// path (and the Hopper kernel's) a q-sized one more for the f32 dQ sums (the Hopper kernel's
+/// deterministic mode: and an int32 per 64-row dQ tile; masked: the [B, 6] int32 batch-row table);
 /// through the padding layer ([`pad`]) the q-sized one is at the kernels' head dim, and the copies
 /// of [`pad::workspace_bytes`] come on top.
 ///
@@ -424,14 +425,27 @@ pub(super) unsafe fn backward_kernels(dev: &Device, p: &Problem, s: cu::CUstream
     let mut prm = params(p);
     (prm.q, prm.k, prm.v, prm.o, prm.lse, prm.dout) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse, ptrs.d_out);
     (prm.dq, prm.dk, prm.dv) = (ptrs.dq, ptrs.dk, ptrs.dv);
-    let atomic_dq = !p.deterministic;
+    // The Hopper kernel adds dQ into dq_accum (in key-block order when deterministic); else the
+    // default adds it with atomics and the deterministic backward computes it in its own kernel.
+    let hopper = match sm90::backward_choice(dev, p, [ptrs.q, ptrs.k, ptrs.v, ptrs.d_out]) {
+        Ok(()) => true,
+        Err(why) => {
+            trace::fallback("backward", &why);
+            false
+        }
+    };
+    let atomic_dq = hopper || !p.deterministic;
     let vp = kernel_variant(dev, p, Kernel::BwdPreprocess)?;
     let fp = device::function(dev, &vp)?;
     let dq_len = if atomic_dq { p.q_len() } else { 0 };
-    let work = DeviceBuffer::alloc((2 * stats + dq_len) * 4, s)?;
+    let sem_len = if hopper && p.deterministic { d.batch * d.heads * sm90::backward_m_blocks(dev, p)? } else { 0 };
+    // Each part on a 128-byte boundary (the Hopper kernel's bulk reductions need 16).
+    let stats_pad = stats.next_multiple_of(32);
+    let work = DeviceBuffer::alloc((2 * stats_pad + dq_len + sem_len) * 4, s)?;
     prm.delta = work.ptr;
-    prm.lse_log2 = work.ptr + (stats * 4) as u64;
-    prm.dq_accum = work.ptr + (2 * stats * 4) as u64;
+    prm.lse_log2 = work.ptr + (stats_pad * 4) as u64;
+    prm.dq_accum = work.ptr + (2 * stats_pad * 4) as u64;
+    let dq_sem = if sem_len > 0 { prm.dq_accum + (dq_len * 4) as u64 } else { 0 };
     let kv_grid = |v: &Variant| (grid_over(d.seq_k, v.tiles.block_n), d.kv_heads as u32, d.batch as u32);
     let rows = elementwise_params(&prm, p);
     // SAFETY: caller-guaranteed pointers; workspace sized above; one stream orders the
@@ -440,12 +454,17 @@ pub(super) unsafe fn backward_kernels(dev: &Device, p: &Problem, s: cu::CUstream
     unsafe {
         launch("flash_bwd_preprocess", fp, (grid_over(p.q_rows() * d.heads, vp.tiles.num_warps), 1, 1), s, &rows)?;
         if atomic_dq {
-            let vk = kernel_variant(dev, p, Kernel::BwdDkdvDq)?;
             let vc = kernel_variant(dev, p, Kernel::BwdDqConvert)?;
-            let (fk, fc) = (device::function(dev, &vk)?, device::function(dev, &vc)?);
-            trace::kernel("backward", &vk);
-            device::check("cuMemsetD32Async", cu::cuMemsetD32Async(prm.dq_accum, 0, dq_len, s))?;
-            launch_tiled("flash_bwd_dkdv(atomic dQ)", fk, kv_grid(&vk), s, &prm, mask)?;
+            let fc = device::function(dev, &vc)?;
+            device::check("cuMemsetD32Async", cu::cuMemsetD32Async(prm.dq_accum, 0, dq_len + sem_len, s))?;
+            if hopper {
+                sm90::backward(dev, p, s, &prm, mask, dq_sem)?;
+            } else {
+                let vk = kernel_variant(dev, p, Kernel::BwdDkdvDq)?;
+                let fk = device::function(dev, &vk)?;
+                trace::kernel("backward", &vk);
+                launch_tiled("flash_bwd_dkdv(atomic dQ)", fk, kv_grid(&vk), s, &prm, mask)?;
+            }
             let pairs = dq_len / 2;
             let blocks = grid_over(pairs, vc.threads() as usize).min(8 * dev.sm_count.max(1) as u32);
             launch("flash_bwd_dq_convert", fc, (blocks, 1, 1), s, &rows)?;

@@ -1,9 +1,11 @@
-//! The Hopper forward (cuda/fwd_sm90.cu): when a call takes it, its tensor maps, and its launch.
+//! The Hopper kernels (cuda/fwd_sm90.cu, cuda/bwd_sm90.cu): when a call takes them, their tensor
+//! maps, and their launches.
 //!
-//! It runs on compute capability 9.0 for fp16 / bf16 at D = 64, 128 and 256 (the call's head dim
-//! after padding), with every mask but varlen batches and every score modifier, unless
-//! `FLASH_NIF_SM90=0`. Anything else runs the portable kernels (fwd.cu), which compute the same
-//! function; [`forward_choice`] says which and why, and `FLASH_NIF_LOG=1` prints it per call.
+//! The forward runs on compute capability 9.0 for fp16 / bf16 at D = 64, 128 and 256 (the call's
+//! head dim after padding), the backward at D = 64 and 128, both with every mask but varlen batches
+//! and every score modifier, unless `FLASH_NIF_SM90=0`. Anything else runs the portable kernels,
+//! which compute the same function; [`forward_choice`] and [`backward_choice`] say which and why,
+//! and `FLASH_NIF_LOG=1` prints it per call.
 
 use cudarc::driver::sys as cu;
 
@@ -24,10 +26,33 @@ pub fn enabled() -> bool {
 
 /// Head dims the Hopper forward has kernels for.
 pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
+/// Head dims the Hopper backward has kernels for (D = 256's K, V, dK and dV do not fit one block's
+/// registers and shared memory in this design).
+pub const BWD_HEAD_DIMS: [usize; 2] = [64, 128];
 
 /// Whether `p`'s forward (head dims already the kernels') runs the Hopper kernel on `dev`: Ok(())
 /// when it does, else the reason it does not.
 pub fn forward_choice(dev: &Device, p: &Problem, ptrs: [u64; 3]) -> std::result::Result<(), String> {
+    common_choice(dev, p, &ptrs, &HEAD_DIMS)?;
+    fits(dev, p, Kernel::FwdSm90)
+}
+
+/// Whether `p`'s backward (head dims already the kernels') runs the Hopper kernel on `dev`
+/// (`ptrs`: q, k, v, dO): Ok(()) when it does, else the reason it does not.
+pub fn backward_choice(dev: &Device, p: &Problem, ptrs: [u64; 4]) -> std::result::Result<(), String> {
+    common_choice(dev, p, &ptrs, &BWD_HEAD_DIMS)?;
+    if !p.is_plain() && p.dims.head_dim > 64 {
+        // Its masked kernel has 224 registers per consumer thread, too few for D = 128's products.
+        return Err(format!("masks at head dim {} run the portable kernels", p.dims.head_dim));
+    }
+    if p.deterministic && !p.is_plain() {
+        // The ordered dQ reductions count the key blocks before this one, which a mask may skip.
+        return Err("deterministic with masks runs the portable kernels".into());
+    }
+    fits(dev, p, Kernel::BwdSm90)
+}
+
+fn common_choice(dev: &Device, p: &Problem, ptrs: &[u64], head_dims: &[usize]) -> std::result::Result<(), String> {
     if dev.cc != (9, 0) {
         return Err(format!("compute capability {}.{} is not 9.0", dev.cc.0, dev.cc.1));
     }
@@ -37,8 +62,8 @@ pub fn forward_choice(dev: &Device, p: &Problem, ptrs: [u64; 3]) -> std::result:
     if p.dtype == DType::F32 {
         return Err("float32 runs the portable kernels".into());
     }
-    if !HEAD_DIMS.contains(&p.dims.head_dim) {
-        return Err(format!("head dim {} is not one of {HEAD_DIMS:?}", p.dims.head_dim));
+    if !head_dims.contains(&p.dims.head_dim) {
+        return Err(format!("head dim {} is not one of {head_dims:?}", p.dims.head_dim));
     }
     if p.mask.varlen.is_some() {
         return Err("varlen batches run the portable kernels".into());
@@ -47,10 +72,14 @@ pub fn forward_choice(dev: &Device, p: &Problem, ptrs: [u64; 3]) -> std::result:
         return Err("no keys".into());
     }
     if ptrs.iter().any(|x| x % 16 != 0) {
-        return Err("q, k and v must be 16-byte aligned for the tensor copy engine".into());
+        return Err("the tensors must be 16-byte aligned for the tensor copy engine".into());
     }
-    // A GPU (or FLASH_NIF_MAX_SMEM) that gives a block less shared memory than the kernel needs.
-    match super::launch::kernel_variant(dev, p, Kernel::FwdSm90) {
+    Ok(())
+}
+
+/// A GPU (or FLASH_NIF_MAX_SMEM) that gives a block less shared memory than the kernel needs.
+fn fits(dev: &Device, p: &Problem, kernel: Kernel) -> std::result::Result<(), String> {
+    match super::launch::kernel_variant(dev, p, kernel) {
         Err(FlashError::Unsupported(why)) => Err(why),
         _ => Ok(()), // a compile error surfaces from the launch itself
     }
@@ -139,6 +168,62 @@ pub(super) unsafe fn forward(dev: &Device, p: &Problem, s: cu::CUstream, prm: &F
     }
 }
 
+/// The kernel parameter of cuda/bwd_sm90.cu: the tensor maps of q, k, v, dO, the deterministic
+/// mode's semaphores, then the params ([`FlashParams`] or [`MaskedParams`]).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Sm90BwdParams<P> {
+    tq: cu::CUtensorMap,
+    tk: cu::CUtensorMap,
+    tv: cu::CUtensorMap,
+    tdo: cu::CUtensorMap,
+    dq_sem: u64,
+    m_blocks: i32,
+    _pad: i32,
+    p: P,
+}
+
+/// Query tiles per head of the Hopper backward for `p` (the deterministic mode's semaphores are
+/// `[B, H, backward_m_blocks]` int32).
+pub(super) fn backward_m_blocks(dev: &Device, p: &Problem) -> Result<usize> {
+    let v = super::launch::kernel_variant(dev, p, Kernel::BwdSm90)?;
+    Ok(p.dims.seq_q.div_ceil(v.tiles.block_m))
+}
+
+/// Launches the Hopper backward for `p` with `prm` (pointers and workspace set: delta, lse_log2 and
+/// the zeroed dq_accum; `dq_sem`, zeroed `[B, H, backward_m_blocks]` int32 or 0 for unordered dQ
+/// reductions).
+///
+/// # Safety
+/// As [`super::launch::backward_device`]; [`backward_choice`] must have accepted `p`.
+pub(super) unsafe fn backward(dev: &Device, p: &Problem, s: cu::CUstream, prm: &FlashParams, mask: Option<&MaskFields>, dq_sem: u64) -> Result<()> {
+    let d = &p.dims;
+    let v = super::launch::kernel_variant(dev, p, Kernel::BwdSm90)?;
+    let f = device::function(dev, &v)?;
+    let (bm, bn) = (v.tiles.block_m, v.tiles.block_n);
+    let (tq, tk, tv, tdo) = (
+        tensor_map(prm.q, p.dtype, d.batch, d.seq_q, d.heads, d.head_dim, bm)?,
+        tensor_map(prm.k, p.dtype, d.batch, d.seq_k, d.kv_heads, d.head_dim, bn)?,
+        tensor_map(prm.v, p.dtype, d.batch, d.seq_k, d.kv_heads, d.head_dim, bn)?,
+        tensor_map(prm.dout, p.dtype, d.batch, d.seq_q, d.heads, d.head_dim, bm)?,
+    );
+    let m_blocks = d.seq_q.div_ceil(bm) as i32;
+    let grid = (super::launch::grid_over(d.seq_k, bn), d.kv_heads as u32, d.batch as u32);
+    super::trace::kernel("backward", &v);
+    let params = |p| Sm90BwdParams { tq, tk, tv, tdo, dq_sem, m_blocks, _pad: 0, p };
+    // SAFETY: the caller's guarantees; each struct mirrors the kernel's parameter.
+    unsafe {
+        match mask {
+            None => device::launch("flash_bwd_sm90", f, grid, s, &params(*prm)),
+            Some(m) => {
+                let prm = MaskedParams { base: *prm, mask: *m };
+                let params = Sm90BwdParams { tq, tk, tv, tdo, dq_sem, m_blocks, _pad: 0, p: prm };
+                device::launch("flash_bwd_sm90", f, grid, s, &params)
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,5 +234,8 @@ mod tests {
         assert_eq!(std::mem::offset_of!(Sm90Params<FlashParams>, p), 3 * 128);
         assert_eq!(std::mem::offset_of!(Sm90Params<MaskedParams>, p), 3 * 128);
         assert_eq!(std::mem::align_of::<Sm90Params<MaskedParams>>(), 128);
+        // bwd_sm90.cu: four maps, the semaphore pointer and two ints, then the params.
+        assert_eq!(std::mem::offset_of!(Sm90BwdParams<FlashParams>, dq_sem), 4 * 128);
+        assert_eq!(std::mem::offset_of!(Sm90BwdParams<MaskedParams>, p), 4 * 128 + 16);
     }
 }

@@ -14,6 +14,8 @@ pub enum Kernel {
     Fwd,
     /// The Hopper forward (sm_90a only: wgmma, the tensor copy engine; sm90.rs decides when).
     FwdSm90,
+    /// The Hopper backward: dK, dV and dQ (bulk-reduced into dq_accum) in one kernel (sm_90a only).
+    BwdSm90,
     BwdPreprocess,
     BwdDq,
     BwdDkdv,
@@ -38,9 +40,10 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 15] = [
+    pub const ALL: [Kernel; 16] = [
         Kernel::Fwd,
         Kernel::FwdSm90,
+        Kernel::BwdSm90,
         Kernel::BwdPreprocess,
         Kernel::BwdDq,
         Kernel::BwdDkdv,
@@ -60,6 +63,7 @@ impl Kernel {
         match self {
             Kernel::Fwd => "fwd",
             Kernel::FwdSm90 => "fwd_sm90",
+            Kernel::BwdSm90 => "bwd_sm90",
             Kernel::BwdPreprocess => "bwd_preprocess",
             Kernel::BwdDq => "bwd_dq",
             Kernel::BwdDkdv => "bwd_dkdv",
@@ -89,6 +93,7 @@ impl Kernel {
         match self {
             Kernel::Fwd => "flash_fwd",
             Kernel::FwdSm90 => "flash_fwd_sm90",
+            Kernel::BwdSm90 => "flash_bwd_sm90",
             Kernel::BwdPreprocess => "flash_bwd_preprocess",
             Kernel::BwdDq => "flash_bwd_dq",
             Kernel::BwdDkdv | Kernel::BwdDkdvDq => "flash_bwd_dkdv",
@@ -106,7 +111,7 @@ impl Kernel {
 
     /// Kernels that only sm_90a (Hopper) can run.
     pub fn is_sm90(self) -> bool {
-        matches!(self, Kernel::FwdSm90)
+        matches!(self, Kernel::FwdSm90 | Kernel::BwdSm90)
     }
 
     /// Elementwise kernels have no tiles and no shared memory.
@@ -150,7 +155,7 @@ pub struct Tiles {
     pub block_n: usize,
     pub num_warps: usize,
     /// bwd_dkdv: warps sharing a key slice (D_SPLIT); fwd: 16-row tiles per warp (M_TILES);
-    /// fwd_sm90: shared-memory stages of K and V (STAGES).
+    /// fwd_sm90: shared-memory stages of K and V (STAGES); bwd_sm90: of Q and dO (STAGES).
     pub d_split: usize,
     /// Blocks per SM the register allocation must allow (MIN_BLOCKS).
     pub min_blocks: usize,

@@ -14,7 +14,7 @@ defmodule ExPhil.Native.FlashAttention.Nif do
 
   @on_load :load
   # Must equal NIF_API in native/flash-nif/src/lib.rs; bump both together.
-  @nif_api 5
+  @nif_api 6
   @status_key {__MODULE__, :status}
   # The project's version is the Rust workspace's (see mix.exs), so it must equal the library's.
   @external_resource Path.expand("../../../../../Cargo.toml", __DIR__)
@@ -82,6 +82,13 @@ defmodule ExPhil.Native.FlashAttention.Nif do
   # Rotary: [x, cos, sin], positions (nil | integer | tensor), %{interleaved: _, device: _}.
   def rotary(_tensors, _positions, _options), do: :erlang.nif_error(:nif_not_loaded)
   def rotary_backward(_tensors, _positions, _options), do: :erlang.nif_error(:nif_not_loaded)
+  # KV caches (native/flash-nif/src/kv.rs): a cache is a tensor or
+  # {:quantized, values, scales, biases, bits, group_size}; lengths %{cache_seqlens: t,
+  # leftpad_k: t} (each optional); options %{causal, scale, window, softcap, num_splits, device}.
+  def quantize_kv(_x, _bits, _group_size), do: :erlang.nif_error(:nif_not_loaded)
+  def dequantize_kv(_parts, _bits, _group_size), do: :erlang.nif_error(:nif_not_loaded)
+  def merge_states(_o_parts, _lse_parts), do: :erlang.nif_error(:nif_not_loaded)
+  def decode(_q, _k_cache, _v_cache, _lengths, _options), do: :erlang.nif_error(:nif_not_loaded)
 
   def debug_panic, do: :erlang.nif_error(:nif_not_loaded)
 end

@@ -5,7 +5,8 @@ defmodule ExPhil.Native.FlashAttention.Tensor do
     * `data` — the elements, row-major, native-endian (exactly what `Nx.to_binary/1` gives);
     * `shape` — a tuple of non-negative integers;
     * `type` — `{:f, 32}`, `{:f, 16}` or `{:bf, 16}` (logsumexp is always `{:f, 32}`); masks
-      are `{:s, 32}` (segment ids, lengths, offsets) or `{:u, 8}` (block masks).
+      are `{:s, 32}` (segment ids, lengths, offsets) or `{:u, 8}` (block masks); the codes of a
+      quantized KV cache are `{:u, 32}`.
 
   `from_list/3` and `to_list/1` convert flat lists of numbers for small tensors, tests and
   examples (non-finite values are the atoms `:infinity`, `:neg_infinity` and `:nan`, as in Nx;
@@ -15,7 +16,7 @@ defmodule ExPhil.Native.FlashAttention.Tensor do
   @enforce_keys [:data, :shape, :type]
   defstruct [:data, :shape, :type]
 
-  @type type :: {:f, 32} | {:f, 16} | {:bf, 16} | {:s, 32} | {:u, 8}
+  @type type :: {:f, 32} | {:f, 16} | {:bf, 16} | {:s, 32} | {:u, 8} | {:u, 32}
   @type element :: float | integer | :infinity | :neg_infinity | :nan
   @type t :: %__MODULE__{data: binary, shape: tuple, type: type}
 
@@ -30,6 +31,7 @@ defmodule ExPhil.Native.FlashAttention.Tensor do
   def byte_size({:bf, 16}), do: 2
   def byte_size({:s, 32}), do: 4
   def byte_size({:u, 8}), do: 1
+  def byte_size({:u, 32}), do: 4
 
   @doc """
   A tensor of `type` holding the numbers of `list` (flat, row-major) in `shape`.
@@ -54,6 +56,64 @@ defmodule ExPhil.Native.FlashAttention.Tensor do
   def to_list(%__MODULE__{data: data, type: {:bf, 16}}), do: for(<<c::binary-size(2) <- data>>, do: bf16(c))
   def to_list(%__MODULE__{data: data, type: {:s, 32}}), do: for(<<x::signed-32-native <- data>>, do: x)
   def to_list(%__MODULE__{data: data, type: {:u, 8}}), do: :binary.bin_to_list(data)
+  def to_list(%__MODULE__{data: data, type: {:u, 32}}), do: for(<<x::32-native <- data>>, do: x)
+
+  @doc """
+  `t` `{batch, seq, ...}` with `update` `{batch, n, ...}` (same type and trailing dims) written
+  at sequence positions `start .. start + n - 1` of every batch row; `start` is an integer, or a
+  list with one start per batch row. Appending a decode step's keys or values to a preallocated
+  cache, without Nx (`Nx.put_slice/3` does it for Nx tensors). It copies `t` (binaries are
+  immutable). Raises `ArgumentError` on mismatched shapes or types, or rows past `seq`.
+
+      iex> alias ExPhil.Native.FlashAttention.Tensor
+      iex> cache = Tensor.from_list([1, 2, 0, 3, 4, 0], {2, 3}, {:s, 32})
+      iex> new = Tensor.from_list([5, 6], {2, 1}, {:s, 32})
+      iex> Tensor.put_seq(cache, [2, 1], new) |> Tensor.to_list()
+      [1, 2, 5, 3, 6, 0]
+  """
+  @spec put_seq(t, non_neg_integer | [non_neg_integer], t) :: t
+  def put_seq(
+        %__MODULE__{shape: shape, type: type} = t,
+        start,
+        %__MODULE__{shape: ushape, type: type} = update
+      )
+      when tuple_size(shape) >= 2 and tuple_size(ushape) == tuple_size(shape) and
+             elem(shape, 0) == elem(ushape, 0) do
+    [b, s | rest] = Tuple.to_list(shape)
+    [_, n | urest] = Tuple.to_list(ushape)
+    starts = if is_integer(start), do: List.duplicate(start, b), else: start
+
+    unless rest == urest and is_list(starts) and length(starts) == b and
+             Enum.all?(starts, &(is_integer(&1) and &1 >= 0 and &1 + n <= s)) do
+      raise ArgumentError,
+            "put_seq/3: cannot write #{inspect(ushape)} into #{inspect(shape)} at #{inspect(start)}"
+    end
+
+    inner = Enum.reduce(rest, __MODULE__.byte_size(type), &(&1 * &2))
+    {row, urow} = {s * inner, n * inner}
+
+    data =
+      for {st, i} <- Enum.with_index(starts) do
+        at = i * row
+
+        [
+          binary_part(t.data, at, st * inner),
+          binary_part(update.data, i * urow, urow),
+          binary_part(t.data, at + (st + n) * inner, (s - st - n) * inner)
+        ]
+      end
+
+    %{t | data: IO.iodata_to_binary(data)}
+  end
+
+  def put_seq(t, start, update) do
+    raise ArgumentError,
+          "put_seq/3: cannot write #{inspect(shape_and_type(update))} into #{inspect(shape_and_type(t))} " <>
+            "at #{inspect(start)}: both must be tensors {batch, seq, ...} of one type and batch"
+  end
+
+  defp shape_and_type(%__MODULE__{shape: shape, type: type}), do: {shape, type}
+  defp shape_and_type(other), do: other
 
   # Encoding one element. Non-finite values are written as their bit patterns.
   defp encode(:infinity, {f, _} = type) when f in [:f, :bf], do: bits(type, 0x7F800000, 0x7C00, 0x7F80)
@@ -63,6 +123,7 @@ defmodule ExPhil.Native.FlashAttention.Tensor do
   defp encode(x, {:f, 16}) when is_number(x), do: <<x::float-16-native>>
   defp encode(x, {:s, 32}) when is_integer(x) and x in -0x80000000..0x7FFFFFFF, do: <<x::signed-32-native>>
   defp encode(x, {:u, 8}) when is_integer(x) and x in 0..255, do: <<x::8>>
+  defp encode(x, {:u, 32}) when is_integer(x) and x in 0..0xFFFFFFFF, do: <<x::32-native>>
 
   defp encode(x, {:bf, 16}) when is_number(x) do
     # bfloat16 is the top half of a float32, rounded to nearest even.
