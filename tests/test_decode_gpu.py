@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from test_masks import GPU_LIBS, HAVE_CUPY_GPU, HAVE_TORCH_GPU, Env, cupy, torch
+from test_masks import GPU_LIBS, HAVE_CUPY_GPU, HAVE_TORCH_GPU, Env, torch
 
 DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
 
@@ -178,7 +178,8 @@ def test_outputs_are_the_inputs_kind(fa, lib):
 @pytest.mark.skipif(not HAVE_TORCH_GPU, reason="torch without CUDA")
 def test_runs_on_the_callers_torch_stream(fa, ref, gpu, assert_close_to_oracle):
     """Queued on torch's current stream: a side stream's inputs, made there, are read after they are."""
-    q, k, v = rand(3, (2, 1, 8, 128), ml_dtypes.bfloat16), rand(4, (2, 64, 2, 128), ml_dtypes.bfloat16), rand(5, (2, 64, 2, 128), ml_dtypes.bfloat16)
+    q = rand(3, (2, 1, 8, 128), ml_dtypes.bfloat16)
+    k, v = rand(4, (2, 64, 2, 128), ml_dtypes.bfloat16), rand(5, (2, 64, 2, 128), ml_dtypes.bfloat16)
     env = Env("torch")
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
@@ -228,7 +229,8 @@ def test_merge_states_is_the_cpus(fa, env, where, dtype_name):
     lse_parts[1:, 1, 3, :] = -np.inf
     o_parts[1:, 1, :, 3] = np.nan  # parts with lse = -inf are never read
     want_o, want_lse = fa.merge_states(o_parts, lse_parts)
-    for parts in ((env.put(o_parts), env.put(lse_parts)), ([env.put(x) for x in o_parts], [env.put(x) for x in lse_parts])):
+    stacked, listed = (env.put(o_parts), env.put(lse_parts)), ([env.put(x) for x in o_parts], [env.put(x) for x in lse_parts])
+    for parts in (stacked, listed):
         o, lse = fa.merge_states(*parts, **env.kw)
         o, lse = env.get(o), env.get(lse)
         assert o.dtype == dtype and not np.isnan(o.astype(np.float32)).any()
@@ -249,7 +251,8 @@ def test_bad_calls_are_errors(fa, env, where):
     with pytest.raises(fa.ShapeError, match="cache_seqlens"):
         fa.decode(q, gk, gk, cache_seqlens=env.put(np.array([9], np.int32)), **kw)
     with pytest.raises(fa.ShapeError, match="leftpad_k"):
-        fa.decode(q, gk, gk, cache_seqlens=env.put(np.array([4], np.int32)), leftpad_k=env.put(np.array([5], np.int32)), **kw)
+        fa.decode(q, gk, gk, cache_seqlens=env.put(np.array([4], np.int32)), leftpad_k=env.put(np.array([5], np.int32)),
+                  **kw)
     with pytest.raises(fa.ShapeError, match="1 to 16"):
         fa.decode(env.put(rand(0, (1, 17, 4, 64), np.float32)), gk, gk, **kw)
     with pytest.raises(fa.DTypeError, match="must match"):

@@ -221,7 +221,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, leftpad_k=None, causal: b
     b, sq, h, _ = q.shape
     k0 = arrays["k_cache"][0]
     s_cache = k0.shape[1] if k0.ndim == 4 else 0
-    seqlens = _args.host_int32(rows["cache_seqlens"], "cache_seqlens") if "cache_seqlens" in rows else np.full(b, s_cache, np.int32)
+    seqlens = (_args.host_int32(rows["cache_seqlens"], "cache_seqlens") if "cache_seqlens" in rows
+               else np.full(b, s_cache, np.int32))
     leftpad = _args.host_int32(rows["leftpad_k"], "leftpad_k") if "leftpad_k" in rows else np.zeros(b, np.int32)
     o, lse = np.empty(q.shape, q.dtype), np.empty((b, h, sq), np.float32)
     _native.decode_host(q, arrays["k_cache"], arrays["v_cache"], seqlens, leftpad, o, lse, k_quant=caches["k_cache"][1],
