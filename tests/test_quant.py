@@ -141,5 +141,23 @@ def test_decode_errors(fa):
         fa.decode(np.ones((1, 17, 2, 64), np.float32), k, k)
     with pytest.raises(fa.DTypeError, match="must match"):
         fa.decode(q.astype(np.float16), k, k)
-    with pytest.raises(fa.UnsupportedError, match="CPU"):
-        fa.decode(q, k, k, device="cuda")
+    with pytest.raises(fa.UnsupportedError, match="device"):
+        fa.decode(q, k, k, device="tpu")
+
+
+def test_a_missing_gpu_is_an_error_not_a_cpu_run(fa):
+    """device="cuda" with NumPy arrays runs on GPU 0; without one it raises, never falls back."""
+    if fa.info()["cuda"].get("available"):
+        pytest.skip("a GPU is present: tests/test_decode_gpu.py runs these")
+    x = cache(1, (1, 4, 1, 64), np.float32)
+    q = np.ones((1, 1, 2, 64), np.float32)
+    c = fa.quantize_kv(x, bits=8, group_size=32)
+    calls = [
+        lambda: fa.decode(q, x, x, device="cuda"),
+        lambda: fa.quantize_kv(x, device="cuda"),
+        lambda: fa.dequantize_kv(c, device="cuda"),
+        lambda: fa.merge_states(np.zeros((2, 1, 1, 2, 4), np.float32), np.zeros((2, 1, 2, 1), np.float32), device="cuda"),
+    ]
+    for call in calls:
+        with pytest.raises(fa.DeviceError):
+            call()

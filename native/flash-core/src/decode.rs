@@ -7,6 +7,7 @@
 
 use rayon::prelude::*;
 
+use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{FlashError, Result};
 use crate::problem::{TensorSpec, MAX_HEAD_DIM};
@@ -104,6 +105,42 @@ impl Decode {
         Ok(())
     }
 
+    /// The window the keys are seen through, (left, right) sides (None: unbounded): causal caps the
+    /// right side at 0. Query row i sees the valid keys j with
+    /// `seqlens[b] - Sq + i - left <= j <= seqlens[b] - Sq + i + right`.
+    pub fn window(&self) -> (Option<usize>, Option<usize>) {
+        (self.left, if self.causal { Some(0) } else { self.right })
+    }
+
+    /// `cache_seqlens` and `leftpad_k` hold one value per batch row with
+    /// `0 <= leftpad_k[b] <= cache_seqlens[b] <= S_cache`: every backend reads only inside the cache.
+    pub fn check_rows(&self, seqlens: &[i32], leftpad: &[i32]) -> Result<()> {
+        if seqlens.len() != self.batch || leftpad.len() != self.batch {
+            return Err(FlashError::Internal("decode: cache_seqlens or leftpad_k has the wrong length".into()));
+        }
+        for b in 0..self.batch {
+            let (lo, hi) = (leftpad[b], seqlens[b]);
+            if lo < 0 || lo > hi || hi as usize > self.s_cache {
+                return Err(FlashError::Shape(format!("row {b}: need 0 <= leftpad_k ({lo}) <= cache_seqlens ({hi}) <= S_cache ({})", self.s_cache)));
+            }
+        }
+        Ok(())
+    }
+
+    /// The buffers of a call on host memory hold what the call implies: q and o `[B, Sq, H, D]`,
+    /// lse `[B, H, Sq]`, the caches `[B, S_cache, Hkv, D]`, and valid row bounds.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn check_buffers(&self, q: &[u8], k: &Cache, v: &Cache, seqlens: &[i32], leftpad: &[i32], o: &[u8], lse: &[f32]) -> Result<()> {
+        self.check()?;
+        check_cache("k_cache", k, self)?;
+        check_cache("v_cache", v, self)?;
+        let (b, sq, h, d) = (self.batch, self.seq_q, self.heads, self.head_dim);
+        if q.len() != b * sq * h * d * self.dtype.size_bytes() || o.len() != q.len() || lse.len() != b * h * sq {
+            return Err(FlashError::Internal("decode: q, o or lse has the wrong length".into()));
+        }
+        self.check_rows(seqlens, leftpad)
+    }
+
     fn splits(&self) -> usize {
         self.num_splits.unwrap_or_else(|| {
             let tasks = self.batch * self.kv_heads;
@@ -149,20 +186,9 @@ fn check_cache(name: &str, cache: &Cache, p: &Decode) -> Result<()> {
 /// caller has checked 0 <= leftpad <= seqlen <= S_cache).
 #[allow(clippy::too_many_arguments)]
 pub fn decode_cpu(p: &Decode, q: &[u8], k: Cache, v: Cache, seqlens: &[i32], leftpad: &[i32], o: &mut [u8], lse: &mut [f32]) -> Result<()> {
-    p.check()?;
-    check_cache("k_cache", &k, p)?;
-    check_cache("v_cache", &v, p)?;
+    p.check_buffers(q, &k, &v, seqlens, leftpad, o, lse)?;
     let (b_, sq, h, hkv, d) = (p.batch, p.seq_q, p.heads, p.kv_heads, p.head_dim);
     let es = p.dtype.size_bytes();
-    if q.len() != b_ * sq * h * d * es || o.len() != q.len() || lse.len() != b_ * h * sq || seqlens.len() != b_ || leftpad.len() != b_ {
-        return Err(FlashError::Internal("decode: q, o, lse, cache_seqlens or leftpad_k has the wrong length".into()));
-    }
-    for b in 0..b_ {
-        let (lo, hi) = (leftpad[b], seqlens[b]);
-        if lo < 0 || lo > hi || hi as usize > p.s_cache {
-            return Err(FlashError::Shape(format!("row {b}: need 0 <= leftpad_k ({lo}) <= cache_seqlens ({hi}) <= S_cache ({})", p.s_cache)));
-        }
-    }
     let splits = p.splits();
     let group = h / hkv;
     let states = group * sq; // per task: (query head in the group, query row)
@@ -194,6 +220,19 @@ pub fn decode_cpu(p: &Decode, q: &[u8], k: Cache, v: Cache, seqlens: &[i32], lef
     Ok(())
 }
 
+/// Decode on host memory (layouts as [`decode_cpu`]'s) on `device` (GPU 0 for CUDA: the caches are
+/// copied there, which costs more than the CPU's pass over them unless they are reused).
+#[allow(clippy::too_many_arguments)]
+pub fn decode_host(device: Device, p: &Decode, q: &[u8], k: Cache, v: Cache, seqlens: &[i32], leftpad: &[i32], o: &mut [u8], lse: &mut [f32]) -> Result<()> {
+    match device {
+        Device::Cpu => decode_cpu(p, q, k, v, seqlens, leftpad, o, lse),
+        #[cfg(feature = "cuda")]
+        Device::Cuda => crate::cuda::decode_host(p, 0, q, k, v, seqlens, leftpad, o, lse),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda => Err(FlashError::CudaUnavailable(crate::device::cuda_unavailable_reason().unwrap_or_default())),
+    }
+}
+
 /// One task: keys [k0, k1) of batch row b, kv head kv, for the group's query heads and rows.
 /// Writes each state's normalised o and its lse (-inf: no visible key in the range).
 #[allow(clippy::too_many_arguments)]
@@ -209,7 +248,7 @@ fn decode_task(p: &Decode, q: &[u8], k: &Cache, v: &Cache, b: usize, kv: usize, 
     }
     // Row i's visible relative keys: [i + off - left, i + off + right] within [0, n).
     let off = (hi - lo) as i64 - sq as i64;
-    let right = if p.causal { Some(0) } else { p.right };
+    let (left, right) = p.window();
     let (mut m, mut l) = (vec![f32::NEG_INFINITY; states], vec![0f32; states]);
     po.fill(0.0);
     let (mut kb, mut vb) = (vec![0f32; KEY_BLOCK * d], vec![0f32; KEY_BLOCK * d]);
@@ -227,7 +266,7 @@ fn decode_task(p: &Decode, q: &[u8], k: &Cache, v: &Cache, b: usize, kv: usize, 
             let mut mx = m[state];
             for x in 0..nk {
                 let rel = (j0 + x - lo) as i64;
-                let seen = right.is_none_or(|r| rel <= i + off + r as i64) && p.left.is_none_or(|lf| rel >= i + off - lf as i64);
+                let seen = right.is_none_or(|r| rel <= i + off + r as i64) && left.is_none_or(|lf| rel >= i + off - lf as i64);
                 sc[x] = if seen {
                     let s = p.scale * dot(qrow, &kb[x * d..][..d]);
                     p.softcap.map_or(s, |c| c * (s / c).tanh())

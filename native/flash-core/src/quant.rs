@@ -12,6 +12,7 @@
 
 use rayon::prelude::*;
 
+use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{FlashError, Result};
 use crate::problem::{TensorSpec, MAX_HEAD_DIM};
@@ -64,7 +65,7 @@ impl QuantFormat {
 
     /// Checks that buffers of these lengths hold `rows` rows: x (or the dequantized output) in
     /// `dtype` bytes, values in words, scales and biases in `dtype` bytes.
-    fn check(&self, dtype: DType, rows: usize, x_bytes: usize, words: usize, scale_bytes: usize, bias_bytes: usize) -> Result<()> {
+    pub(crate) fn check(&self, dtype: DType, rows: usize, x_bytes: usize, words: usize, scale_bytes: usize, bias_bytes: usize) -> Result<()> {
         let es = dtype.size_bytes();
         let want = [
             ("x", x_bytes, rows * self.head_dim * es),
@@ -242,19 +243,8 @@ fn unpack<const BITS: usize>(words: &[u32], sc: &[f32], bi: &[f32], group_size: 
 /// o_p` (f32). Parts whose lse is -inf weigh nothing; a row no part saw gives o = 0, lse = -inf.
 #[allow(clippy::too_many_arguments)]
 pub fn merge_states(dtype: DType, parts: usize, batch: usize, seq_q: usize, heads: usize, dv: usize, o_parts: &[u8], lse_parts: &[f32], o: &mut [u8], lse: &mut [f32]) -> Result<()> {
-    let es = dtype.size_bytes();
-    let (states, row_bytes) = (batch * heads * seq_q, heads * dv * es);
-    let want = [
-        ("o_parts", o_parts.len(), parts * batch * seq_q * row_bytes),
-        ("lse_parts", lse_parts.len(), parts * states),
-        ("o", o.len(), batch * seq_q * row_bytes),
-        ("lse", lse.len(), states),
-    ];
-    for (name, got, need) in want {
-        if got != need {
-            return Err(FlashError::Internal(format!("merge_states: {name} holds {got}, expected {need}")));
-        }
-    }
+    check_merge(dtype, parts, batch, seq_q, heads, dv, o_parts.len(), lse_parts.len(), o.len(), lse.len())?;
+    let (states, row_bytes) = (batch * heads * seq_q, heads * dv * dtype.size_bytes());
     // One task per (b, i) query row: its H heads' lse are strided by Sq in [B, H, Sq].
     let lse_ptr = SyncPtr(lse.as_mut_ptr());
     o.par_chunks_mut(row_bytes.max(1)).enumerate().for_each(|(row, out)| {
@@ -293,6 +283,66 @@ pub(crate) fn merge_state(parts: usize, lse_of: impl Fn(usize) -> f32, mut load:
     }
     acc.iter_mut().for_each(|a| *a /= total);
     m + total.ln()
+}
+
+/// The buffer lengths of a merge: o_parts and o in `dtype` bytes, lse_parts and lse in f32.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_merge(dtype: DType, parts: usize, batch: usize, seq_q: usize, heads: usize, dv: usize, o_parts: usize, lse_parts: usize, o: usize, lse: usize) -> Result<()> {
+    let (states, row_bytes) = (batch * heads * seq_q, heads * dv * dtype.size_bytes());
+    let want = [
+        ("o_parts", o_parts, parts * batch * seq_q * row_bytes),
+        ("lse_parts", lse_parts, parts * states),
+        ("o", o, batch * seq_q * row_bytes),
+        ("lse", lse, states),
+    ];
+    for (name, got, need) in want {
+        if got != need {
+            return Err(FlashError::Internal(format!("merge_states: {name} holds {got}, expected {need}")));
+        }
+    }
+    Ok(())
+}
+
+/// [`quantize`] on `device` (GPU 0 for CUDA: copied in, converted, copied out).
+pub fn quantize_host(device: Device, dtype: DType, fmt: &QuantFormat, x: &[u8], values: &mut [u32], scales: &mut [u8], biases: &mut [u8]) -> Result<()> {
+    match device {
+        Device::Cpu => quantize(dtype, fmt, x, values, scales, biases),
+        #[cfg(feature = "cuda")]
+        Device::Cuda => crate::cuda::quantize_host(0, dtype, fmt, x, values, scales, biases),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda => Err(no_cuda()),
+    }
+}
+
+/// [`dequantize`] on `device`.
+pub fn dequantize_host(device: Device, dtype: DType, fmt: &QuantFormat, values: &[u32], scales: &[u8], biases: &[u8], out: &mut [u8]) -> Result<()> {
+    match device {
+        Device::Cpu => dequantize(dtype, fmt, values, scales, biases, out),
+        #[cfg(feature = "cuda")]
+        Device::Cuda => crate::cuda::dequantize_host(0, dtype, fmt, values, scales, biases, out),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda => Err(no_cuda()),
+    }
+}
+
+/// [`merge_states`] on `device`.
+#[allow(clippy::too_many_arguments)]
+pub fn merge_states_host(
+    device: Device, dtype: DType, parts: usize, batch: usize, seq_q: usize, heads: usize, dv: usize, o_parts: &[u8], lse_parts: &[f32], o: &mut [u8],
+    lse: &mut [f32],
+) -> Result<()> {
+    match device {
+        Device::Cpu => merge_states(dtype, parts, batch, seq_q, heads, dv, o_parts, lse_parts, o, lse),
+        #[cfg(feature = "cuda")]
+        Device::Cuda => crate::cuda::merge_states_host(0, dtype, [parts, batch, seq_q, heads, dv], o_parts, lse_parts, o, lse),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda => Err(no_cuda()),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn no_cuda() -> FlashError {
+    FlashError::CudaUnavailable(crate::device::cuda_unavailable_reason().unwrap_or_default())
 }
 
 /// A raw pointer the row tasks share, each writing its own elements.

@@ -92,7 +92,7 @@ fn masked_tiles(kernel: Kernel, dtype: DType, d: usize, t: Tiles, mods: bool) ->
 /// (when they differ), at GQA group 1 with a ragged key length: the group and EVEN_N change a loop
 /// bound or fold a branch, not the code's shape. The elementwise kernels have no masked variant
 /// (masks change only their launch). Tile overrides do not show here. Then every rotary variant
-/// (which takes any head dim at run time).
+/// (which takes any head dim at run time). Then the KV-cache kernels' (kv_variants.rs).
 pub fn all_variants(head_dims: &[usize]) -> Vec<Variant> {
     let mut out = attention_variants(head_dims);
     for dtype in [DType::F16, DType::BF16, DType::F32] {
@@ -100,6 +100,7 @@ pub fn all_variants(head_dims: &[usize]) -> Vec<Variant> {
             out.extend(rotary_vecs(dtype).map(|vec| rotary_variant(dtype, interleaved, vec)));
         }
     }
+    out.extend(super::kv_variants::all(head_dims));
     out
 }
 
@@ -253,11 +254,14 @@ fn source(kernel: Kernel, dtype: DType, d: usize) -> &'static str {
         (Kernel::BwdDsinks, _) => "bwd_dsinks.cu",
         (Kernel::Pad, _) => "pad.cu",
         (Kernel::Rotary, _) => "rotary.cu",
+        (Kernel::Decode | Kernel::DecodeSimt | Kernel::MergeStates | Kernel::QuantizeKv | Kernel::DequantizeKv, _) => {
+            super::kv_variants::source(kernel)
+        }
     }
 }
 
 /// FLASH_DTYPE (cuda/params.h).
-fn dtype_code(d: DType) -> i64 {
+pub(super) fn dtype_code(d: DType) -> i64 {
     match d {
         DType::F16 => 0,
         DType::BF16 => 1,
@@ -342,7 +346,7 @@ static OVERRIDES: Mutex<Vec<((Kernel, DType, usize), Tiles)>> = Mutex::new(Vec::
 /// Sets (Some) or clears (None) the tiles of one (kernel, dtype, head dim) for this process.
 pub fn set_tile_override(kernel: Kernel, dtype: DType, head_dim: usize, tiles: Option<Tiles>) -> Result<()> {
     if let Some(t) = tiles {
-        if kernel.is_elementwise() {
+        if kernel.is_elementwise() || kernel.is_decode() {
             return Err(FlashError::Unsupported(format!("{} has no tiles to override", kernel.name())));
         }
         if [t.block_m, t.block_n, t.num_warps, t.d_split, t.min_blocks].contains(&0) {
@@ -382,6 +386,7 @@ mod tests {
                         assert_eq!(t.block_n * t.d_split, 16 * t.num_warps, "{}", v.name())
                     }
                     Kernel::BwdPreprocess | Kernel::BwdDqConvert | Kernel::BwdDsinks | Kernel::Pad | Kernel::Rotary => {}
+                    Kernel::Decode | Kernel::DecodeSimt | Kernel::MergeStates | Kernel::QuantizeKv | Kernel::DequantizeKv => {}
                 }
             }
         }

@@ -24,9 +24,12 @@
 
 mod compile;
 pub mod config;
+mod decode;
 mod device;
 mod elf;
 mod host;
+mod kv;
+pub mod kv_variants;
 mod launch;
 mod libs;
 pub mod pad;
@@ -42,7 +45,9 @@ use crate::guard::catch_panics;
 
 pub use compile::{cache_dir, nvrtc_version};
 pub use config::{all_variants, set_tile_override};
+pub use decode::{decode_device, decode_host, CachePtrs, DecodePtrs};
 pub use host::{backward_host, forward_host};
+pub use kv::{dequantize_device, dequantize_host, merge_states_device, merge_states_host, quantize_device, quantize_host, MergePtrs, QuantPtrs};
 pub use launch::{backward_device, forward_device, BackwardPtrs, ForwardPtrs, MaskPtrs};
 pub use libs::{add_search_roots, ensure_nvrtc};
 pub use report::{compile_report, Report, Usage};

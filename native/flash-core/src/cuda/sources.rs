@@ -32,6 +32,13 @@ pub const FILES: &[(&str, &str)] = &[
     ("bwd_dsinks.cu", include_str!("../../../../cuda/bwd_dsinks.cu")),
     ("pad.cu", include_str!("../../../../cuda/pad.cu")),
     ("rotary.cu", include_str!("../../../../cuda/rotary.cu")),
+    ("decode.h", include_str!("../../../../cuda/decode.h")),
+    ("decode.cu", include_str!("../../../../cuda/decode.cu")),
+    ("decode_simt.cu", include_str!("../../../../cuda/decode_simt.cu")),
+    ("merge.cu", include_str!("../../../../cuda/merge.cu")),
+    ("kv_quant.h", include_str!("../../../../cuda/kv_quant.h")),
+    ("quantize_kv.cu", include_str!("../../../../cuda/quantize_kv.cu")),
+    ("dequantize_kv.cu", include_str!("../../../../cuda/dequantize_kv.cu")),
 ];
 
 fn file(name: &str) -> Option<&'static str> {

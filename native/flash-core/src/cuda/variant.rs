@@ -7,6 +7,8 @@ use crate::error::{FlashError, Result};
 /// The kernels of a forward + backward, and Rotary. The default backward is BwdPreprocess, BwdDkdvDq
 /// (dK, dV and dQ by f32 atomics), BwdDqConvert; the deterministic one is BwdPreprocess, BwdDq, BwdDkdv.
 /// Pad copies tensors to and from the kernels' head dim when a call's is not theirs (pad.rs).
+/// Decode over a KV cache: Decode or DecodeSimt, then MergeStates for split keys (decode.rs);
+/// QuantizeKv / DequantizeKv convert caches (kv.rs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kernel {
     Fwd,
@@ -26,10 +28,19 @@ pub enum Kernel {
     Pad,
     /// Rotary embeddings, forward and backward (cuda/rotary.cu); its head dim is a run-time value.
     Rotary,
+    /// Decode on tensor cores (cuda/decode.cu): fp16 / bf16 at head dims 64, 128, 256.
+    Decode,
+    /// Decode on CUDA cores (cuda/decode_simt.cu): every dtype, the head dim at run time.
+    DecodeSimt,
+    /// Merging partial attention states by their logsumexp (cuda/merge.cu).
+    MergeStates,
+    /// The KV cache's 4- / 8-bit format, to and from (cuda/quantize_kv.cu, cuda/dequantize_kv.cu).
+    QuantizeKv,
+    DequantizeKv,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 11] = [
+    pub const ALL: [Kernel; 16] = [
         Kernel::Fwd,
         Kernel::FwdSm90,
         Kernel::BwdSm90,
@@ -41,6 +52,11 @@ impl Kernel {
         Kernel::BwdDsinks,
         Kernel::Pad,
         Kernel::Rotary,
+        Kernel::Decode,
+        Kernel::DecodeSimt,
+        Kernel::MergeStates,
+        Kernel::QuantizeKv,
+        Kernel::DequantizeKv,
     ];
 
     pub fn name(self) -> &'static str {
@@ -56,6 +72,11 @@ impl Kernel {
             Kernel::BwdDsinks => "bwd_dsinks",
             Kernel::Pad => "pad",
             Kernel::Rotary => "rotary",
+            Kernel::Decode => "decode",
+            Kernel::DecodeSimt => "decode_simt",
+            Kernel::MergeStates => "merge_states",
+            Kernel::QuantizeKv => "quantize_kv",
+            Kernel::DequantizeKv => "dequantize_kv",
         }
     }
 
@@ -80,6 +101,11 @@ impl Kernel {
             Kernel::BwdDsinks => "flash_bwd_dsinks",
             Kernel::Pad => "flash_pad",
             Kernel::Rotary => "flash_rotary",
+            Kernel::Decode => "flash_decode",
+            Kernel::DecodeSimt => "flash_decode_simt",
+            Kernel::MergeStates => "flash_merge_states",
+            Kernel::QuantizeKv => "flash_quantize_kv",
+            Kernel::DequantizeKv => "flash_dequantize_kv",
         }
     }
 
@@ -90,7 +116,22 @@ impl Kernel {
 
     /// Elementwise kernels have no tiles and no shared memory.
     pub fn is_elementwise(self) -> bool {
-        matches!(self, Kernel::BwdPreprocess | Kernel::BwdDqConvert | Kernel::BwdDsinks | Kernel::Pad | Kernel::Rotary)
+        matches!(
+            self,
+            Kernel::BwdPreprocess
+                | Kernel::BwdDqConvert
+                | Kernel::BwdDsinks
+                | Kernel::Pad
+                | Kernel::Rotary
+                | Kernel::MergeStates
+                | Kernel::QuantizeKv
+                | Kernel::DequantizeKv
+        )
+    }
+
+    /// The decode kernels: their tiles are config.rs's decode table, not the attention tables.
+    pub fn is_decode(self) -> bool {
+        matches!(self, Kernel::Decode | Kernel::DecodeSimt)
     }
 }
 

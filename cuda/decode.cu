@@ -1,0 +1,441 @@
+// decode.cu — decode on tensor cores (mma.sync m16n8k16): fp16 / bf16 queries against a plain or a
+// 4- / 8-bit quantized KV cache at head dim HEAD_DIM (64, 128 or 256). The params, the block's work,
+// the pipeline and the epilogue are decode.h's; another dtype or head dim runs decode_simt.cu.
+//
+// A warp takes STATE_TILE = 8 query states and the 16-key blocks wk, wk + WK, ... of each stage.
+// Per block:
+//   S^T [16 x 8] = K Q^T         per 16 head dims one m16n8k16: A = the block's 16 K rows,
+//                                dequantized in registers right after their shared-memory load;
+//                                B = Q^T (kept in registers for the whole call)
+//   online softmax               per state, in the exp2 domain (reduced over the lanes of a column)
+//   O^T [D x 8] += V^T P^T       per 16 head dims one m16n8k16: A = V^T, dequantized likewise;
+//                                B = P^T, S^T's accumulators packed and transposed (movmatrix)
+//
+// Head-dim permutations. q.k sums over d, so any bijection of d onto the mma's k index serves if Q
+// and K share it, and O^T's rows may be any permutation of d if the store undoes it. Both are
+// chosen so that each lane reads whole units (16 bytes, fewer for short rows) of a row, no two
+// lanes the same bytes:
+//   K: lane t (= lane % 4) owns units t, t + 4, ... of K rows g and g + 8 (g = lane / 4; UK bytes,
+//      EK elements each). A unit's elements form pairs P_0, P_1, ... (pair_lo / pair_hi); step r
+//      of the unit feeds P_2r to k indices (2t, 2t+1) and P_2r+1 to (2t+8, 2t+9), and Q's B
+//      fragment takes the same elements of state g.
+//   V: lane g owns units g, g + 8, ... of each V row (UV bytes, EV elements); pair k of its unit j
+//      is m-block mb = j * EV / 2 + k, the pair's two elements O^T rows g and g + 8 of that block.
+// Pairs of a u32 word: plain rows, its two elements; 8-bit codes, (0, 1) and (2, 3); 4-bit codes,
+// (k, k + 4) for k < 4 (one shift and mask reach both).
+#include "decode.h"
+
+#if FLASH_DTYPE == 2
+#error "decode.cu takes fp16 / bf16 (mma.sync); fp32 runs decode_simt.cu"
+#endif
+#if HEAD_DIM != 64 && HEAD_DIM != 128 && HEAD_DIM != 256
+#error "decode.cu takes HEAD_DIM 64, 128 or 256 (decode_simt.cu any other)"
+#endif
+#if STATE_TILE != 8
+#error "decode.cu's warp tile is 8 query states (the mma's n)"
+#endif
+
+#define KEY_BLOCK 16
+
+// Geometry of a cache whose elements take BITS bits (0: plain elem_t rows).
+template <int BITS>
+struct Geom {
+    enum : int {
+        EBITS = BITS ? BITS : 16,
+        ROW = HEAD_DIM * EBITS / 8,          // bytes of a row
+        UK = ROW / 4 < 16 ? ROW / 4 : 16,    // bytes of a K unit
+        NK = ROW / (4 * UK),                 // K units per lane
+        EK = UK * 8 / EBITS,                 // elements of a K unit
+        UV = ROW / 8 < 16 ? ROW / 8 : 16,    // bytes of a V unit
+        NV = ROW / (8 * UV),                 // V units per lane
+        EV = UV * 8 / EBITS,                 // elements of a V unit
+        EPW = 32 / EBITS,                    // elements per u32 word
+        PPW = EPW / 2,                       // pairs per word
+        // Row strides in shared memory that keep the reads above free of bank conflicts: the two K
+        // rows of a quarter warp (LDS.128) 64 bytes apart mod 128; the four V rows 2t (t = 0..3) of
+        // a warp phase 32 bytes apart.
+        SROW_K = ROW % 128 == 0 ? ROW + 64 : ROW,
+        SROW_V = ROW + 16,
+    };
+};
+
+// A stage holds 16 keys per warp of a plain cache; quantized rows are smaller and fill it with more.
+#define STAGE_BYTES (KEY_BLOCK * NUM_WARPS * (Geom<0>::SROW_K + Geom<0>::SROW_V))
+static_assert(PARTIALS_BYTES(HEAD_DIM) <= STAGES * STAGE_BYTES, "the epilogue reuses the stages");
+
+FLASH_EXPORT_SMEM(STAGES * STAGE_BYTES)
+
+// Elements (within its u32 word) of pair k of the word.
+template <int BITS>
+__device__ __forceinline__ constexpr int pair_lo(int k) { return BITS == 4 ? k : 2 * k; }
+template <int BITS>
+__device__ __forceinline__ constexpr int pair_hi(int k) { return BITS == 4 ? k + 4 : 2 * k + 1; }
+
+// Element (within its unit) of the low (hi = 0) or high member of pair P of the unit.
+template <int BITS>
+__device__ __forceinline__ constexpr int pair_elem(int P, int hi) {
+    using G = Geom<BITS>;
+    return (P / G::PPW) * G::EPW + (hi ? pair_hi<BITS>(P % G::PPW) : pair_lo<BITS>(P % G::PPW));
+}
+
+// Dequantization, right after a unit's shared-memory load: scale * code + bias, rounded once to
+// elem_t. Two 16-bit lanes at a time where the code is exact in elem_t after a magic offset (the
+// code under the high byte of 2^k gives 2^k + code; subtracting 2^k is exact): 4-bit codes in fp16
+// and bf16, 8-bit codes in fp16 (2^10 + c needs 11 significant bits, bf16 has 8). 8-bit codes in
+// bf16 go through f32 (2^23 + c), then one pack.
+#if FLASH_DTYPE == 1
+#define MAGIC_BYTES 0x43434343u  // bf16 2^7 = 0x4300: its high byte in every byte
+#define ONE2 0x3f803f80u         // bf16 1.0, both lanes
+#define NEG_MAGIC2 0xc300c300u   // bf16 -2^7
+#else
+#define MAGIC_BYTES 0x64646464u  // fp16 2^10 = 0x6400
+#define ONE2 0x3c003c00u
+#define NEG_MAGIC2 0xe400e400u
+#endif
+
+// a * b + c in each 16-bit lane, one rounding.
+__device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
+    u32 d;
+#if FLASH_DTYPE == 1
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+#else
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+#endif
+    return d;
+}
+
+// 2^k + code in both lanes -> scale * code + bias (s2, b2: the scale and bias in both lanes).
+__device__ __forceinline__ u32 deq2(u32 magic_codes, u32 s2, u32 b2) {
+    return fma2(fma2(magic_codes, ONE2, NEG_MAGIC2), s2, b2);
+}
+
+// A code as a float: 2^23 + c has the bits 0x4b000000 | c; subtracting 2^23 is exact.
+__device__ __forceinline__ float code_f32(u32 magic) { return __uint_as_float(magic) - 8388608.f; }
+
+// The word's pairs, dequantized and packed; sc, bi: the group's scale and bias (raw 16-bit).
+template <int BITS>
+__device__ __forceinline__ void word_pairs(u32 w, u32 sc, u32 bi, u32 (&out)[Geom<BITS>::PPW]) {
+    if constexpr (BITS == 0) {
+        out[0] = w;
+    } else if constexpr (BITS == 4) {
+        const u32 s2 = sc | (sc << 16), b2 = bi | (bi << 16);
+        // Code c_i is the low nibble of byte i / 2 of lo (i even) or hi (i odd); pair k = (c_k,
+        // c_k+4) is two bytes of one of them under the magic's high byte.
+        const u32 lo = w & 0x0f0f0f0fu, hi = (w >> 4) & 0x0f0f0f0fu;
+        out[0] = deq2(__byte_perm(lo, MAGIC_BYTES, 0x5240), s2, b2);  // c0, c4
+        out[1] = deq2(__byte_perm(hi, MAGIC_BYTES, 0x5240), s2, b2);  // c1, c5
+        out[2] = deq2(__byte_perm(lo, MAGIC_BYTES, 0x5341), s2, b2);  // c2, c6
+        out[3] = deq2(__byte_perm(hi, MAGIC_BYTES, 0x5341), s2, b2);  // c3, c7
+    } else if constexpr (FLASH_DTYPE == 0) {
+        const u32 s2 = sc | (sc << 16), b2 = bi | (bi << 16);
+        // Bytes 2k and 2k + 1 of w under fp16 2^10's high byte.
+        out[0] = deq2(__byte_perm(w, MAGIC_BYTES, 0x5140), s2, b2);
+        out[1] = deq2(__byte_perm(w, MAGIC_BYTES, 0x5342), s2, b2);
+    } else {
+        const float s = to_float((u16)sc), b = to_float((u16)bi);
+        // __byte_perm puts byte k of w under the exponent bytes of 2^23.
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const float lo = fmaf(s, code_f32(__byte_perm(w, 0x4b000000u, 0x7650 | (2 * k))), b);
+            const float hi = fmaf(s, code_f32(__byte_perm(w, 0x4b000000u, 0x7650 | (2 * k + 1))), b);
+            out[k] = pack2(lo, hi);
+        }
+    }
+}
+
+// U bytes of shared memory (a unit) as u32 words.
+template <int U>
+__device__ __forceinline__ void load_unit(u32 (&w)[U / 4], const unsigned char* src) {
+    if constexpr (U == 16) {
+        const uint4 v = *reinterpret_cast<const uint4*>(src);
+        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+    } else if constexpr (U == 8) {
+        const uint2 v = *reinterpret_cast<const uint2*>(src);
+        w[0] = v.x, w[1] = v.y;
+    } else {
+        w[0] = *reinterpret_cast<const u32*>(src);
+    }
+}
+
+// A scale row's element, raw 16-bit.
+__device__ __forceinline__ u32 scale_bits(const unsigned char* row, int index) {
+    return reinterpret_cast<const u16*>(row)[index];
+}
+
+// Q^T's B fragments of this lane, the same shape for every format: [(unit j, step r), b0 | b1] as
+// packed pairs, qa[2 (j EK / 4 + r) + f] (state g of the warp's tile; zero past the last state).
+#define Q_REGS (HEAD_DIM / 8)
+
+template <int BITS>
+__device__ __forceinline__ void load_q(u32 (&qa)[Q_REGS], const DecodeParams& p, const DecodeWork& w) {
+    using G = Geom<BITS>;
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int st = w.state0 + g;
+    const bool ok = st < p.states;
+    const int i = w.row_of(p, st), h = w.kvh * p.group + (ok ? st % p.group : 0);
+    const u16* q = reinterpret_cast<const u16*>(p.q) + (((i64)w.b * p.seq_q + i) * p.heads + h) * HEAD_DIM;
+#pragma unroll
+    for (int j = 0; j < G::NK; ++j) {
+        const int base = (t + 4 * j) * G::EK;
+#pragma unroll
+        for (int r = 0; r < G::EK / 4; ++r) {
+#pragma unroll
+            for (int f = 0; f < 2; ++f) {
+                const int P = 2 * r + f;
+                const u32 lo = ok ? q[base + pair_elem<BITS>(P, 0)] : 0u;
+                const u32 hi = ok ? q[base + pair_elem<BITS>(P, 1)] : 0u;
+                qa[2 * (j * (G::EK / 4) + r) + f] = lo | (hi << 16);
+            }
+        }
+    }
+}
+
+// The pairs of unit u of a K row (its scale row `sc` / `bi` at ScaleOffset `half`:
+// quantized caches only).
+template <int BITS>
+__device__ __forceinline__ void k_unit(u32 (&pairs)[Geom<BITS>::EK / 2], const unsigned char* row, const unsigned char* sc,
+                                       const unsigned char* bi, int half, int gs_shift, int u) {
+    using G = Geom<BITS>;
+    u32 words[G::UK / 4];
+    load_unit<G::UK>(words, row + u * G::UK);
+    u32 scale = 0, bias = 0;
+    if constexpr (BITS != 0) {
+        const int grp = half + ((u * G::EK) >> gs_shift);
+        scale = scale_bits(sc, grp);
+        bias = scale_bits(bi, grp);
+    }
+#pragma unroll
+    for (int x = 0; x < G::UK / 4; ++x) {
+        u32 wp[G::PPW];
+        word_pairs<BITS>(words[x], scale, bias, wp);
+#pragma unroll
+        for (int k = 0; k < G::PPW; ++k) pairs[x * G::PPW + k] = wp[k];
+    }
+}
+
+// s = S^T of a 16-key block: this lane's K rows are r (key g) and r8 (key g + 8), with their scale
+// rows and ScaleOffsets.
+template <int BITS>
+__device__ __forceinline__ void qk_block(float (&s)[4], const u32 (&qa)[Q_REGS], const unsigned char* r, const unsigned char* r8,
+                                         const unsigned char* sc, const unsigned char* bi, const unsigned char* sc8,
+                                         const unsigned char* bi8, int half, int half8, int gs_shift) {
+    using G = Geom<BITS>;
+    const int t = threadIdx.x % 4;
+#pragma unroll
+    for (int j = 0; j < G::NK; ++j) {
+        u32 pg[G::EK / 2], pg8[G::EK / 2];
+        k_unit<BITS>(pg, r, sc, bi, half, gs_shift, t + 4 * j);
+        k_unit<BITS>(pg8, r8, sc8, bi8, half8, gs_shift, t + 4 * j);
+#pragma unroll
+        for (int x = 0; x < G::EK / 4; ++x) {
+            const int at = 2 * (j * (G::EK / 4) + x);
+            const u32 a[4] = {pg[2 * x], pg8[2 * x], pg[2 * x + 1], pg8[2 * x + 1]};
+            mma16816(s, a, qa[at], qa[at + 1]);
+        }
+    }
+}
+
+// The 8 x 8 b16 matrix whose rows the lanes hold as mma fragments (lane l: row l / 4, columns
+// 2 (l % 4) and + 1), transposed in the same layout.
+__device__ __forceinline__ u32 transpose8x8(u32 x) {
+    u32 y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+}
+
+// The four V rows of this lane in a 16-key block: keys 2t, 2t + 1, 2t + 8, 2t + 9.
+__device__ __forceinline__ int v_row(int n) { return 2 * (threadIdx.x % 4) + (n & 1) + (n >> 1) * 8; }
+
+// o += V^T P^T for a 16-key block whose first V row is `rows` (stride SROW_V); bp0 / bp1: P^T's B
+// fragment; sc / bi: the block's scale rows (stride sw words), half[n]: the ScaleOffsets of
+// this lane's rows.
+template <int BITS>
+__device__ __forceinline__ void pv_block(float (&o)[HEAD_DIM / 16][4], const unsigned char* rows,
+                                         const unsigned char* sc, const unsigned char* bi, int sw,
+                                         const int (&half)[4], int gs_shift, u32 bp0, u32 bp1) {
+    using G = Geom<BITS>;
+    const int g = (threadIdx.x % 32) / 4;
+#pragma unroll
+    for (int j = 0; j < G::NV; ++j) {
+        const int u = g + 8 * j;
+        u32 words[4][G::UV / 4];
+        u32 scale[4] = {0, 0, 0, 0}, bias[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            const int r = v_row(n);
+            load_unit<G::UV>(words[n], rows + r * G::SROW_V + u * G::UV);
+            if constexpr (BITS != 0) {
+                const int grp = half[n] + ((u * G::EV) >> gs_shift);
+                scale[n] = scale_bits(sc + r * 4 * sw, grp);
+                bias[n] = scale_bits(bi + r * 4 * sw, grp);
+            }
+        }
+#pragma unroll
+        for (int x = 0; x < G::UV / 4; ++x) {
+            u32 X[4][G::PPW];
+#pragma unroll
+            for (int n = 0; n < 4; ++n) word_pairs<BITS>(words[n][x], scale[n], bias[n], X[n]);
+#pragma unroll
+            for (int k = 0; k < G::PPW; ++k) {
+                // m rows g (the pairs' low elements) and g + 8 (high), k columns (keys) 2t, 2t+1 | 2t+8, 2t+9.
+                const u32 a[4] = {__byte_perm(X[0][k], X[1][k], 0x5410), __byte_perm(X[0][k], X[1][k], 0x7632),
+                                  __byte_perm(X[2][k], X[3][k], 0x5410), __byte_perm(X[2][k], X[3][k], 0x7632)};
+                mma16816(o[j * (G::EV / 2) + x * G::PPW + k], a, bp0, bp1);
+            }
+        }
+    }
+}
+
+// Max and sum over the 8 lanes of a column of S^T (the lanes of one t: the keys of a state).
+__device__ __forceinline__ float column_max(float x) {
+#pragma unroll
+    for (int o = 4; o < 32; o *= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+__device__ __forceinline__ float column_sum(float x) {
+#pragma unroll
+    for (int o = 4; o < 32; o *= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+// One 16-key block of a stage (rows r0 .. r0 + 15, keys key0 + r0 ..): S^T, the softmax step of
+// states 2t and 2t + 1 (m, l: theirs; vis: their visible keys), O^T.
+template <int BITS>
+__device__ __forceinline__ void block_step(float (&o)[HEAD_DIM / 16][4], float (&m)[2], float (&l)[2], const u32 (&qa)[Q_REGS],
+                                           const unsigned char* stage, const StageLayout& L, const DecodeParams& p,
+                                           int key0, int nkeys, int r0, const int2 (&vis)[2], const ScaleOffset& k_off,
+                                           const ScaleOffset& v_off) {
+    using G = Geom<BITS>;
+    const int t = threadIdx.x % 4, g = (threadIdx.x % 32) / 4;
+    const int key_base = key0 + r0;
+    // S^T: rows keys g and g + 8, columns states 2t and 2t + 1.
+    float x[4] = {0.f, 0.f, 0.f, 0.f};
+    {
+        const int r = r0 + g, r8 = r + 8;
+        const int half = BITS ? k_off(key0 + r) : 0, half8 = BITS ? k_off(key0 + r8) : 0;
+        const unsigned char* sc = stage + L.off_ks;
+        const unsigned char* bi = stage + L.off_kb;
+        qk_block<BITS>(x, qa, stage + r * G::SROW_K, stage + r8 * G::SROW_K, sc + r * 4 * L.sw_k, bi + r * 4 * L.sw_k,
+                       sc + r8 * 4 * L.sw_k, bi + r8 * 4 * L.sw_k, half, half8, p.k_group_size == 64 ? 6 : 5);
+    }
+    float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int key = key_base + g + (e >> 1) * 8, c = e & 1;
+        const bool ok = key - key0 < nkeys && key >= vis[c].x && key <= vis[c].y;
+        x[e] = ok ? score_log2(p, x[e]) : NEG_INF;
+        mx[c] = fmaxf(mx[c], x[e]);
+    }
+    float alpha[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        const float m_new = fmaxf(m[c], column_max(mx[c]));
+        const float m_use = m_new == NEG_INF ? 0.f : m_new;  // no -inf - -inf
+        alpha[c] = fast_exp2(m[c] - m_use);
+        x[c] = fast_exp2(x[c] - m_use);
+        x[c + 2] = fast_exp2(x[c + 2] - m_use);
+        l[c] = l[c] * alpha[c] + x[c] + x[c + 2];
+        m[c] = m_new;
+    }
+    // Once the maxima settle most blocks change none: skip the D / 4 multiplies (warp-uniform).
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int mb = 0; mb < HEAD_DIM / 16; ++mb) {
+            o[mb][0] *= alpha[0], o[mb][1] *= alpha[1], o[mb][2] *= alpha[0], o[mb][3] *= alpha[1];
+        }
+    }
+    int half[4] = {0, 0, 0, 0};
+    if constexpr (BITS != 0) {
+#pragma unroll
+        for (int n = 0; n < 4; ++n) half[n] = v_off(key_base + v_row(n));
+    }
+    // P^T's B fragment: lane (g, t) needs P[state g][keys 2t, 2t+1 | 2t+8, 2t+9]; S^T gave it
+    // P[states 2t, 2t+1][key g | g+8], the transposed 8 x 8 blocks.
+    const u32 bp0 = transpose8x8(pack2(x[0], x[1])), bp1 = transpose8x8(pack2(x[2], x[3]));
+    pv_block<BITS>(o, stage + L.off_v + r0 * G::SROW_V, stage + L.off_vs + r0 * 4 * L.sw_v, stage + L.off_vb + r0 * 4 * L.sw_v,
+                   L.sw_v, half, p.v_group_size == 64 ? 6 : 5, bp0, bp1);
+}
+
+// The warp's partial o into shared memory: states 2t, 2t + 1 at the head dims of its V pairs.
+template <int BITS>
+__device__ __forceinline__ void store_partial_o(float* dst, const float (&o)[HEAD_DIM / 16][4]) {
+    using G = Geom<BITS>;
+    const int t = threadIdx.x % 4, g = (threadIdx.x % 32) / 4;
+#pragma unroll
+    for (int j = 0; j < G::NV; ++j) {
+#pragma unroll
+        for (int P = 0; P < G::EV / 2; ++P) {
+            const int mb = j * (G::EV / 2) + P, base = (g + 8 * j) * G::EV;
+            const int d_lo = base + pair_elem<BITS>(P, 0), d_hi = base + pair_elem<BITS>(P, 1);
+            dst[2 * t * HEAD_DIM + d_lo] = o[mb][0];
+            dst[(2 * t + 1) * HEAD_DIM + d_lo] = o[mb][1];
+            dst[2 * t * HEAD_DIM + d_hi] = o[mb][2];
+            dst[(2 * t + 1) * HEAD_DIM + d_hi] = o[mb][3];
+        }
+    }
+}
+
+// p.bits as a compile-time value: f(Bits<N>()) reads it as decltype(arg)::value (one copy of the
+// pipeline and the epilogue serves every format).
+template <int N>
+struct Bits {
+    enum : int { value = N };
+};
+template <typename F>
+__device__ __forceinline__ void with_bits(int bits, F&& f) {
+    if (bits == 4) {
+        f(Bits<4>());
+    } else if (bits == 8) {
+        f(Bits<8>());
+    } else {
+        f(Bits<0>());
+    }
+}
+#define BITS_OF(arg) decltype(arg)::value
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) flash_decode(const DecodeParams p) {
+    unsigned char* smem = &shared_memory<unsigned char>();
+    const DecodeWork w(p);
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    StageLayout L;
+    with_bits(p.bits, [&](auto bits) {
+        using G = Geom<BITS_OF(bits)>;
+        L = stage_layout(p, G::SROW_K, G::SROW_V, STAGE_BYTES, KEY_BLOCK * NUM_WARPS);
+    });
+    const bool active = w.state0 < p.states;
+    const int wk_n = NUM_WARPS / p.warp_states;
+
+    u32 qa[Q_REGS];
+    with_bits(p.bits, [&](auto bits) { load_q<BITS_OF(bits)>(qa, p, w); });
+    // This lane's columns of S^T and O^T: states 2t and 2t + 1.
+    const int2 vis[2] = {visible_keys(p, w, w.row_of(p, w.state0 + 2 * t)), visible_keys(p, w, w.row_of(p, w.state0 + 2 * t + 1))};
+    float o[HEAD_DIM / 16][4];
+#pragma unroll
+    for (int mb = 0; mb < HEAD_DIM / 16; ++mb) o[mb][0] = o[mb][1] = o[mb][2] = o[mb][3] = 0.f;
+    // States 2t, 2t + 1: running max (log2 domain) and this lane's part of the sum.
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+
+    const ScaleOffset k_off(p, w, p.bits ? HEAD_DIM / p.k_group_size : 0), v_off(p, w, p.bits ? HEAD_DIM / p.v_group_size : 0);
+
+    pipeline(smem, L, p, w, [&](const unsigned char* stage, int key0, int nkeys) {
+        if (!active) return;
+        with_bits(p.bits, [&](auto bits) {
+            for (int r0 = w.wk * KEY_BLOCK; r0 < nkeys; r0 += wk_n * KEY_BLOCK) {
+                block_step<BITS_OF(bits)>(o, m, l, qa, stage, L, p, key0, nkeys, r0, vis, k_off, v_off);
+            }
+        });
+    });
+
+    // Partials: m, l and o of states 2t, 2t + 1 (lanes g = 0 write m and l; o undoes the V pairs).
+    l[0] = column_sum(l[0]);
+    l[1] = column_sum(l[1]);
+    const Partials part(smem, HEAD_DIM);
+    const int row = (threadIdx.x / 32) * STATE_TILE;
+    if (g == 0) {
+        part.m[row + 2 * t] = m[0], part.l[row + 2 * t] = l[0];
+        part.m[row + 2 * t + 1] = m[1], part.l[row + 2 * t + 1] = l[1];
+    }
+    with_bits(p.bits, [&](auto bits) { store_partial_o<BITS_OF(bits)>(part.o + row * HEAD_DIM, o); });
+    __syncthreads();
+    store_states(p, w, part);
+}

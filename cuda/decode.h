@@ -1,0 +1,364 @@
+// decode.h — what the two decode kernels share: decode.cu (tensor cores: fp16 / bf16 at head dims
+// 64, 128, 256) and decode_simt.cu (CUDA cores: every dtype, any head dim up to 256). The params,
+// a block's work (batch row, kv head, split of the keys, chunk of the query states), the cp.async
+// pipeline that brings each K / V / scale tile to shared memory once for every query state of the
+// block, and the epilogue that merges the warps' partial states and writes them out. Semantics:
+// flash-core's decode.rs (the CPU path) and reference.py's `decode`; host side: cuda/decode.rs.
+//
+//   q, o            [B, Sq, H, D]            elem_t
+//   k, v            [B, S_cache, Hkv, row]   rows of D elem_t, or quantized: D * bits / 32 u32 codes
+//                                            (quant.rs's format: x ~ scale * code + bias per group)
+//   scales, biases  [B, S_cache, Hkv, D / group_size] elem_t (quantized caches only)
+//   lse             [B, H, Sq] f32, natural log; -inf (and o = 0) for a state that sees no key
+//   o_part          [splits, B, Sq, H, D] f32, lse_part [splits, B, H, Sq]: with splits > 1 each
+//                   split's state, merged by merge.cu
+//
+// Row b's valid keys are [leftpad[b], seqlens[b]); query row i sees the valid keys whose index j
+// (absolute) lies in [end + i - win_left, end + i + win_right], end = seqlens[b] - Sq (causal: the
+// host sets win_right = 0). A query state st = i * G + g is row i of head kvh * G + g (G = H / Hkv):
+// a block loads each key once for the STATE_TILE * warp_states states of its chunk.
+//
+// Defines: FLASH_DTYPE, HEAD_DIM (decode.cu: the head dim; decode_simt.cu: 256, the bound of its
+// run-time D), NUM_WARPS, STATE_TILE (query states per warp), STAGES (pipeline depth), MIN_BLOCKS
+// (blocks per SM the registers must allow; params.h's default 1).
+#pragma once
+#include "ptx.h"
+
+#ifndef STATE_TILE
+#error "STATE_TILE must be defined"
+#endif
+#ifndef STAGES
+#define STAGES 3
+#endif
+
+// The host caps unbounded window sides here (and the cache below it), so that index sums fit an int.
+#define WINDOW_INF (1 << 30)
+
+// Mirrored field for field by native/flash-core/src/cuda/decode.rs (#[repr(C)]).
+struct DecodeParams {
+    const elem_t* q;           // [B, Sq, H, D]
+    const unsigned char* k;    // [B, S_cache, Hkv, row_bytes]: elem_t rows or u32 codes
+    const unsigned char* v;    // as k
+    const elem_t* k_scale;     // [B, S_cache, Hkv, D / k_group_size], or null (plain cache)
+    const elem_t* k_bias;      // as k_scale
+    const elem_t* v_scale;     // [B, S_cache, Hkv, D / v_group_size], or null
+    const elem_t* v_bias;      // as v_scale
+    const int* seqlens;        // [B], or null: every row holds S_cache keys
+    const int* leftpad;        // [B], or null: 0
+    elem_t* o;                 // [B, Sq, H, D] (splits == 1)
+    float* lse;                // [B, H, Sq] (splits == 1)
+    float* o_part;             // [splits, B, Sq, H, D] (splits > 1)
+    float* lse_part;           // [splits, B, H, Sq] (splits > 1)
+    int batch;                 // B
+    int seq_q;                 // Sq (1..16)
+    int heads;                 // H
+    int kv_heads;              // Hkv
+    int head_dim;              // D
+    int s_cache;               // S_cache (< WINDOW_INF)
+    int group;                 // G = H / Hkv
+    int states;                // G * Sq
+    int splits;                // splits of each row's visible keys
+    int chunks;                // state chunks per (b, kv head): grid.x = Hkv * chunks * splits
+    int warp_states;           // WS: warps over state tiles (a power of 2 dividing NUM_WARPS); the
+                               // NUM_WARPS / WS warps of a state tile split the keys
+    int bits;                  // 0: plain caches; 4 or 8: both quantized
+    int k_group_size;          // elements per scale of k (quantized)
+    int v_group_size;          // of v
+    int row_bytes;             // bytes of one k or v row in global memory
+    int win_left;              // window sides, capped at WINDOW_INF (causal: win_right = 0)
+    int win_right;
+    float scale_log2;          // scale * log2(e) (no softcap)
+    float cap_in;              // softcap: scale / softcap (0: none)
+    float cap_out;             // softcap * log2(e)
+};
+static_assert(sizeof(DecodeParams) == 13 * 8 + 20 * 4, "decode.rs mirrors this layout");
+
+// ---- a block's work ------------------------------------------------------------------------------
+// blockIdx.x = kvh + Hkv * (chunk + chunks * split) (the kv heads of one split side by side: they
+// share the scale rows' sectors in L2), blockIdx.y = b.
+struct DecodeWork {
+    int b, kvh, split, chunk;
+    int ws, wk;       // this warp's state slot and key lane (warp = wk * WS + ws)
+    int state0;       // first state of this warp's tile (may be >= states: an idle warp)
+    int end;          // seqlens[b] - Sq: row i's causal end is end + i
+    int k0, k1;       // this split's keys, absolute: [k0, k1)
+    i64 row0;         // cache row index of key 0 of (b, kvh): rows of key j are row0 + j * Hkv
+
+    __device__ __forceinline__ explicit DecodeWork(const DecodeParams& p) {
+        kvh = blockIdx.x % p.kv_heads;
+        const int rest = blockIdx.x / p.kv_heads;
+        chunk = rest % p.chunks;
+        split = rest / p.chunks;
+        b = blockIdx.y;
+        const int warp = threadIdx.x / 32;
+        ws = warp % p.warp_states;
+        wk = warp / p.warp_states;
+        state0 = (chunk * p.warp_states + ws) * STATE_TILE;
+        // Out-of-range lengths (the host checks them) still read nothing outside the cache.
+        const int hi = p.seqlens ? min(max(p.seqlens[b], 0), p.s_cache) : p.s_cache;
+        const int lo = p.leftpad ? min(max(p.leftpad[b], 0), hi) : 0;
+        end = hi - p.seq_q;
+        // The keys some row sees: [end - win_left, end + Sq - 1 + win_right] within [lo, hi).
+        const int vlo = max(lo, end - p.win_left);
+        const int vhi = min(hi, end + p.seq_q + p.win_right);
+        const i64 len = max(vhi - vlo, 0);
+        k0 = vlo + (int)(len * split / p.splits);
+        k1 = vlo + (int)(len * (split + 1) / p.splits);
+        row0 = (i64)b * p.s_cache * p.kv_heads + kvh;
+    }
+
+    // Query row of state st (states past the last are clamped: their results are never stored).
+    __device__ __forceinline__ int row_of(const DecodeParams& p, int st) const { return min(st, p.states - 1) / p.group; }
+};
+
+// Row i's visible keys [lo, hi] (inclusive, absolute).
+__device__ __forceinline__ int2 visible_keys(const DecodeParams& p, const DecodeWork& w, int i) {
+    return make_int2(w.end + i - p.win_left, w.end + i + p.win_right);
+}
+
+// The score of q.k in the exp2 domain: scale, then the softcap c * tanh(s / c).
+__device__ __forceinline__ float score_log2(const DecodeParams& p, float qk) {
+    return p.cap_in > 0.f ? p.cap_out * tanhf(qk * p.cap_in) : qk * p.scale_log2;
+}
+
+// ---- the shared-memory pipeline ------------------------------------------------------------------
+// A stage holds tile_keys consecutive keys: K rows [tile_keys][srow_k] bytes, V rows
+// [tile_keys][srow_v], then for quantized caches the k_scale, k_bias, v_scale, v_bias rows
+// [tile_keys][sw_k or sw_v] 4-byte words. Every offset is a multiple of 16. Keys past the split's
+// end are zero-filled.
+struct StageLayout {
+    int srow_k, srow_v;   // bytes between rows (the kernel's padding against bank conflicts)
+    int sw_k, sw_v;       // 4-byte words per scale row (0: plain)
+    int tile_keys;        // a multiple of key_round
+    int off_v, off_ks, off_kb, off_vs, off_vb, bytes;
+};
+
+// Words that hold a row of `groups` scales from any 2-byte boundary (see copy_scales).
+__device__ __forceinline__ int scale_words(int groups) {
+    return sizeof(elem_t) == 4 ? groups : (2 * groups + 5) / 4;
+}
+
+__device__ __forceinline__ int round16(int x) { return (x + 15) & ~15; }
+
+// The layout of a stage of at most `budget` bytes for rows padded to srow_k / srow_v.
+__device__ __forceinline__ StageLayout stage_layout(const DecodeParams& p, int srow_k, int srow_v, int budget,
+                                                    int key_round) {
+    StageLayout L;
+    L.srow_k = srow_k;
+    L.srow_v = srow_v;
+    L.sw_k = p.bits ? scale_words(p.head_dim / p.k_group_size) : 0;
+    L.sw_v = p.bits ? scale_words(p.head_dim / p.v_group_size) : 0;
+    // Per key, with 16 bytes of slack per scale array for the rounding of its offset.
+    const int per_key = srow_k + srow_v + 8 * (L.sw_k + L.sw_v);
+    const int slack = p.bits ? 4 * 16 : 0;
+    L.tile_keys = max((budget - slack) / per_key / key_round, 1) * key_round;
+    const int n = L.tile_keys;
+    L.off_v = n * srow_k;
+    L.off_ks = round16(L.off_v + n * srow_v);
+    L.off_kb = round16(L.off_ks + n * 4 * L.sw_k);
+    L.off_vs = round16(L.off_kb + n * 4 * L.sw_k);
+    L.off_vb = round16(L.off_vs + n * 4 * L.sw_v);
+    L.bytes = round16(L.off_vb + n * 4 * L.sw_v);
+    return L;
+}
+
+// cp.async of 8 and 4 bytes (through L1; 16 bytes is ptx.h's cp_async16). When !valid the bytes
+// are zero-filled and src is not read.
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid) {
+    int n = valid ? 8 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+    int n = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(n));
+}
+
+// Copies `unit` bytes (16, 8 or 4: cp.async; 2: a plain load and store, for rows whose size or
+// address allows nothing wider).
+__device__ __forceinline__ void copy_unit(unsigned char* dst, const unsigned char* src, int unit, bool valid) {
+    if (unit == 16) {
+        cp_async16(dst, src, valid);
+    } else if (unit == 8) {
+        cp_async8(dst, src, valid);
+    } else if (unit == 4) {
+        cp_async4(dst, src, valid);
+    } else {
+        *reinterpret_cast<u16*>(dst) = valid ? *reinterpret_cast<const u16*>(src) : (u16)0;
+    }
+}
+
+// Which rows and chunks of a stage's rows this thread copies: chunk c0, c0 + cstep, ... of rows
+// r0, r0 + rstep, ... (one division per kernel, none per copy).
+struct CopyMap {
+    int r0, rstep, c0, cstep, chunks;
+    __device__ __forceinline__ CopyMap(int row_bytes, int unit) {
+        chunks = row_bytes / unit;
+        const int tpr = min(chunks, NUM_THREADS);  // threads per row
+        rstep = NUM_THREADS / tpr;
+        r0 = threadIdx.x / tpr;
+        c0 = threadIdx.x % tpr;
+        cstep = tpr;
+        if (r0 >= rstep) r0 = 1 << 30;  // a thread past the last whole row copies nothing
+    }
+};
+
+// The widest copy unit that divides the rows and both caches' addresses.
+__device__ __forceinline__ int copy_unit_bytes(const DecodeParams& p) {
+    const unsigned long long a = (unsigned long long)p.k | (unsigned long long)p.v | (unsigned long long)p.row_bytes;
+    return (a & 15) == 0 ? 16 : (a & 7) == 0 ? 8 : (a & 3) == 0 ? 4 : 2;
+}
+
+// Rows of keys [key0, key0 + L.tile_keys) of one (b, kv head) of a cache into dst; keys >= key_end
+// are zero-filled.
+__device__ __forceinline__ void copy_rows(unsigned char* dst, int srow, const unsigned char* cache, const DecodeParams& p,
+                                          const DecodeWork& w, int key0, int key_end, int nrows, const CopyMap& m,
+                                          int unit) {
+    for (int r = m.r0; r < nrows; r += m.rstep) {
+        const bool valid = key0 + r < key_end;
+        const unsigned char* src = valid ? cache + (w.row0 + (i64)(key0 + r) * p.kv_heads) * p.row_bytes : cache;
+        unsigned char* d = dst + r * srow;
+        for (int c = m.c0; c < m.chunks; c += m.cstep) copy_unit(d + c * unit, valid ? src + c * unit : cache, unit, valid);
+    }
+}
+
+// The scale (or bias) rows of keys [key0, key0 + nrows): the `groups` elements of row r start at
+// element e = (row0 + (key0 + r) * Hkv) * groups of the tensor; the sw words from the one holding
+// element e are copied (4-byte cp.async: the host checks the tensor is 4-byte aligned), so element g
+// of the row sits at ScaleOffset + g of the copied words. A word that would cross the tensor's
+// end gets its first half by a plain load; keys >= key_end are zero. m: CopyMap(4 * sw, 4).
+__device__ __forceinline__ void copy_scales(u32* dst, int sw, const elem_t* tensor, int groups, const DecodeParams& p,
+                                            const DecodeWork& w, int key0, int key_end, int nrows, const CopyMap& m) {
+    const unsigned char* base = reinterpret_cast<const unsigned char*>(tensor);
+    const i64 end_bytes = (i64)p.batch * p.s_cache * p.kv_heads * groups * (i64)sizeof(elem_t);
+    for (int r = m.r0; r < nrows; r += m.rstep) {
+        const bool valid = key0 + r < key_end;
+        const i64 first = ((w.row0 + (i64)(key0 + r) * p.kv_heads) * groups * (i64)sizeof(elem_t)) & ~(i64)3;
+        for (int word = m.c0; word < sw; word += m.cstep) {
+            const i64 at = first + 4 * word;
+            u32* d = dst + r * sw + word;
+            if (!valid || at + 4 <= end_bytes) {
+                cp_async4(d, valid ? base + at : base, valid);
+            } else {
+                *d = at + 2 <= end_bytes ? (u32) * reinterpret_cast<const u16*>(base + at) : 0u;
+            }
+        }
+    }
+}
+
+// Where key j's scale row starts in its copied words, in elements: 16-bit scales, the parity of its
+// first element (row0 + j * Hkv) * groups (copy_scales copies from the word holding it); f32, 0.
+// Element g of the row is at offset(j) + g.
+struct ScaleOffset {
+    int base, step;  // offset(j) = base ^ (j & step)
+    __device__ __forceinline__ ScaleOffset(const DecodeParams& p, const DecodeWork& w, int groups) {
+        const int odd = sizeof(elem_t) == 2 ? groups & 1 : 0;
+        base = (int)(w.row0 & odd);
+        step = p.kv_heads & odd;
+    }
+    __device__ __forceinline__ int operator()(int key) const { return base ^ (key & step); }
+};
+
+// How this thread copies a stage: the rows' unit, and its share of rows and scale words.
+struct StageCopy {
+    int unit;
+    CopyMap rows, scales_k, scales_v;
+    __device__ __forceinline__ StageCopy(const DecodeParams& p, const StageLayout& L, int unit_)
+        : unit(unit_), rows(p.row_bytes, unit_), scales_k(4 * max(L.sw_k, 1), 4), scales_v(4 * max(L.sw_v, 1), 4) {}
+};
+
+// Issues the copies of the stage holding keys [key0, key0 + tile_keys).
+__device__ __forceinline__ void load_stage(unsigned char* stage, const StageLayout& L, const DecodeParams& p,
+                                           const DecodeWork& w, int key0, const StageCopy& c) {
+    const int n = L.tile_keys;
+    copy_rows(stage, L.srow_k, p.k, p, w, key0, w.k1, n, c.rows, c.unit);
+    copy_rows(stage + L.off_v, L.srow_v, p.v, p, w, key0, w.k1, n, c.rows, c.unit);
+    if (p.bits) {
+        const int gk = p.head_dim / p.k_group_size, gv = p.head_dim / p.v_group_size;
+        copy_scales(reinterpret_cast<u32*>(stage + L.off_ks), L.sw_k, p.k_scale, gk, p, w, key0, w.k1, n, c.scales_k);
+        copy_scales(reinterpret_cast<u32*>(stage + L.off_kb), L.sw_k, p.k_bias, gk, p, w, key0, w.k1, n, c.scales_k);
+        copy_scales(reinterpret_cast<u32*>(stage + L.off_vs), L.sw_v, p.v_scale, gv, p, w, key0, w.k1, n, c.scales_v);
+        copy_scales(reinterpret_cast<u32*>(stage + L.off_vb), L.sw_v, p.v_bias, gv, p, w, key0, w.k1, n, c.scales_v);
+    }
+}
+
+// Runs compute(stage, key0, nkeys) over the split's tiles, each brought in by a STAGES-deep cp.async
+// pipeline: one group committed per tile slot (empty ones too, so the wait counts stay fixed), and
+// one load site (the first STAGES - 1 turns only load). Returns with every copy landed and every
+// thread past its last compute: the shared memory is free for reuse.
+template <typename Compute>
+__device__ __forceinline__ void pipeline(unsigned char* smem, const StageLayout& L, const DecodeParams& p,
+                                         const DecodeWork& w, Compute&& compute) {
+    const StageCopy copy(p, L, copy_unit_bytes(p));
+    const int tiles = (w.k1 - w.k0 + L.tile_keys - 1) / L.tile_keys;
+#pragma unroll 1
+    for (int t = 1 - STAGES; t < tiles; ++t) {
+        if (t >= 0) {
+            cp_async_wait<STAGES - 2>();
+            __syncthreads();  // tile t landed for every thread; every thread is done with tile t - 1
+        }
+        const int next = t + STAGES - 1;
+        if (next < tiles) load_stage(smem + (next % STAGES) * L.bytes, L, p, w, w.k0 + next * L.tile_keys, copy);
+        cp_async_commit();
+        if (t >= 0) {
+            const int key0 = w.k0 + t * L.tile_keys;
+            compute(smem + (t % STAGES) * L.bytes, key0, min(L.tile_keys, w.k1 - key0));
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+}
+
+// ---- the epilogue --------------------------------------------------------------------------------
+// Each warp leaves its tile's partial states in shared memory: o [NUM_WARPS][STATE_TILE][D] f32
+// (unnormalised: o / l is the warp's output), m (log2 domain) and l [NUM_WARPS][STATE_TILE]. The
+// NUM_WARPS / WS warps of a state tile are merged by their logsumexp, and each state is written:
+// o (elem_t) and lse with one split, else o_part and lse_part. A state no key reached gives o = 0
+// and lse = -inf.
+struct Partials {
+    float* o;
+    float* m;
+    float* l;
+    __device__ __forceinline__ Partials(unsigned char* smem, int d) {
+        o = reinterpret_cast<float*>(smem);
+        m = o + NUM_WARPS * STATE_TILE * d;
+        l = m + NUM_WARPS * STATE_TILE;
+    }
+};
+
+// Shared memory the partials take at head dim d.
+#define PARTIALS_BYTES(d) (NUM_WARPS * STATE_TILE * ((d) + 2) * 4)
+
+// Called by every thread after the warps' partials are in place (and a __syncthreads).
+__device__ __forceinline__ void store_states(const DecodeParams& p, const DecodeWork& w, const Partials& part) {
+    const int d = p.head_dim, ws_n = p.warp_states, wk_n = NUM_WARPS / ws_n;
+    const int total = ws_n * STATE_TILE * d;
+    for (int e = threadIdx.x; e < total; e += NUM_THREADS) {
+        const int col = e % d, slot = e / d;  // slot = ws * STATE_TILE + state in the tile
+        const int ws = slot / STATE_TILE, sl = slot % STATE_TILE;
+        const int st = (w.chunk * ws_n + ws) * STATE_TILE + sl;
+        if (st >= p.states) continue;
+        float mx = NEG_INF;
+        for (int k = 0; k < wk_n; ++k) mx = fmaxf(mx, part.m[(k * ws_n + ws) * STATE_TILE + sl]);
+        float l = 0.f, acc = 0.f;
+        if (mx != NEG_INF) {
+            for (int k = 0; k < wk_n; ++k) {
+                const int at = (k * ws_n + ws) * STATE_TILE + sl;
+                const float f = fast_exp2(part.m[at] - mx);
+                l += f * part.l[at];
+                acc += f * part.o[at * d + col];
+            }
+        }
+        const bool seen = l > 0.f;
+        const float out = seen ? acc / l : 0.f;
+        const float lse = seen ? (mx + fast_log2(l)) * LN2 : NEG_INF;
+        const int i = st / p.group, h = w.kvh * p.group + st % p.group;
+        if (p.splits == 1) {
+            p.o[(((i64)w.b * p.seq_q + i) * p.heads + h) * d + col] = from_float(out);
+            if (col == 0) p.lse[((i64)w.b * p.heads + h) * p.seq_q + i] = lse;
+        } else {
+            const i64 sb = (i64)w.split * p.batch + w.b;
+            p.o_part[((sb * p.seq_q + i) * p.heads + h) * d + col] = out;
+            if (col == 0) p.lse_part[(sb * p.heads + h) * p.seq_q + i] = lse;
+        }
+    }
+}

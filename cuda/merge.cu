@@ -1,0 +1,81 @@
+// merge.cu — attention over the union of disjoint key sets from each set's state: the public
+// merge_states, and decode's splits (flash-core's quant.rs is the CPU's, with the same rule).
+//
+//   o_parts    [P, B, Sq, H, Dv]  elem_t, or f32 (parts_f32: decode's partial states)
+//   lse_parts  [P, B, H, Sq]      f32, natural log
+//   o          [B, Sq, H, Dv]     elem_t:  o = sum_p exp(lse_p - lse) o_p
+//   lse        [B, H, Sq]         f32:     lse = log(sum_p exp(lse_p))
+//
+// Parts whose lse is -inf weigh nothing (their o is not read); a state no part saw gives o = 0,
+// lse = -inf. One warp per state (b, i, h), grid-stride: its lanes find the max and the sum over
+// the parts, then the columns. Arithmetic is f32 (expf / logf, not the approximations).
+#include "types.h"
+
+#ifndef NUM_WARPS
+#error "NUM_WARPS must be defined"
+#endif
+#define NUM_THREADS (NUM_WARPS * 32)
+
+FLASH_EXPORT_SMEM(0)  // no shared memory
+
+// Mirrored field for field by native/flash-core/src/cuda/kv.rs (#[repr(C)]).
+struct MergeParams {
+    const void* o_parts;      // [P, B, Sq, H, Dv] elem_t, or f32 with parts_f32
+    const float* lse_parts;   // [P, B, H, Sq]
+    elem_t* o;                // [B, Sq, H, Dv]
+    float* lse;               // [B, H, Sq]
+    int parts, batch, seq_q, heads, dv, parts_f32;
+};
+static_assert(sizeof(MergeParams) == 4 * 8 + 6 * 4, "kv.rs mirrors this layout");
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_merge_states(const MergeParams p) {
+    const int lane = threadIdx.x % 32;
+    const float neg_inf = __int_as_float(0xff800000);
+    const i64 states = (i64)p.batch * p.seq_q * p.heads;  // (b, i, h) in o's order
+    const i64 part_stride = states * p.dv;                  // elements between parts of o_parts
+    const i64 warps = (i64)gridDim.x * NUM_WARPS;
+    for (i64 s = (i64)blockIdx.x * NUM_WARPS + threadIdx.x / 32; s < states; s += warps) {
+        const int h = (int)(s % p.heads);
+        const i64 bi = s / p.heads;  // b * Sq + i
+        const int i = (int)(bi % p.seq_q);
+        const i64 b = bi / p.seq_q;
+        const i64 stat = (b * p.heads + h) * p.seq_q + i;  // [B, H, Sq] index
+        const i64 stat_stride = states;                    // between parts of lse_parts
+        float mx = neg_inf;
+        for (int q = lane; q < p.parts; q += 32) mx = fmaxf(mx, p.lse_parts[q * stat_stride + stat]);
+        mx = warp_max(mx);
+        float total = 0.f;
+        if (mx != neg_inf) {
+            for (int q = lane; q < p.parts; q += 32) total += expf(p.lse_parts[q * stat_stride + stat] - mx);
+            total = warp_sum(total);
+        }
+        const bool seen = total > 0.f;
+        for (int c = lane; c < p.dv; c += 32) {
+            float acc = 0.f;
+            if (seen) {
+                for (int q = 0; q < p.parts; ++q) {
+                    const float wq = expf(p.lse_parts[q * stat_stride + stat] - mx);
+                    if (wq == 0.f) continue;
+                    const i64 at = q * part_stride + s * p.dv + c;
+                    const float x = p.parts_f32 ? reinterpret_cast<const float*>(p.o_parts)[at]
+                                                : to_float(reinterpret_cast<const elem_t*>(p.o_parts)[at]);
+                    acc += wq * x;
+                }
+                acc /= total;
+            }
+            p.o[s * p.dv + c] = from_float(acc);
+        }
+        if (lane == 0) p.lse[stat] = seen ? mx + logf(total) : neg_inf;
+    }
+}

@@ -1,0 +1,442 @@
+//! The decode kernels' launch (cuda/decode.h; cuda/decode.cu or cuda/decode_simt.cu, then
+//! cuda/merge.cu when the keys are split): their params, how many splits, and the device-pointer
+//! and host-memory entry points. The call is flash-core's [`Decode`], validated there; the CPU
+//! path (decode.rs) defines the semantics.
+//!
+//! Grid: x = Hkv * chunks * splits (the kv heads of a split side by side), y = B. A block loads each
+//! key of its split once for a chunk of the GQA group's query states (warp_states warps of
+//! STATE_TILE states; the other warps of a state tile split the keys). With more than one split,
+//! each split's state goes to an f32 workspace `[splits, B, Sq, H, D]` + `[splits, B, H, Sq]`
+//! (stream-ordered, freed after the call) and merge.cu combines them by their logsumexp.
+
+use cudarc::driver::sys as cu;
+
+use super::device::{self, launch, ContextGuard, Device, DeviceBuffer, Function};
+use super::host::{download, upload, Stream};
+use super::kv::{self, bytes_of, bytes_of_mut, MergePtrs};
+use super::kv_variants::decode_candidates;
+use super::libs;
+use crate::decode::{Cache, Decode};
+use crate::error::{FlashError, Result};
+use crate::guard::catch_panics;
+use crate::quant::QuantFormat;
+
+/// cuda/decode.h's `DecodeParams`, field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct DecodeParams {
+    q: u64,
+    k: u64,
+    v: u64,
+    k_scale: u64,
+    k_bias: u64,
+    v_scale: u64,
+    v_bias: u64,
+    seqlens: u64,
+    leftpad: u64,
+    o: u64,
+    lse: u64,
+    o_part: u64,
+    lse_part: u64,
+    batch: i32,
+    seq_q: i32,
+    heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    s_cache: i32,
+    group: i32,
+    states: i32,
+    splits: i32,
+    chunks: i32,
+    warp_states: i32,
+    bits: i32,
+    k_group_size: i32,
+    v_group_size: i32,
+    row_bytes: i32,
+    win_left: i32,
+    win_right: i32,
+    scale_log2: f32,
+    cap_in: f32,
+    cap_out: f32,
+}
+
+/// A cache on one GPU: its rows (`[B, S_cache, Hkv, D]` in the dtype, or the u32 codes
+/// `[B, S_cache, Hkv, D * bits / 32]`) and, quantized, its scales and biases
+/// (`[B, S_cache, Hkv, D / group_size]` in the dtype; 0 for a plain cache).
+#[derive(Debug, Clone, Copy)]
+pub struct CachePtrs {
+    pub data: u64,
+    pub scales: u64,
+    pub biases: u64,
+}
+
+/// Device pointers of a decode call (the layouts of [`crate::decode::decode_cpu`]'s buffers).
+#[derive(Debug, Clone, Copy)]
+pub struct DecodePtrs {
+    pub q: u64, // [B, Sq, H, D]
+    pub k: CachePtrs,
+    pub v: CachePtrs,
+    pub seqlens: u64, // [B] int32, or 0: S_cache
+    pub leftpad: u64, // [B] int32, or 0: 0
+    pub o: u64,       // [B, Sq, H, D]
+    pub lse: u64,     // [B, H, Sq] f32
+}
+
+/// cuda/decode.h's WINDOW_INF: window sides are capped here and caches must be shorter, so that
+/// the kernels' key arithmetic fits an int.
+const KEY_LIMIT: usize = 1 << 30;
+/// Keys per split at least when the number of splits is chosen here (a few pipeline stages).
+const MIN_KEYS_PER_SPLIT: usize = 256;
+/// Most splits chosen here (FlashAttention-2's bound).
+const MAX_SPLITS: usize = 128;
+
+/// The caches' bits on the GPU (0: plain): both plain, or both quantized with the same bits and
+/// `p`'s head dim (their group sizes may differ).
+fn cache_bits(p: &Decode, k: Option<&QuantFormat>, v: Option<&QuantFormat>) -> Result<usize> {
+    for f in [k, v].into_iter().flatten() {
+        if f.head_dim != p.head_dim {
+            return Err(FlashError::Internal(format!("decode: a cache's format has head dim {}, the call {}", f.head_dim, p.head_dim)));
+        }
+    }
+    match (k, v) {
+        (None, None) => Ok(0),
+        (Some(a), Some(b)) if a.bits == b.bits => Ok(a.bits),
+        _ => Err(FlashError::Unsupported(
+            "decode on the GPU takes k_cache and v_cache both plain, or both quantized with the same bits; dequantize one \
+             (flash_nif.dequantize_kv) or quantize both alike"
+                .into(),
+        )),
+    }
+}
+
+/// What the kernels take: sizes that fit their ints and grid, and pointers aligned for their
+/// loads (the scales are read in 4-byte words).
+fn check_supported(p: &Decode, ptrs: &DecodePtrs) -> Result<()> {
+    if p.s_cache >= KEY_LIMIT {
+        return Err(FlashError::Unsupported(format!("decode on the GPU takes caches of fewer than {KEY_LIMIT} keys; got S_cache = {}", p.s_cache)));
+    }
+    if p.batch > 65535 {
+        return Err(FlashError::Unsupported(format!("decode on the GPU takes at most 65535 batch rows; got {}", p.batch)));
+    }
+    // Rows are copied in the widest units their addresses allow (2 bytes at least).
+    let es = p.dtype.size_bytes() as u64;
+    let aligned = [("q", ptrs.q, es), ("o", ptrs.o, es), ("lse", ptrs.lse, 4), ("k_cache", ptrs.k.data, 2), ("v_cache", ptrs.v.data, 2)];
+    for (name, ptr, align) in aligned {
+        if ptr % align != 0 {
+            return Err(FlashError::Unsupported(format!("decode: {name}'s data is not aligned to {align} bytes; pass a copy")));
+        }
+    }
+    for (name, c) in [("k_cache", &ptrs.k), ("v_cache", &ptrs.v)] {
+        if c.scales % 4 != 0 || c.biases % 4 != 0 {
+            return Err(FlashError::Unsupported(format!(
+                "decode on the GPU reads {name}'s scales and biases in 4-byte words: pass arrays aligned to 4 bytes (a copy)"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The keys the rows of the call see at most: per row the valid keys, narrowed by the window.
+fn max_visible_keys(p: &Decode, seqlens: &[i32], leftpad: &[i32]) -> usize {
+    let (left, right) = p.window();
+    let (left, right) = (left.map_or(i64::MAX / 4, |x| x as i64), right.map_or(i64::MAX / 4, |x| x as i64));
+    seqlens
+        .iter()
+        .zip(leftpad)
+        .map(|(&hi, &lo)| {
+            let (hi, lo) = (hi as i64, lo as i64);
+            let end = hi - p.seq_q as i64;
+            let span = hi.min(end + p.seq_q as i64 + right) - lo.max(end - left);
+            span.max(0) as usize
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// Splits of each row's keys for `blocks` blocks per split on a GPU that holds `slots` at once:
+/// FlashAttention-2's rule. One split when the blocks nearly fill the GPU; else the fewest splits
+/// whose waves are within 85 % of the best efficiency (waves / whole waves), each split keeping
+/// MIN_KEYS_PER_SPLIT keys at least.
+fn choose_splits(blocks: usize, slots: usize, max_keys: usize) -> usize {
+    let max_splits = max_keys.div_ceil(MIN_KEYS_PER_SPLIT).clamp(1, MAX_SPLITS);
+    if blocks * 5 >= slots * 4 || max_splits == 1 {
+        return 1;
+    }
+    let efficiency = |s: usize| {
+        let waves = (blocks * s) as f64 / slots.max(1) as f64;
+        waves / waves.ceil()
+    };
+    let best = (1..=max_splits).map(efficiency).fold(0.0, f64::max);
+    (1..=max_splits).find(|&s| efficiency(s) >= 0.85 * best).unwrap_or(1)
+}
+
+/// Blocks of `f` an SM holds at once (registers, shared memory, threads).
+fn blocks_per_sm(f: &Function) -> Result<usize> {
+    let mut n = 0;
+    // SAFETY: out-pointer; a loaded function of the current context.
+    device::check("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
+        cu::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, f.func, f.threads as i32, f.smem as usize)
+    })?;
+    Ok(n.max(1) as usize)
+}
+
+/// How a call runs: the states' partition and the splits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Plan {
+    warp_states: usize,
+    chunks: usize,
+    splits: usize,
+}
+
+/// The states' partition for a kernel of `warps` warps of `state_tile` states each: warp_states
+/// warps (a power of 2, at most `warps`) over the state tiles, chunks of them across the grid.
+fn partition(states: usize, state_tile: usize, warps: usize) -> (usize, usize) {
+    let tiles = states.div_ceil(state_tile).max(1);
+    let warp_states = tiles.next_power_of_two().min(warps);
+    (warp_states, tiles.div_ceil(warp_states))
+}
+
+fn params(p: &Decode, bits: usize, k_gs: usize, v_gs: usize, plan: Plan, ptrs: &DecodePtrs, work: (u64, u64)) -> DecodeParams {
+    let (left, right) = p.window();
+    let cap = |x: Option<usize>| x.map_or(KEY_LIMIT, |x| x.min(KEY_LIMIT)) as i32;
+    let row_bytes = if bits == 0 { p.head_dim * p.dtype.size_bytes() } else { p.head_dim * bits / 8 };
+    let (cap_in, cap_out) = p.softcap.map_or((0.0, 0.0), |c| (p.scale / c, c * std::f32::consts::LOG2_E));
+    DecodeParams {
+        q: ptrs.q,
+        k: ptrs.k.data,
+        v: ptrs.v.data,
+        k_scale: ptrs.k.scales,
+        k_bias: ptrs.k.biases,
+        v_scale: ptrs.v.scales,
+        v_bias: ptrs.v.biases,
+        seqlens: ptrs.seqlens,
+        leftpad: ptrs.leftpad,
+        o: ptrs.o,
+        lse: ptrs.lse,
+        o_part: work.0,
+        lse_part: work.1,
+        batch: p.batch as i32,
+        seq_q: p.seq_q as i32,
+        heads: p.heads as i32,
+        kv_heads: p.kv_heads as i32,
+        head_dim: p.head_dim as i32,
+        s_cache: p.s_cache as i32,
+        group: (p.heads / p.kv_heads) as i32,
+        states: (p.heads / p.kv_heads * p.seq_q) as i32,
+        splits: plan.splits as i32,
+        chunks: plan.chunks as i32,
+        warp_states: plan.warp_states as i32,
+        bits: bits as i32,
+        k_group_size: k_gs as i32,
+        v_group_size: v_gs as i32,
+        row_bytes: row_bytes as i32,
+        win_left: cap(left),
+        win_right: cap(right),
+        scale_log2: p.scale * std::f32::consts::LOG2_E,
+        cap_in,
+        cap_out,
+    }
+}
+
+/// Queues decode on `s` (the device's context current): the kernel, then the merge of the splits.
+/// `formats`: the caches' (None: plain); `rows`: host copies of the row bounds the device
+/// pointers hold (checked by the caller), which size the splits.
+///
+/// # Safety
+/// As [`decode_device`].
+unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows: (&[i32], &[i32]), s: cu::CUstream, ptrs: DecodePtrs) -> Result<()> {
+    let bits = cache_bits(p, formats[0], formats[1])?;
+    check_supported(p, &ptrs)?;
+    if p.batch == 0 {
+        return Ok(());
+    }
+    let v = device::choose(dev, &decode_candidates(p.dtype, p.head_dim))?;
+    let f = device::function(dev, &v)?;
+    let group = p.heads / p.kv_heads;
+    let (warp_states, chunks) = partition(group * p.seq_q, v.tiles.block_m, v.tiles.num_warps);
+    let blocks = p.kv_heads * chunks;
+    let splits = match p.num_splits {
+        Some(n) => n,
+        None => choose_splits(p.batch * blocks, dev.sm_count.max(1) as usize * blocks_per_sm(&f)?, max_visible_keys(p, rows.0, rows.1)),
+    };
+    let grid_x = blocks.checked_mul(splits).filter(|&n| n <= i32::MAX as usize).ok_or_else(|| {
+        FlashError::Unsupported(format!("decode: {splits} splits of {blocks} blocks exceed the CUDA grid; ask for fewer num_splits"))
+    })?;
+    let plan = Plan { warp_states, chunks, splits };
+    let gs = |f: Option<&QuantFormat>| f.map_or(0, |f| f.group_size);
+    // With splits, each split's state lands in the workspace and the merge writes o and lse.
+    let states = p.batch * p.seq_q * p.heads;
+    let work = if splits > 1 {
+        Some((DeviceBuffer::alloc(splits * states * p.head_dim * 4, s)?, DeviceBuffer::alloc(splits * states * 4, s)?))
+    } else {
+        None
+    };
+    let work_ptrs = work.as_ref().map_or((0, 0), |(o, l)| (o.ptr, l.ptr));
+    let prm = params(p, bits, gs(formats[0]), gs(formats[1]), plan, &ptrs, work_ptrs);
+    // SAFETY: the caller's pointers and the workspace, of the sizes p implies; the params mirror the kernel's.
+    unsafe { launch(v.kernel.entry(), f, (grid_x as u32, p.batch as u32, 1), s, &prm)? };
+    if let Some((o_part, lse_part)) = &work {
+        let mp = MergePtrs { o_parts: o_part.ptr, lse_parts: lse_part.ptr, o: ptrs.o, lse: ptrs.lse };
+        // SAFETY: the workspace just written on s, and the caller's outputs.
+        unsafe { kv::merge(dev, p.dtype, [splits, p.batch, p.seq_q, p.heads, p.head_dim], mp, true, s)? };
+    }
+    Ok(())
+}
+
+/// Decode on device memory, queued on `stream` with nothing synchronised. `formats`: the caches'
+/// quantized formats (None: plain rows); `rows`: host copies of the values behind `ptrs.seqlens`
+/// and `ptrs.leftpad` (S_cache and 0 where those are 0), checked here: they size the splits.
+///
+/// # Safety
+/// The pointers must be device memory of GPU `device` with [`DecodePtrs`]' layouts for `p` and
+/// `formats`, valid until `stream` reaches this work (the device row bounds holding the values
+/// of `rows`); `stream` (a CUstream as an integer, 0 = legacy default) must belong to that device's
+/// primary context.
+pub unsafe fn decode_device(
+    p: &Decode, formats: [Option<&QuantFormat>; 2], rows: (&[i32], &[i32]), device: usize, stream: usize, ptrs: DecodePtrs,
+) -> Result<()> {
+    p.check_rows(rows.0, rows.1)?;
+    catch_panics("CUDA", || {
+        let dev = device::device(device)?;
+        libs::ensure_nvrtc()?;
+        let _ctx = ContextGuard::new(&dev)?;
+        // SAFETY: the caller's guarantees, passed on.
+        unsafe { run(&dev, p, formats, rows, stream as cu::CUstream, ptrs) }
+    })
+}
+
+/// A cache's buffers on the GPU (dropped after the call).
+struct CacheUpload {
+    bufs: Vec<DeviceBuffer>,
+    format: Option<QuantFormat>,
+}
+
+impl CacheUpload {
+    fn new(c: &Cache, s: &Stream) -> Result<CacheUpload> {
+        Ok(match *c {
+            Cache::Plain(x) => CacheUpload { bufs: vec![upload(x, s)?], format: None },
+            Cache::Quant { fmt, values, scales, biases } => {
+                CacheUpload { bufs: vec![upload(bytes_of(values), s)?, upload(scales, s)?, upload(biases, s)?], format: Some(fmt) }
+            }
+        })
+    }
+
+    fn ptrs(&self) -> CachePtrs {
+        let at = |i: usize| self.bufs.get(i).map_or(0, |b| b.ptr);
+        CachePtrs { data: at(0), scales: at(1), biases: at(2) }
+    }
+}
+
+/// Decode on host memory through GPU `device` (copy in, compute, copy out; synchronous): the
+/// buffers of [`crate::decode::decode_cpu`].
+#[allow(clippy::too_many_arguments)]
+pub fn decode_host(p: &Decode, device: usize, q: &[u8], k: Cache, v: Cache, seqlens: &[i32], leftpad: &[i32], o: &mut [u8], lse: &mut [f32]) -> Result<()> {
+    p.check_buffers(q, &k, &v, seqlens, leftpad, o, lse)?;
+    catch_panics("CUDA", || {
+        let dev = device::device(device)?;
+        libs::ensure_nvrtc()?;
+        let _ctx = ContextGuard::new(&dev)?;
+        let s = Stream::new()?;
+        let qb = upload(q, &s)?;
+        let (kc, vc) = (CacheUpload::new(&k, &s)?, CacheUpload::new(&v, &s)?);
+        let (sl, lp) = (upload(bytes_of(seqlens), &s)?, upload(bytes_of(leftpad), &s)?);
+        let (ob, lb) = (DeviceBuffer::alloc(o.len(), s.0)?, DeviceBuffer::alloc(lse.len() * 4, s.0)?);
+        let ptrs = DecodePtrs { q: qb.ptr, k: kc.ptrs(), v: vc.ptrs(), seqlens: sl.ptr, leftpad: lp.ptr, o: ob.ptr, lse: lb.ptr };
+        // SAFETY: buffers sized from the problem (checked above), on this device, ordered on stream s.
+        unsafe { run(&dev, p, [kc.format.as_ref(), vc.format.as_ref()], (seqlens, leftpad), s.0, ptrs)? };
+        download(o, &ob, &s)?;
+        download(bytes_of_mut(lse), &lb, &s)?;
+        s.sync()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+
+    fn call(b: usize, sq: usize, h: usize, hkv: usize, s_cache: usize) -> Decode {
+        Decode {
+            dtype: DType::BF16,
+            batch: b,
+            seq_q: sq,
+            s_cache,
+            heads: h,
+            kv_heads: hkv,
+            head_dim: 128,
+            causal: true,
+            scale: 0.1,
+            left: None,
+            right: None,
+            softcap: None,
+            num_splits: None,
+        }
+    }
+
+    #[test]
+    fn params_struct_matches_the_kernel_layout() {
+        // 13 pointers, 17 ints, 3 floats (cuda/decode.h).
+        assert_eq!(std::mem::size_of::<DecodeParams>(), 13 * 8 + 17 * 4 + 3 * 4);
+        assert_eq!(std::mem::size_of::<DecodeParams>() % 8, 0);
+    }
+
+    #[test]
+    fn states_fill_warps_then_chunks() {
+        assert_eq!(partition(4, 8, 4), (1, 1)); // GQA 4, Sq 1: one warp tile, the warps split keys
+        assert_eq!(partition(32, 8, 4), (4, 1));
+        assert_eq!(partition(128, 8, 4), (4, 4)); // GQA 8 x Sq 16: 16 tiles, 4 chunks
+        assert_eq!(partition(12, 4, 4), (4, 1));
+        assert_eq!(partition(20, 4, 4), (4, 2));
+        assert_eq!(partition(24, 8, 2), (2, 2));
+    }
+
+    #[test]
+    fn splits_fill_the_gpu_when_rows_are_few() {
+        // B = 1, Hkv = 8, S = 128k on 132 SMs x 2 blocks: about one wave.
+        let s = choose_splits(8, 264, 131072);
+        assert!((28..=33).contains(&s), "{s}");
+        assert_eq!(choose_splits(512, 264, 1024), 1); // B = 64: the rows fill it
+        assert_eq!(choose_splits(8, 264, 200), 1); // too few keys to split
+        assert_eq!(choose_splits(8, 264, 1000), 4); // at most a split per 256 keys
+    }
+
+    #[test]
+    fn visible_keys_follow_the_window() {
+        let mut p = call(2, 4, 8, 2, 1000);
+        assert_eq!(max_visible_keys(&p, &[1000, 300], &[0, 100]), 1000);
+        p.left = Some(63); // row 3 sees 64 keys ending at the last; row 0 three earlier
+        assert_eq!(max_visible_keys(&p, &[1000, 300], &[0, 100]), 67);
+        assert_eq!(max_visible_keys(&p, &[0, 0], &[0, 0]), 0);
+        p.causal = false;
+        p.left = None;
+        p.right = Some(0);
+        assert_eq!(max_visible_keys(&p, &[10], &[8]), 2);
+    }
+
+    #[test]
+    fn mixed_cache_formats_are_refused() {
+        let p = call(1, 1, 8, 2, 64);
+        let f4 = QuantFormat::new(4, 64, 128).unwrap();
+        let f8 = QuantFormat::new(8, 32, 128).unwrap();
+        let f4b = QuantFormat::new(4, 32, 128).unwrap();
+        assert_eq!(cache_bits(&p, None, None).unwrap(), 0);
+        assert_eq!(cache_bits(&p, Some(&f4), Some(&f4b)).unwrap(), 4);
+        assert!(matches!(cache_bits(&p, Some(&f4), Some(&f8)), Err(FlashError::Unsupported(_))));
+        assert!(matches!(cache_bits(&p, None, Some(&f8)), Err(FlashError::Unsupported(_))));
+    }
+
+    #[test]
+    fn window_sides_are_capped_for_the_kernel() {
+        let mut p = call(1, 2, 8, 8, 64);
+        let ptrs = DecodePtrs { q: 0, k: CachePtrs { data: 0, scales: 0, biases: 0 }, v: CachePtrs { data: 0, scales: 0, biases: 0 }, seqlens: 0, leftpad: 0, o: 0, lse: 0 };
+        let plan = Plan { warp_states: 1, chunks: 1, splits: 1 };
+        let prm = params(&p, 0, 0, 0, plan, &ptrs, (0, 0));
+        assert_eq!((prm.win_left, prm.win_right, prm.row_bytes, prm.states), (1 << 30, 0, 256, 2));
+        p.causal = false;
+        p.left = Some(5);
+        p.softcap = Some(20.0);
+        let prm = params(&p, 4, 64, 32, plan, &ptrs, (0, 0));
+        assert_eq!((prm.win_left, prm.win_right, prm.row_bytes, prm.bits), (5, 1 << 30, 64, 4));
+        assert!((prm.cap_in - 0.1 / 20.0).abs() < 1e-9 && prm.cap_out > 28.0);
+    }
+}

@@ -1,0 +1,136 @@
+//! The KV-cache kernels' part of the variant table (config.rs lists them after the others): decode
+//! on tensor cores (cuda/decode.cu, fp16 / bf16 at head dims 64, 128, 256) or on CUDA cores
+//! (cuda/decode_simt.cu, every dtype, D at run time), the state merge (cuda/merge.cu) and the
+//! cache format's conversions (cuda/quantize_kv.cu, cuda/dequantize_kv.cu). Which decode kernel a
+//! call gets, with which tiles, is decided here; decode.rs and kv.rs launch them.
+
+use super::config::dtype_code;
+use super::variant::{Kernel, TileSet, Tiles, Variant, ANY_HEAD_DIM};
+use crate::dtype::DType;
+
+/// Head dims of the tensor-core decode kernel; fp32 and every other head dim run the SIMT one.
+pub const DECODE_MMA_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// Warps of a decode block, each a tile of query states (cuda/decode.h), and the depth of its cp.async
+/// pipeline (STAGES), for the tensor-core kernel at head dim `d` (0: the SIMT kernel). A tensor-core
+/// stage holds 16 plain keys per warp (a D = 128 bf16 stage: 37 KiB); two stages keep one in flight
+/// while one is read, and leave room for three blocks or more per H100 SM (43 KiB at D = 64, 74 KiB
+/// at D = 128; D = 256 takes 2 warps, 69 KiB), quantized caches filling the same stages with more
+/// keys. Every variant fits a 99 KiB sm_86 / sm_89. The SIMT kernel: 3 stages of 32 KiB. The third
+/// value is MIN_BLOCKS: at D = 128 three blocks need at most 168 registers (ptxas used 167 with
+/// NVRTC 13.5); elsewhere shared memory bounds the blocks first.
+fn decode_shape(d: usize) -> (usize, usize, usize) {
+    match d {
+        256 => (2, 2, 1),
+        128 => (4, 2, 3),
+        64 => (4, 2, 1),
+        _ => (4, 3, 1),
+    }
+}
+
+/// Warps of the merge and conversion kernels (grid-stride; no shared memory).
+const ELEMENTWISE_WARPS: usize = 8;
+
+/// The kernel's source file.
+pub(super) fn source(kernel: Kernel) -> &'static str {
+    match kernel {
+        Kernel::Decode => "decode.cu",
+        Kernel::DecodeSimt => "decode_simt.cu",
+        Kernel::MergeStates => "merge.cu",
+        Kernel::QuantizeKv => "quantize_kv.cu",
+        _ => "dequantize_kv.cu",
+    }
+}
+
+/// Query states per warp: the mma's n for the tensor-core kernel, what the registers hold for the
+/// SIMT one (each kernel checks its STATE_TILE). A variant carries it as `tiles.block_m`.
+fn state_tile(kernel: Kernel) -> usize {
+    if kernel == Kernel::Decode {
+        8
+    } else {
+        4
+    }
+}
+
+/// Whether decode at this dtype and head dim runs on tensor cores.
+pub fn decode_uses_mma(dtype: DType, head_dim: usize) -> bool {
+    dtype != DType::F32 && DECODE_MMA_HEAD_DIMS.contains(&head_dim)
+}
+
+/// The decode kernels a call may use, in order of preference (device.rs's `choose` takes the first
+/// whose shared memory fits the GPU): one, which fits every GPU the library runs on.
+pub fn decode_candidates(dtype: DType, head_dim: usize) -> Vec<Variant> {
+    vec![decode_variant(dtype, head_dim)]
+}
+
+fn decode_variant(dtype: DType, head_dim: usize) -> Variant {
+    let mma = decode_uses_mma(dtype, head_dim);
+    let kernel = if mma { Kernel::Decode } else { Kernel::DecodeSimt };
+    let (warps, stages, min_blocks) = decode_shape(if mma { head_dim } else { ANY_HEAD_DIM });
+    let st = state_tile(kernel);
+    let mut defines = vec![("FLASH_DTYPE", dtype_code(dtype))];
+    if mma {
+        defines.push(("HEAD_DIM", head_dim as i64));
+    }
+    defines.extend([("NUM_WARPS", warps as i64), ("STATE_TILE", st as i64), ("STAGES", stages as i64), ("MIN_BLOCKS", min_blocks as i64)]);
+    // block_m: query states per warp; block_n: keys per softmax step.
+    let tiles = Tiles { block_m: st, block_n: if mma { 16 } else { 4 }, num_warps: warps, d_split: 1, min_blocks };
+    let head_dim = if mma { head_dim } else { ANY_HEAD_DIM };
+    Variant { kernel, dtype, head_dim, source: source(kernel), tiles, tile_set: TileSet::Default, defines }
+}
+
+/// The merge or conversion kernel for `dtype`.
+pub fn elementwise_variant(kernel: Kernel, dtype: DType) -> Variant {
+    let tiles = Tiles { block_m: 1, block_n: 1, num_warps: ELEMENTWISE_WARPS, d_split: 1, min_blocks: 1 };
+    let defines = vec![("FLASH_DTYPE", dtype_code(dtype)), ("NUM_WARPS", ELEMENTWISE_WARPS as i64)];
+    Variant { kernel, dtype, head_dim: ANY_HEAD_DIM, source: source(kernel), tiles, tile_set: TileSet::Default, defines }
+}
+
+/// Every KV-cache variant: the tensor-core decode kernels of `head_dims` (those it takes); then per dtype the SIMT decode kernel, the merge and the
+/// conversions (which take any head dim).
+pub fn all(head_dims: &[usize]) -> Vec<Variant> {
+    let mut out = Vec::new();
+    for dtype in [DType::F16, DType::BF16] {
+        for &d in head_dims.iter().filter(|d| DECODE_MMA_HEAD_DIMS.contains(d)) {
+            out.extend(decode_candidates(dtype, d));
+        }
+    }
+    for dtype in [DType::F16, DType::BF16, DType::F32] {
+        out.extend(decode_candidates(dtype, ANY_HEAD_DIM));
+        for kernel in [Kernel::MergeStates, Kernel::QuantizeKv, Kernel::DequantizeKv] {
+            out.push(elementwise_variant(kernel, dtype));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_takes_tensor_cores_at_its_head_dims_only() {
+        let v = decode_candidates(DType::BF16, 128);
+        assert_eq!((v[0].kernel, v[0].head_dim, v.len()), (Kernel::Decode, 128, 1));
+        assert_eq!(v[0].name(), "decode_bf16_d128_num_warps4_state_tile8_stages2_min_blocks3");
+        assert_eq!(decode_candidates(DType::F16, 256)[0].name(), "decode_f16_d256_num_warps2_state_tile8_stages2_min_blocks1");
+        for (dtype, d) in [(DType::F32, 128), (DType::BF16, 96), (DType::F16, 40)] {
+            let v = decode_candidates(dtype, d);
+            assert_eq!((v.len(), v[0].kernel, v[0].head_dim), (1, Kernel::DecodeSimt, ANY_HEAD_DIM));
+            assert!(!v[0].defines.iter().any(|(k, _)| *k == "HEAD_DIM"));
+        }
+    }
+
+    #[test]
+    fn the_table_lists_each_variant_once() {
+        let all = all(&[8, 64, 128, 256]);
+        let mut names: Vec<String> = all.iter().map(Variant::name).collect();
+        let n = names.len();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), n);
+        // 2 dtypes x 3 head dims of mma; 3 dtypes x (simt, merge, quantize, dequantize).
+        assert_eq!(n, 2 * 3 + 3 * 4);
+        assert!(all.iter().all(|v| v.tiles.block_m == state_tile(v.kernel) || !v.kernel.is_decode()));
+    }
+}

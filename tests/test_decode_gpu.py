@@ -1,0 +1,277 @@
+"""Decode over KV caches on the GPU (flash_nif.decode, quantize_kv, dequantize_kv, merge_states with
+CuPy arrays, torch CUDA tensors, or NumPy with device="cuda"): every test is marked ``gpu`` and skips
+without one (torch's, CuPy's, each where installed).
+
+The oracle is reference.py's float64 ``decode`` over the cache as :func:`flash_nif.dequantize_kv`
+gives it back (rounded to the dtype: the GPU's tensor-core path rounds dequantized values to the
+dtype before its products, as it rounds P), with conftest's tolerances: float32 1e-5, float16 /
+bfloat16 at most twice the error of the oracle's own output rounded to the dtype; lse 1e-5. The
+cache format is checked bit for bit against the CPU (itself bit for bit the oracle's).
+
+Covers the tensor-core kernel (fp16 / bf16 at D = 64, 128, 256) and the CUDA-core one (fp32, other
+head dims, odd ones too), GQA ratios 1, 4, 8, Sq 1, 4, 16, ragged cache lengths with 0, left padding,
+windows, softcap, 4 / 8-bit codes in groups of 32 / 64 (odd group counts, a tensor whose scales end
+mid-word), split counts, merge_states, and the errors of bad calls.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from test_masks import GPU_LIBS, HAVE_CUPY_GPU, HAVE_TORCH_GPU, Env, torch
+
+DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def gpu(fa):
+    info = fa.info().get("cuda", {})
+    if not info.get("available"):
+        pytest.skip(f"no usable CUDA GPU: {info.get('reason')}")
+    return info
+
+
+@pytest.fixture
+def env(request, gpu):
+    return Env(request.node.callspec.params["where"])
+
+
+@pytest.fixture
+def lib(gpu):
+    """The accuracy tests' one library: torch, else CuPy, else NumPy with device="cuda"."""
+    return Env("torch" if HAVE_TORCH_GPU else "cupy" if HAVE_CUPY_GPU else "numpy-cuda")
+
+
+def rand(seed, shape, dtype, scale=1.0):
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(dtype)
+
+
+def put_cache(fa, env, x, quant):
+    """x on env's device, plain or quantized there (quantize_kv on the GPU)."""
+    if quant is None:
+        return env.put(x)
+    bits, gs = quant
+    if env.where == "numpy-cuda":
+        return fa.quantize_kv(x, bits=bits, group_size=gs, device="cuda")
+    return fa.quantize_kv(env.put(x), bits=bits, group_size=gs)
+
+
+def oracle_cache(fa, x, quant):
+    """The cache the oracle reads: x, or its quantized form dequantized (CPU, in x's dtype)."""
+    if quant is None:
+        return x
+    return fa.dequantize_kv(fa.quantize_kv(x, bits=quant[0], group_size=quant[1]))
+
+
+def run_decode(fa, ref, env, assert_close_to_oracle, *, dtype_name, d, sq, group, quant, b=3, s_cache=300, hkv=2,
+               seqlens=(300, 123, 0), leftpad=(10, 0, 0), seed=0, **opts):
+    dtype = DTYPES[dtype_name]
+    q = rand(seed, (b, sq, hkv * group, d), dtype)
+    k, v = rand(seed + 1, (b, s_cache, hkv, d), dtype), rand(seed + 2, (b, s_cache, hkv, d), dtype)
+    rows = {}
+    if seqlens is not None:
+        rows["cache_seqlens"] = np.array(seqlens, np.int32)
+    if leftpad is not None:
+        rows["leftpad_k"] = np.array(leftpad, np.int32)
+    kc, vc = put_cache(fa, env, k, quant), put_cache(fa, env, v, quant)
+    o, lse = fa.decode(env.put(q), kc, vc, **{n: env.put(x) for n, x in rows.items()}, **opts, **env.kw)
+    want_o, want_lse = ref.decode(q, oracle_cache(fa, k, quant), oracle_cache(fa, v, quant), **rows,
+                                  **{n: x for n, x in opts.items() if n != "num_splits"})
+    ho, hlse = env.get(o), env.get(lse)
+    ctx = f"{dtype_name} d={d} sq={sq} group={group} quant={quant} {opts} where={env.where}"
+    assert ho.dtype == dtype and ho.shape == q.shape and hlse.shape == (b, hkv * group, sq)
+    assert_close_to_oracle("o", ho, want_o, dtype, ctx)
+    assert_close_to_oracle("lse", hlse, want_lse, np.float32, ctx)
+    for i, n in enumerate(seqlens or ()):
+        if n - (leftpad[i] if leftpad else 0) == 0:
+            assert np.all(ho[i].astype(np.float32) == 0) and np.isneginf(hlse[i]).all(), f"row {i}: {ctx}"
+    return ho, hlse
+
+
+# --- accuracy against the oracle --------------------------------------------------------------------
+
+QUANTS = [None, (8, 32), (4, 64), (8, 64), (4, 32)]
+
+
+@pytest.mark.parametrize("quant", QUANTS, ids=str)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype_name", ["bf16", "f16", "f32"])
+@pytest.mark.parametrize("sq, group", [(1, 4), (4, 1), (16, 8), (3, 8)])
+def test_decode_matches_the_oracle(fa, ref, lib, assert_close_to_oracle, dtype_name, d, sq, group, quant):
+    """Ragged lengths (one 0), left padding, GQA 1 / 4 / 8, Sq 1 .. 16: the tensor-core kernel for
+    fp16 / bf16, the CUDA-core one for fp32."""
+    run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name=dtype_name, d=d, sq=sq, group=group, quant=quant,
+               seed=d + sq)
+
+
+@pytest.mark.parametrize("dtype_name", ["bf16", "f16", "f32"])
+@pytest.mark.parametrize("d, quant", [(40, None), (72, None), (7, None), (96, (4, 32)), (96, (8, 32)), (192, (4, 64)),
+                                      (32, (8, 32))], ids=str)
+def test_other_head_dims_take_the_cuda_core_kernel(fa, ref, lib, assert_close_to_oracle, dtype_name, d, quant):
+    """Head dims outside 64 / 128 / 256: rows of odd sizes (D = 7: 2-byte copies), an odd number of
+    scale groups per row (16-bit scales that start mid-word)."""
+    run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name=dtype_name, d=d, sq=2, group=4, quant=quant, seed=d)
+
+
+@pytest.mark.parametrize("dtype_name", ["bf16", "f32"])
+@pytest.mark.parametrize("opts", [
+    dict(window=(37, None)),
+    dict(window=(20, 5), causal=False),
+    dict(window=(None, 3), causal=False),
+    dict(causal=False),
+    dict(softcap=8.0),
+    dict(softcap=20.0, window=(64, None), scale=0.3),
+], ids=str)
+@pytest.mark.parametrize("quant", [None, (4, 64)], ids=str)
+def test_windows_softcap_and_scale(fa, ref, lib, assert_close_to_oracle, dtype_name, opts, quant):
+    run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name=dtype_name, d=128, sq=4, group=4, quant=quant, **opts)
+
+
+@pytest.mark.parametrize("quant", [None, (8, 64), (4, 32)], ids=str)
+def test_split_counts_agree(fa, ref, lib, assert_close_to_oracle, quant):
+    """num_splits 1, 2, 7, 64 (more splits than some rows have keys) and the GPU's own choice: each
+    against the oracle, and with one another to rounding."""
+    outs = []
+    for splits in (None, 1, 2, 7, 64):
+        o, lse = run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name="bf16", d=128, sq=1, group=8, quant=quant,
+                            s_cache=700, seqlens=(700, 129, 5), leftpad=(3, 0, 5), num_splits=splits)
+        outs.append((o.astype(np.float32), lse))
+    for o, lse in outs[1:]:
+        np.testing.assert_allclose(o, outs[0][0], rtol=0.02, atol=0.02)
+        np.testing.assert_allclose(lse, outs[0][1], rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_long_cache_splits_across_the_gpu(fa, ref, lib, assert_close_to_oracle, bits):
+    """The benchmark's shape at 32k tokens: B = 1, Hkv = 8, H = 32, D = 128, Sq = 1, bf16 (the split
+    count the GPU chooses, its merge)."""
+    run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name="bf16", d=128, sq=1, group=4, quant=(bits, 64), b=1,
+               s_cache=32768, hkv=8, seqlens=None, leftpad=None)
+
+
+def test_scales_ending_mid_word(fa, ref, lib, assert_close_to_oracle):
+    """B * S * Hkv odd with one 16-bit scale per row: the last scale is the first half of a word past
+    the tensor's end (read by a plain load, never past it)."""
+    run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name="f16", d=64, sq=1, group=2, quant=(4, 64), b=1,
+               s_cache=37, hkv=1, seqlens=None, leftpad=None)
+
+
+@pytest.mark.parametrize("where", GPU_LIBS)
+@pytest.mark.parametrize("quant", [None, (4, 64)], ids=str)
+def test_every_array_library(fa, ref, env, assert_close_to_oracle, where, quant):
+    """CuPy, torch, NumPy with device="cuda": outputs come back as the input's kind."""
+    o, _ = run_decode(fa, ref, env, assert_close_to_oracle, dtype_name="bf16", d=128, sq=2, group=4, quant=quant)
+    assert isinstance(o, np.ndarray)
+
+
+def test_outputs_are_the_inputs_kind(fa, lib):
+    q, k = rand(0, (1, 1, 4, 64), np.float32), rand(1, (1, 8, 2, 64), np.float32)
+    o, lse = fa.decode(lib.put(q), lib.put(k), lib.put(k), **lib.kw)
+    kind = {"torch": "torch", "cupy": "cupy", "numpy-cuda": "numpy"}[lib.where]
+    assert type(o).__module__.split(".")[0] == kind and type(lse).__module__.split(".")[0] == kind
+
+
+@pytest.mark.skipif(not HAVE_TORCH_GPU, reason="torch without CUDA")
+def test_runs_on_the_callers_torch_stream(fa, ref, gpu, assert_close_to_oracle):
+    """Queued on torch's current stream: a side stream's inputs, made there, are read after they are."""
+    q = rand(3, (2, 1, 8, 128), ml_dtypes.bfloat16)
+    k, v = rand(4, (2, 64, 2, 128), ml_dtypes.bfloat16), rand(5, (2, 64, 2, 128), ml_dtypes.bfloat16)
+    env = Env("torch")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        gq, gk, gv = (env.put(x) for x in (q, k, v))
+        o, lse = fa.decode(gq * 1, gk * 1, gv * 1)
+    s.synchronize()
+    want = ref.decode(q, k, v)
+    assert_close_to_oracle("o", env.get(o), want[0], ml_dtypes.bfloat16, "side stream")
+
+
+# --- the cache format and merge_states on the GPU ---------------------------------------------------
+
+@pytest.mark.parametrize("where", GPU_LIBS)
+@pytest.mark.parametrize("dtype_name", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 64), (8, 32), (8, 64)])
+def test_quantize_and_dequantize_are_the_cpus_bit_for_bit(fa, env, where, dtype_name, bits, group_size):
+    dtype = DTYPES[dtype_name]
+    x = rand(bits + group_size, (2, 37, 3, 128), dtype, scale=2.0)
+    x[0, 0, 0, :group_size] = 1.5  # a constant group: scale 0, codes 0
+    want = fa.quantize_kv(x, bits=bits, group_size=group_size)
+    got = put_cache(fa, env, x, (bits, group_size))
+    assert (got.bits, got.group_size, tuple(got.shape)) == (bits, group_size, x.shape)
+    np.testing.assert_array_equal(env.get(got.values), want.values)
+    for a, b in ((got.scales, want.scales), (got.biases, want.biases)):
+        np.testing.assert_array_equal(env.get(a).view(np.uint8), b.view(np.uint8))
+    back = env.get(fa.dequantize_kv(got, **env.kw))
+    np.testing.assert_array_equal(back.view(np.uint8), fa.dequantize_kv(want).view(np.uint8))
+    # Within half a quantization step of x, up to the dtype's roundings: of the stored scale and
+    # bias (which move every code by up to u (|bias| + levels * step)) and of the result.
+    u = {"f32": 2.0**-24, "f16": 2.0**-11, "bf16": 2.0**-8}[dtype_name]
+    step = want.scales.astype(np.float64).repeat(group_size, -1)
+    bias = np.abs(want.biases.astype(np.float64)).repeat(group_size, -1)
+    back = back.astype(np.float64)
+    err = np.abs(back - x.astype(np.float64))
+    assert np.all(err <= 0.5 * step * (1 + 1e-5) + 2 * u * (bias + (2**bits - 1) * step) + u * np.abs(back) + 1e-7)
+
+
+@pytest.mark.parametrize("where", GPU_LIBS)
+@pytest.mark.parametrize("dtype_name", ["f32", "bf16"])
+def test_merge_states_is_the_cpus(fa, env, where, dtype_name):
+    """Three parts, some rows seen by no part (o = 0, lse = -inf) or by one; stacked and as a list."""
+    dtype = DTYPES[dtype_name]
+    rng = np.random.default_rng(7)
+    o_parts = rng.standard_normal((3, 2, 5, 4, 72)).astype(dtype)
+    lse_parts = rng.standard_normal((3, 2, 4, 5)).astype(np.float32) * 3
+    lse_parts[:, 0, 1, 2] = -np.inf
+    lse_parts[1:, 1, 3, :] = -np.inf
+    o_parts[1:, 1, :, 3] = np.nan  # parts with lse = -inf are never read
+    want_o, want_lse = fa.merge_states(o_parts, lse_parts)
+    stacked, listed = (env.put(o_parts), env.put(lse_parts)), ([env.put(x) for x in o_parts], [env.put(x) for x in lse_parts])
+    for parts in (stacked, listed):
+        o, lse = fa.merge_states(*parts, **env.kw)
+        o, lse = env.get(o), env.get(lse)
+        assert o.dtype == dtype and not np.isnan(o.astype(np.float32)).any()
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == np.float32 else dict(rtol=2**-7, atol=1e-3)  # one bf16 ulp
+        np.testing.assert_allclose(o.astype(np.float32), want_o.astype(np.float32), **tol)
+        np.testing.assert_allclose(lse, want_lse, rtol=1e-6, atol=1e-6)
+        assert np.isneginf(lse[0, 1, 2]) and np.all(o[0, 2, 1].astype(np.float32) == 0)
+
+
+# --- errors -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", GPU_LIBS)
+def test_bad_calls_are_errors(fa, env, where):
+    q = env.put(rand(0, (1, 1, 4, 64), np.float32))
+    k = rand(1, (1, 8, 2, 64), np.float32)
+    gk = env.put(k)
+    kw = env.kw
+    with pytest.raises(fa.ShapeError, match="cache_seqlens"):
+        fa.decode(q, gk, gk, cache_seqlens=env.put(np.array([9], np.int32)), **kw)
+    with pytest.raises(fa.ShapeError, match="leftpad_k"):
+        fa.decode(q, gk, gk, cache_seqlens=env.put(np.array([4], np.int32)), leftpad_k=env.put(np.array([5], np.int32)),
+                  **kw)
+    with pytest.raises(fa.ShapeError, match="1 to 16"):
+        fa.decode(env.put(rand(0, (1, 17, 4, 64), np.float32)), gk, gk, **kw)
+    with pytest.raises(fa.DTypeError, match="must match"):
+        fa.decode(env.put(rand(0, (1, 1, 4, 64), np.float16)), gk, gk, **kw)
+    with pytest.raises(fa.ShapeError, match="multiple of Hkv"):
+        fa.decode(env.put(rand(0, (1, 1, 3, 64), np.float32)), gk, gk, **kw)
+    with pytest.raises(fa.UnsupportedError, match="num_splits"):
+        fa.decode(q, gk, gk, num_splits=0, **kw)
+    c8, c4 = put_cache(fa, env, k, (8, 32)), put_cache(fa, env, k, (4, 32))
+    with pytest.raises(fa.UnsupportedError, match="same bits"):
+        fa.decode(q, c8, c4, **kw)
+    with pytest.raises(fa.UnsupportedError, match="same bits"):
+        fa.decode(q, gk, c4, **kw)
+    with pytest.raises(fa.UnsupportedError, match="group_size"):
+        put_cache(fa, env, k, (4, 48))
+    if where != "numpy-cuda":
+        with pytest.raises(fa.DeviceError):
+            fa.decode(q, k, k)  # a GPU q with NumPy caches
+        with pytest.raises(fa.DeviceError):
+            fa.decode(q, gk, gk, device="cpu")
+        with pytest.raises(fa.DeviceError):
+            fa.quantize_kv(gk, device="cpu")
