@@ -208,11 +208,24 @@ __device__ __forceinline__ int copy_unit_bytes(const DecodeParams& p) {
     return (a & 15) == 0 ? 16 : (a & 7) == 0 ? 8 : (a & 3) == 0 ? 4 : 2;
 }
 
-// Rows of keys [key0, key0 + L.tile_keys) of one (b, kv head) of a cache into dst; keys >= key_end
-// are zero-filled.
+// Rows of keys [key0, key0 + nrows) of one (b, kv head) of a cache into dst; keys >= key_end are
+// zero-filled.
 __device__ __forceinline__ void copy_rows(unsigned char* dst, int srow, const unsigned char* cache, const DecodeParams& p,
                                           const DecodeWork& w, int key0, int key_end, int nrows, const CopyMap& m,
                                           int unit) {
+    if (unit == 16) {
+        // The common case in few instructions per copy: no unit switch, shared addresses as u32.
+        const u32 s0 = smem_addr(dst);
+        for (int r = m.r0; r < nrows; r += m.rstep) {
+            const bool valid = key0 + r < key_end;
+            const unsigned char* src = valid ? cache + (w.row0 + (i64)(key0 + r) * p.kv_heads) * p.row_bytes : cache;
+            for (int c = m.c0; c < m.chunks; c += m.cstep) {
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s0 + r * srow + 16 * c),
+                             "l"(valid ? src + 16 * c : cache), "r"(valid ? 16 : 0));
+            }
+        }
+        return;
+    }
     for (int r = m.r0; r < nrows; r += m.rstep) {
         const bool valid = key0 + r < key_end;
         const unsigned char* src = valid ? cache + (w.row0 + (i64)(key0 + r) * p.kv_heads) * p.row_bytes : cache;

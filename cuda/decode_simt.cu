@@ -6,7 +6,7 @@
 // A warp takes STATE_TILE = 4 query states and the blocks of KEYS = 4 keys wk, wk + WK, ... of
 // each stage; its lanes split the head dim (lane l owns d = l + 32 i): per key a dot product per
 // state, summed across the warp, then per block one online-softmax step and o += p v.
-// Arithmetic is f32: quantized elements are scale * code + bias (one fma).
+// Arithmetic is f32: quantized elements are dequantize_kv's values (see `dequantized`).
 
 // params.h wants a compile-time head dim: this kernel reads D from its params, at most this bound.
 #define HEAD_DIM 256
@@ -23,15 +23,22 @@
 FLASH_EXPORT_SMEM(STAGES * STAGE_BYTES)
 static_assert(PARTIALS_BYTES(HEAD_DIM) <= STAGES * STAGE_BYTES, "the epilogue reuses the stages");
 
+// A code's value as dequantize_kv stores it: scale * code + bias, product and sum each rounded,
+// then rounded to elem_t (the cache the oracle reads; decode.cu's tensor-core kernel rounds to
+// elem_t too).
+__device__ __forceinline__ float dequantized(float code, float s, float b) {
+    return to_float(from_float(__fadd_rn(__fmul_rn(s, code), b)));
+}
+
 // Element d of a row (shared memory) as f32; s, b: its group's scale and bias (quantized).
 template <int BITS>
 __device__ __forceinline__ float element(const unsigned char* row, int d, float s, float b) {
     if constexpr (BITS == 0) {
         return to_float(reinterpret_cast<const elem_t*>(row)[d]);
     } else if constexpr (BITS == 8) {
-        return fmaf(s, (float)row[d], b);
+        return dequantized((float)row[d], s, b);
     } else {
-        return fmaf(s, (float)((row[d >> 1] >> ((d & 1) * 4)) & 15), b);
+        return dequantized((float)((row[d >> 1] >> ((d & 1) * 4)) & 15), s, b);
     }
 }
 
