@@ -7,8 +7,9 @@
 // - warpgroup 0 gives most of its registers away (setmaxnreg). Its warp 0, the producer, loads K
 //   and V once, then per iteration Q and dO (the copy engine, STAGES stages deep) and the rows'
 //   lse_log2 and delta (plain loads: +inf and 0 past Sq); its warp 1, the dQ writer, adds each
-//   iteration's dQ tile from shared memory into dq_accum with bulk reductions, one per row
-//   (cp.reduce.async.bulk .add.f32), in key-block order when dq_sem is given (deterministic);
+//   iteration's dQ tile from shared memory into dq_accum's tile (params.h's dq_tile_offset: the same
+//   bytes) with one bulk reduction (cp.reduce.async.bulk .add.f32), in key-block order when dq_sem
+//   is given (deterministic);
 // - warpgroups 1 and 2, the consumers, own 64 keys each. Everything is transposed, so that P and
 //   dS are A operands in registers:
 //     S^T = K Q^T, dP^T = V dO^T               (wgmma, both operands in shared memory)
@@ -54,10 +55,10 @@
 #define CB_BYTES(rows) ((rows) * 128)                    // one [rows][64] column block
 #define TILE_BYTES(rows) (CB_BYTES(rows) * COL_BLOCKS)   // a [rows][HEAD_DIM] tile
 #define DS_BYTES (CB_BYTES(BLOCK_N) * (BLOCK_M / 64))    // dS^T [BLOCK_N][BLOCK_M]
-#define DQ_ROW (HEAD_DIM + 8)  // f32 row stride of the dQ tile: +8 makes the accumulator stores conflict-free
+static_assert(BLOCK_M % DQ_TILE_ROWS == 0, "a dQ tile is whole tiles of dq_accum");
 
 // Shared memory: K, V [COL_BLOCKS][BLOCK_N][64]; Q, dO [STAGES][COL_BLOCKS][BLOCK_M][64]; dS^T, two
-// buffers of [BLOCK_M / 64][BLOCK_N][64] (query column blocks); the dQ tile [BLOCK_M][DQ_ROW] f32;
+// buffers of [BLOCK_M / 64][BLOCK_N][64] (query column blocks); the dQ tile [BLOCK_M][HEAD_DIM] f32 (dq_accum's tiles);
 // lse_log2 and delta [STAGES][BLOCK_M]; the mbarriers. Operand tiles start on 1024-byte boundaries.
 struct __align__(1024) Smem {
     elem_t k[COL_BLOCKS * BLOCK_N * 64];
@@ -65,7 +66,7 @@ struct __align__(1024) Smem {
     elem_t q[STAGES * COL_BLOCKS * BLOCK_M * 64];
     elem_t dout[STAGES * COL_BLOCKS * BLOCK_M * 64];
     elem_t ds[2 * DS_BYTES / sizeof(elem_t)];
-    float dq[BLOCK_M * DQ_ROW];
+    float dq[BLOCK_M * HEAD_DIM];
     float lse[STAGES * BLOCK_M], delta[STAGES * BLOCK_M];
     u64 kv_full, q_full[STAGES], do_full[STAGES], qdo_empty[STAGES], ds_full[2], dq_full, dq_empty;
 };
@@ -129,8 +130,8 @@ __device__ __forceinline__ void produce(const Sm90BwdParams& P, Smem& smem) {
 }
 
 // ---- the dQ writer warp --------------------------------------------------------------------------
-// Adds iteration j's dQ tile (rows past Sq skipped) into dq_accum: each lane a few rows, one bulk
-// reduction per row. Deterministic (dq_sem): after the key blocks before this one, in order.
+// Adds iteration j's dQ tile into dq_accum's tile, one bulk reduction. Deterministic (dq_sem): after
+// the key blocks before this one, in order.
 __device__ __forceinline__ void write_dq(const Sm90BwdParams& P, Smem& smem) {
     const FlashParams& p = P.p;
     const KeyBlock blk(p);
@@ -148,12 +149,12 @@ __device__ __forceinline__ void write_dq(const Sm90BwdParams& P, Smem& smem) {
                 }
             __syncwarp();
         }
-        float* dq = p.dq_accum + blk.q_base(p, h);
-        for (int i = lane; i < BLOCK_M && m0 + i < blk.Sq; i += 32)
-            bulk_reduce_add_f32(dq + (i64)(m0 + i) * blk.q_stride, smem_addr(smem.dq + i * DQ_ROW), HEAD_DIM * 4);
-        bulk_commit();
+        if (lane == 0) {  // rows past Sq land in the last tile's padding
+            bulk_reduce_add_f32(p.dq_accum + dq_tile_offset(p, blk.b, h, m0, 0, HEAD_DIM), smem_addr(smem.dq), BLOCK_M * HEAD_DIM * 4);
+            bulk_commit();
+        }
         if (sem) {
-            bulk_wait<0>();  // this lane's rows are in dq_accum
+            bulk_wait<0>();  // the tile is in dq_accum (lane 0's group; the others have none)
             __syncwarp();
             if (lane == 0) {
                 __threadfence();
@@ -300,7 +301,7 @@ __device__ __forceinline__ void consume(const Sm90BwdParams& P, Smem& smem, int 
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int row = dq_row0 + 16 * warp + g + 8 * r, col = dq_col0 + 8 * nt + 2 * t;
-                st_shared_f32x2(dq_tile + (row * DQ_ROW + col) * 4, dq[nt][2 * r], dq[nt][2 * r + 1]);
+                st_shared_f32x2(dq_tile + dq_tile_elem(row, col, HEAD_DIM) * 4, dq[nt][2 * r], dq[nt][2 * r + 1]);
             }
         fence_async_smem();
         mbar_arrive(smem_addr(&smem.dq_full));

@@ -108,7 +108,7 @@ struct FlashParams {
     float* delta;          // [B, H, Sq]      workspace: rowsum(do * o)
     float* lse_log2;       // [B, H, Sq]      workspace: lse * log2(e), +inf for rows that see no key
     float* dq_accum;       // [B, Sq, H, D]   workspace (atomic dQ): sum of dS K without the scale, f32,
-                           //                 zeroed by the host before bwd_dkdv
+                           //                 zeroed by the host before bwd_dkdv (dq_tiled: tiles, below)
     int batch;             // B
     int seqlen_q;          // Sq
     int seqlen_k;          // Sk
@@ -116,7 +116,7 @@ struct FlashParams {
     int heads_kv;          // Hkv
     float scale;           // softmax scale applied to q.k
     float scale_log2;      // scale * log2(e): scores go to the exp2 domain with one multiply
-    int _pad;              // keeps sizeof a multiple of 8 on every compiler
+    int dq_tiled;          // dq_accum's layout: 0 [B, Sq, H, D]; 1 dq_tile_offset's tiles (bwd_sm90.cu)
 #if MASKED
     // Masks (seq.h): the MASKED kernels' params extend the plain ones, which stay as they were.
     const int* seqs;                  // [B, 6] per batch row: q_start, q_len, k_start, k_len, k_lo, k_hi
@@ -150,6 +150,20 @@ __device__ __forceinline__ i64 q_row_offset(const FlashParams& p, int b, int s, 
 __device__ __forceinline__ i64 kv_row_offset(const FlashParams& p, int b, int s, int hkv) {
     return (((i64)b * p.seqlen_k + s) * p.heads_kv + hkv) * HEAD_DIM;
 }
+// dq_accum with dq_tiled (the Hopper backward's): [B, H, ceil(Sq / 64), 64, D] f32, tiles of
+// DQ_TILE_ROWS query rows, each one contiguous bulk reduction; in a row, the 16-byte chunks are
+// XOR-swizzled by 2 (row % 8), so that mma accumulator fragments store to a tile in shared memory
+// without bank conflicts (D >= 64). Offset of (b, h, query row i, column d):
+#define DQ_TILE_ROWS 64
+__device__ __forceinline__ int dq_tile_elem(int row, int col, int d) {
+    return row * d + ((((col >> 2) ^ (2 * (row & 7)))) << 2) + (col & 3);  // row < DQ_TILE_ROWS * k
+}
+__device__ __forceinline__ i64 dq_tile_offset(const FlashParams& p, int b, int h, int i, int col, int d) {
+    const int tiles = (p.seqlen_q + DQ_TILE_ROWS - 1) / DQ_TILE_ROWS;
+    const i64 tile = ((i64)b * p.heads + h) * tiles + i / DQ_TILE_ROWS;
+    return tile * DQ_TILE_ROWS * d + dq_tile_elem(i % DQ_TILE_ROWS, col, d);
+}
+
 __device__ __forceinline__ i64 stat_offset(const FlashParams& p, int b, int h) {
     return ((i64)b * p.heads + h) * p.seqlen_q;
 }

@@ -40,7 +40,8 @@ pub(super) struct FlashParams {
     heads_kv: i32,
     scale: f32,
     scale_log2: f32,
-    _pad: i32,
+    /// dq_accum's layout: 0 `[B, Sq, H, D]`; 1 the Hopper backward's tiles (params.h's dq_tile_offset).
+    dq_tiled: i32,
 }
 
 /// The MASKED kernels' params: FlashParams, then the mask fields (cuda/params.h's `#if MASKED`
@@ -174,7 +175,7 @@ fn params(p: &Problem) -> FlashParams {
         heads_kv: d.kv_heads as i32,
         scale: p.scale,
         scale_log2: p.scale * std::f32::consts::LOG2_E,
-        _pad: 0,
+        dq_tiled: 0,
     }
 }
 
@@ -437,7 +438,13 @@ pub(super) unsafe fn backward_kernels(dev: &Device, p: &Problem, s: cu::CUstream
     let atomic_dq = hopper || !p.deterministic;
     let vp = kernel_variant(dev, p, Kernel::BwdPreprocess)?;
     let fp = device::function(dev, &vp)?;
-    let dq_len = if atomic_dq { p.q_len() } else { 0 };
+    // The Hopper kernel's dq_accum is in whole tiles (params.h's dq_tile_offset): Sq rounded up.
+    let dq_len = match (hopper, atomic_dq) {
+        (true, _) => d.batch * d.heads * sm90::backward_m_blocks(dev, p)? * sm90::backward_block_m(dev, p)? * d.head_dim,
+        (false, true) => p.q_len(),
+        (false, false) => 0,
+    };
+    prm.dq_tiled = hopper as i32;
     let sem_len = if hopper && p.deterministic { d.batch * d.heads * sm90::backward_m_blocks(dev, p)? } else { 0 };
     // Each part on a 128-byte boundary (the Hopper kernel's bulk reductions need 16).
     let stats_pad = stats.next_multiple_of(32);
@@ -465,7 +472,7 @@ pub(super) unsafe fn backward_kernels(dev: &Device, p: &Problem, s: cu::CUstream
                 trace::kernel("backward", &vk);
                 launch_tiled("flash_bwd_dkdv(atomic dQ)", fk, kv_grid(&vk), s, &prm, mask)?;
             }
-            let pairs = dq_len / 2;
+            let pairs = p.q_len() / 2;
             let blocks = grid_over(pairs, vc.threads() as usize).min(8 * dev.sm_count.max(1) as u32);
             launch("flash_bwd_dq_convert", fc, (blocks, 1, 1), s, &rows)?;
         } else {

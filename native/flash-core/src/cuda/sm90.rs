@@ -186,8 +186,13 @@ struct Sm90BwdParams<P> {
 /// Query tiles per head of the Hopper backward for `p` (the deterministic mode's semaphores are
 /// `[B, H, backward_m_blocks]` int32).
 pub(super) fn backward_m_blocks(dev: &Device, p: &Problem) -> Result<usize> {
-    let v = super::launch::kernel_variant(dev, p, Kernel::BwdSm90)?;
-    Ok(p.dims.seq_q.div_ceil(v.tiles.block_m))
+    Ok(p.dims.seq_q.div_ceil(backward_block_m(dev, p)?))
+}
+
+/// Query rows per tile of the Hopper backward: dq_accum holds `[B, H, backward_m_blocks * this, D]`
+/// f32 in params.h's dq_tile_offset layout (whole tiles: the kernel adds a tile in one piece).
+pub(super) fn backward_block_m(dev: &Device, p: &Problem) -> Result<usize> {
+    Ok(super::launch::kernel_variant(dev, p, Kernel::BwdSm90)?.tiles.block_m)
 }
 
 /// Launches the Hopper backward for `p` with `prm` (pointers and workspace set: delta, lse_log2 and
