@@ -237,8 +237,10 @@ struct KeyBlock {
     IdRange ids;         // segment ids of the block's valid keys
 #endif
 
-    __device__ __forceinline__ explicit KeyBlock(const FlashParams& p) {
-        n0 = blockIdx.x * BLOCK_N;
+    __device__ __forceinline__ explicit KeyBlock(const FlashParams& p) : KeyBlock(p, blockIdx.x) {}
+    // Key block n_block (a kernel that orders its blocks itself).
+    __device__ __forceinline__ KeyBlock(const FlashParams& p, int n_block) {
+        n0 = n_block * BLOCK_N;
         hkv = blockIdx.y;
         b = blockIdx.z;
 #if MASKED

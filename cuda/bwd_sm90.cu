@@ -86,10 +86,37 @@ struct Sm90BwdParams {
 __device__ __forceinline__ u32 stage_of(int j) { return j % STAGES; }
 __device__ __forceinline__ u32 phase_of(int j) { return (j / STAGES) & 1; }
 
+// ---- the block's key block and its turn at each dQ tile --------------------------------------------
+// Deterministic (dq_sem) dQ tiles take their key blocks' reductions in a fixed order. Plain walks all
+// start at tile 0: ascending key blocks. Causal walks start at their diagonal tile, so ascending
+// order would make each block wait for the blocks below it to walk down to its diagonal (a
+// staircase); descending order keeps every block two tiles (BLOCK_N / BLOCK_M) behind the one above
+// it, so none waits. The CTAs then take the key blocks from the last down: a block only ever waits
+// for blocks dispatched before it.
+__device__ __forceinline__ KeyBlock key_block(const Sm90BwdParams& P) {
+    const bool descending = IS_CAUSAL && P.dq_sem;
+    return KeyBlock(P.p, descending ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+}
+
+// The block's turn at query tile m0 / BLOCK_M: the reductions into it that go before its own.
+__device__ __forceinline__ int dq_turn(const Sm90BwdParams& P, const KeyBlock& blk, int m0) {
+    const int n = blk.n0 / BLOCK_N;
+#if IS_CAUSAL
+    // Key blocks n' visit the tile when n' BLOCK_N - (Sk - Sq) < m0 + BLOCK_M (block.h's
+    // first_query_tile): the first `visitors` blocks, the last of them first.
+    const int reach = m0 + BLOCK_M + (blk.Sk - blk.Sq);
+    const int visitors = reach <= 0 ? 0 : min((reach + BLOCK_N - 1) / BLOCK_N, (int)gridDim.x);
+    return visitors - 1 - n;
+#else
+    (void)P, (void)m0;
+    return n;
+#endif
+}
+
 // ---- the producer warp ---------------------------------------------------------------------------
 __device__ __forceinline__ void produce(const Sm90BwdParams& P, Smem& smem) {
     const FlashParams& p = P.p;
-    const KeyBlock blk(p);
+    const KeyBlock blk = key_block(P);
     const int lane = threadIdx.x % 32;
     QueryWalk w = blk.query_walk();
     if (!w.more()) return;
@@ -134,9 +161,8 @@ __device__ __forceinline__ void produce(const Sm90BwdParams& P, Smem& smem) {
 // the key blocks before this one, in order.
 __device__ __forceinline__ void write_dq(const Sm90BwdParams& P, Smem& smem) {
     const FlashParams& p = P.p;
-    const KeyBlock blk(p);
+    const KeyBlock blk = key_block(P);
     const int lane = threadIdx.x % 32;
-    const int order = blk.n0 / BLOCK_N;  // this block's turn at every tile (plain and causal walks)
     QueryWalk w = blk.query_walk();
     for (int j = 0; w.more(); w.advance(), ++j) {
         blk.look_ahead(w);
@@ -145,7 +171,7 @@ __device__ __forceinline__ void write_dq(const Sm90BwdParams& P, Smem& smem) {
         mbar_wait(smem_addr(&smem.dq_full), j & 1);
         if (sem) {
             if (lane == 0)
-                while (ld_acquire_gpu(sem) != order) {
+                while (ld_acquire_gpu(sem) != dq_turn(P, blk, m0)) {
                 }
             __syncwarp();
         }
@@ -158,7 +184,7 @@ __device__ __forceinline__ void write_dq(const Sm90BwdParams& P, Smem& smem) {
             __syncwarp();
             if (lane == 0) {
                 __threadfence();
-                st_release_gpu(sem, order + 1);
+                st_release_gpu(sem, dq_turn(P, blk, m0) + 1);
             }
         } else {
             bulk_wait_read<0>();
@@ -238,7 +264,7 @@ __device__ __forceinline__ void store_ds(u32 ds, const u32 (&a)[BLOCK_M / 16][4]
 
 __device__ __forceinline__ void consume(const Sm90BwdParams& P, Smem& smem, int c) {
     const FlashParams& p = P.p;
-    const KeyBlock blk(p);
+    const KeyBlock blk = key_block(P);
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int key0 = blk.n0 + 64 * c + 16 * warp;  // this warp's 16 keys
