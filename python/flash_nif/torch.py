@@ -211,12 +211,32 @@ def attention_with_lse(
     return (o.transpose(1, 2) if layout == "bhsd" else o), lse
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
-    """Attention output o, differentiable with respect to q, k, v (and ``sinks``); arguments and
-    keyword options as :func:`attention_with_lse` (``causal=True``, ``scale=None``, ``window``,
-    ``segment_ids``, ``seqused_k``, ``leftpad_k``, ``block_mask``, ``softcap``, ``alibi_slopes``,
-    ``sinks``, ``deterministic=False``, ``mode="auto"``, ``layout="bshd"``)."""
-    return attention_with_lse(q, k, v, **options)[0]
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale: Optional[float] = None,
+    window: Optional[tuple] = None,
+    segment_ids: Optional[tuple] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    leftpad_k: Optional[torch.Tensor] = None,
+    block_mask: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    mode: str = "auto",
+    layout: str = "bshd",
+) -> torch.Tensor:
+    """Attention output o ``[B, Sq, H, Dv]`` (``[B, H, Sq, Dv]`` with ``layout="bhsd"``),
+    differentiable with respect to q, k, v (and ``sinks``); arguments as :func:`attention_with_lse`."""
+    return attention_with_lse(
+        q, k, v, causal=causal, scale=scale, window=window, segment_ids=segment_ids, seqused_k=seqused_k,
+        leftpad_k=leftpad_k, block_mask=block_mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        deterministic=deterministic, mode=mode, layout=layout,
+    )[0]
 
 
 def _pair(segment_ids):
