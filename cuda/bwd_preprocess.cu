@@ -1,6 +1,7 @@
 // bwd_preprocess.cu — per-row statistics for the backward pass (every dtype).
 //
-//   delta[b, h, i]    = sum_d dO[b, i, h, d] * O[b, i, h, d]       (f32)
+//   delta[b, h, i]    = sum_d dO[b, i, h, d] * O[b, i, h, d] - dlse[b, h, i]   (f32; dlse optional:
+//                       the gradient of lse, taken only on rows that see a key)
 //   lse_log2[b, h, i] = lse * log2(e), or +inf for a row that sees no key (lse = -inf), so that
 //                       exp2(s * scale_log2 - lse_log2) is 0 there instead of NaN.
 // One warp per (b, i, h) row; NUM_WARPS rows per block, grid ceil(B * Sq * H / NUM_WARPS).
@@ -25,8 +26,8 @@ flash_bwd_preprocess(const FlashParams p) {
         const i64 bs = row / p.heads;
         const int i = (int)(bs % p.seqlen_q), b = (int)(bs / p.seqlen_q);
         const i64 idx = stat_offset(p, b, h) + i;
-        p.delta[idx] = acc;
         const float l = p.lse[idx];
+        p.delta[idx] = (p.dlse != nullptr && l != NEG_INF) ? acc - p.dlse[idx] : acc;
         p.lse_log2[idx] = (l == NEG_INF) ? POS_INF : l * LOG2E;
     }
 }

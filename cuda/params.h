@@ -109,6 +109,7 @@ struct FlashParams {
     float* lse_log2;       // [B, H, Sq]      workspace: lse * log2(e), +inf for rows that see no key
     float* dq_accum;       // [B, Sq, H, D]   workspace (atomic dQ): sum of dS K without the scale, f32,
                            //                 zeroed by the host before bwd_dkdv (dq_tiled: tiles, below)
+    const float* dlse;     // [B, H, Sq]      backward: gradient of lse, or null; delta - dlse per row
     int batch;             // B
     int seqlen_q;          // Sq
     int seqlen_k;          // Sk

@@ -488,6 +488,42 @@ def test_dsinks_match_finite_differences(ref):
     _fd_check(ref, [q, k, v, sinks], loss, [dq, dk, dv, dsinks])
 
 
+@pytest.mark.parametrize("mods", [
+    dict(causal=True),
+    dict(causal=False, softcap=1.3, sinks=np.array([0.3, -0.4])),
+    dict(causal=True, window=(1, 0), alibi_slopes=np.array([0.2, 0.4])),
+], ids=["causal-empty-rows", "softcap-sinks", "window-alibi"])
+def test_dlse_matches_finite_differences(ref, mods):
+    """backward(..., dlse) is the gradient of sum(do * o) + sum(dlse * lse): lse is differentiable
+    too (rows that see no key, lse = -inf, contribute nothing)."""
+    q, k, v, do = _inputs(17, 2, 5, 3, 2, 1, 3)  # Sq > Sk: causal rows 0, 1 see no key
+    dlse = np.random.default_rng(18).standard_normal((2, 2, 5))
+    o, lse = ref.forward_with_states(q, k, v, **mods)
+    grads = ref.backward(do, q, k, v, o, lse, dlse=dlse, **mods)
+    plain = ref.backward(do, q, k, v, o, lse, **mods)
+    assert not np.allclose(grads[0], plain[0])  # dlse changes dq
+    sinks = mods.get("sinks")
+    others = {n: x for n, x in mods.items() if n != "sinks"}
+
+    def loss(qq, kk, vv, *ss):
+        oo, ll = ref.forward_with_states(qq, kk, vv, sinks=ss[0] if ss else None, **others)
+        return np.sum(do * oo) + np.sum(dlse * np.where(np.isneginf(ll), 0.0, ll))
+
+    args = [q, k, v] if sinks is None else [q, k, v, sinks]
+    _fd_check(ref, args, loss, grads)
+
+
+def test_varlen_dlse_equals_the_padded_call(ref):
+    q, k, v, do = _inputs(19, 1, 6, 6, 2, 1, 3)
+    dlse = np.random.default_rng(20).standard_normal((1, 2, 6))
+    o, lse = ref.forward_with_states(q, k, v, causal=True)
+    want = ref.backward(do, q, k, v, o, lse, causal=True, dlse=dlse)
+    cu = np.array([0, 6])
+    got = ref.varlen_backward(do[0], q[0], k[0], v[0], o[0], lse[0], cu, cu, causal=True, dlse=dlse[0])
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w[0], rtol=1e-12, atol=1e-12)
+
+
 def test_varlen_modifiers_equal_each_sequence_alone(ref):
     rng = np.random.default_rng(16)
     lens_q, lens_k = [3, 4], [5, 2]

@@ -54,6 +54,39 @@ defmodule FlashNif.GradientCheckTest do
     end
   end
 
+  test "dlse: gradients of sum(o * w) + sum(lse * g) match finite differences" do
+    # causal, Sq > Sk: row 0 sees no key (lse = -inf), and its dlse is ignored.
+    {b, sq, sk, h, hkv, d} = {1, 3, 2, 2, 1, 3}
+    q = Numeric.random({b, sq, h, d}, {:f, 32}, 11)
+    k = Numeric.random({b, sk, hkv, d}, {:f, 32}, 12)
+    v = Numeric.random({b, sk, hkv, d}, {:f, 32}, 13)
+    w = Numeric.random({b, sq, h, d}, {:f, 32}, 14)
+    g = Numeric.random({b, h, sq}, {:f, 32}, 15)
+
+    {:ok, o, lse} = FA.forward_with_states(q, k, v)
+    {:ok, dq, dk, dv} = FA.backward(w, q, k, v, o, lse, dlse: g)
+    {:ok, plain_dq, _, _} = FA.backward(w, q, k, v, o, lse, dlse: nil)
+    assert Tensor.to_list(plain_dq) != Tensor.to_list(dq)
+
+    dot = fn xs, ys -> Enum.zip(xs, ys) |> Enum.reduce(0.0, fn {a, b}, s -> if is_number(a), do: s + a * b, else: s end) end
+
+    loss = fn q, k, v ->
+      {:ok, o, lse} = FA.forward_with_states(q, k, v)
+      dot.(Tensor.to_list(o), Tensor.to_list(w)) + dot.(Tensor.to_list(lse), Tensor.to_list(g))
+    end
+
+    numeric = %{dq: fd(q, &loss.(&1, k, v)), dk: fd(k, &loss.(q, &1, v)), dv: fd(v, &loss.(q, k, &1))}
+
+    for {name, analytic} <- [dq: dq, dk: dk, dv: dv] do
+      err = Numeric.rel_err(Tensor.to_list(analytic), numeric[name])
+      assert err < 2.0e-3, "#{name}: relative error #{err} against finite differences"
+    end
+
+    assert {:error, {:shape, message}} = FA.backward(w, q, k, v, o, lse, dlse: w)
+    assert message =~ "dlse has shape"
+    assert {:error, {:unsupported, _}} = FA.forward(q, k, v, dlse: g)
+  end
+
   # Central differences of f with respect to every element of x.
   defp fd(%Tensor{} = x, f) do
     values = Tensor.to_list(x)

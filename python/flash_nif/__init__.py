@@ -162,6 +162,7 @@ def backward(
     device: str | None = None,
     deterministic: bool = False,
     mode: str = "auto",
+    dlse=None,
 ):
     """Gradients (dq [B, Sq, H, D], dk [B, Sk, Hkv, D], dv [B, Sk, Hkv, Dv]) in q's dtype; with
     ``sinks``, (dq, dk, dv, dsinks [H] float32), dsinks summed over batch rows and query rows.
@@ -177,15 +178,21 @@ def backward(
 
     ``mode`` as in :func:`forward_with_states` (the backward decides on its own: either path's
     backward takes either path's o and lse). The materialized backward holds S and dS per head.
+
+    ``dlse`` (optional, [B, H, Sq] float32, like lse): the loss's gradient with respect to lse, for
+    losses that use lse too (merged states, z-loss). It enters each row as ``delta - dlse``
+    (``d lse / d s_j = P_j``); rows that see no key ignore it. FlashAttention has no such input.
     """
     opts, host_device = _args.options(causal, scale, window, device, deterministic, mode=mode)
     opts.update(_args.modifiers(softcap, alibi_slopes, sinks))
     masks = _args.masks(segment_ids, seqused_k, leftpad_k, block_mask)
-    if _cuda.any_gpu(do, q, k, v, o, lse, *masks.values()):
-        return _cuda.backward((do, q, k, v, o, lse), opts, device, masks)
+    extra = () if dlse is None else (dlse,)
+    if _cuda.any_gpu(do, q, k, v, o, lse, *extra, *masks.values()):
+        return _cuda.backward((do, q, k, v, o, lse), opts, device, masks, dlse=dlse)
     names = ("do", "q", "k", "v", "o", "lse")
     arrays = [_args.host_array(x, n) for x, n in zip((do, q, k, v, o, lse), names)]
-    return _native.backward_host_arrays(arrays, host_device, **opts, **_args.host_masks(masks))
+    return _native.backward_host_arrays(arrays, host_device, _args.optional_host(dlse, "dlse"), **opts,
+                                        **_args.host_masks(masks))
 
 
 def info() -> dict:

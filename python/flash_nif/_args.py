@@ -127,6 +127,11 @@ def host_array(x, name: str) -> np.ndarray:
         raise OutOfMemoryError(f"cannot make a contiguous copy of {name} with shape {x.shape}") from e
 
 
+def optional_host(x, name: str):
+    """``host_array`` of an optional array argument (None stays None)."""
+    return None if x is None else host_array(x, name)
+
+
 def check_int32_range(name: str, dtype, lo: int, hi: int) -> None:
     """Values [lo, hi] of an integer array of another dtype must fit int32 to be converted."""
     if lo < _INT32.min or hi > _INT32.max:

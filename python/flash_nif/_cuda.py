@@ -209,12 +209,13 @@ def forward_with_states(qkv, opts, device, masks, cu_seqlens=None):
     return o, lse
 
 
-def backward(arrays, opts, device, masks, cu_seqlens=None):
+def backward(arrays, opts, device, masks, cu_seqlens=None, dlse=None):
     """(dq, dk, dv) — with sinks (dq, dk, dv, dsinks) — on a GPU; see flash_nif.backward (and
-    flash_nif.varlen.backward with ``cu_seqlens``)."""
+    flash_nif.varlen.backward with ``cu_seqlens``); ``dlse`` the optional gradient of lse."""
     _check_device(device)
     names = ("do", "q", "k", "v", "o", "lse")
-    t = _Tensors({**dict(zip(names, arrays)), **masks, **dict(zip(_args.CU_NAMES, cu_seqlens or ()))})
+    grad_lse = {} if dlse is None else {"dlse": dlse}
+    t = _Tensors({**dict(zip(names, arrays)), **grad_lse, **masks, **dict(zip(_args.CU_NAMES, cu_seqlens or ()))})
     desc = [t.describe(t[n]) for n in names]  # the core validates every shape and dtype from these
     q, k, v = t["q"], t["k"], t["v"]
     rank = 3 if cu_seqlens else 4
@@ -226,11 +227,12 @@ def backward(arrays, opts, device, masks, cu_seqlens=None):
     # dsinks [H] f32 (H from q: the core checks the sinks' shape against it).
     dsinks = t.empty((q.shape[-2],), q, float32=True) if ok and opts.get("sinks") is not None else None
     outputs = [t.ptr(dq), t.ptr(dk), t.ptr(dv), t.ptr(dsinks)]
+    g = None if dlse is None else t.describe(t["dlse"])
     if cu_seqlens:
         cu = [t.host_int32(t[n], n) for n in _args.CU_NAMES]
-        _native.cuda_varlen_backward_device(desc, outputs, cu, t.device, t.stream, **opts)
+        _native.cuda_varlen_backward_device(desc, outputs, cu, t.device, t.stream, g, **opts)
     else:
-        _native.cuda_backward_device(desc, outputs, t.device, t.stream, **opts, **_masks(t, masks))
+        _native.cuda_backward_device(desc, outputs, t.device, t.stream, g, **opts, **_masks(t, masks))
     return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
 
 

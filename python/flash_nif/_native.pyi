@@ -36,9 +36,10 @@ def forward_host_arrays(
     k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv]], each C-contiguous in native byte order."""
 
 def backward_host_arrays(
-    inputs: Sequence[np.ndarray], device: str, **options: Unpack[_HostMasks]
+    inputs: Sequence[np.ndarray], device: str, dlse: np.ndarray | None = None, **options: Unpack[_HostMasks]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(dq like q, dk like k, dv like v) for inputs [do, q, k, v, o, lse] and the forward's masks."""
+    """(dq like q, dk like k, dv like v) for inputs [do, q, k, v, o, lse] and the forward's masks;
+    `dlse` (float32, lse's shape) the optional gradient of lse."""
 
 def varlen_forward_host_arrays(
     inputs: Sequence[np.ndarray], cu_seqlens: Sequence[np.ndarray], device: str, **options: Unpack[_Options]
@@ -48,9 +49,10 @@ def varlen_forward_host_arrays(
     [cu_seqlens_q, cu_seqlens_k] (int32 [B + 1])."""
 
 def varlen_backward_host_arrays(
-    inputs: Sequence[np.ndarray], cu_seqlens: Sequence[np.ndarray], device: str, **options: Unpack[_Options]
+    inputs: Sequence[np.ndarray], cu_seqlens: Sequence[np.ndarray], device: str, dlse: np.ndarray | None = None,
+    **options: Unpack[_Options],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(dq like q, dk like k, dv like v) for packed inputs [do, q, k, v, o, lse]."""
+    """(dq like q, dk like k, dv like v) for packed inputs [do, q, k, v, o, lse]; `dlse` like lse."""
 
 def rotary_host_arrays(
     inputs: Sequence[np.ndarray], device: str, *, backward: bool, interleaved: bool,
@@ -81,9 +83,11 @@ def cuda_forward_device(
     same device)."""
 
 def cuda_backward_device(
-    inputs: list[DevTensor], outputs: list[int], device: int, stream: int, **options: Unpack[_DeviceMasks]
+    inputs: list[DevTensor], outputs: list[int], device: int, stream: int, dlse: DevTensor | None = None,
+    **options: Unpack[_DeviceMasks],
 ) -> None:
-    """inputs [do, q, k, v, o, lse]; outputs [dq, dk, dv, dsinks] (pointers; dsinks 0 without sinks)."""
+    """inputs [do, q, k, v, o, lse]; outputs [dq, dk, dv, dsinks] (pointers; dsinks 0 without sinks);
+    `dlse` the optional gradient of lse (f32, lse's shape, same device)."""
 
 def cuda_varlen_forward_device(
     inputs: list[DevTensor], outputs: list[int], cu_seqlens: Sequence[np.ndarray], device: int, stream: int,
@@ -94,9 +98,9 @@ def cuda_varlen_forward_device(
 
 def cuda_varlen_backward_device(
     inputs: list[DevTensor], outputs: list[int], cu_seqlens: Sequence[np.ndarray], device: int, stream: int,
-    **options: Unpack[_Options],
+    dlse: DevTensor | None = None, **options: Unpack[_Options],
 ) -> None:
-    """Packed inputs [do, q, k, v, o, lse]; outputs [dq, dk, dv, dsinks or 0]."""
+    """Packed inputs [do, q, k, v, o, lse]; outputs [dq, dk, dv, dsinks or 0]; `dlse` like lse."""
 
 def cuda_rotary_device(
     inputs: list[DevTensor], output: int, device: int, stream: int, *, backward: bool, interleaved: bool,

@@ -279,7 +279,7 @@ def forward(q, k, v, *, causal: bool = True, scale: float | None = None, **optio
 
 
 def backward(do, q, k, v, o, lse, *, causal: bool = True, scale: float | None = None, softcap=None,
-             alibi_slopes=None, sinks=None, **masks):
+             alibi_slopes=None, sinks=None, dlse=None, **masks):
     """Attention backward pass from the saved output and log-sum-exp.
 
     Follows the FlashAttention-2 recipe, using the given ``o`` and ``lse``
@@ -288,6 +288,10 @@ def backward(do, q, k, v, o, lse, *, causal: bool = True, scale: float | None = 
     ``dV = P^T dO``, ``dS = P * (dO V^T - delta)`` (times ``1 - t**2`` with softcap,
     ``t = tanh(scale * q.k / softcap)``), ``dQ = scale * dS K``, ``dK = scale * dS^T Q``;
     with sinks, ``dsinks[h] = -sum over rows of exp(sink_h - lse) * delta``.
+
+    ``dlse`` (optional, ``[B, H, Sq]``): the loss's gradient with respect to ``lse`` too. Since
+    ``d lse / d s_j = P_j``, it enters as ``delta - dlse`` per row (``dS = P * (dP - delta + dlse)``,
+    and the sinks' term likewise); rows that see no key still get zero gradients.
 
     Args:
         do: ``[B, Sq, H, Dv]`` gradient of the loss with respect to ``o``.
@@ -327,6 +331,11 @@ def backward(do, q, k, v, o, lse, *, causal: bool = True, scale: float | None = 
     dv = np.zeros_like(v)
     dsinks = np.zeros(h)
     delta = np.einsum("bshd,bshd->bhs", do, o)  # [B, H, Sq]
+    if dlse is not None:
+        dlse = _as_f64("dlse", dlse, 3)
+        if dlse.shape != (b, h, sq):
+            raise ValueError(f"dlse shape {dlse.shape} must be lse's, {(b, h, sq)}")
+        delta = delta - np.where(np.isneginf(lse), 0.0, dlse)  # a row that sees no key stays 0
     for bi in range(b):
         for hh in range(h):
             kv = hh // group
@@ -401,18 +410,20 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, **options) -> np.ndarray
 
 
 def varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *, causal: bool = True,
-                    scale: float | None = None, window=None, **modifiers):
+                    scale: float | None = None, window=None, dlse=None, **modifiers):
     """Packed variable-length backward: ``(dq [total_q, H, D], dk [total_k, Hkv, D],
     dv [total_k, Hkv, Dv])`` float64 from the forward's ``o [total_q, H, Dv]`` and
-    ``lse [H, total_q]`` (with ``sinks``, also ``dsinks [H]``)."""
+    ``lse [H, total_q]`` (with ``sinks``, also ``dsinks [H]``); ``dlse`` like lse, as in :func:`backward`."""
     q, k, v = _as_f64("q", q, 3), _as_f64("k", k, 3), _as_f64("v", v, 3)
     do, o, lse = _as_f64("do", do, 3), _as_f64("o", o, 3), _as_f64("lse", lse, 2)
+    if dlse is not None and np.shape(dlse) != lse.shape:
+        raise ValueError(f"dlse shape {np.shape(dlse)} must be lse's, {lse.shape}")
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     dsinks = np.zeros(q.shape[1])
     for bi, (q0, q1, k0, k1) in enumerate(_sequences(q, k, cu_seqlens_q, cu_seqlens_k)):
         g = backward(do[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], o[None, q0:q1],
                      lse[None, :, q0:q1], causal=causal, scale=_scale(scale, q.shape[2]), window=window,
-                     **_varlen_mods(bi, **modifiers))
+                     dlse=None if dlse is None else np.asarray(dlse)[None, :, q0:q1], **_varlen_mods(bi, **modifiers))
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
         if len(g) == 4:
             dsinks += g[3]

@@ -101,19 +101,22 @@ def backward(
     device: str | None = None,
     deterministic: bool = False,
     mode: str = "auto",
+    dlse=None,
 ):
     """(dq [total_q, H, D], dk [total_k, Hkv, D], dv [total_k, Hkv, Dv]) in q's dtype, from the
     forward's o and lse (same cu_seqlens and options); with ``sinks`` also dsinks [H] float32.
-    ``deterministic`` and ``mode`` as in :func:`flash_nif.backward`."""
+    ``deterministic``, ``mode`` and ``dlse`` ([H, total_q] float32, like lse) as in
+    :func:`flash_nif.backward`."""
     opts, host_device = _args.options(causal, scale, window, device, deterministic, mode=mode)
     opts.update(_args.modifiers(softcap, alibi_slopes, sinks))
     cu = (cu_seqlens_q, cu_seqlens_k)
-    if _cuda.any_gpu(do, q, k, v, o, lse, *cu):
-        return _cuda.backward((do, q, k, v, o, lse), opts, device, {}, cu_seqlens=cu)
+    extra = () if dlse is None else (dlse,)
+    if _cuda.any_gpu(do, q, k, v, o, lse, *extra, *cu):
+        return _cuda.backward((do, q, k, v, o, lse), opts, device, {}, cu_seqlens=cu, dlse=dlse)
     names = ("do", "q", "k", "v", "o", "lse")
     arrays = [_args.host_array(x, n) for x, n in zip((do, q, k, v, o, lse), names)]
     cu = [_args.host_int32(x, n) for x, n in zip(cu, _args.CU_NAMES)]
-    return _native.varlen_backward_host_arrays(arrays, cu, host_device, **opts)
+    return _native.varlen_backward_host_arrays(arrays, cu, host_device, _args.optional_host(dlse, "dlse"), **opts)
 
 
 __all__ = ["forward", "forward_with_states", "backward"]

@@ -40,6 +40,9 @@ pub(crate) fn check_backward_buffers(p: &Problem, io: &BackwardIo) -> Result<()>
         ("dk", io.dk.len(), b.k),
         ("dv", io.dv.len(), b.v),
     ])?;
+    if let Some(dlse) = io.dlse {
+        check(&[("dlse", dlse.len(), b.lse)])?;
+    }
     check_mask_buffers(p, &io.mask)?;
     check_dsinks(p, io.dsinks.as_deref().map(<[u8]>::len))
 }

@@ -35,6 +35,9 @@ pub struct BackwardIo<'a> {
     pub mask: MaskBuffers<'a>,
     /// With sinks: receives dsinks, f32 [H] (summed over batch rows and query rows).
     pub dsinks: Option<&'a mut [u8]>,
+    /// Optional gradient of the loss with respect to lse, f32 like lse ([B, H, Sq]): it enters
+    /// every row as delta - dlse (d lse / d s_j = P_j). Rows that see no key ignore it.
+    pub dlse: Option<&'a [u8]>,
 }
 
 impl<'a> ForwardIo<'a> {
@@ -52,12 +55,17 @@ impl<'a> ForwardIo<'a> {
 impl<'a> BackwardIo<'a> {
     /// From the buffers in argument order: inputs [d_out, q, k, v, o, lse], outputs [dq, dk, dv].
     pub fn new([d_out, q, k, v, o, lse]: [&'a [u8]; 6], [dq, dk, dv]: [&'a mut [u8]; 3]) -> Self {
-        BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask: MaskBuffers::default(), dsinks: None }
+        BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask: MaskBuffers::default(), dsinks: None, dlse: None }
     }
 
     /// The same buffers with the forward's mask data.
     pub fn with_mask(self, mask: MaskBuffers<'a>) -> Self {
         BackwardIo { mask, ..self }
+    }
+
+    /// The same buffers with the gradient of lse (f32, lse's shape).
+    pub fn with_dlse(self, dlse: &'a [u8]) -> Self {
+        BackwardIo { dlse: Some(dlse), ..self }
     }
 
     /// The same buffers with dsinks' output (f32 [H]; required when the problem has sinks).

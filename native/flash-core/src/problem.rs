@@ -224,6 +224,17 @@ impl Problem {
         Ok(Problem { mods, ..self })
     }
 
+    /// The backward's optional `dlse` (the loss's gradient with respect to lse): float32 with
+    /// lse's shape ([`Problem::lse_shape`]).
+    pub fn check_dlse(&self, dlse: &TensorSpec) -> Result<()> {
+        check_lse_dtype(dlse)?;
+        let want = self.lse_shape();
+        if dlse.shape != want.as_slice() {
+            return Err(FlashError::Shape(format!("{} has shape {:?}; it must have lse's shape {want:?}", dlse.name, dlse.shape)));
+        }
+        check_nbytes(dlse, DType::F32)
+    }
+
     /// True when the call needs the general kernels: a mask beyond causal, or a modifier.
     pub fn is_plain(&self) -> bool {
         self.mask.is_plain() && self.mods.is_none()

@@ -22,6 +22,7 @@ rustler::atoms! {
     sinks,
     nil,
     mode,
+    dlse,
 }
 
 pub(crate) fn field<'a, T: Decoder<'a>>(map: Term<'a>, key: Atom, name: &str, what: &str) -> Result<T, Reason> {
@@ -106,6 +107,11 @@ impl<'a> Masks<'a> {
             block_mask: self.block_mask.as_ref().map(HostTensor::bytes),
         }
     }
+}
+
+/// The backward's optional `dlse` tensor (the gradient of lse), in its masks map under `dlse`.
+pub fn dlse_tensor(map: Term) -> Result<Option<HostTensor>, Reason> {
+    map.map_get(dlse()).ok().map(|t| HostTensor::decode(t, "dlse")).transpose()
 }
 
 /// The modifier tensors of a call (in its options map), borrowing the caller's binaries.

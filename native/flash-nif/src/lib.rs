@@ -84,7 +84,7 @@ fn run_forward<'a>(
 
 /// Runs a validated backward: `[dq, dk, dv]`, and `dsinks` (`[H]` float32) when `p` has sinks.
 fn run_backward<'a>(
-    env: Env<'a>, device: Device, p: &Problem, a: &[HostTensor; 6], masks: MaskBuffers,
+    env: Env<'a>, device: Device, p: &Problem, a: &[HostTensor; 6], dlse: Option<&HostTensor>, masks: MaskBuffers,
 ) -> Result<Vec<Term<'a>>, Reason> {
     let mut dq = Output::alloc("dq", &p.q_shape(), p.dtype)?;
     let mut dk = Output::alloc("dk", &p.kv_shape(), p.dtype)?;
@@ -94,6 +94,10 @@ fn run_backward<'a>(
     let mut io = BackwardIo::new(a.each_ref().map(HostTensor::bytes), outs).with_mask(masks);
     if let Some(ds) = dsinks.as_mut() {
         io = io.with_dsinks(ds.bytes_mut());
+    }
+    if let Some(g) = dlse {
+        p.check_dlse(&g.spec())?;
+        io = io.with_dlse(g.bytes());
     }
     backward_host(device, p, io)?;
     let mut out = vec![dq.encode(env), dk.encode(env), dv.encode(env)];
@@ -121,17 +125,20 @@ fn forward<'a>(env: Env<'a>, tensors: Term<'a>, masks: Term<'a>, opts: Term<'a>)
 
 /// `backward([d_out, q, k, v, o, lse], masks, options)` → `{:ok, {dq, q_shape}, {dk, k_shape},
 /// {dv, v_shape}}` (and `{dsinks, {H}}` last with sinks), from the forward's inputs, masks and options, its output `o`, its `lse`
-/// (`[B, H, Sq]`, float32) and the output gradient `d_out`.
+/// (`[B, H, Sq]`, float32) and the output gradient `d_out`; `masks.dlse` (optional, like lse) the
+/// gradient of lse.
 #[rustler::nif(schedule = "DirtyCpu")]
 fn backward<'a>(env: Env<'a>, tensors: Term<'a>, masks: Term<'a>, opts: Term<'a>) -> Term<'a> {
     guard(env, || {
         let opts_map = opts;
         let (opts, device) = options(opts_map)?;
         let t = inputs(tensors, BACKWARD)?;
+        let masks_map = masks;
         let (masks, mods) = (Masks::decode(masks)?, Mods::decode(opts_map)?);
         let p = Problem::backward_masked(t.each_ref().map(HostTensor::spec).each_ref(), &opts, &masks.args())?
             .with_modifiers(&mods.args())?;
-        run_backward(env, device, &p, &t, masks.buffers())
+        let dlse = args::dlse_tensor(masks_map)?;
+        run_backward(env, device, &p, &t, dlse.as_ref(), masks.buffers())
     })
 }
 
@@ -164,7 +171,7 @@ fn varlen_backward<'a>(env: Env<'a>, tensors: Term<'a>, cu: Term<'a>, opts: Term
         let mods = Mods::decode(opts_map)?;
         let p = Problem::varlen_backward(&d_out, &q, &k, &v, &o, &lse, [&cu_q.arg(), &cu_k.arg()], &opts)?
             .with_modifiers(&mods.args())?;
-        run_backward(env, device, &p, &t, MaskBuffers::default())
+        run_backward(env, device, &p, &t, None, MaskBuffers::default())
     })
 }
 

@@ -38,16 +38,26 @@ fn cuda_forward_device(
 
 /// Backward on device pointers. `inputs` = [do, q, k, v, o, lse]; `outputs` = [dq (like q), dk, dv
 /// (like k), dsinks ([H] f32, or 0 without sinks)], preallocated by the caller on the same device;
-/// the forward's mask and modifier options.
+/// `dlse` the optional gradient of lse (f32, lse's shape, same device); the forward's mask and
+/// modifier options.
 #[pyfunction]
-#[pyo3(signature = (inputs, outputs, device, stream, **options))]
+#[pyo3(signature = (inputs, outputs, device, stream, dlse = None, **options))]
 fn cuda_backward_device(
-    py: Python<'_>, inputs: Vec<DevTensor>, outputs: [u64; 4], device: usize, stream: usize, options: Option<&Bound<'_, PyDict>>,
+    py: Python<'_>, inputs: Vec<DevTensor>, outputs: [u64; 4], device: usize, stream: usize, dlse: Option<DevTensor>,
+    options: Option<&Bound<'_, PyDict>>,
 ) -> Result<(), PyFlashError> {
     let specs = dev_specs(&inputs, ["do", "q", "k", "v", "o", "lse"])?;
     let c = masks::parse(options, Some(&DevArray::extract))?;
     let p = Problem::backward_masked(specs.each_ref(), &c.opts, &c.masks.args())?.with_modifiers(&c.mods.args())?;
-    run_backward(py, &p, &inputs, outputs, device, stream, c.masks.ptrs())
+    let dlse = dlse_ptr(&p, dlse.as_ref())?;
+    run_backward(py, &p, &inputs, outputs, dlse, device, stream, c.masks.ptrs())
+}
+
+/// The device pointer of the optional `dlse` (0: none), checked against `p`.
+fn dlse_ptr(p: &Problem, dlse: Option<&DevTensor>) -> Result<u64, FlashError> {
+    let Some(t) = dlse else { return Ok(0) };
+    p.check_dlse(&dev_spec(t, "dlse"))?;
+    Ok(t.0)
 }
 
 /// Packed variable-length forward on device pointers: `inputs` = [q [total_q, H, D], k, v
@@ -67,19 +77,21 @@ fn cuda_varlen_forward_device<'py>(
 }
 
 /// Packed variable-length backward on device pointers: `inputs` = [do, q, k, v, o, lse],
-/// `outputs` = [dq, dk, dv, dsinks or 0], `cu_seqlens` as the forward's.
+/// `outputs` = [dq, dk, dv, dsinks or 0], `cu_seqlens` as the forward's, `dlse` as [`cuda_backward_device`]'s.
 #[pyfunction]
-#[pyo3(signature = (inputs, outputs, cu_seqlens, device, stream, **options))]
+#[pyo3(signature = (inputs, outputs, cu_seqlens, device, stream, dlse = None, **options))]
+#[allow(clippy::too_many_arguments)] // the binding's positional arguments, as the Python layer passes them
 fn cuda_varlen_backward_device<'py>(
     py: Python<'py>, inputs: Vec<DevTensor>, outputs: [u64; 4], cu_seqlens: Vec<Bound<'py, PyAny>>, device: usize,
-    stream: usize, options: Option<&Bound<'py, PyDict>>,
+    stream: usize, dlse: Option<DevTensor>, options: Option<&Bound<'py, PyDict>>,
 ) -> Result<(), PyFlashError> {
     let [d_out, q, k, v, o, lse] = dev_specs(&inputs, ["do", "q", "k", "v", "o", "lse"])?;
     let [cu_q, cu_k] = crate::cu_seqlens_arrays(&cu_seqlens)?;
     let cu = [&cu_q.arg(), &cu_k.arg()];
     let (opts, mods) = masks::options(options)?;
     let p = Problem::varlen_backward(&d_out, &q, &k, &v, &o, &lse, cu, &opts)?.with_modifiers(&mods.args())?;
-    run_backward(py, &p, &inputs, outputs, device, stream, MaskPtrs::default())
+    let dlse = dlse_ptr(&p, dlse.as_ref())?;
+    run_backward(py, &p, &inputs, outputs, dlse, device, stream, MaskPtrs::default())
 }
 
 /// Queues the forward of `p` on `stream` without the GIL (`inputs` checked by `p` already).
@@ -94,12 +106,13 @@ fn run_forward(
 }
 
 /// Queues the backward of `p` on `stream` without the GIL.
+#[allow(clippy::too_many_arguments)] // the call's pointers, device, stream and masks
 fn run_backward(
-    py: Python<'_>, p: &Problem, inputs: &[DevTensor], [dq, dk, dv, dsinks]: [u64; 4], device: usize, stream: usize,
-    mask: MaskPtrs,
+    py: Python<'_>, p: &Problem, inputs: &[DevTensor], [dq, dk, dv, dsinks]: [u64; 4], dlse: u64, device: usize,
+    stream: usize, mask: MaskPtrs,
 ) -> Result<(), PyFlashError> {
     let [d_out, q, k, v, o, lse] = [0, 1, 2, 3, 4, 5].map(|i| inputs[i].0);
-    let ptrs = BackwardPtrs { d_out, q, k, v, o, lse, dq, dk, dv, dsinks, mask };
+    let ptrs = BackwardPtrs { d_out, q, k, v, o, lse, dq, dk, dv, dsinks, dlse, mask };
     // SAFETY: as run_forward.
     Ok(py.detach(|| unsafe { cuda::backward_device(p, device, stream, ptrs) })?)
 }

@@ -45,18 +45,20 @@ fn forward_host_arrays<'py>(
 }
 
 /// (dq, dk, dv) — with sinks (dq, dk, dv, dsinks) — for NumPy `inputs` = [do, q, k, v, o, lse],
-/// computed on `device`, with the forward's options, mask and modifier arrays.
+/// computed on `device`, with the forward's options, mask and modifier arrays; `dlse` (float32,
+/// lse's shape) the optional gradient of lse.
 #[pyfunction]
-#[pyo3(signature = (inputs, device, **options))]
+#[pyo3(signature = (inputs, device, dlse = None, **options))]
 fn backward_host_arrays<'py>(
-    py: Python<'py>, inputs: Vec<Array<'py>>, device: &str, options: Option<&Bound<'py, PyDict>>,
+    py: Python<'py>, inputs: Vec<Array<'py>>, device: &str, dlse: Option<Array<'py>>, options: Option<&Bound<'py, PyDict>>,
 ) -> Result<Bound<'py, PyTuple>, PyFlashError> {
     let device = Device::parse(device)?;
     let a = host_arrays(&inputs, ["do", "q", "k", "v", "o", "lse"])?;
     let c = masks::parse(options, Some(&HostArray::extract))?;
     let p = Problem::backward_masked(a.each_ref().map(HostArray::spec).each_ref(), &c.opts, &c.masks.args())?
         .with_modifiers(&c.mods.args())?;
-    run_backward(py, device, &p, a, c.masks.buffers())
+    let dlse = dlse_array(&p, dlse.as_ref())?;
+    run_backward(py, device, &p, a, dlse.as_ref(), c.masks.buffers())
 }
 
 /// (o [total_q, H, Dv], lse [H, total_q]) for packed NumPy `inputs` = [q, k, v] and
@@ -75,11 +77,12 @@ fn varlen_forward_host_arrays<'py>(
     run_forward(py, device, &p, [q, k, v], MaskBuffers::default())
 }
 
-/// (dq, dk, dv[, dsinks]) of a packed call: `inputs` = [do, q, k, v, o, lse], `cu_seqlens` as the forward's.
+/// (dq, dk, dv[, dsinks]) of a packed call: `inputs` = [do, q, k, v, o, lse], `cu_seqlens` as the
+/// forward's, `dlse` as [`backward_host_arrays`]'.
 #[pyfunction]
-#[pyo3(signature = (inputs, cu_seqlens, device, **options))]
+#[pyo3(signature = (inputs, cu_seqlens, device, dlse = None, **options))]
 fn varlen_backward_host_arrays<'py>(
-    py: Python<'py>, inputs: Vec<Array<'py>>, cu_seqlens: Vec<Array<'py>>, device: &str,
+    py: Python<'py>, inputs: Vec<Array<'py>>, cu_seqlens: Vec<Array<'py>>, device: &str, dlse: Option<Array<'py>>,
     options: Option<&Bound<'py, PyDict>>,
 ) -> Result<Bound<'py, PyTuple>, PyFlashError> {
     let device = Device::parse(device)?;
@@ -89,7 +92,16 @@ fn varlen_backward_host_arrays<'py>(
     let cu = [&cu_q.arg(), &cu_k.arg()];
     let (opts, mods) = masks::options(options)?;
     let p = Problem::varlen_backward(&d_out, &q, &k, &v, &o, &lse, cu, &opts)?.with_modifiers(&mods.args())?;
-    run_backward(py, device, &p, a, MaskBuffers::default())
+    let dlse = dlse_array(&p, dlse.as_ref())?;
+    run_backward(py, device, &p, a, dlse.as_ref(), MaskBuffers::default())
+}
+
+/// The backward's optional `dlse`, checked against `p` (float32, lse's shape).
+fn dlse_array<'py>(p: &Problem, dlse: Option<&Array<'py>>) -> Result<Option<HostArray<'py>>, FlashError> {
+    let Some(obj) = dlse else { return Ok(None) };
+    let a = HostArray::extract(obj, "dlse")?;
+    p.check_dlse(&a.spec())?;
+    Ok(Some(a))
 }
 
 /// The two cumulative-length arrays of a varlen call.
@@ -115,7 +127,7 @@ fn run_forward<'py>(
 /// Allocates dq, dk, dv for `p` (the shapes of q, k and v; and dsinks [H] f32 when `p` has sinks)
 /// and runs the backward without the GIL; returns them as a tuple.
 fn run_backward<'py>(
-    py: Python<'py>, device: Device, p: &Problem, a: [HostArray<'py>; 6], mask: MaskBuffers,
+    py: Python<'py>, device: Device, p: &Problem, a: [HostArray<'py>; 6], dlse: Option<&HostArray<'py>>, mask: MaskBuffers,
 ) -> Result<Bound<'py, PyTuple>, PyFlashError> {
     let [_, q, k, v, ..] = &a;
     let dq = empty_like_dtype(py, &p.q_shape(), q)?;
@@ -126,6 +138,9 @@ fn run_backward<'py>(
         .with_mask(mask);
     if let Some(ds) = &dsinks {
         io = io.with_dsinks(ds.bytes_mut());
+    }
+    if let Some(g) = dlse {
+        io = io.with_dlse(g.bytes());
     }
     py.detach(|| backward_host(device, p, io))?;
     let mut out = vec![dq.array.into_any(), dk.array.into_any(), dv.array.into_any()];

@@ -228,6 +228,9 @@ defmodule ExPhil.Native.FlashAttention do
   @mod_keys [:alibi_slopes, :sinks]
   @varlen_keys [:causal, :scale, :device, :deterministic, :mode, :window, :softcap] ++ @mod_keys
   @padded_keys @varlen_keys ++ @mask_keys
+  # backward/7 also takes :dlse, the gradient of the logsumexp (a tensor, wired like the masks).
+  @backward_keys @padded_keys ++ [:dlse]
+  @tensor_keys @mask_keys ++ [:dlse]
 
   @type tensor :: Tensor.t() | struct
   @type kind ::
@@ -257,6 +260,7 @@ defmodule ExPhil.Native.FlashAttention do
           | {:softcap, number | nil}
           | {:alibi_slopes, tensor | nil}
           | {:sinks, tensor | nil}
+          | {:dlse, tensor | nil}
   @typedoc "The options of a varlen call: those of `t:option/0` but the mask tensors."
   @type varlen_option ::
           {:causal, boolean}
@@ -302,6 +306,10 @@ defmodule ExPhil.Native.FlashAttention do
   returned for the same inputs and options (masks included): `{:ok, dq, dk, dv}` shaped like `q`,
   `k` and `v`, in `q`'s type; with `:sinks`, `{:ok, dq, dk, dv, dsinks}`. Error messages call
   `output` and `logsumexp` `o` and `lse`.
+
+  `dlse: tensor` (backward only; `{:f, 32}` shaped like `logsumexp`): the loss's gradient with
+  respect to `logsumexp` too, for losses that use it (merged states, z-loss). It enters each row
+  as `delta - dlse`; rows that see no key ignore it.
   """
   @spec backward(tensor, tensor, tensor, tensor, tensor, tensor, [option]) ::
           {:ok, tensor, tensor, tensor} | {:ok, tensor, tensor, tensor, tensor} | {:error, reason}
@@ -309,7 +317,7 @@ defmodule ExPhil.Native.FlashAttention do
     # Named as the core names them, so every message about these arguments uses one name.
     args = [d_out: d_out, q: q, k: k, v: v, o: output, lse: logsumexp]
 
-    with {:ok, options, masks} <- options(opts, @padded_keys),
+    with {:ok, options, masks} <- options(opts, @backward_keys),
          {:ok, options} <- wire_mods(options),
          {:ok, tensors} <- wire(args),
          {:ok, masks} <- wire_masks(masks),
@@ -500,7 +508,7 @@ defmodule ExPhil.Native.FlashAttention do
           key not in keys ->
             {:halt, unsupported("unknown option #{inspect(key)}; the options are #{inspect(keys)}")}
 
-          key in @mask_keys ->
+          key in @tensor_keys ->
             case mask(key, value) do
               :ok when value == nil -> {:cont, {:ok, options, Keyword.delete(masks, key)}}
               :ok -> {:cont, {:ok, options, Keyword.put(masks, key, value)}}

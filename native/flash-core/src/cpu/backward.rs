@@ -50,16 +50,22 @@ struct Ctx<'a> {
 
 /// Writes dq (like q), dk (like k) and dv (like v) in p.dtype.
 pub fn run(p: &Problem, io: BackwardIo) -> Result<()> {
-    let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask, dsinks } = io;
+    let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask, dsinks, dlse } = io;
+    let dlse = dlse.map(|b| load_f32(b, "dlse")).transpose()?; // [PB·H, Rq], lse's layout
     let geo = Geometry::new(p);
+    let lse2 = lse_log2(lse)?;
+    let mut delta = row_dots(p, &geo, d_out, o)?;
+    if let Some(dlse) = &dlse {
+        subtract_dlse(&mut delta, &lse2, dlse);
+    }
     let x = Packed {
         qs: pack_rows(q, p.dtype, geo.q4(), p.scale * LOG2_E, "packed q")?,
         d_out: pack_rows(d_out, p.dtype, geo.o4(), 1.0, "packed d_out")?,
         k: pack_rows(k, p.dtype, geo.kv4(), 1.0, "packed k")?,
         kt: pack_transposed(k, p.dtype, geo.kv4(), "packed k")?,
         vt: pack_transposed(v, p.dtype, geo.v4(), "packed v")?,
-        lse2: lse_log2(lse)?,
-        delta: row_dots(p, &geo, d_out, o)?,
+        lse2,
+        delta,
     };
     let cx = Ctx { p, geo, vis: Visibility::new(p, &mask), x };
     let (dp, dvp) = (padded_dim(geo.head_dim), padded_dim(geo.head_dim_v));
@@ -83,7 +89,7 @@ pub fn run(p: &Problem, io: BackwardIo) -> Result<()> {
     }
 
     if let Some(out) = dsinks {
-        DType::F32.store(&sink_grads(p, d_out, o, lse), out, 0);
+        DType::F32.store(&sink_grads(p, d_out, o, lse, dlse.as_deref()), out, 0);
     }
 
     // dQ = scale·dS·K; dK = scale·dSᵀ·Q = ln2·dSᵀ·Qs.
@@ -100,6 +106,16 @@ fn lse_log2(lse: &[u8]) -> Result<Buffer> {
         *x = if *x == f32::NEG_INFINITY { f32::INFINITY } else { *x * LOG2_E };
     }
     Ok(out)
+}
+
+/// delta -= dlse on the rows that see a key (lse2 finite): the gradient of lse enters the
+/// backward there, since dS = P ∘ (dP - delta + dlse). Rows that see none keep P = 0.
+pub(super) fn subtract_dlse(delta: &mut [f32], lse2: &[f32], dlse: &[f32]) {
+    for ((x, &l), &g) in delta.iter_mut().zip(lse2).zip(dlse) {
+        if l != f32::INFINITY {
+            *x -= g;
+        }
+    }
 }
 
 /// delta[pb, h, i] = Σ_d dO[pb, i, h, d] · O[pb, i, h, d] (d < Dv), in f32. Returns [PB·H, Rq].

@@ -19,7 +19,8 @@
 //! Tasks: one per (batch row, chunk of kv heads) — both passes — owning o / lse / dq of the chunk's
 //! query heads and dk / dv of its kv heads: no atomics, bit-identical run to run.
 
-use super::layout::{padded_dim, transposed_ld};
+use super::backward::subtract_dlse;
+use super::layout::{load_f32, padded_dim, transposed_ld};
 use super::matmul::{matmul, Mat};
 use super::modify::{sink2, sink_grads, softcap_chain, TileMods};
 use super::simd;
@@ -98,7 +99,8 @@ pub fn forward(p: &Problem, io: ForwardIo) -> Result<()> {
 
 /// Backward (layouts in [`BackwardIo`]).
 pub fn backward(p: &Problem, io: BackwardIo) -> Result<()> {
-    let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask, dsinks } = io;
+    let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask, dsinks, dlse } = io;
+    let dlse = dlse.map(|b| load_f32(b, "dlse")).transpose()?; // lse's layout
     let vis = Visibility::new(p, &mask);
     let outs = [SharedOut::new(dq, p.dtype), SharedOut::new(dk, p.dtype), SharedOut::new(dv, p.dtype)];
     let chunk = kv_chunk(p);
@@ -106,10 +108,10 @@ pub fn backward(p: &Problem, io: BackwardIo) -> Result<()> {
     (0..tasks.len()).into_par_iter().for_each_init(Lease::take, |kept, i| {
         let mut w = BackwardScratch::carve(p, chunk, &mut kept.0);
         let next = Ahead::new(p, &[q, d_out, o], &[k, v], tasks.get(i + 1));
-        backward_task(p, &vis, [d_out, q, k, v, o, lse], &outs, tasks[i].clone(), &mut w, next)
+        backward_task(p, &vis, [d_out, q, k, v, o, lse], dlse.as_deref(), &outs, tasks[i].clone(), &mut w, next)
     });
     if let Some(out) = dsinks {
-        DType::F32.store(&sink_grads(p, d_out, o, lse), out, 0);
+        DType::F32.store(&sink_grads(p, d_out, o, lse, dlse.as_deref()), out, 0);
     }
     Ok(())
 }
@@ -544,7 +546,11 @@ impl<'a> BackwardScratch<'a> {
 /// Batch row b, kv heads `kv` and their query heads: dq of the query heads, dk and dv of `kv`.
 /// P = exp2(S - lse2), dP = dO·Vᵀ, dS = P ∘ (dP - delta); dQ = dS·K (times scale on the way
 /// out), dV = Pᵀ·dO, dK = dSᵀ·Qs (times ln 2 on the way out).
-fn backward_task(p: &Problem, vis: &Visibility, inputs: [&[u8]; 6], [dq, dk, dv]: &[SharedOut; 3], (b, kv): (usize, Range<usize>), w: &mut BackwardScratch, mut next: Ahead) {
+#[allow(clippy::too_many_arguments)] // the call's buffers, the task and its scratch
+fn backward_task(
+    p: &Problem, vis: &Visibility, inputs: [&[u8]; 6], dlse: Option<&[f32]>, [dq, dk, dv]: &[SharedOut; 3],
+    (b, kv): (usize, Range<usize>), w: &mut BackwardScratch, mut next: Ahead,
+) {
     let [d_out, q, k, v, o, lse] = inputs;
     let seq = p.mask.seq(b);
     let (sq, sk) = (seq.q_len, seq.k_len);
@@ -558,7 +564,7 @@ fn backward_task(p: &Problem, vis: &Visibility, inputs: [&[u8]; 6], [dq, dk, dv]
     kr.load_transposed(v, p.dtype, ld, w.tmp, w.vt);
     qr.load(q, p.dtype, p.scale * LOG2_E, w.q);
     qr.load(d_out, p.dtype, 1.0, w.d_out);
-    row_stats(p, &qr, b, o, lse, w);
+    row_stats(p, &qr, b, o, lse, dlse, w);
     let kv_len = kv.len() * sk * dp;
     w.dk[..kv_len].fill(0.0);
     w.dv[..kv_len].fill(0.0);
@@ -646,8 +652,9 @@ fn dot(x: &[f32], y: &[f32]) -> f32 {
 }
 
 /// lse2 (log2 units; +inf where lse = -inf, so that P = 0) and delta = rowsum(dO ∘ O) of the
-/// task's query heads, from the o and lse passed in (as the oracle does). Needs w.d_out loaded.
-fn row_stats(p: &Problem, qr: &Rows, b: usize, o: &[u8], lse: &[u8], w: &mut BackwardScratch) {
+/// task's query heads, from the o and lse passed in (as the oracle does), less dlse where given.
+/// Needs w.d_out loaded.
+fn row_stats(p: &Problem, qr: &Rows, b: usize, o: &[u8], lse: &[u8], dlse: Option<&[f32]>, w: &mut BackwardScratch) {
     let (sq, dp, d) = (qr.rows, padded_dim(qr.d), qr.d);
     for i in 0..sq {
         for (j, h) in qr.heads.clone().enumerate() {
@@ -662,6 +669,9 @@ fn row_stats(p: &Problem, qr: &Rows, b: usize, o: &[u8], lse: &[u8], w: &mut Bac
         DType::F32.load(lse, p.lse_base(b, h), lse2);
         for x in lse2.iter_mut() {
             *x = if *x == f32::NEG_INFINITY { f32::INFINITY } else { *x * LOG2_E };
+        }
+        if let Some(g) = dlse {
+            subtract_dlse(&mut w.delta[j * sq..][..sq], lse2, &g[p.lse_base(b, h)..][..sq]);
         }
     }
 }

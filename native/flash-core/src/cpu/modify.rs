@@ -82,9 +82,9 @@ pub fn sink2(p: &Problem, h: usize) -> Option<f32> {
     p.mods.sink(h).map(|s| s * LOG2_E)
 }
 
-/// dsinks[h] = −Σ over batch rows and query rows of exp(sink_h − lse) · rowsum(dO ∘ O), in f64 in
+/// dsinks[h] = −Σ over batch rows and query rows of exp(sink_h − lse) · (rowsum(dO ∘ O) − dlse), in f64 in
 /// a fixed order, from the caller's o, dO and lse (both CPU paths' dsinks).
-pub fn sink_grads(p: &Problem, d_out: &[u8], o: &[u8], lse: &[u8]) -> Vec<f32> {
+pub fn sink_grads(p: &Problem, d_out: &[u8], o: &[u8], lse: &[u8], dlse: Option<&[f32]>) -> Vec<f32> {
     let (h_n, d) = (p.dims.heads, p.dims.head_dim_v);
     let (mut a, mut c, mut l) = (vec![0.0f32; d], vec![0.0f32; d], [0.0f32]);
     (0..h_n)
@@ -101,7 +101,10 @@ pub fn sink_grads(p: &Problem, d_out: &[u8], o: &[u8], lse: &[u8]) -> Vec<f32> {
                     let at = ((seq.q_start + i) * h_n + h) * d;
                     p.dtype.load(d_out, at, &mut a);
                     p.dtype.load(o, at, &mut c);
-                    let delta: f64 = a.iter().zip(&c).map(|(x, y)| (x * y) as f64).sum();
+                    let mut delta: f64 = a.iter().zip(&c).map(|(x, y)| (x * y) as f64).sum();
+                    if let Some(g) = dlse {
+                        delta -= g[p.lse_base(b, h) + i] as f64;
+                    }
                     sum -= (sink - l[0] as f64).exp() * delta;
                 }
             }

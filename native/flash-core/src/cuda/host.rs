@@ -119,9 +119,11 @@ pub fn backward_host(p: &Problem, device: usize, io: BackwardIo) -> Result<()> {
         let [dq, dk, dv] = [io.dq.len(), io.dk.len(), io.dv.len()].map(|n| DeviceBuffer::alloc(n, s.0));
         let (dq, dk, dv) = (dq?, dk?, dv?);
         let dsinks = io.dsinks.as_ref().map(|d| DeviceBuffer::alloc(d.len(), s.0)).transpose()?;
+        let dlse = io.dlse.map(|d| upload(d, s)).transpose()?;
         let ptrs = BackwardPtrs {
             d_out: d_out.ptr, q: q.ptr, k: k.ptr, v: v.ptr, o: o.ptr, lse: lse.ptr,
-            dq: dq.ptr, dk: dk.ptr, dv: dv.ptr, dsinks: dsinks.as_ref().map_or(0, |d| d.ptr), mask: mask.ptrs,
+            dq: dq.ptr, dk: dk.ptr, dv: dv.ptr, dsinks: dsinks.as_ref().map_or(0, |d| d.ptr),
+            dlse: dlse.as_ref().map_or(0, |d| d.ptr), mask: mask.ptrs,
         };
         // SAFETY: buffers sized from the problem, on this device, ordered on stream s.
         unsafe { launch::backward(dev, p, s.0, ptrs)? };

@@ -33,6 +33,7 @@ pub(super) struct FlashParams {
     delta: u64,
     lse_log2: u64,
     dq_accum: u64,
+    dlse: u64,
     batch: i32,
     seqlen_q: i32,
     seqlen_k: i32,
@@ -110,6 +111,8 @@ pub struct BackwardPtrs {
     pub dv: u64,
     /// With sinks: f32 [H], receives dsinks; else 0.
     pub dsinks: u64,
+    /// Optional gradient of lse, f32 like lse (0: none); the preprocess takes delta - dlse.
+    pub dlse: u64,
     pub mask: MaskPtrs,
 }
 
@@ -168,6 +171,7 @@ fn params(p: &Problem) -> FlashParams {
         delta: 0,
         lse_log2: 0,
         dq_accum: 0,
+        dlse: 0,
         batch: d.batch as i32,
         seqlen_q: d.seq_q as i32,
         seqlen_k: d.seq_k as i32,
@@ -425,7 +429,7 @@ pub(super) unsafe fn backward_kernels(dev: &Device, p: &Problem, s: cu::CUstream
     let mask = mask.as_ref();
     let mut prm = params(p);
     (prm.q, prm.k, prm.v, prm.o, prm.lse, prm.dout) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse, ptrs.d_out);
-    (prm.dq, prm.dk, prm.dv) = (ptrs.dq, ptrs.dk, ptrs.dv);
+    (prm.dq, prm.dk, prm.dv, prm.dlse) = (ptrs.dq, ptrs.dk, ptrs.dv, ptrs.dlse);
     // The Hopper kernel adds dQ into dq_accum (in key-block order when deterministic); else the
     // default adds it with atomics and the deterministic backward computes it in its own kernel.
     let hopper = match sm90::backward_choice(dev, p, [ptrs.q, ptrs.k, ptrs.v, ptrs.d_out]) {
@@ -501,11 +505,11 @@ mod tests {
 
     #[test]
     fn params_struct_matches_the_kernel_layout() {
-        // 12 pointers, 5 ints, 2 floats, 1 pad int (cuda/params.h).
-        assert_eq!(std::mem::size_of::<FlashParams>(), 12 * 8 + 8 * 4);
-        // MASKED: then 4 pointers, 2 i64 strides, 5 ints and 1 pad int, from offset 128; then the
+        // 13 pointers, 5 ints, 2 floats, dq_tiled (cuda/params.h).
+        assert_eq!(std::mem::size_of::<FlashParams>(), 13 * 8 + 8 * 4);
+        // MASKED: then 4 pointers, 2 i64 strides, 5 ints and 1 pad int, from offset 136; then the
         // modifiers' 3 pointers and 2 floats.
-        assert_eq!(std::mem::offset_of!(MaskedParams, mask), 12 * 8 + 8 * 4);
-        assert_eq!(std::mem::size_of::<MaskedParams>(), 12 * 8 + 8 * 4 + 4 * 8 + 2 * 8 + 6 * 4 + 3 * 8 + 2 * 4);
+        assert_eq!(std::mem::offset_of!(MaskedParams, mask), 13 * 8 + 8 * 4);
+        assert_eq!(std::mem::size_of::<MaskedParams>(), 13 * 8 + 8 * 4 + 4 * 8 + 2 * 8 + 6 * 4 + 3 * 8 + 2 * 4);
     }
 }
