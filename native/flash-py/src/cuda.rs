@@ -135,6 +135,7 @@ fn cuda_info(py: Python<'_>, device: usize) -> PyResult<Bound<'_, PyDict>> {
         let r = PyDict::new(py);
         r.set_item("kernel", ran.kernel)?;
         r.set_item("not_sm90_because", ran.fallback)?;
+        r.set_item("math", ran.math)?;
         kernels.set_item(pass, r)?;
     }
     d.set_item("last_kernels", kernels)?;
