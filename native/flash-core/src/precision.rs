@@ -18,7 +18,7 @@ pub enum Precision {
     Tf32,
 }
 
-/// The documented worst relative error (max |x - oracle| / max |oracle|, per output) of
+/// The documented worst relative error (||o - oracle|| / ||oracle||, the tests' rel_err) of
 /// `precision="tf32"` against the float64 oracle; tests/test_tf32.py checks it on the GPU.
 pub const TF32_BOUND: f64 = 5e-3;
 

@@ -128,6 +128,7 @@ fn cuda_info(py: Python<'_>, device: usize) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("device_count", cuda::device_count().unwrap_or(0))?;
     d.set_item("sm90_env", cuda::SM90_ENV)?;
     d.set_item("sm90", i.sm90)?;
+    d.set_item("tf32_env", cuda::TF32_ENV)?;
     d.set_item("log_env", cuda::LOG_ENV)?;
     let last = cuda::last_kernels();
     let kernels = PyDict::new(py);

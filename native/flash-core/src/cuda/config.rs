@@ -34,13 +34,18 @@ pub struct Spec {
     pub tf32_terms: usize,
 }
 
+/// `FLASH_NIF_TF32=0` (read per call) makes `precision="exact"` run the SIMT f32 kernels instead
+/// of the split-TF32 one (comparisons, benchmarks); `"tf32"` is unaffected.
+pub const TF32_ENV: &str = "FLASH_NIF_TF32";
+
 /// The TF32 products per pair of a call's `kernel` (see [`Spec::tf32_terms`]): the split-TF32
 /// forward for f32 under `precision="exact"` at every head dim (its errors against the oracle are
 /// within twice the SIMT kernel's: tests/test_tf32.py), the one-product one under `"tf32"`; the
 /// backward has no tensor-core f32 kernel yet and runs SIMT f32 under either.
 pub fn tf32_terms(kernel: Kernel, dtype: DType, precision: Precision) -> usize {
+    let split_allowed = || std::env::var(TF32_ENV).map_or(true, |v| v.trim() != "0");
     match (kernel, dtype, precision) {
-        (Kernel::Fwd, DType::F32, Precision::Exact) => 3,
+        (Kernel::Fwd, DType::F32, Precision::Exact) if split_allowed() => 3,
         (Kernel::Fwd, DType::F32, Precision::Tf32) => 1,
         _ => 0,
     }
@@ -472,6 +477,28 @@ mod tests {
             assert!(!v.defines.iter().any(|(k, _)| *k == "HEAD_DIM"), "{}", v.name());
         }
         assert_eq!(rotary_variant(DType::BF16, true, 8).name(), "rotary_bf16_num_warps8_interleaved1_vec8");
+    }
+
+    #[test]
+    fn f32_forward_runs_on_tensor_cores_by_precision() {
+        assert_eq!(tf32_terms(Kernel::Fwd, DType::F32, Precision::Tf32), 1);
+        for (k, dt) in [(Kernel::BwdDkdvDq, DType::F32), (Kernel::BwdDq, DType::F32), (Kernel::Fwd, DType::BF16)] {
+            for p in [Precision::Exact, Precision::Tf32] {
+                assert_eq!(tf32_terms(k, dt, p), 0, "{k:?} {dt:?} {p:?}");
+            }
+        }
+        for (terms, math) in [(3, "3xtf32"), (1, "tf32")] {
+            for d in [8, 40, 64, 72, 128, 136, 256] {
+                for set in [TileSet::Default, TileSet::Small] {
+                    let v = variant(&Spec { tf32_terms: terms, ..spec(Kernel::Fwd, DType::F32, d) }, set);
+                    assert_eq!((v.source, v.math()), ("fwd.cu", math), "{}", v.name());
+                    assert!(v.name().contains(&format!("_m_tiles1_tf32_terms{terms}_")), "{}", v.name());
+                }
+            }
+        }
+        let simt = variant(&spec(Kernel::Fwd, DType::F32, 64), TileSet::Default);
+        assert_eq!((simt.source, simt.math()), ("fwd_f32_simt.cu", "f32-simt"));
+        assert!(!simt.defines.iter().any(|(k, _)| *k == "TF32_TERMS" || *k == "M_TILES"), "SIMT names stay as they were");
     }
 
     #[test]
