@@ -73,8 +73,9 @@ def main():
     ap.add_argument("--md")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    rows = ["| S | D | causal | ours exact (3xtf32) | ours SIMT | ours tf32 | torch efficient | exact / eff. | tf32 / eff. | err exact | err SIMT | err tf32 | err eff. |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    cols = ["S", "D", "causal", "ours exact (3xtf32)", "ours SIMT", "ours tf32", "torch efficient", "exact / eff.",
+            "tf32 / eff.", "err exact", "err SIMT", "err tf32", "err eff."]
+    rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for s in (int(x) for x in args.seqs.split(",")):
         for d in (int(x) for x in args.dims.split(",")):
             b, h = 16384 // s, 2048 // d
@@ -92,9 +93,10 @@ def main():
                     if name != "eff":
                         kernel = flash_nif.info()["cuda"]["last_kernels"]["forward"]
                         print(f"  {name}: {kernel['kernel']} [{kernel['math']}]")
-                rows.append(f"| {s} | {d} | {causal} | {tf['exact']:.1f} | {tf['simt']:.1f} | {tf['tf32']:.1f} | {tf['eff']:.1f} "
-                            f"| {ms['eff'] / ms['exact']:.2f} | {ms['eff'] / ms['tf32']:.2f} | {err['exact']:.1e} | {err['simt']:.1e} "
-                            f"| {err['tf32']:.1e} | {err['eff']:.1e} |")
+                cells = [s, d, causal, *(f"{tf[n]:.1f}" for n in ("exact", "simt", "tf32", "eff")),
+                         f"{ms['eff'] / ms['exact']:.2f}", f"{ms['eff'] / ms['tf32']:.2f}",
+                         *(f"{err[n]:.1e}" for n in ("exact", "simt", "tf32", "eff"))]
+                rows.append("| " + " | ".join(map(str, cells)) + " |")
                 print(rows[-1], flush=True)
             del q, k, v
     print("\n".join(rows))

@@ -129,10 +129,10 @@ SHAPES = [
     pytest.param((1, 33, 45, 2, 2, 8), id="d8"),
 ]
 
-# Masks and modifiers (the MASKED kernels): name -> (forward keyword arguments builder).
+# Masks and modifiers (the MASKED kernels): name -> builder of the forward's keyword arguments.
 def _seg(b, sq, sk):
     rng = np.random.default_rng(5)
-    return (np.sort(rng.integers(0, 3, (b, sq))).astype(np.int32), np.sort(rng.integers(0, 3, (b, sk))).astype(np.int32))
+    return tuple(np.sort(rng.integers(0, 3, (b, n))).astype(np.int32) for n in (sq, sk))
 
 
 EXTRAS = {
@@ -232,4 +232,5 @@ def test_every_output_element_is_written(gpu, ref, rel_err, make_inputs, precisi
     ro, rlse = ref.forward_with_states(q, k, v, causal=True)
     bound = EXACT_BOUNDS["o"] if precision == "exact" else TF32_BOUND
     assert not torch.isnan(o).any() and rel_err(o.cpu().numpy(), ro) <= bound
-    assert not torch.isnan(lse).any() and rel_err(lse.cpu().numpy(), rlse) <= EXACT_BOUNDS["lse"] * (1 if precision == "exact" else 500)
+    lse_bound = EXACT_BOUNDS["lse"] if precision == "exact" else TF32_BOUND
+    assert not torch.isnan(lse).any() and rel_err(lse.cpu().numpy(), rlse) <= lse_bound
