@@ -1,4 +1,5 @@
-// fwd.cu — attention forward on tensor cores (fp16 / bf16), FlashAttention-2 layout.
+// fwd.cu — attention forward on tensor cores, FlashAttention-2 layout: fp16 / bf16 (mma m16n8k16), and
+// f32 as split-TF32 or TF32 products (TF32_TERMS, the GEMMs of tf32.h; mma m16n8k8).
 //
 // Grid (ceil(Sq / BLOCK_M), H, B); NUM_WARPS warps, each owning M_TILES tiles of 16 query rows
 // (BLOCK_M = 16 * M_TILES * NUM_WARPS; with M_TILES = 2 each K/V fragment feeds two mma's). The Q tile is loaded once; K/V tiles of BLOCK_N rows stream through two shared-memory

@@ -56,6 +56,24 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b
 #endif
 }
 
+// f32 -> TF32 (10 explicit mantissa bits), rounded to nearest, ties away from zero; the low 13
+// bits of the result are zero.
+__device__ __forceinline__ u32 to_tf32(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+// c[16x8] += a[16x8] * b[8x8], TF32 operands (to_tf32), f32 accumulators.
+// Fragment layout (g = lane/4, t = lane%4): a = {(g,t), (g+8,t), (g,t+4), (g+8,t+4)},
+// b = {(k=t, n=g), (k=t+4, n=g)}, c as mma16816's.
+__device__ __forceinline__ void mma1688_tf32(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // ---- global reductions ---------------------------------------------------------------------------
 // dst[0] += a, dst[1] += b (relaxed f32 atomics; dst 8-byte aligned). One vector reduction on
 // sm_90, two scalar ones before.

@@ -1,16 +1,24 @@
 // tile.h — shared-memory tile layout, the async tile loader and the two warp-level GEMM shapes
-// every tensor-core kernel uses.
+// every tensor-core kernel uses (fp16 / bf16 here; fp32 as TF32 products in tf32.h).
 //
-// A tile holds R rows of HEAD_DIM elements, padded to DPAD (a multiple of 16, the mma k step; the
-// pad columns are zero) and stored with row stride SROW = DPAD + 8 elements. In 16-byte units that
-// stride is odd, so the 8 row addresses of one ldmatrix hit 8 different bank groups.
+// A tile holds R rows of HEAD_DIM elements, padded to DPAD (a multiple of MMA_K, the mma k step; the
+// pad columns are zero) and stored with row stride SROW = DPAD + one 16-byte chunk. In 16-byte units
+// that stride is odd, so the 8 row addresses of one ldmatrix hit 8 different bank groups.
 #pragma once
 #include "ptx.h"
 
-// With D_SPLIT > 1 (dK/dV for large D) the pad makes DPAD / D_SPLIT a multiple of 16 as well.
-#define DPAD (((HEAD_DIM) + 16 * D_SPLIT - 1) / (16 * D_SPLIT) * (16 * D_SPLIT))
-#define SROW (DPAD + 8)
-#define CHUNKS_PER_ROW (DPAD / 8)  // 16-byte chunks per padded row
+#if FLASH_DTYPE == 2
+#define MMA_K 8        // m16n8k8 TF32
+#define CHUNK_ELEMS 4  // elements per 16-byte copy
+#else
+#define MMA_K 16  // m16n8k16 fp16 / bf16
+#define CHUNK_ELEMS 8
+#endif
+
+// With D_SPLIT > 1 (dK/dV for large D) the pad makes DPAD / D_SPLIT a multiple of MMA_K as well.
+#define DPAD (((HEAD_DIM) + MMA_K * D_SPLIT - 1) / (MMA_K * D_SPLIT) * (MMA_K * D_SPLIT))
+#define SROW (DPAD + CHUNK_ELEMS)
+#define CHUNKS_PER_ROW (DPAD / CHUNK_ELEMS)  // 16-byte chunks per padded row
 
 // Issues cp.async for rows [row0, row0 + R) of a [*, stride_rows] tensor into tile `dst`. Rows past
 // `nrows` and pad columns are zero-filled. `row_stride` is the element distance between rows.
@@ -19,13 +27,47 @@ __device__ __forceinline__ void load_tile_async(elem_t* dst, const elem_t* src, 
                                                 i64 row_stride) {
     for (int i = threadIdx.x; i < R * CHUNKS_PER_ROW; i += NUM_THREADS) {
         const int r = i / CHUNKS_PER_ROW, c = i % CHUNKS_PER_ROW;
-        const bool ok = (row0 + r < nrows) && (c * 8 < HEAD_DIM);
-        const elem_t* g = ok ? src + (i64)(row0 + r) * row_stride + c * 8 : src;
-        cp_async16(dst + r * SROW + c * 8, g, ok);
+        const bool ok = (row0 + r < nrows) && (c * CHUNK_ELEMS < HEAD_DIM);
+        const elem_t* g = ok ? src + (i64)(row0 + r) * row_stride + c * CHUNK_ELEMS : src;
+        cp_async16(dst + r * SROW + c * CHUNK_ELEMS, g, ok);
     }
 }
 
-#if FLASH_DTYPE != 2
+// Two adjacent outputs from f32: one 4-byte store of two 16-bit values, or one 8-byte store of two
+// floats (dst 8-byte aligned).
+__device__ __forceinline__ void store2(elem_t* dst, float lo, float hi) {
+#if FLASH_DTYPE == 2
+    *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
+#else
+    *reinterpret_cast<u32*>(dst) = pack2(lo, hi);
+#endif
+}
+
+// Stores a warp's 16 x 8*NO f32 tile (times `mul`) to rows row0.. of a [*, row_stride] tensor,
+// columns col0.., skipping rows >= nrows and columns >= HEAD_DIM.
+template <int NO>
+__device__ __forceinline__ void store_tile(elem_t* dst, const float (&acc)[NO][4], float mul0,
+                                           float mul1, int row0, int nrows, int col0,
+                                           i64 row_stride) {
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + g + r * 8;
+        if (row >= nrows) continue;
+        const float mul = r ? mul1 : mul0;
+        elem_t* out = dst + (i64)row * row_stride;
+#pragma unroll
+        for (int no = 0; no < NO; ++no) {
+            const int col = col0 + no * 8 + 2 * t;
+            if (col < HEAD_DIM) store2(out + col, acc[no][2 * r] * mul, acc[no][2 * r + 1] * mul);
+        }
+    }
+}
+
+#if FLASH_DTYPE == 2
+#include "tf32.h"
+#else
 // A warp owns MT consecutive 16-row tiles (rows 16*mt..) of each product; every B fragment read
 // from shared memory feeds MT mma's (half the ldmatrix traffic at MT = 2). The single-tile forms
 // below are MT = 1.
@@ -128,26 +170,4 @@ __device__ __forceinline__ void gemm_atb(float (&acc)[MT][NT][4], const elem_t* 
     }
 }
 
-// Stores a warp's 16 x 8*NO f32 tile (times `mul`) to rows row0.. of a [*, row_stride] tensor,
-// columns col0.., skipping rows >= nrows and columns >= HEAD_DIM.
-template <int NO>
-__device__ __forceinline__ void store_tile(elem_t* dst, const float (&acc)[NO][4], float mul0,
-                                           float mul1, int row0, int nrows, int col0,
-                                           i64 row_stride) {
-    const int lane = threadIdx.x % 32;
-    const int g = lane / 4, t = lane % 4;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + g + r * 8;
-        if (row >= nrows) continue;
-        const float mul = r ? mul1 : mul0;
-        elem_t* out = dst + (i64)row * row_stride;
-#pragma unroll
-        for (int no = 0; no < NO; ++no) {
-            const int col = col0 + no * 8 + 2 * t;
-            if (col < HEAD_DIM)
-                *reinterpret_cast<u32*>(out + col) = pack2(acc[no][2 * r] * mul, acc[no][2 * r + 1] * mul);
-        }
-    }
-}
 #endif

@@ -295,6 +295,7 @@ defmodule FlashNif.ErrorsTest do
       device: :cpu,
       deterministic: false,
       mode: :auto,
+      precision: :exact,
       window: {nil, nil},
       softcap: nil,
       alibi_slopes: nil,

@@ -63,6 +63,7 @@ def forward_with_states(
     sinks=None,
     device: str | None = None,
     mode: str = "auto",
+    precision: str = "exact",
 ):
     """Attention output and log-sum-exp.
 
@@ -104,8 +105,19 @@ def forward_with_states(
     says it is faster). Both give the same results to the same bounds. The environment variable
     ``FLASH_NIF_MODE`` overrides it; an explicit ``"materialized"`` over the ceiling (or on a backend
     without that path) raises :class:`UnsupportedError`.
+
+    ``precision`` (float32 inputs on a GPU): ``"exact"`` (default) keeps float32 accuracy, whichever
+    kernel runs: the forward computes its products on tensor cores as split-TF32 (each float32
+    operand the sum of two TF32 numbers, three TF32 products per pair, summed in float32), the
+    backward with float32 FMAs. ``"tf32"`` (asked for by name only) takes one TF32 product per pair
+    in the forward: faster, with relative errors of order 1e-3 (q, k, v and the probabilities
+    rounded to 11 significant bits; bound ``5e-3`` of ||o - exact|| / ||exact||, checked by
+    tests/test_tf32.py); the backward has no TF32 kernel yet and stays float32. The CPU always
+    computes in float32 and accepts either; float16 / bfloat16 inputs are unaffected.
+    ``info()["cuda"]["last_kernels"]`` names the kernel that ran and its ``math``
+    (``"3xtf32"``, ``"tf32"``, ``"f32-simt"``, ``"f16"``, ``"bf16"``).
     """
-    opts, host_device = _args.options(causal, scale, window, device, mode=mode)
+    opts, host_device = _args.options(causal, scale, window, device, mode=mode, precision=precision)
     opts.update(_args.modifiers(softcap, alibi_slopes, sinks))
     masks = _args.masks(segment_ids, seqused_k, leftpad_k, block_mask)
     if _cuda.any_gpu(q, k, v, *masks.values()):
@@ -131,13 +143,14 @@ def forward(
     sinks=None,
     device: str | None = None,
     mode: str = "auto",
+    precision: str = "exact",
 ):
     """Attention output o [B, Sq, H, Dv] (q's dtype) for q [B, Sq, H, D], k [B, Sk, Hkv, D] and
     v [B, Sk, Hkv, Dv]; options, masks and modifiers as :func:`forward_with_states`."""
     return forward_with_states(
         q, k, v, causal=causal, scale=scale, window=window, segment_ids=segment_ids, seqused_k=seqused_k,
         leftpad_k=leftpad_k, block_mask=block_mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-        device=device, mode=mode,
+        device=device, mode=mode, precision=precision,
     )[0]
 
 
@@ -162,6 +175,7 @@ def backward(
     device: str | None = None,
     deterministic: bool = False,
     mode: str = "auto",
+    precision: str = "exact",
     dlse=None,
 ):
     """Gradients (dq [B, Sq, H, D], dk [B, Sk, Hkv, D], dv [B, Sk, Hkv, Dv]) in q's dtype; with
@@ -182,8 +196,11 @@ def backward(
     ``dlse`` (optional, [B, H, Sq] float32, like lse): the loss's gradient with respect to lse, for
     losses that use lse too (merged states, z-loss). It enters each row as ``delta - dlse``
     (``d lse / d s_j = P_j``); rows that see no key ignore it. FlashAttention has no such input.
+
+    ``precision`` as in :func:`forward_with_states` (accepted; the backward's products are float32
+    under either today).
     """
-    opts, host_device = _args.options(causal, scale, window, device, deterministic, mode=mode)
+    opts, host_device = _args.options(causal, scale, window, device, deterministic, mode=mode, precision=precision)
     opts.update(_args.modifiers(softcap, alibi_slopes, sinks))
     masks = _args.masks(segment_ids, seqused_k, leftpad_k, block_mask)
     extra = () if dlse is None else (dlse,)

@@ -27,9 +27,10 @@ def _is_int(x) -> bool:
 
 
 MODES = ("auto", "fused", "materialized")
+PRECISIONS = ("exact", "tf32")
 
 
-def options(causal, scale, window, device, deterministic=None, *, mode="auto") -> tuple[dict, str]:
+def options(causal, scale, window, device, deterministic=None, *, mode="auto", precision="exact") -> tuple[dict, str]:
     """(the native keyword options, the host device name). ``deterministic`` only for backward."""
     if not isinstance(causal, (bool, np.bool_)):
         raise UnsupportedError(f"causal must be a bool, got {causal!r}")
@@ -43,7 +44,10 @@ def options(causal, scale, window, device, deterministic=None, *, mode="auto") -
         raise UnsupportedError(f"window must be a (left, right) tuple of non-negative ints or None; got {window!r}")
     if mode not in MODES:  # also rejects non-strings
         raise UnsupportedError(f"mode must be 'auto', 'fused' or 'materialized'; got {mode!r}")
-    opts = {"causal": bool(causal), "scale": None if scale is None else float(scale), "mode": mode}
+    if precision not in PRECISIONS:  # also rejects non-strings
+        raise UnsupportedError(f"precision must be 'exact' or 'tf32'; got {precision!r}")
+    opts = {"causal": bool(causal), "scale": None if scale is None else float(scale), "mode": mode,
+            "precision": precision}
     if window is not None:  # the core checks the sides are >= 0
         opts["window"] = tuple(None if s is None else int(s) for s in window)
     if deterministic is not None:

@@ -15,6 +15,7 @@ class _Options(TypedDict, total=False):
     deterministic: bool  # backward only; default False
     window: tuple[int | None, int | None]  # (left, right); None = unbounded on that side
     mode: str  # "auto" (default), "fused" or "materialized"; FLASH_NIF_MODE overrides it
+    precision: str  # "exact" (default) or "tf32": f32 products on the GPU (the CPU is exact f32)
     softcap: float | None  # s = c * tanh(s / c); None = off
     alibi_slopes: np.ndarray  # float32 [H] or [B, H], on the host (from any library)
     sinks: np.ndarray  # float32 [H], on the host; the backward then also returns dsinks

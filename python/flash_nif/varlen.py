@@ -44,12 +44,14 @@ def forward_with_states(
     sinks=None,
     device: str | None = None,
     mode: str = "auto",
+    precision: str = "exact",
 ):
     """(o [total_q, H, Dv] in q's dtype, lse [H, total_q] float32) for packed q [total_q, H, D],
     k [total_k, Hkv, D] and v [total_k, Hkv, Dv]. ``window=(left, right)``, ``mode`` (materialized:
     the longest sequence's S x S per head) and the modifiers (``softcap``, ``alibi_slopes`` [H] or
-    [B, H] with B the number of sequences, ``sinks`` [H]) as in :func:`flash_nif.forward_with_states`."""
-    opts, host_device = _args.options(causal, scale, window, device, mode=mode)
+    [B, H] with B the number of sequences, ``sinks`` [H]) and ``precision`` as in
+    :func:`flash_nif.forward_with_states`."""
+    opts, host_device = _args.options(causal, scale, window, device, mode=mode, precision=precision)
     opts.update(_args.modifiers(softcap, alibi_slopes, sinks))
     cu = (cu_seqlens_q, cu_seqlens_k)
     if _cuda.any_gpu(q, k, v, *cu):
@@ -74,11 +76,12 @@ def forward(
     sinks=None,
     device: str | None = None,
     mode: str = "auto",
+    precision: str = "exact",
 ):
     """o [total_q, H, Dv] of :func:`forward_with_states`."""
     return forward_with_states(
         q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, window=window, softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=sinks, device=device, mode=mode,
+        alibi_slopes=alibi_slopes, sinks=sinks, device=device, mode=mode, precision=precision,
     )[0]
 
 
@@ -101,13 +104,14 @@ def backward(
     device: str | None = None,
     deterministic: bool = False,
     mode: str = "auto",
+    precision: str = "exact",
     dlse=None,
 ):
     """(dq [total_q, H, D], dk [total_k, Hkv, D], dv [total_k, Hkv, Dv]) in q's dtype, from the
     forward's o and lse (same cu_seqlens and options); with ``sinks`` also dsinks [H] float32.
-    ``deterministic``, ``mode`` and ``dlse`` ([H, total_q] float32, like lse) as in
+    ``deterministic``, ``mode``, ``precision`` and ``dlse`` ([H, total_q] float32, like lse) as in
     :func:`flash_nif.backward`."""
-    opts, host_device = _args.options(causal, scale, window, device, deterministic, mode=mode)
+    opts, host_device = _args.options(causal, scale, window, device, deterministic, mode=mode, precision=precision)
     opts.update(_args.modifiers(softcap, alibi_slopes, sinks))
     cu = (cu_seqlens_q, cu_seqlens_k)
     extra = () if dlse is None else (dlse,)

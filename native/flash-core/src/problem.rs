@@ -5,6 +5,7 @@ use crate::dtype::DType;
 use crate::error::{FlashError, Result};
 use crate::mask::{self, IndexArg, Mask, MaskArgs, Window};
 use crate::modifiers::{ModArgs, Modifiers};
+use crate::precision::Precision;
 
 /// Largest supported head dimension.
 pub const MAX_HEAD_DIM: usize = 256;
@@ -41,11 +42,21 @@ pub struct Options {
     /// Fused (tiled, O(S) memory) or materialized (whole S×S scores) kernels; `Auto` lets
     /// [`dispatch`](crate::dispatch) choose. `FLASH_NIF_MODE` overrides it.
     pub mode: Mode,
+    /// How f32 products are computed on the GPU (see [`crate::precision`]); the CPU is exact f32.
+    pub precision: Precision,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { causal: true, scale: None, deterministic: false, window: Window::default(), softcap: None, mode: Mode::Auto }
+        Options {
+            causal: true,
+            scale: None,
+            deterministic: false,
+            window: Window::default(),
+            softcap: None,
+            mode: Mode::Auto,
+            precision: Precision::Exact,
+        }
     }
 }
 
@@ -128,6 +139,8 @@ pub struct Problem {
     pub mods: Modifiers,
     /// See [`Options::mode`] (as the caller gave it; [`dispatch`](crate::dispatch) resolves it).
     pub mode: Mode,
+    /// See [`Options::precision`].
+    pub precision: Precision,
 }
 
 impl Problem {
@@ -214,7 +227,7 @@ impl Problem {
             }
         };
         let mods = Modifiers::with_softcap(opts.softcap)?;
-        Ok(Problem { dims, dtype, causal: opts.causal, scale: scale as f32, deterministic: opts.deterministic, mask, mods, mode: opts.mode })
+        Ok(Problem { dims, dtype, causal: opts.causal, scale: scale as f32, deterministic: opts.deterministic, mask, mods, mode: opts.mode, precision: opts.precision })
     }
 
     /// The same problem with the modifier tensors of `args` (ALiBi slopes, sinks) validated

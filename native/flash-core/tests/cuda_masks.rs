@@ -7,7 +7,7 @@
 mod common;
 
 use common::*;
-use flash_core::cuda::config::{candidates, Spec};
+use flash_core::cuda::config::{candidates, tf32_terms, Spec};
 use flash_core::cuda::{self, Kernel};
 use flash_core::{BackwardIo, DType, ForwardIo, IndexArg, MaskArgs, MaskBuffers, Options, Problem, TensorSpec, Window, MASK_BLOCK};
 
@@ -202,7 +202,7 @@ fn variants(p: &Problem) -> Vec<cuda::Variant> {
     kernels
         .into_iter()
         .map(|kernel| {
-            let spec = Spec { kernel, dtype: p.dtype, head_dim: p.dims.head_dim, causal: p.causal, masked: true, mods: false, group: p.dims.group(), seq_k: p.dims.seq_k };
+            let spec = Spec { kernel, dtype: p.dtype, head_dim: p.dims.head_dim, causal: p.causal, masked: true, mods: false, group: p.dims.group(), seq_k: p.dims.seq_k, tf32_terms: tf32_terms(kernel, p.dtype, p.precision) };
             candidates(&spec).remove(0)
         })
         .collect()

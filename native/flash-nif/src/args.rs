@@ -4,7 +4,7 @@
 
 use crate::reply::Reason;
 use crate::tensor::{FloatTensor, HostTensor, IndexTensor};
-use flash_core::{Device, MaskArgs, MaskBuffers, ModArgs, Mode, Options, Window};
+use flash_core::{Device, MaskArgs, MaskBuffers, ModArgs, Mode, Options, Precision, Window};
 use rustler::{Atom, Decoder, Term};
 
 rustler::atoms! {
@@ -23,6 +23,7 @@ rustler::atoms! {
     nil,
     mode,
     dlse,
+    precision,
 }
 
 pub(crate) fn field<'a, T: Decoder<'a>>(map: Term<'a>, key: Atom, name: &str, what: &str) -> Result<T, Reason> {
@@ -32,7 +33,8 @@ pub(crate) fn field<'a, T: Decoder<'a>>(map: Term<'a>, key: Atom, name: &str, wh
 }
 
 /// `%{causal: boolean, scale: nil | float, device: :auto | :cpu | :cuda, deterministic: boolean,
-/// window: {nil | integer, nil | integer}, mode: :auto | :fused | :materialized, softcap: nil | float,
+/// window: {nil | integer, nil | integer}, mode: :auto | :fused | :materialized, precision: :exact | :tf32,
+/// softcap: nil | float,
 /// alibi_slopes: nil | tensor, sinks: nil | tensor}` (`nil`: unbounded side, or not given), every key
 /// present. The modifier tensors are [`Mods::decode`]'s.
 pub fn options(map: Term) -> Result<(Options, Device), Reason> {
@@ -45,6 +47,7 @@ pub fn options(map: Term) -> Result<(Options, Device), Reason> {
         window: Window { left, right },
         softcap: field(map, softcap(), "softcap", "nil or a float")?,
         mode: Mode::parse(&atom_field(map, mode(), "mode")?)?,
+        precision: Precision::parse(&atom_field(map, precision(), "precision")?)?,
     };
     let device = atom_field(map, device(), "device")?;
     Ok((opts, Device::parse(&device)?))

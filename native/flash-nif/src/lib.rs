@@ -22,7 +22,7 @@ use tensor::{HostTensor, IndexTensor, Output};
 /// The contract between this library and the Elixir stubs (function set and term formats).
 /// Bump it on any change: the Elixir side refuses a library that reports another number,
 /// which is how a stale build in `priv/` is detected.
-const NIF_API: u32 = 6;
+const NIF_API: u32 = 7;
 
 rustler::init!("Elixir.ExPhil.Native.FlashAttention.Nif");
 
@@ -33,7 +33,8 @@ fn nif_api(env: Env) -> Term {
 }
 
 /// `{:ok, version, backends, last_kernels}`, last_kernels `[{pass, kernel | nil, not_sm90_because
-/// | nil}]` for "forward" and "backward" (the GPU kernels this process last ran); may probe for a
+/// | nil, math | nil}]` for "forward" and "backward" (the GPU kernels this process last ran, and how
+/// their products were computed: "3xtf32", "tf32", "f32-simt", "f16", "bf16"); may probe for a
 /// CUDA driver, hence a dirty I/O scheduler.
 #[rustler::nif(schedule = "DirtyIo")]
 fn info(env: Env) -> Term {
@@ -43,10 +44,11 @@ fn info(env: Env) -> Term {
             backends.push("cuda");
         }
         let last = flash_core::cuda::last_kernels();
-        let kernels: Vec<(&str, Option<String>, Option<String>)> = [("forward", last.forward), ("backward", last.backward)]
-            .into_iter()
-            .map(|(pass, ran)| (pass, ran.kernel, ran.fallback))
-            .collect();
+        let kernels: Vec<(&str, Option<String>, Option<String>, Option<&str>)> =
+            [("forward", last.forward), ("backward", last.backward)]
+                .into_iter()
+                .map(|(pass, ran)| (pass, ran.kernel, ran.fallback, ran.math))
+                .collect();
         Ok(vec![flash_core::VERSION.encode(env), backends.encode(env), kernels.encode(env)])
     })
 }

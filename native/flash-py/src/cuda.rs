@@ -141,6 +141,7 @@ fn cuda_info(py: Python<'_>, device: usize) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("device_count", cuda::device_count().unwrap_or(0))?;
     d.set_item("sm90_env", cuda::SM90_ENV)?;
     d.set_item("sm90", i.sm90)?;
+    d.set_item("tf32_env", cuda::TF32_ENV)?;
     d.set_item("log_env", cuda::LOG_ENV)?;
     let last = cuda::last_kernels();
     let kernels = PyDict::new(py);
@@ -148,6 +149,7 @@ fn cuda_info(py: Python<'_>, device: usize) -> PyResult<Bound<'_, PyDict>> {
         let r = PyDict::new(py);
         r.set_item("kernel", ran.kernel)?;
         r.set_item("not_sm90_because", ran.fallback)?;
+        r.set_item("math", ran.math)?;
         kernels.set_item(pass, r)?;
     }
     d.set_item("last_kernels", kernels)?;

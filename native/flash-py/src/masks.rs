@@ -3,7 +3,7 @@
 //! arrays); the core validates shapes, dtypes and values.
 
 use flash_core::cuda::MaskPtrs;
-use flash_core::{FlashError, IndexArg, MaskArgs, MaskBuffers, Mode, Options, TensorSpec, Window};
+use flash_core::{FlashError, IndexArg, MaskArgs, MaskBuffers, Mode, Options, Precision, TensorSpec, Window};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -123,7 +123,7 @@ impl Masks<'_, DevArray> {
 pub type Reader<'a, 'py, T> = &'a dyn Fn(&Bound<'py, PyAny>, &'static str) -> Result<T, FlashError>;
 
 /// A call's keyword arguments: the core's [`Options`] (`causal`, `scale`, `deterministic`,
-/// `window`, `softcap`, `mode`), the modifier tensors and, when the call takes them, the mask tensors.
+/// `window`, `softcap`, `mode`, `precision`), the modifier tensors and, when the call takes them, the mask tensors.
 pub struct Parsed<'py, T> {
     pub opts: Options,
     pub masks: Masks<'py, T>,
@@ -149,6 +149,10 @@ pub fn parse<'py, T>(
             ("softcap", _) => opts.softcap = value.extract().map_err(|_| bad("softcap must be a number or None"))?,
             ("alibi_slopes", _) => mods.alibi_slopes = Some(Floats::extract(&value, "alibi_slopes")?),
             ("sinks", _) => mods.sinks = Some(Floats::extract(&value, "sinks")?),
+            ("precision", _) => {
+                let name: String = value.extract().map_err(|_| bad("precision must be \"exact\" or \"tf32\""))?;
+                opts.precision = Precision::parse(&name)?;
+            }
             ("mode", _) => {
                 let name: String = value.extract().map_err(|_| bad("mode must be \"auto\", \"fused\" or \"materialized\""))?;
                 opts.mode = Mode::parse(&name)?;

@@ -59,6 +59,13 @@ defmodule ExPhil.Native.FlashAttention do
       table says it is faster. Both give the same results to the same bounds; the environment
       variable `FLASH_NIF_MODE` overrides the option. `:materialized` over that ceiling, or with
       `device: :cuda` (the GPU has fused kernels only), is an `:unsupported` error.
+    * `:precision` — how `{:f, 32}` products are computed on the GPU: `:exact` (default) keeps
+      f32 accuracy whichever kernel runs (the forward as split-TF32 products on tensor cores:
+      each operand the sum of two TF32 numbers, three TF32 products per pair summed in f32; the
+      backward with f32 FMAs); `:tf32` (asked for by name only) one TF32 product per pair in the
+      forward, faster, relative errors of order 1e-3 (bound 5e-3 of ‖o - exact‖ / ‖exact‖);
+      the backward stays f32. The CPU always computes in f32 and accepts either;
+      `{:f, 16}` / `{:bf, 16}` are unaffected. `info/0` says which kernel ran and its `math`.
     * `:window` — `{left, right}`, each a non-negative integer or `:infinity` (unbounded): query
       `i` sees keys `j` with `i + off - left <= j <= i + off + right`, `off = seq_k - seq_q`
       (bottom-right, like `:causal`, which caps `right` at 0). ExPhil's sliding window,
@@ -87,7 +94,7 @@ defmodule ExPhil.Native.FlashAttention do
       over batch rows and query rows. A row that sees no key gets output 0, logsumexp `sink`.
 
   `nil` for any mask or modifier option is the same as leaving it out. A varlen call takes
-  `:causal`, `:scale`, `:device`, `:deterministic`, `:mode`, `:window` (aligned within each
+  `:causal`, `:scale`, `:device`, `:deterministic`, `:mode`, `:precision`, `:window` (aligned within each
   sequence) and the modifiers (`:alibi_slopes` `{batch, heads}` counts sequences), not the mask
   tensors. Pass the same options to the forward and the backward of one step.
 
@@ -226,7 +233,7 @@ defmodule ExPhil.Native.FlashAttention do
   # Options by call: a varlen call takes no mask tensors (its packing is its padding).
   @mask_keys [:segment_ids, :seqused_k, :leftpad_k, :block_mask]
   @mod_keys [:alibi_slopes, :sinks]
-  @varlen_keys [:causal, :scale, :device, :deterministic, :mode, :window, :softcap] ++ @mod_keys
+  @varlen_keys [:causal, :scale, :device, :deterministic, :mode, :precision, :window, :softcap] ++ @mod_keys
   @padded_keys @varlen_keys ++ @mask_keys
   # backward/7 also takes :dlse, the gradient of the logsumexp (a tensor, wired like the masks).
   @backward_keys @padded_keys ++ [:dlse]
@@ -252,6 +259,7 @@ defmodule ExPhil.Native.FlashAttention do
           | {:device, :auto | :cpu | :cuda}
           | {:deterministic, boolean}
           | {:mode, :auto | :fused | :materialized}
+          | {:precision, :exact | :tf32}
           | {:window, {side, side} | nil}
           | {:segment_ids, {tensor, tensor} | nil}
           | {:seqused_k, tensor | nil}
@@ -268,6 +276,7 @@ defmodule ExPhil.Native.FlashAttention do
           | {:device, :auto | :cpu | :cuda}
           | {:deterministic, boolean}
           | {:mode, :auto | :fused | :materialized}
+          | {:precision, :exact | :tf32}
           | {:window, {side, side} | nil}
           | {:softcap, number | nil}
           | {:alibi_slopes, tensor | nil}
@@ -425,16 +434,17 @@ defmodule ExPhil.Native.FlashAttention do
   @doc """
   What the native library offers: `{:ok, %{version: String.t, backends: [:cpu | :cuda],
   last_kernels: %{forward: k, backward: k}}}`, where `k` is `%{kernel: name | nil,
-  not_sm90_because: reason | nil}`: the GPU kernel this VM last ran for that pass and, when it was
-  not the Hopper kernel, why (`FLASH_NIF_SM90=0`, a mask, a head dim, ...). `FLASH_NIF_LOG=1`
-  prints the same per call on stderr.
+  not_sm90_because: reason | nil, math: math | nil}`: the GPU kernel this VM last ran for that
+  pass, when it was not the Hopper kernel, why (`FLASH_NIF_SM90=0`, a mask, a head dim, ...), and
+  how its products were computed (`"3xtf32"`, `"tf32"`, `"f32-simt"`, `"f16"`, `"bf16"`; see
+  `:precision`). `FLASH_NIF_LOG=1` prints the same per call on stderr.
   """
   @spec info() :: {:ok, %{version: String.t(), backends: [atom], last_kernels: map}} | {:error, reason}
   def info do
     with :ok <- loaded(), {:ok, version, backends, kernels} <- Nif.info() do
       last =
-        Map.new(kernels, fn {pass, kernel, why} ->
-          {String.to_atom(pass), %{kernel: kernel, not_sm90_because: why}}
+        Map.new(kernels, fn {pass, kernel, why, math} ->
+          {String.to_atom(pass), %{kernel: kernel, not_sm90_because: why, math: math}}
         end)
 
       {:ok, %{version: version, backends: Enum.map(backends, &String.to_atom/1), last_kernels: last}}
@@ -485,6 +495,7 @@ defmodule ExPhil.Native.FlashAttention do
     device: :cpu,
     deterministic: false,
     mode: :auto,
+    precision: :exact,
     window: {nil, nil},
     softcap: nil,
     alibi_slopes: nil,

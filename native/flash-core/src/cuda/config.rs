@@ -9,6 +9,7 @@ use std::sync::Mutex;
 use super::variant::{Kernel, TileSet, Tiles, Variant, ANY_HEAD_DIM};
 use crate::dtype::DType;
 use crate::error::{FlashError, Result};
+use crate::precision::Precision;
 
 /// What a launch specialises a kernel on, besides its tiles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -27,6 +28,27 @@ pub struct Spec {
     pub group: usize,
     /// Sk: EVEN_N drops the ragged-tile mask when it divides BLOCK_N.
     pub seq_k: usize,
+    /// f32 on tensor cores (the forward, fwd.cu with cuda/tf32.h): TF32 products per pair, 3
+    /// (split TF32, exact) or 1 (TF32); 0: the SIMT f32 kernels, and every fp16 / bf16 kernel.
+    /// [`tf32_terms`] chooses it for a call.
+    pub tf32_terms: usize,
+}
+
+/// `FLASH_NIF_TF32=0` (read per call) makes `precision="exact"` run the SIMT f32 kernels instead
+/// of the split-TF32 one (comparisons, benchmarks); `"tf32"` is unaffected.
+pub const TF32_ENV: &str = "FLASH_NIF_TF32";
+
+/// The TF32 products per pair of a call's `kernel` (see [`Spec::tf32_terms`]): the split-TF32
+/// forward for f32 under `precision="exact"` at every head dim (its errors against the oracle are
+/// within twice the SIMT kernel's: tests/test_tf32.py), the one-product one under `"tf32"`; the
+/// backward has no tensor-core f32 kernel yet and runs SIMT f32 under either.
+pub fn tf32_terms(kernel: Kernel, dtype: DType, precision: Precision) -> usize {
+    let split_allowed = || std::env::var(TF32_ENV).map_or(true, |v| v.trim() != "0");
+    match (kernel, dtype, precision) {
+        (Kernel::Fwd, DType::F32, Precision::Exact) if split_allowed() => 3,
+        (Kernel::Fwd, DType::F32, Precision::Tf32) => 1,
+        _ => 0,
+    }
 }
 
 /// The variants a launch may use, in order of preference: the default tiles, then the small ones
@@ -51,6 +73,9 @@ fn table_candidates(spec: &Spec) -> Vec<Variant> {
 /// The variant with the tiles of `set` (an unset override means the default tiles).
 pub fn variant(spec: &Spec, set: TileSet) -> Variant {
     let (k, dt, d) = (spec.kernel, spec.dtype, spec.head_dim);
+    if spec.tf32_terms > 0 && set != TileSet::Override {
+        return make_variant(spec, tiles(tf32_tiles(set, d)), set);
+    }
     let t = match set {
         TileSet::Default => tiles(default_tiles(k, dt, d)),
         TileSet::Small => tiles(small_tiles(k, dt, d)),
@@ -108,7 +133,7 @@ fn attention_variants(head_dims: &[usize]) -> Vec<Variant> {
     let mut out = Vec::new();
     for dtype in [DType::F16, DType::BF16, DType::F32] {
         for &head_dim in head_dims {
-            let spec = |kernel, causal, masked, mods| Spec { kernel, dtype, head_dim, causal, masked, mods, group: 1, seq_k: 1 };
+            let spec = |kernel, causal, masked, mods| Spec { kernel, dtype, head_dim, causal, masked, mods, group: 1, seq_k: 1, tf32_terms: 0 };
             out.push(variant(&spec(Kernel::BwdPreprocess, false, false, false), TileSet::Default));
             out.push(variant(&spec(Kernel::BwdDqConvert, false, false, false), TileSet::Default));
             out.push(variant(&spec(Kernel::Pad, false, false, false), TileSet::Default));
@@ -116,6 +141,14 @@ fn attention_variants(head_dims: &[usize]) -> Vec<Variant> {
             for k in [Kernel::Fwd, Kernel::BwdDq, Kernel::BwdDkdv, Kernel::BwdDkdvDq] {
                 for (causal, masked, mods) in [(false, false, false), (true, false, false), (false, true, false), (false, true, true)] {
                     out.extend(table_candidates(&spec(k, causal, masked, mods)));
+                }
+            }
+            if dtype == DType::F32 {
+                // The tensor-core f32 forwards: split TF32 ("exact"), then one TF32 product ("tf32").
+                for terms in [3, 1] {
+                    for (causal, masked, mods) in [(false, false, false), (true, false, false), (false, true, false), (false, true, true)] {
+                        out.extend(table_candidates(&Spec { tf32_terms: terms, ..spec(Kernel::Fwd, causal, masked, mods) }));
+                    }
                 }
             }
             if dtype != DType::F32 && super::sm90::HEAD_DIMS.contains(&head_dim) {
@@ -231,13 +264,30 @@ fn small_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, 
     }
 }
 
+/// The f32 tensor-core forward's tiles (fwd.cu on cuda/tf32.h; M_TILES = 1 in the 4th place: two
+/// 16-row tiles per warp, as the 16-bit forward takes, spilled with the split operands, NVRTC 13.5).
+/// f32 rows take twice the shared memory of 16-bit ones: the default D <= 128 tiles need at most
+/// 135168 bytes (an A100 has 166912), D > 128 204800 (Hopper only; others take the small ones, at
+/// most 101376 bytes). Registers (sm_80 / sm_90a, TF32_TERMS = 3): 170 / 176 at D = 64, 201 / 207
+/// at D = 128, 255 / 254 at D = 256, no spills.
+fn tf32_tiles(set: TileSet, d: usize) -> (usize, usize, usize, usize, usize) {
+    match (set, d) {
+        (TileSet::Small, ..=128) => (64, 32, 4, 1, 1),
+        (TileSet::Small, _) => (32, 16, 2, 1, 1),
+        (_, ..=64) => (128, 64, 8, 1, 1),
+        (_, ..=128) => (128, 32, 8, 1, 1),
+        (_, _) => (64, 32, 4, 1, 1),
+    }
+}
+
 /// Head dims with the fast fp32 SIMT kernels (cuda/simt_f32.h); other head dims use the generic ones.
 fn simt_f32(d: usize) -> bool {
     d % 64 == 0 && d <= 128
 }
 
-fn source(kernel: Kernel, dtype: DType, d: usize) -> &'static str {
+fn source(kernel: Kernel, dtype: DType, d: usize, tf32_terms: usize) -> &'static str {
     match (kernel, dtype) {
+        (Kernel::Fwd, DType::F32) if tf32_terms > 0 => "fwd.cu",
         (Kernel::Fwd, DType::F32) if simt_f32(d) => "fwd_f32_simt.cu",
         (Kernel::Fwd, DType::F32) => "fwd_f32.cu",
         (Kernel::BwdDkdv | Kernel::BwdDkdvDq, DType::F32) if simt_f32(d) => "bwd_dkdv_f32_simt.cu",
@@ -270,7 +320,7 @@ pub(super) fn dtype_code(d: DType) -> i64 {
 }
 
 fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
-    let Spec { kernel, dtype, head_dim, causal, mods, group, seq_k, .. } = *spec;
+    let Spec { kernel, dtype, head_dim, causal, mods, group, seq_k, tf32_terms, .. } = *spec;
     // The Hopper backward's masked kernels always compile the modifiers in (run-time values: none
     // is the identity): without them its D = 128 kernel spilled 28 bytes (sm_90a, NVRTC 13.0).
     let mods = mods || (kernel == Kernel::BwdSm90 && spec.masked);
@@ -301,8 +351,11 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
         if kernel == Kernel::BwdDkdvDq {
             defines.push(("ATOMIC_DQ", 1));
         }
-        if kernel == Kernel::Fwd && dtype != DType::F32 {
+        if kernel == Kernel::Fwd && (dtype != DType::F32 || tf32_terms > 0) {
             defines.push(("M_TILES", t.d_split as i64));
+        }
+        if tf32_terms > 0 {
+            defines.push(("TF32_TERMS", tf32_terms as i64));
         }
         if kernel == Kernel::FwdSm90 {
             // The consumer warpgroups take turns issuing their products (cuda/fwd_sm90.cu).
@@ -313,7 +366,7 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
         }
         defines.push(("MIN_BLOCKS", t.min_blocks as i64));
     }
-    Variant { kernel, dtype, head_dim, source: source(kernel, dtype, head_dim), tiles: t, tile_set, defines }
+    Variant { kernel, dtype, head_dim, source: source(kernel, dtype, head_dim, tf32_terms), tiles: t, tile_set, defines }
 }
 
 /// Warps per block of the rotary kernel (one row of x per 2^k threads; see cuda/rotary.cu).
@@ -335,7 +388,7 @@ pub fn rotary_variant(dtype: DType, interleaved: bool, vec: usize) -> Variant {
         ("INTERLEAVED", interleaved as i64),
         ("VEC", vec as i64),
     ];
-    let source = source(Kernel::Rotary, dtype, ANY_HEAD_DIM);
+    let source = source(Kernel::Rotary, dtype, ANY_HEAD_DIM, 0);
     Variant { kernel: Kernel::Rotary, dtype, head_dim: ANY_HEAD_DIM, source, tiles: t, tile_set: TileSet::Default, defines }
 }
 
@@ -369,14 +422,14 @@ mod tests {
     use super::*;
 
     fn spec(kernel: Kernel, dtype: DType, head_dim: usize) -> Spec {
-        Spec { kernel, dtype, head_dim, causal: true, masked: false, mods: false, group: 2, seq_k: 97 }
+        Spec { kernel, dtype, head_dim, causal: true, masked: false, mods: false, group: 2, seq_k: 97, tf32_terms: 0 }
     }
 
     #[test]
     fn warps_cover_the_tile() {
         for v in all_variants(&(8..=256).step_by(8).collect::<Vec<_>>()) {
             let t = v.tiles;
-            if v.dtype != DType::F32 {
+            if v.dtype != DType::F32 || v.defines.iter().any(|(k, _)| *k == "TF32_TERMS") {
                 match v.kernel {
                     Kernel::Fwd => assert_eq!(t.block_m, 16 * t.num_warps * t.d_split, "{}", v.name()),
                     Kernel::FwdSm90 => assert_eq!(t.block_m, 64 * (t.num_warps / 4 - 1), "{}", v.name()),
@@ -424,6 +477,28 @@ mod tests {
             assert!(!v.defines.iter().any(|(k, _)| *k == "HEAD_DIM"), "{}", v.name());
         }
         assert_eq!(rotary_variant(DType::BF16, true, 8).name(), "rotary_bf16_num_warps8_interleaved1_vec8");
+    }
+
+    #[test]
+    fn f32_forward_runs_on_tensor_cores_by_precision() {
+        assert_eq!(tf32_terms(Kernel::Fwd, DType::F32, Precision::Tf32), 1);
+        for (k, dt) in [(Kernel::BwdDkdvDq, DType::F32), (Kernel::BwdDq, DType::F32), (Kernel::Fwd, DType::BF16)] {
+            for p in [Precision::Exact, Precision::Tf32] {
+                assert_eq!(tf32_terms(k, dt, p), 0, "{k:?} {dt:?} {p:?}");
+            }
+        }
+        for (terms, math) in [(3, "3xtf32"), (1, "tf32")] {
+            for d in [8, 40, 64, 72, 128, 136, 256] {
+                for set in [TileSet::Default, TileSet::Small] {
+                    let v = variant(&Spec { tf32_terms: terms, ..spec(Kernel::Fwd, DType::F32, d) }, set);
+                    assert_eq!((v.source, v.math()), ("fwd.cu", math), "{}", v.name());
+                    assert!(v.name().contains(&format!("_m_tiles1_tf32_terms{terms}_")), "{}", v.name());
+                }
+            }
+        }
+        let simt = variant(&spec(Kernel::Fwd, DType::F32, 64), TileSet::Default);
+        assert_eq!((simt.source, simt.math()), ("fwd_f32_simt.cu", "f32-simt"));
+        assert!(!simt.defines.iter().any(|(k, _)| *k == "TF32_TERMS" || *k == "M_TILES"), "SIMT names stay as they were");
     }
 
     #[test]

@@ -44,7 +44,7 @@ use crate::error::{FlashError, Result};
 use crate::guard::catch_panics;
 
 pub use compile::{cache_dir, nvrtc_version};
-pub use config::{all_variants, set_tile_override};
+pub use config::{all_variants, set_tile_override, TF32_ENV};
 pub use decode::{decode_device, decode_host, CachePtrs, DecodePtrs};
 pub use host::{backward_host, forward_host};
 pub use kv::{dequantize_device, dequantize_host, merge_states_device, merge_states_host, quantize_device, quantize_host, MergePtrs, QuantPtrs};

@@ -13,6 +13,7 @@ pub const FILES: &[(&str, &str)] = &[
     ("block.h", include_str!("../../../../cuda/block.h")),
     ("softmax.h", include_str!("../../../../cuda/softmax.h")),
     ("tile.h", include_str!("../../../../cuda/tile.h")),
+    ("tf32.h", include_str!("../../../../cuda/tf32.h")),
     ("tile_f32.h", include_str!("../../../../cuda/tile_f32.h")),
     ("simt_f32.h", include_str!("../../../../cuda/simt_f32.h")),
     ("fwd.cu", include_str!("../../../../cuda/fwd.cu")),

@@ -15,6 +15,8 @@ pub const LOG_ENV: &str = "FLASH_NIF_LOG";
 pub struct Ran {
     pub kernel: Option<String>,
     pub fallback: Option<String>,
+    /// How its products were computed ([`Variant::math`]).
+    pub math: Option<&'static str>,
 }
 
 /// The forward's and the backward's [`Ran`].
@@ -25,8 +27,8 @@ pub struct LastKernels {
 }
 
 static LAST: Mutex<LastKernels> = Mutex::new(LastKernels {
-    forward: Ran { kernel: None, fallback: None },
-    backward: Ran { kernel: None, fallback: None },
+    forward: Ran { kernel: None, fallback: None, math: None },
+    backward: Ran { kernel: None, fallback: None, math: None },
 });
 
 fn logging() -> bool {
@@ -49,11 +51,13 @@ pub(super) fn kernel(pass: &str, v: &Variant) {
         }
         note = r.fallback.clone();
         r.kernel = Some(name.clone());
+        r.math = Some(v.math());
     });
     if logging() {
+        let math = v.math();
         match note {
-            Some(why) => eprintln!("flash_nif: {pass}: {name} (not the Hopper kernel: {why})"),
-            None => eprintln!("flash_nif: {pass}: {name}"),
+            Some(why) => eprintln!("flash_nif: {pass}: {name} [{math}] (not the Hopper kernel: {why})"),
+            None => eprintln!("flash_nif: {pass}: {name} [{math}]"),
         }
     }
 }

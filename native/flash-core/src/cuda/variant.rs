@@ -197,6 +197,17 @@ pub struct Variant {
 }
 
 impl Variant {
+    /// How its products are computed: "f16" / "bf16" (tensor cores), and for f32 "3xtf32" (split
+    /// TF32 on tensor cores, f32 accuracy), "tf32" (one TF32 product) or "f32-simt" (f32 FMAs).
+    pub fn math(&self) -> &'static str {
+        match (self.dtype, self.defines.iter().find(|(k, _)| *k == "TF32_TERMS").map(|(_, v)| *v)) {
+            (DType::F32, Some(3)) => "3xtf32",
+            (DType::F32, Some(_)) => "tf32",
+            (DType::F32, None) => "f32-simt",
+            (d, _) => dtype_short(d),
+        }
+    }
+
     pub fn threads(&self) -> u32 {
         32 * self.tiles.num_warps as u32
     }

@@ -14,7 +14,7 @@ defmodule ExPhil.Native.FlashAttention.Nif do
 
   @on_load :load
   # Must equal NIF_API in native/flash-nif/src/lib.rs; bump both together.
-  @nif_api 6
+  @nif_api 7
   @status_key {__MODULE__, :status}
   # The project's version is the Rust workspace's (see mix.exs), so it must equal the library's.
   @external_resource Path.expand("../../../../../Cargo.toml", __DIR__)

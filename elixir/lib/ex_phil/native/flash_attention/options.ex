@@ -1,13 +1,14 @@
 defmodule ExPhil.Native.FlashAttention.Options do
   @moduledoc false
   # The values of the options every call shares (causal, scale, device, deterministic, mode,
-  # window, softcap): their types are checked here, with messages in Elixir's terms; their values
+  # precision, window, softcap): their types are checked here, with messages in Elixir's terms; their values
   # (scale > 0, softcap range) in the core.
 
   import ExPhil.Native.FlashAttention.Wire, only: [unsupported: 1]
 
   @devices [:auto, :cpu, :cuda]
   @modes [:auto, :fused, :materialized]
+  @precisions [:exact, :tf32]
   @max_i64 0x7FFFFFFFFFFFFFFF
 
   # The largest integer the core takes (an i64).
@@ -20,6 +21,7 @@ defmodule ExPhil.Native.FlashAttention.Options do
   def option(:device, d) when d in @devices, do: {:ok, d}
   def option(:deterministic, x) when is_boolean(x), do: {:ok, x}
   def option(:mode, m) when m in @modes, do: {:ok, m}
+  def option(:precision, p) when p in @precisions, do: {:ok, p}
   def option(:window, nil), do: {:ok, {nil, nil}}
   def option(:softcap, c) when is_float(c) or is_nil(c), do: {:ok, c}
   def option(:softcap, c) when is_integer(c) and abs(c) < 1.0e300, do: {:ok, c * 1.0}
@@ -43,6 +45,9 @@ defmodule ExPhil.Native.FlashAttention.Options do
 
   def option(:mode, m),
     do: unsupported("the :mode option must be :auto, :fused or :materialized, got: #{inspect(m)}")
+
+  def option(:precision, p),
+    do: unsupported("the :precision option must be :exact or :tf32, got: #{inspect(p)}")
 
   def option(:window, w), do: window_error(w)
 

@@ -1,0 +1,109 @@
+"""float32 forward on tensor cores vs SIMT vs torch's efficient backend, one run (issue 17).
+
+Method (bench/gpu.py's): B*S = 16384 tokens, H*D = 2048, forward FLOPs = 4*B*H*S^2*D (halved when
+causal), median of --reps after --warmup runs, CUDA events, the same random tensors for everyone.
+Rows: ours precision="exact" (split TF32, "3xtf32"), ours with FLASH_NIF_TF32=0 (the SIMT f32
+forward, what "exact" ran before), ours precision="tf32", torch SDPA's efficient backend (f32).
+Errors: ||o - float64 oracle|| / ||oracle|| on the first batch row and head pair (torch in float64).
+
+    python bench/tf32.py [--seqs 2048,8192] [--dims 64,128] [--md out.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flash_nif
+
+
+def timed(fn, warmup, reps):
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def ours(q, k, v, causal, precision, simt=False):
+    def f():
+        if simt:
+            os.environ["FLASH_NIF_TF32"] = "0"
+        try:
+            return flash_nif.forward(q, k, v, causal=causal, precision=precision)
+        finally:
+            os.environ.pop("FLASH_NIF_TF32", None)
+    return f
+
+
+def efficient(q, k, v, causal):
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, S, D]
+
+    def f():
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+    return f
+
+
+def rel_err(o, q, k, v, causal):
+    """On batch row 0, heads 0..1, against float64 torch math."""
+    q64, k64, v64 = (x[:1, :, :2].double().transpose(1, 2) for x in (q, k, v))
+    want = F.scaled_dot_product_attention(q64, k64, v64, is_causal=causal).transpose(1, 2)
+    got = o[:1, :, :2].double()
+    return ((got - want).norm() / want.norm()).item()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", default="2048,8192")
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--md")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    cols = ["S", "D", "causal", "ours exact (3xtf32)", "ours SIMT", "ours tf32", "torch efficient", "exact / eff.",
+            "tf32 / eff.", "err exact", "err SIMT", "err tf32", "err eff."]
+    rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for s in (int(x) for x in args.seqs.split(",")):
+        for d in (int(x) for x in args.dims.split(",")):
+            b, h = 16384 // s, 2048 // d
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v = (torch.randn(b, s, h, d, device="cuda", generator=g) for _ in range(3))
+            for causal in (False, True):
+                flops = 4 * b * h * s * s * d / (2 if causal else 1)
+                fns = {"exact": ours(q, k, v, causal, "exact"), "simt": ours(q, k, v, causal, "exact", simt=True),
+                       "tf32": ours(q, k, v, causal, "tf32"), "eff": efficient(q, k, v, causal)}
+                ms, err, tf = {}, {}, {}
+                for name, fn in fns.items():
+                    ms[name] = timed(fn, args.warmup, args.reps)
+                    tf[name] = flops / ms[name] / 1e9
+                    err[name] = rel_err(fn(), q, k, v, causal)
+                    if name != "eff":
+                        kernel = flash_nif.info()["cuda"]["last_kernels"]["forward"]
+                        print(f"  {name}: {kernel['kernel']} [{kernel['math']}]")
+                cells = [s, d, causal, *(f"{tf[n]:.1f}" for n in ("exact", "simt", "tf32", "eff")),
+                         f"{ms['eff'] / ms['exact']:.2f}", f"{ms['eff'] / ms['tf32']:.2f}",
+                         *(f"{err[n]:.1e}" for n in ("exact", "simt", "tf32", "eff"))]
+                rows.append("| " + " | ".join(map(str, cells)) + " |")
+                print(rows[-1], flush=True)
+            del q, k, v
+    print("\n".join(rows))
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write("TFLOPS (forward); ratios = time of torch efficient / ours\n\n" + "\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""float32 on tensor cores: the ``precision`` option (cuda/tf32.h, fwd.cu with TF32_TERMS).
+
+GPU tests (marked ``gpu``): every kernel ``precision="exact"`` can pick for float32 against the
+float64 oracle — the split-TF32 forward (three TF32 products per pair) and, behind it, the SIMT
+float32 backward fed its o and lse — within twice the SIMT kernels' worst errors of the GPU suite
+(bench/RESULTS.md: o 6.9e-7, dq / dk / dv 1.7e-6): o <= 1.4e-6, dq / dk / dv <= 3.4e-6, lse 1e-5
+(conftest's float32 bound); every head-dim class, GQA, causal with Sq != Sk, ragged tiles, each
+mask and modifier. ``FLASH_NIF_TF32=0`` runs the SIMT forward on the same inputs for the record.
+``precision="tf32"`` (one TF32 product) within its documented bound (5e-3). Outputs of the
+native entry point are poisoned with NaN first. ``info()["cuda"]["last_kernels"]`` must name the
+kernel each precision promises.
+
+CPU tests (run in CI): the option is accepted by every call, the CPU computes in float32 under
+either value (bit-identical results), and a bad value is a clear UnsupportedError.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from test_gpu import HAVE_CUPY_GPU, HAVE_TORCH_GPU, to_gpu, to_host
+
+EXACT_BOUNDS = {"o": 1.4e-6, "lse": 1e-5, "dq": 3.4e-6, "dk": 3.4e-6, "dv": 3.4e-6}
+TF32_BOUND = 5e-3  # flash_core::precision::TF32_BOUND
+LIB = "torch" if HAVE_TORCH_GPU else "cupy"
+
+
+# ---- CPU: the option's plumbing -------------------------------------------------------------------
+
+
+def _inputs(make_inputs, shape=(2, 37, 45, 4, 2, 16), seed=3):
+    b, sq, sk, h, hkv, d = shape
+    return make_inputs(seed, b, sq, sk, h, hkv, d, np.float32)
+
+
+def test_cpu_is_exact_f32_under_either_precision(fa, make_inputs):
+    q, k, v, do = _inputs(make_inputs)
+    o, lse = fa.forward_with_states(q, k, v)
+    grads = fa.backward(do, q, k, v, o, lse)
+    for precision in ("exact", "tf32"):
+        o2, lse2 = fa.forward_with_states(q, k, v, precision=precision)
+        assert np.array_equal(o2, o) and np.array_equal(lse2, lse), precision
+        assert np.array_equal(fa.forward(q, k, v, precision=precision), o)
+        for g2, g in zip(fa.backward(do, q, k, v, o, lse, precision=precision), grads):
+            assert np.array_equal(g2, g), precision
+
+
+def test_varlen_takes_precision(fa, make_inputs):
+    q, k, v, do = (x[0] for x in _inputs(make_inputs, (1, 45, 45, 4, 2, 16)))  # [total, H, D]
+    cu = np.array([0, 20, 45], dtype=np.int32)
+    o, lse = fa.varlen.forward_with_states(q, k, v, cu, cu)
+    o2, lse2 = fa.varlen.forward_with_states(q, k, v, cu, cu, precision="tf32")
+    assert np.array_equal(o2, o) and np.array_equal(lse2, lse)
+    assert np.array_equal(fa.varlen.forward(q, k, v, cu, cu, precision="tf32"), o)
+    g = fa.varlen.backward(do, q, k, v, o, lse, cu, cu)
+    for a, b in zip(fa.varlen.backward(do, q, k, v, o, lse, cu, cu, precision="exact"), g):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("bad", ["fast", "EXACT", "fp32", None, 3, True])
+def test_a_bad_precision_is_a_clear_error(fa, make_inputs, bad):
+    q, k, v, do = _inputs(make_inputs)
+    with pytest.raises(fa.UnsupportedError, match="precision must be 'exact' or 'tf32'"):
+        fa.forward(q, k, v, precision=bad)
+    with pytest.raises(ValueError, match="precision"):  # UnsupportedError is a ValueError
+        fa.backward(do, q, k, v, do, np.zeros((2, 4, 37), np.float32), precision=bad)
+    with pytest.raises(fa.UnsupportedError, match="precision"):
+        fa.varlen.forward(q[0], k[0], v[0], np.array([0, 37], np.int32), np.array([0, 45], np.int32), precision=bad)
+
+
+def test_the_core_names_the_choices(fa, make_inputs):
+    """The native layer's own check, for a caller that skips the Python wrapper."""
+    q, k, v, _ = _inputs(make_inputs)
+    with pytest.raises(fa.UnsupportedError, match=r'unknown precision "fast"; expected "exact" or "tf32"'):
+        fa._native.forward_host_arrays([q, k, v], "cpu", precision="fast")
+    with pytest.raises(fa.UnsupportedError, match="precision must be"):
+        fa._native.forward_host_arrays([q, k, v], "cpu", precision=1)
+
+
+# ---- GPU: accuracy of every kernel each precision picks ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpu(fa):
+    info = fa.info().get("cuda", {})
+    if not info.get("available"):
+        pytest.skip(f"no usable CUDA GPU: {info.get('reason')}")
+    if not (HAVE_TORCH_GPU or HAVE_CUPY_GPU):
+        pytest.skip("neither torch nor CuPy sees a GPU")
+    return fa
+
+
+def last(fa, pass_="forward") -> dict:
+    return fa.info()["cuda"]["last_kernels"][pass_]
+
+
+class _Env:
+    """FLASH_NIF_TF32 set for a block (the core reads it per call)."""
+
+    def __init__(self, value):
+        self.value, self.old = value, None
+
+    def __enter__(self):
+        self.old = os.environ.get("FLASH_NIF_TF32")
+        os.environ["FLASH_NIF_TF32"] = self.value
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            del os.environ["FLASH_NIF_TF32"]
+        else:
+            os.environ["FLASH_NIF_TF32"] = self.old
+
+
+# (B, Sq, Sk, H, Hkv, D): every tile class of the TF32 forward (D <= 64, <= 128, > 128), head dims
+# that are not multiples of 16, ragged key tiles, GQA / MQA, Sq != Sk both ways, several key tiles.
+SHAPES = [
+    pytest.param((2, 300, 300, 4, 2, 64), id="s300-gqa-d64"),
+    pytest.param((1, 129, 257, 3, 3, 64), id="sq129<sk257-d64"),
+    pytest.param((1, 1, 1000, 4, 1, 128), id="decode-mqa-d128"),
+    pytest.param((1, 513, 200, 2, 2, 128), id="sq513>sk200-d128"),
+    pytest.param((1, 1024, 1024, 2, 1, 128), id="s1024-d128"),
+    pytest.param((1, 200, 333, 2, 1, 256), id="d256"),
+    pytest.param((1, 97, 130, 2, 2, 40), id="d40"),
+    pytest.param((1, 130, 97, 2, 1, 72), id="d72"),
+    pytest.param((1, 70, 90, 2, 2, 136), id="d136"),
+    pytest.param((1, 33, 45, 2, 2, 8), id="d8"),
+]
+
+# Masks and modifiers (the MASKED kernels): name -> builder of the forward's keyword arguments.
+def _seg(b, sq, sk):
+    rng = np.random.default_rng(5)
+    return tuple(np.sort(rng.integers(0, 3, (b, n))).astype(np.int32) for n in (sq, sk))
+
+
+EXTRAS = {
+    "window": lambda b, sq, sk, h: {"window": (40, 8)},
+    "segments": lambda b, sq, sk, h: {"segment_ids": _seg(b, sq, sk)},
+    "padding": lambda b, sq, sk, h: {"seqused_k": np.array([sk - 7] * b, np.int32),
+                                     "leftpad_k": np.array([3] * b, np.int32)},
+    "softcap": lambda b, sq, sk, h: {"softcap": 5.0},
+    "alibi": lambda b, sq, sk, h: {"alibi_slopes": np.linspace(0.05, 0.4, h).astype(np.float32)},
+    "sinks": lambda b, sq, sk, h: {"sinks": np.linspace(-1.0, 1.0, h).astype(np.float32)},
+}
+
+
+def _gpu_kwargs(kw):
+    """The mask arrays on the GPU (the modifiers' small tables may stay NumPy)."""
+    return {k: (tuple(to_gpu(LIB, x) for x in v) if k == "segment_ids" else
+                to_gpu(LIB, v) if k in ("seqused_k", "leftpad_k") else v) for k, v in kw.items()}
+
+
+def _run(fa, ref, rel_err, make_inputs, shape, causal, kw=None, precision="exact", backward=True):
+    """{output: error against the oracle} of one call on the GPU, and the kernels that ran."""
+    b, sq, sk, h, hkv, d = shape
+    q, k, v, do = make_inputs(11, b, sq, sk, h, hkv, d, np.float32)
+    kw = kw or {}
+    g = [to_gpu(LIB, x) for x in (q, k, v, do)]
+    o, lse = fa.forward_with_states(*g[:3], causal=causal, precision=precision, **_gpu_kwargs(kw))
+    ran = {"forward": last(fa)}
+    ro, rlse = ref.forward_with_states(q, k, v, causal=causal, **kw)
+    err = {"o": rel_err(to_host(o), ro), "lse": rel_err(to_host(lse), rlse)}
+    if backward:
+        grads = fa.backward(g[3], *g[:3], o, lse, causal=causal, precision=precision, **_gpu_kwargs(kw))
+        ran["backward"] = last(fa, "backward")
+        want = ref.backward(do, q, k, v, to_host(o), to_host(lse), causal=causal, **kw)
+        err.update({n: rel_err(to_host(x), w) for n, x, w in zip(("dq", "dk", "dv"), grads, want)})
+    return err, ran
+
+
+def _check_exact(fa, ref, rel_err, make_inputs, record_error, shape, causal, kw=None):
+    err, ran = _run(fa, ref, rel_err, make_inputs, shape, causal, kw)
+    assert ran["forward"]["math"] == "3xtf32" and "tf32_terms3" in ran["forward"]["kernel"], ran
+    assert ran["backward"]["math"] == "f32-simt", ran
+    with _Env("0"):
+        simt, ran_simt = _run(fa, ref, rel_err, make_inputs, shape, causal, kw, backward=False)
+    assert ran_simt["forward"]["math"] == "f32-simt", ran_simt
+    print(f"{shape} causal={causal} {kw and list(kw)}: 3xtf32 " + " ".join(f"{n} {e:.2e}" for n, e in err.items())
+          + f" | simt o {simt['o']:.2e} lse {simt['lse']:.2e}")
+    for name, e in err.items():
+        record_error("f32-3xtf32", name, e)
+        assert e <= EXACT_BOUNDS[name], f"{name} {e:.3e} > {EXACT_BOUNDS[name]:.1e} ({shape}, causal={causal}, {kw})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_exact_f32_on_tensor_cores_meets_the_f32_bound(gpu, ref, rel_err, make_inputs, record_error, shape, causal):
+    _check_exact(gpu, ref, rel_err, make_inputs, record_error, shape, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", list(EXTRAS))
+@pytest.mark.parametrize("d", [64, 128])
+def test_exact_f32_masks_and_modifiers(gpu, ref, rel_err, make_inputs, record_error, extra, d):
+    b, sq, sk, h = 2, 200, 230, 4
+    _check_exact(gpu, ref, rel_err, make_inputs, record_error, (b, sq, sk, h, 2, d), True, EXTRAS[extra](b, sq, sk, h))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[5], SHAPES[7]])
+def test_tf32_within_its_documented_bound(gpu, ref, rel_err, make_inputs, record_error, shape, causal):
+    err, ran = _run(gpu, ref, rel_err, make_inputs, shape, causal, precision="tf32")
+    assert ran["forward"]["math"] == "tf32" and "tf32_terms1" in ran["forward"]["kernel"], ran
+    assert ran["backward"]["math"] == "f32-simt", ran  # no TF32 backward: float32, never less
+    print(f"{shape} causal={causal}: tf32 " + " ".join(f"{n} {e:.2e}" for n, e in err.items()))
+    record_error("f32-tf32", "o", err["o"])
+    assert err["o"] <= TF32_BOUND and err["lse"] <= TF32_BOUND, err
+    # It did round to TF32: one product per pair is measurably less exact than three.
+    assert err["o"] > 10 * EXACT_BOUNDS["o"], err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_TORCH_GPU, reason="poisoned outputs need torch")
+@pytest.mark.parametrize("precision", ["exact", "tf32"])
+def test_every_output_element_is_written(gpu, ref, rel_err, make_inputs, precision):
+    import torch
+
+    b, sq, sk, h, hkv, d = 1, 131, 77, 2, 1, 72
+    q, k, v, _ = make_inputs(2, b, sq, sk, h, hkv, d, np.float32)
+    gq, gk, gv = (torch.from_numpy(x).cuda() for x in (q, k, v))
+    o = torch.full((b, sq, h, d), float("nan"), device="cuda")
+    lse = torch.full((b, h, sq), float("nan"), device="cuda")
+    desc = [(x.data_ptr(), list(x.shape), "float32") for x in (gq, gk, gv)]
+    stream = torch.cuda.current_stream().cuda_stream
+    gpu._native.cuda_forward_device(desc, [o.data_ptr(), lse.data_ptr()], 0, stream, causal=True, precision=precision)
+    torch.cuda.synchronize()
+    assert last(gpu)["math"] == {"exact": "3xtf32", "tf32": "tf32"}[precision]
+    ro, rlse = ref.forward_with_states(q, k, v, causal=True)
+    bound = EXACT_BOUNDS["o"] if precision == "exact" else TF32_BOUND
+    assert not torch.isnan(o).any() and rel_err(o.cpu().numpy(), ro) <= bound
+    lse_bound = EXACT_BOUNDS["lse"] if precision == "exact" else TF32_BOUND
+    assert not torch.isnan(lse).any() and rel_err(lse.cpu().numpy(), rlse) <= lse_bound
