@@ -6,10 +6,10 @@
 // QueryWalk, so GQA sums and causal / masked skipping are the portable kernel's). NUM_WARPS = 12:
 // - warpgroup 0 gives most of its registers away (setmaxnreg). Its warp 0, the producer, loads K
 //   and V once, then per iteration Q and dO (the copy engine, STAGES stages deep) and the rows'
-//   lse_log2 and delta (plain loads: +inf and 0 past Sq); its warp 1, the dQ writer, adds each
-//   iteration's dQ tile from shared memory into dq_accum's tile (params.h's dq_tile_offset: the same
-//   bytes) with one bulk reduction (cp.reduce.async.bulk .add.f32), in key-block order when dq_sem
-//   is given (deterministic);
+//   lse_log2 and delta (plain loads: +inf and 0 past Sq); its warp 1, the dQ writer (warps 1 and 2
+//   in turn when deterministic: DQ_WRITERS), adds each iteration's dQ tile from shared memory into
+//   dq_accum's tile (params.h's dq_tile_offset: the same bytes) with one bulk reduction
+//   (cp.reduce.async.bulk .add.f32), in key-block order when dq_sem is given (deterministic);
 // - warpgroups 1 and 2, the consumers, own 64 keys each. Everything is transposed, so that P and
 //   dS are A operands in registers:
 //     S^T = K Q^T, dP^T = V dO^T               (wgmma, both operands in shared memory)
@@ -29,6 +29,10 @@
 #include "bwd_grads.h"
 
 #define CONSUMERS 2
+// dQ writer warps (warps 1.. of warpgroup 0). Deterministic: they take the tiles in turn, so that
+// one waits for its tile to reach dq_accum (and releases the next key block's turn) while the
+// other adds the next tile; unordered, the first one does it all (it waits only for the read).
+#define DQ_WRITERS 2
 #define COL_BLOCKS (HEAD_DIM / 64)  // 64-element (128-byte) column blocks per row of K, V, Q, dO
 #ifndef STAGES
 #define STAGES 2
@@ -68,7 +72,7 @@ struct __align__(1024) Smem {
     elem_t ds[2 * DS_BYTES / sizeof(elem_t)];
     float dq[BLOCK_M * HEAD_DIM];
     float lse[STAGES * BLOCK_M], delta[STAGES * BLOCK_M];
-    u64 kv_full, q_full[STAGES], do_full[STAGES], qdo_empty[STAGES], ds_full[2], dq_full, dq_empty;
+    u64 kv_full, q_full[STAGES], do_full[STAGES], qdo_empty[STAGES], ds_full[2], dq_full[2], dq_empty;
 };
 // + 1024: the dynamic shared memory's start is rounded up to the swizzle's period.
 FLASH_EXPORT_SMEM(sizeof(Smem) + 1024)
@@ -174,41 +178,40 @@ __device__ __forceinline__ void produce(const Sm90BwdParams& P, Smem& smem) {
     }
 }
 
-// ---- the dQ writer warp --------------------------------------------------------------------------
+// ---- the dQ writer warps -------------------------------------------------------------------------
 // Adds iteration j's dQ tile into dq_accum's tile, one bulk reduction. Deterministic (dq_sem): after
 // the key blocks before this one, in order.
-__device__ __forceinline__ void write_dq(const Sm90BwdParams& P, Smem& smem) {
+__device__ __forceinline__ void write_dq(const Sm90BwdParams& P, Smem& smem, int writer) {
     const FlashParams& p = P.p;
     const KeyBlock blk = key_block(P);
     const int lane = threadIdx.x % 32;
+    const int writers = P.dq_sem ? DQ_WRITERS : 1;
+    if (writer >= writers) return;
     QueryWalk w = blk.query_walk();
     for (int j = 0; w.more(); w.advance(), ++j) {
         blk.look_ahead(w);
+        if (j % writers != writer) continue;
         const int h = blk.head(w.it()), m0 = blk.query_row(w.it());
         int* sem = P.dq_sem ? P.dq_sem + ((i64)blk.b * p.heads + h) * P.m_blocks + m0 / BLOCK_M : nullptr;
-        mbar_wait(smem_addr(&smem.dq_full), j & 1);
-        if (sem) {
-            if (lane == 0)
+        // Tile j is announced on dq_full[j % 2] (one barrier per writer: a parity wait on a barrier
+        // shared by two writers could pass on the other's phase).
+        mbar_wait(smem_addr(&smem.dq_full[j % 2]), (j / 2) & 1);
+        if (lane == 0) {
+            if (sem)
                 while (ld_acquire_gpu(sem) != dq_turn(blk, w.it(), m0)) {
                 }
-            __syncwarp();
-        }
-        if (lane == 0) {  // rows past Sq land in the last tile's padding
+            // Rows past Sq land in the last tile's padding.
             bulk_reduce_add_f32(p.dq_accum + dq_tile_offset(p, blk.b, h, m0, 0, HEAD_DIM), smem_addr(smem.dq), BLOCK_M * HEAD_DIM * 4);
             bulk_commit();
-        }
-        if (sem) {
-            bulk_wait<0>();  // the tile is in dq_accum (lane 0's group; the others have none)
-            __syncwarp();
-            if (lane == 0) {
+            bulk_wait_read<0>();
+            mbar_arrive(smem_addr(&smem.dq_empty));  // the consumers may write the next tile
+            if (sem) {
+                bulk_wait<0>();  // the tile is in dq_accum: the next key block's turn
                 __threadfence();
                 st_release_gpu(sem, dq_turn(blk, w.it(), m0) + 1);
             }
-        } else {
-            bulk_wait_read<0>();
-            __syncwarp();
         }
-        if (lane == 0) mbar_arrive(smem_addr(&smem.dq_empty));
+        __syncwarp();
     }
     bulk_wait<0>();
 }
@@ -348,7 +351,7 @@ __device__ __forceinline__ void consume(const Sm90BwdParams& P, Smem& smem, int 
                 st_shared_f32x2(dq_tile + dq_tile_elem(row, col, HEAD_DIM) * 4, dq[nt][2 * r], dq[nt][2 * r + 1]);
             }
         fence_async_smem();
-        mbar_arrive(smem_addr(&smem.dq_full));
+        mbar_arrive(smem_addr(&smem.dq_full[j % 2]));
     }
     store_tile<HEAD_DIM / 8>(p.dk + blk.kv_base(p), dk, p.scale, p.scale, key0, blk.Sk, 0, blk.kv_stride);
     store_tile<HEAD_DIM / 8>(p.dv + blk.kv_base(p), dv, 1.f, 1.f, key0, blk.Sk, 0, blk.kv_stride);
@@ -373,8 +376,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_bwd_sm90(cons
         }
         mbar_init(smem_addr(&smem.ds_full[0]), 128 * CONSUMERS);  // every consumer thread
         mbar_init(smem_addr(&smem.ds_full[1]), 128 * CONSUMERS);
-        mbar_init(smem_addr(&smem.dq_full), 128 * CONSUMERS);
-        mbar_init(smem_addr(&smem.dq_empty), 1);  // the writer's lane 0
+        for (int i = 0; i < 2; ++i) mbar_init(smem_addr(&smem.dq_full[i]), 128 * CONSUMERS);
+        mbar_init(smem_addr(&smem.dq_empty), 1);  // a writer's lane 0
         mbar_fence_init();
     }
     __syncthreads();
@@ -382,7 +385,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_bwd_sm90(cons
         setmaxnreg_dec<PRODUCER_REGS>();
         const int warp = threadIdx.x / 32;
         if (warp == 0) produce(P, smem);
-        else if (warp == 1) write_dq(P, smem);
+        else if (warp <= DQ_WRITERS) write_dq(P, smem, warp - 1);
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();
         consume(P, smem, wg - 1);
