@@ -253,7 +253,7 @@ def test_compiled_op_alone_is_bit_identical(ft):
 def _op_args(q, k, v):
     # q, k, v, seg_q, seg_k, seqused_k, leftpad_k, block_mask, alibi_slopes, sinks, then the options.
     sinks = torch.tensor([0.1, -0.2, 0.3, 0.0], requires_grad=True)
-    return (q, k, v, None, None, None, None, None, None, sinks, True, None, 8, None, 2.0, False, "auto")
+    return (q, k, v, None, None, None, None, None, None, sinks, True, None, 8, None, 2.0, False, "auto", "exact")
 
 
 def test_opcheck_forward(ft):
@@ -323,6 +323,14 @@ def test_bad_arguments_raise_clear_errors(ft, fa):
         ft.attention(q.double(), k.double(), v.double())
     with pytest.raises(fa.UnsupportedError, match="segment_ids"):
         ft.attention(q, k, v, segment_ids=torch.zeros(1, 8, dtype=torch.int32))
+    with pytest.raises(fa.UnsupportedError, match="precision"):
+        ft.attention(q, k, v, precision="fp16")
+
+
+def test_precision_reaches_the_op(ft):
+    """On the CPU both precisions are exact f32: the same bits."""
+    q, k, v, _ = _inputs(15, 1, 8, 8, 2, 2, 8, torch.float32)
+    assert torch.equal(ft.attention(q, k, v, precision="tf32"), ft.attention(q, k, v, precision="exact"))
 
 
 def test_flash_nif_imports_without_torch(fa):

@@ -65,14 +65,14 @@ def _from_flash(a) -> torch.Tensor:
 
 
 def _options(seg_q, seg_k, seqused_k, leftpad_k, block_mask, alibi_slopes, sinks, causal, scale, window_left,
-             window_right, softcap, mode) -> dict:
+             window_right, softcap, mode, precision) -> dict:
     """The flash_nif keyword arguments of the ops' flat arguments."""
     window = None if window_left is None and window_right is None else (window_left, window_right)
     segment_ids = None if seg_q is None else (_to_flash(seg_q), _to_flash(seg_k))
     return dict(
         causal=causal, scale=scale, window=window, segment_ids=segment_ids, seqused_k=_to_flash(seqused_k),
         leftpad_k=_to_flash(leftpad_k), block_mask=_to_flash(block_mask), softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=sinks, mode=mode,
+        alibi_slopes=alibi_slopes, sinks=sinks, mode=mode, precision=precision,
     )
 
 
@@ -86,19 +86,19 @@ def _forward(
     leftpad_k: Optional[torch.Tensor], block_mask: Optional[torch.Tensor],
     alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
     causal: bool, scale: Optional[float], window_left: Optional[int], window_right: Optional[int],
-    softcap: Optional[float], deterministic: bool, mode: str,
+    softcap: Optional[float], deterministic: bool, mode: str, precision: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o [B, Sq, H, Dv] in q's dtype, lse [B, H, Sq] float32). ``deterministic`` is the
     backward's, carried here so that the autograd formula sees it."""
     opts = _options(seg_q, seg_k, seqused_k, leftpad_k, block_mask, alibi_slopes, sinks, causal, scale,
-                    window_left, window_right, softcap, mode)
+                    window_left, window_right, softcap, mode, precision)
     o, lse = flash_nif.forward_with_states(_to_flash(q), _to_flash(k), _to_flash(v), **opts)
     return _from_flash(o), _from_flash(lse)
 
 
 @_forward.register_fake
 def _(q, k, v, seg_q, seg_k, seqused_k, leftpad_k, block_mask, alibi_slopes, sinks, causal, scale, window_left,
-      window_right, softcap, deterministic, mode):
+      window_right, softcap, deterministic, mode, precision):
     b, sq, h = q.shape[0], q.shape[1], q.shape[2]
     o = q.new_empty((b, sq, h, v.shape[-1]))
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
@@ -113,11 +113,11 @@ def _backward(
     leftpad_k: Optional[torch.Tensor], block_mask: Optional[torch.Tensor],
     alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
     causal: bool, scale: Optional[float], window_left: Optional[int], window_right: Optional[int],
-    softcap: Optional[float], deterministic: bool, mode: str,
+    softcap: Optional[float], deterministic: bool, mode: str, precision: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsinks): dsinks [H] float32 with sinks, else an empty [0] tensor."""
     opts = _options(seg_q, seg_k, seqused_k, leftpad_k, block_mask, alibi_slopes, sinks, causal, scale,
-                    window_left, window_right, softcap, mode)
+                    window_left, window_right, softcap, mode, precision)
     arrays = [_to_flash(x) for x in (do, q, k, v, o, lse)]
     grads = flash_nif.backward(*arrays, dlse=_to_flash(dlse), deterministic=deterministic, **opts)
     dq, dk, dv = (_from_flash(g) for g in grads[:3])
@@ -127,14 +127,14 @@ def _backward(
 
 @_backward.register_fake
 def _(do, q, k, v, o, lse, dlse, seg_q, seg_k, seqused_k, leftpad_k, block_mask, alibi_slopes, sinks, causal,
-      scale, window_left, window_right, softcap, deterministic, mode):
+      scale, window_left, window_right, softcap, deterministic, mode, precision):
     dsinks = q.new_empty((0 if sinks is None else q.shape[2],), dtype=torch.float32)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 # Forward op inputs after q, k, v: the mask and modifier tensors, then the options.
 _TENSOR_OPTIONS = ("seg_q", "seg_k", "seqused_k", "leftpad_k", "block_mask", "alibi_slopes", "sinks")
-_SCALAR_OPTIONS = ("causal", "scale", "window_left", "window_right", "softcap", "deterministic", "mode")
+_SCALAR_OPTIONS = ("causal", "scale", "window_left", "window_right", "softcap", "deterministic", "mode", "precision")
 
 
 def _setup_context(ctx, inputs, output):
@@ -184,6 +184,7 @@ def attention_with_lse(
     sinks: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     mode: str = "auto",
+    precision: str = "exact",
     layout: str = "bshd",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse), both differentiable: o ``[B, Sq, H, Dv]`` in q's dtype (``[B, H, Sq, Dv]`` with
@@ -191,7 +192,7 @@ def attention_with_lse(
 
     q ``[B, Sq, H, D]``, k ``[B, Sk, Hkv, D]``, v ``[B, Sk, Hkv, Dv]`` (GQA: H a multiple of Hkv),
     float32, float16 or bfloat16, all on one device. Gradients flow to q, k, v and ``sinks``
-    (when given); masks, modifiers and ``mode`` as :func:`flash_nif.forward_with_states`,
+    (when given); masks, modifiers, ``mode`` and ``precision`` as :func:`flash_nif.forward_with_states`,
     ``deterministic`` as :func:`flash_nif.backward`. Mask tensors live on q's device.
     """
     if layout not in _LAYOUTS:
@@ -207,7 +208,7 @@ def attention_with_lse(
         low = torch.get_autocast_dtype(q.device.type)
         q, k, v = q.to(low), k.to(low), v.to(low)
     o, lse = _forward(q, k, v, seg_q, seg_k, seqused_k, leftpad_k, block_mask, alibi_slopes, sinks, causal, scale,
-                      window[0], window[1], softcap, deterministic, mode)
+                      window[0], window[1], softcap, deterministic, mode, precision)
     return (o.transpose(1, 2) if layout == "bhsd" else o), lse
 
 
@@ -228,6 +229,7 @@ def attention(
     sinks: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     mode: str = "auto",
+    precision: str = "exact",
     layout: str = "bshd",
 ) -> torch.Tensor:
     """Attention output o ``[B, Sq, H, Dv]`` (``[B, H, Sq, Dv]`` with ``layout="bhsd"``),
@@ -235,7 +237,7 @@ def attention(
     return attention_with_lse(
         q, k, v, causal=causal, scale=scale, window=window, segment_ids=segment_ids, seqused_k=seqused_k,
         leftpad_k=leftpad_k, block_mask=block_mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-        deterministic=deterministic, mode=mode, layout=layout,
+        deterministic=deterministic, mode=mode, precision=precision, layout=layout,
     )[0]
 
 
