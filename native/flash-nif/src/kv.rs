@@ -186,13 +186,10 @@ fn lengths(map: Term, key: Atom, name: &'static str, batch: usize, default: i32)
     Ok(t.arg().values.to_vec())
 }
 
-/// The one place a decode picks its backend: the GPU version is not built yet.
+/// The backend is the core's: the CPU, or GPU 0 through host copies (a missing GPU is an error).
 #[allow(clippy::too_many_arguments)]
 fn run(device: Device, p: &Decode, q: &[u8], k: Cache, v: Cache, seqlens: &[i32], leftpad: &[i32], o: &mut [u8], lse: &mut [f32]) -> Result<(), FlashError> {
-    match device {
-        Device::Cpu => decode::decode_cpu(p, q, k, v, seqlens, leftpad, o, lse),
-        Device::Cuda => Err(FlashError::Unsupported("decode runs on the CPU for now; the GPU decode is not built yet".into())),
-    }
+    decode::decode_host(device, p, q, k, v, seqlens, leftpad, o, lse)
 }
 
 /// `decode(q, k_cache, v_cache, lengths, options)` → `{:ok, o, lse}` for q `[B, Sq, H, D]` and

@@ -198,8 +198,9 @@ defmodule ExPhil.Native.FlashAttention do
 
   `quantize_kv/2`, `dequantize_kv/1`, `merge_states/2` and `decode/4` are Python's
   `flash_nif.quantize_kv`, `dequantize_kv`, `merge_states` and `decode`: the same option names,
-  defaults, semantics and errors, on the CPU for now (`device: :cuda` is an `:unsupported`
-  error; the GPU decode is not built yet). A cache is `{batch, s_cache, kv_heads, head_dim}` in
+  defaults, semantics and errors. `decode/4` runs on the CPU by default and on the GPU with
+  `device: :cuda` (or `:auto` where a GPU is usable; the tensor-core kernel for f16 / bf16 at head
+  dims 64, 128 and 256, the CUDA-core one otherwise; host buffers copied to GPU 0 and back). A cache is `{batch, s_cache, kv_heads, head_dim}` in
   `q`'s type, or an `ExPhil.Native.FlashAttention.QuantizedKV` (4- or 8-bit codes read as
   stored: no dequantized copy). A decode loop preallocates the cache to its longest length and
   lets `:cache_seqlens` say how much of each batch row is filled, appending each step's new keys

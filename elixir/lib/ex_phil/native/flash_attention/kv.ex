@@ -171,19 +171,6 @@ defmodule ExPhil.Native.FlashAttention.KV do
   defp decode_option(:num_splits, n),
     do: unsupported("the :num_splits option must be a positive integer or nil, got: #{inspect(n)}")
 
-  # As Python's decode: the GPU decode is not built yet, and no device is chosen for the caller.
-  defp decode_option(:device, d) do
-    with {:ok, d} <- Options.option(:device, d) do
-      if d == :cpu,
-        do: {:ok, d},
-        else:
-          unsupported(
-            "decode runs on the CPU for now (device: :cpu); the GPU decode is not built yet, " <>
-              "got device: #{inspect(d)}"
-          )
-    end
-  end
-
   defp decode_option(key, v), do: Options.option(key, v)
 
   defp wire_cache(%QuantizedKV{} = c, name) do
