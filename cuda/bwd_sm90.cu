@@ -6,8 +6,8 @@
 // QueryWalk, so GQA sums and causal / masked skipping are the portable kernel's). NUM_WARPS = 12:
 // - warpgroup 0 gives most of its registers away (setmaxnreg). Its warp 0, the producer, loads K
 //   and V once, then per iteration Q and dO (the copy engine, STAGES stages deep) and the rows'
-//   lse_log2 and delta (plain loads: +inf and 0 past Sq); its warp 1, the dQ writer (warps 1 and 2
-//   in turn when deterministic: DQ_WRITERS), adds each iteration's dQ tile from shared memory into
+//   lse_log2 and delta (plain loads: +inf and 0 past Sq); its warp 1, the dQ writer (warps 1, 2
+//   and 3 in turn when deterministic: DQ_WRITERS), adds each iteration's dQ tile from shared memory into
 //   dq_accum's tile (params.h's dq_tile_offset: the same bytes) with one bulk reduction
 //   (cp.reduce.async.bulk .add.f32), in key-block order when dq_sem is given (deterministic);
 // - warpgroups 1 and 2, the consumers, own 64 keys each. Everything is transposed, so that P and
@@ -30,9 +30,9 @@
 
 #define CONSUMERS 2
 // dQ writer warps (warps 1.. of warpgroup 0). Deterministic: they take the tiles in turn, so that
-// one waits for its tile to reach dq_accum (and releases the next key block's turn) while the
-// other adds the next tile; unordered, the first one does it all (it waits only for the read).
-#define DQ_WRITERS 2
+// some wait for their tiles to reach dq_accum (and release the next key blocks' turns) while
+// another adds the next tile; unordered, the first one does it all (it waits only for the read).
+#define DQ_WRITERS 3
 #define COL_BLOCKS (HEAD_DIM / 64)  // 64-element (128-byte) column blocks per row of K, V, Q, dO
 #ifndef STAGES
 #define STAGES 2
@@ -59,6 +59,7 @@
 #define CB_BYTES(rows) ((rows) * 128)                    // one [rows][64] column block
 #define TILE_BYTES(rows) (CB_BYTES(rows) * COL_BLOCKS)   // a [rows][HEAD_DIM] tile
 #define DS_BYTES (CB_BYTES(BLOCK_N) * (BLOCK_M / 64))    // dS^T [BLOCK_N][BLOCK_M]
+static_assert(DQ_WRITERS <= 3, "warpgroup 0 has the producer and three more warps");
 static_assert(BLOCK_M % DQ_TILE_ROWS == 0, "a dQ tile is whole tiles of dq_accum");
 
 // Shared memory: K, V [COL_BLOCKS][BLOCK_N][64]; Q, dO [STAGES][COL_BLOCKS][BLOCK_M][64]; dS^T, two
@@ -72,7 +73,7 @@ struct __align__(1024) Smem {
     elem_t ds[2 * DS_BYTES / sizeof(elem_t)];
     float dq[BLOCK_M * HEAD_DIM];
     float lse[STAGES * BLOCK_M], delta[STAGES * BLOCK_M];
-    u64 kv_full, q_full[STAGES], do_full[STAGES], qdo_empty[STAGES], ds_full[2], dq_full[2], dq_empty;
+    u64 kv_full, q_full[STAGES], do_full[STAGES], qdo_empty[STAGES], ds_full[2], dq_full[DQ_WRITERS], dq_empty;
 };
 // + 1024: the dynamic shared memory's start is rounded up to the swizzle's period.
 FLASH_EXPORT_SMEM(sizeof(Smem) + 1024)
@@ -193,9 +194,9 @@ __device__ __forceinline__ void write_dq(const Sm90BwdParams& P, Smem& smem, int
         if (j % writers != writer) continue;
         const int h = blk.head(w.it()), m0 = blk.query_row(w.it());
         int* sem = P.dq_sem ? P.dq_sem + ((i64)blk.b * p.heads + h) * P.m_blocks + m0 / BLOCK_M : nullptr;
-        // Tile j is announced on dq_full[j % 2] (one barrier per writer: a parity wait on a barrier
-        // shared by two writers could pass on the other's phase).
-        mbar_wait(smem_addr(&smem.dq_full[j % 2]), (j / 2) & 1);
+        // Tile j is announced on dq_full[j % DQ_WRITERS] (one barrier per writer: a parity wait on
+        // a barrier shared by two writers could pass on the other's phase).
+        mbar_wait(smem_addr(&smem.dq_full[j % DQ_WRITERS]), (j / DQ_WRITERS) & 1);
         if (lane == 0) {
             if (sem)
                 while (ld_acquire_gpu(sem) != dq_turn(blk, w.it(), m0)) {
@@ -351,7 +352,7 @@ __device__ __forceinline__ void consume(const Sm90BwdParams& P, Smem& smem, int 
                 st_shared_f32x2(dq_tile + dq_tile_elem(row, col, HEAD_DIM) * 4, dq[nt][2 * r], dq[nt][2 * r + 1]);
             }
         fence_async_smem();
-        mbar_arrive(smem_addr(&smem.dq_full[j % 2]));
+        mbar_arrive(smem_addr(&smem.dq_full[j % DQ_WRITERS]));
     }
     store_tile<HEAD_DIM / 8>(p.dk + blk.kv_base(p), dk, p.scale, p.scale, key0, blk.Sk, 0, blk.kv_stride);
     store_tile<HEAD_DIM / 8>(p.dv + blk.kv_base(p), dv, 1.f, 1.f, key0, blk.Sk, 0, blk.kv_stride);
@@ -376,7 +377,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_bwd_sm90(cons
         }
         mbar_init(smem_addr(&smem.ds_full[0]), 128 * CONSUMERS);  // every consumer thread
         mbar_init(smem_addr(&smem.ds_full[1]), 128 * CONSUMERS);
-        for (int i = 0; i < 2; ++i) mbar_init(smem_addr(&smem.dq_full[i]), 128 * CONSUMERS);
+        for (int i = 0; i < DQ_WRITERS; ++i) mbar_init(smem_addr(&smem.dq_full[i]), 128 * CONSUMERS);
         mbar_init(smem_addr(&smem.dq_empty), 1);  // a writer's lane 0
         mbar_fence_init();
     }
