@@ -6,6 +6,11 @@ rate counts bytes read plus written. Median of --reps (CPU) or the mean of --ite
 two CUDA events, median of --reps of those (GPU), after warm-up.
 
     python bench/decode.py [--tokens 262144] [--reps 5]              # CPU: NumPy arrays
+    python bench/decode.py --tokens 131072 --sq 1,4,16 --formats bf16,f16,f32,8-bit/64,8-bit/32,4-bit/64,4-bit/32
+
+On the CPU the reference is memcpy measured in the same run (np.copyto of --copy-mb MiB, bytes read
+plus written, on 1 thread and on all the library's threads) and a read-only sum for scale; the
+percentages are of the all-threads memcpy. The target is >= 50 % of it for every cache format.
     python bench/decode.py --device cuda [--shapes 8x8192,1x131072]  # GPU: torch tensors
 
 On the GPU each shape B x S_cache also runs torch's scaled_dot_product_attention (GQA, its fastest
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 
 import ml_dtypes
@@ -49,26 +55,73 @@ def median_time(fn, reps):
     return statistics.median(ts)
 
 
+def threaded(fn, n):
+    """fn(i, n) on n Python threads at once (NumPy releases the GIL on large copies and sums)."""
+    def run():
+        ts = [threading.Thread(target=fn, args=(i, n)) for i in range(n)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    return run
+
+
+def memory_rates(nbytes, reps, threads):
+    """(copy on 1 thread, copy on `threads`, read-only sum on `threads`) in bytes per second over
+    `nbytes` float64 buffers (well past the L3 cache): a copy counts bytes read plus written."""
+    src = np.ones(nbytes // 8, np.float64)
+    dst = np.empty_like(src)
+    n = src.size
+
+    def part(a, i, k):
+        return a[i * n // k:(i + 1) * n // k]
+
+    copy1 = 2 * src.nbytes / median_time(lambda: np.copyto(dst, src), reps)
+    copyn = 2 * src.nbytes / median_time(threaded(lambda i, k: np.copyto(part(dst, i, k), part(src, i, k)), threads), reps)
+    readn = src.nbytes / median_time(threaded(lambda i, k: part(src, i, k).sum(), threads), reps)
+    return copy1, copyn, readn
+
+
+def cpu_formats(args):
+    out = []
+    for f in args.formats.split(","):
+        if f in ("bf16", "f16", "f32"):
+            out.append((f, f, None, None))
+        else:  # "8-bit/64": bits / group size, cache quantized from bf16
+            bits, gs = (int(x) for x in f.replace("-bit", "").split("/"))
+            out.append((f, "bf16", bits, gs))
+    return out
+
+
 def cpu(args):
-    b = 4
+    b = args.batch
     s = args.tokens // b
     rng = np.random.default_rng(0)
-    q = rng.standard_normal((b, 1, H, D)).astype(ml_dtypes.bfloat16)
-    k, v = (rng.standard_normal((b, s, HKV, D)).astype(ml_dtypes.bfloat16) for _ in range(2))
-    big = np.ones(k.nbytes // 8 * 2, np.float64)
-    dst = np.empty_like(big)
-    t = median_time(lambda: np.copyto(dst, big), args.reps)
-    copy_rate = 2 * big.nbytes / t
-    print(f"{flash_nif.info()['threads']} threads; B={b} S_cache={s} Hkv={HKV} H={H} D={D}, Sq=1, bf16 q")
-    print(f"copy: {copy_rate / 1e9:.1f} GB/s (read + written)")
-    print("| cache | bytes read (MB) | time (ms) | GB/s | % of copy |")
-    print("|---|---|---|---|---|")
-    for name, bits in FORMATS:
-        kc, vc = (k, v) if bits is None else (flash_nif.quantize_kv(x, bits=bits, group_size=64) for x in (k, v))
+    threads = flash_nif.info()["threads"]
+    dtypes = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
+    plain = {}
+    sqs = [int(x) for x in args.sq.split(",")]
+    print(f"{threads} threads; B={b} S_cache={s} Hkv={HKV} H={H} D={D}, Sq in {sqs}; caches well past the L3 cache")
+    copy1, copyn, readn = memory_rates(args.copy_mb * 2**20, args.reps, threads)
+    print(f"memcpy ({args.copy_mb} MiB, np.copyto, read + written): {copy1 / 1e9:.1f} GB/s on 1 thread, "
+          f"{copyn / 1e9:.1f} GB/s on {threads}; read-only sum on {threads}: {readn / 1e9:.1f} GB/s")
+    print(f"% below: of the {threads}-thread memcpy ({copyn / 1e9:.1f} GB/s)")
+    print("| cache | Sq | bytes read (MB) | time (ms) | GB/s | % of memcpy |")
+    print("|---|---|---|---|---|---|")
+    for name, dt, bits, gs in cpu_formats(args):
+        if dt not in plain:
+            plain.clear()  # one dtype's caches at a time
+            plain[dt] = tuple(rng.standard_normal((b, s, HKV, D), np.float32).astype(dtypes[dt]) for _ in range(2))
+        k, v = plain[dt]
+        kc, vc = (k, v) if bits is None else (flash_nif.quantize_kv(x, bits=bits, group_size=gs) for x in (k, v))
         nbytes = cache_bytes(kc) + cache_bytes(vc)
-        t = median_time(lambda: flash_nif.decode(q, kc, vc), args.reps)
-        rate = nbytes / t
-        print(f"| {name} | {nbytes / 1e6:.0f} | {t * 1e3:.1f} | {rate / 1e9:.2f} | {100 * rate / copy_rate:.0f} % |")
+        for sq in sqs:
+            q = rng.standard_normal((b, sq, H, D), np.float32).astype(dtypes[dt])
+            t = median_time(lambda: flash_nif.decode(q, kc, vc), args.reps)
+            rate = nbytes / t
+            print(f"| {name} | {sq} | {nbytes / 1e6:.0f} | {t * 1e3:.1f} | {rate / 1e9:.2f} | {100 * rate / copyn:.0f} % |",
+                  flush=True)
+        del kc, vc
 
 
 # --- GPU ----------------------------------------------------------------------------------------------
@@ -162,7 +215,12 @@ def main():
     ap.add_argument("--splits", default="", help="GPU: extra rows with these num_splits (comma separated)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20, help="GPU: calls between two events")
-    ap.add_argument("--copy-mb", type=int, default=1024, help="GPU: size of each copy buffer (MiB)")
+    ap.add_argument("--copy-mb", type=int, default=1024, help="size of each copy buffer (MiB)")
+    ap.add_argument("--batch", type=int, default=4, help="CPU: B")
+    ap.add_argument("--sq", default="1", help="CPU: query rows, comma separated")
+    ap.add_argument("--formats", default="bf16,8-bit/64,4-bit/64",
+                    help="CPU: caches, comma separated: bf16, f16, f32 (q in that dtype) or BITS-bit/GROUP "
+                         "(quantized from bf16, bf16 q)")
     args = ap.parse_args()
     gpu(args) if args.device == "cuda" else cpu(args)
 

@@ -1,12 +1,15 @@
 //! Decode on the CPU: a few new queries (Sq = 1 .. 16) against a KV cache, plain or quantized
 //! (quant.rs's format, read and dequantized row by row: no dequantized copy), as reference.py's
 //! `decode` defines it. Row b's valid keys are `[leftpad_k[b], cache_seqlens[b])`; causal (and a
-//! window) is aligned to their end. One task per (batch row, kv head, split of the keys) loads
-//! each key row once for every query head of its GQA group and every query row; the splits'
-//! partial states are merged by their logsumexp (quant::merge_states' rule).
+//! window) is aligned to their end. One task per (batch row, split of the keys) streams the split's
+//! stretch of the cache once (every kv head of a block of keys is one contiguous stretch), each key
+//! row read once for every query head of its GQA group and every query row, in SIMD registers
+//! (cpu::decode); the splits' partial states are merged by their logsumexp (quant::merge_states'
+//! rule).
 
 use rayon::prelude::*;
 
+use crate::cpu;
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{FlashError, Result};
@@ -15,8 +18,6 @@ use crate::quant::{self, merge_state, QuantFormat};
 
 /// Most query rows a decode call takes.
 pub const MAX_DECODE_ROWS: usize = 16;
-/// Keys scored at once per task (one max and one rescale per block and row).
-const KEY_BLOCK: usize = 32;
 /// Keys per split at least when the number of splits is chosen here.
 const MIN_KEYS_PER_SPLIT: usize = 256;
 
@@ -112,6 +113,20 @@ impl Decode {
         (self.left, if self.causal { Some(0) } else { self.right })
     }
 
+    /// The relative keys `[r0, r1)` of a row with `n` valid keys that some query row sees
+    /// (`window`'s rule for query rows 0 .. Sq); empty as (0, 0).
+    pub fn seen(&self, n: usize) -> (usize, usize) {
+        let (left, right) = self.window();
+        let off = n as i64 - self.seq_q as i64; // query row i's keys end at i + off (+ right)
+        let r0 = left.map_or(0, |l| (off - l as i64).clamp(0, n as i64));
+        let r1 = right.map_or(n as i64, |r| (self.seq_q as i64 + off + r as i64).clamp(0, n as i64));
+        if r1 > r0 {
+            (r0 as usize, r1 as usize)
+        } else {
+            (0, 0)
+        }
+    }
+
     /// `cache_seqlens` and `leftpad_k` hold one value per batch row with
     /// `0 <= leftpad_k[b] <= cache_seqlens[b] <= S_cache`: every backend reads only inside the cache.
     pub fn check_rows(&self, seqlens: &[i32], leftpad: &[i32]) -> Result<()> {
@@ -143,22 +158,10 @@ impl Decode {
 
     fn splits(&self) -> usize {
         self.num_splits.unwrap_or_else(|| {
-            let tasks = self.batch * self.kv_heads;
-            let want = (2 * rayon::current_num_threads()).div_ceil(tasks.max(1));
+            // Tasks are (batch row, split): a few per thread for balance.
+            let want = (4 * rayon::current_num_threads()).div_ceil(self.batch.max(1));
             want.clamp(1, self.s_cache.div_ceil(MIN_KEYS_PER_SPLIT).max(1))
         })
-    }
-}
-
-/// The rows of one cache: key row `j` of (b, kv head) dequantized into `out` (f32).
-fn load_row(cache: &Cache, dtype: DType, p: &Decode, b: usize, j: usize, kv: usize, out: &mut [f32]) {
-    let row = (b * p.s_cache + j) * p.kv_heads + kv;
-    match *cache {
-        Cache::Plain(x) => dtype.load(x, row * p.head_dim, out),
-        Cache::Quant { fmt, values, scales, biases } => {
-            let (w, g) = (fmt.words(), fmt.groups() * dtype.size_bytes());
-            quant::unpack_row(dtype, &fmt, &values[row * w..][..w], &scales[row * g..][..g], &biases[row * g..][..g], out);
-        }
     }
 }
 
@@ -191,17 +194,19 @@ pub fn decode_cpu(p: &Decode, q: &[u8], k: Cache, v: Cache, seqlens: &[i32], lef
     let es = p.dtype.size_bytes();
     let splits = p.splits();
     let group = h / hkv;
-    let states = group * sq; // per task: (query head in the group, query row)
-    // Partial states per (b, kv head, split): o [states, D] (normalised) and lse [states].
-    let tasks = b_ * hkv * splits;
-    let mut part_o = vec![0f32; tasks * states * d];
-    let mut part_lse = vec![f32::NEG_INFINITY; tasks * states];
-    part_o.par_chunks_mut(states * d).zip(part_lse.par_chunks_mut(states)).enumerate().for_each(|(t, (po, pl))| {
-        let (b, kv, s) = (t / (hkv * splits), (t / splits) % hkv, t % splits);
+    let states = group * sq; // per kv head: (query head in the group, query row)
+    // Partial states per (b, split, kv head): o [states, D] (normalised) and lse [states]; one
+    // task per (b, split) takes every kv head (cpu::decode reads the cache as one stream).
+    let tasks = b_ * splits;
+    let mut part_o = vec![0f32; tasks * hkv * states * d];
+    let mut part_lse = vec![f32::NEG_INFINITY; tasks * hkv * states];
+    part_o.par_chunks_mut(hkv * states * d).zip(part_lse.par_chunks_mut(hkv * states)).enumerate().for_each(|(t, (po, pl))| {
+        let (b, s) = (t / splits, t % splits);
         let (lo, hi) = (leftpad[b] as usize, seqlens[b] as usize);
-        let n = hi - lo;
-        let (k0, k1) = (lo + n * s / splits, lo + n * (s + 1) / splits);
-        decode_task(p, q, &k, &v, b, kv, (lo, hi), (k0, k1), po, pl);
+        // Split the keys some query row sees, not the whole row: a window leaves no split idle.
+        let (r0, r1) = p.seen(hi - lo);
+        let (k0, k1) = (lo + r0 + (r1 - r0) * s / splits, lo + r0 + (r1 - r0) * (s + 1) / splits);
+        cpu::decode::task(p, q, &k, &v, cpu::decode::Task { b, lo, hi, k0, k1 }, po, pl);
     });
     // Merge the splits into o [B, Sq, H, D] and lse [B, H, Sq] (quant::merge_state's rule).
     let lse_ptr = quant::SyncPtr(lse.as_mut_ptr());
@@ -210,7 +215,7 @@ pub fn decode_cpu(p: &Decode, q: &[u8], k: Cache, v: Cache, seqlens: &[i32], lef
         let (mut acc, mut part) = (vec![0f32; d], vec![0f32; d]);
         for hh in 0..h {
             let state = (hh % group) * sq + i;
-            let at = |s: usize| ((b * hkv + hh / group) * splits + s) * states + state;
+            let at = |s: usize| ((b * splits + s) * hkv + hh / group) * states + state;
             let value = merge_state(splits, |s| part_lse[at(s)], |s, buf| buf.copy_from_slice(&part_o[at(s) * d..][..d]), &mut acc, &mut part);
             p.dtype.store(&acc, out, hh * d);
             // SAFETY: (b, hh, i) is written by the task of row (b, i) only.
@@ -231,87 +236,4 @@ pub fn decode_host(device: Device, p: &Decode, q: &[u8], k: Cache, v: Cache, seq
         #[cfg(not(feature = "cuda"))]
         Device::Cuda => Err(FlashError::CudaUnavailable(crate::device::cuda_unavailable_reason().unwrap_or_default())),
     }
-}
-
-/// One task: keys [k0, k1) of batch row b, kv head kv, for the group's query heads and rows.
-/// Writes each state's normalised o and its lse (-inf: no visible key in the range).
-#[allow(clippy::too_many_arguments)]
-fn decode_task(p: &Decode, q: &[u8], k: &Cache, v: &Cache, b: usize, kv: usize, (lo, hi): (usize, usize), (k0, k1): (usize, usize), po: &mut [f32], pl: &mut [f32]) {
-    let (sq, h, d) = (p.seq_q, p.heads, p.head_dim);
-    let group = h / p.kv_heads;
-    let states = group * sq;
-    let mut qs = vec![0f32; states * d]; // [g, i, D]
-    for g in 0..group {
-        for i in 0..sq {
-            p.dtype.load(q, ((b * sq + i) * h + kv * group + g) * d, &mut qs[(g * sq + i) * d..][..d]);
-        }
-    }
-    // Row i's visible relative keys: [i + off - left, i + off + right] within [0, n).
-    let off = (hi - lo) as i64 - sq as i64;
-    let (left, right) = p.window();
-    let (mut m, mut l) = (vec![f32::NEG_INFINITY; states], vec![0f32; states]);
-    po.fill(0.0);
-    let (mut kb, mut vb) = (vec![0f32; KEY_BLOCK * d], vec![0f32; KEY_BLOCK * d]);
-    let mut sc = [0f32; KEY_BLOCK];
-    let mut j0 = k0;
-    while j0 < k1 {
-        let nk = (k1 - j0).min(KEY_BLOCK);
-        for x in 0..nk {
-            load_row(k, p.dtype, p, b, j0 + x, kv, &mut kb[x * d..][..d]);
-            load_row(v, p.dtype, p, b, j0 + x, kv, &mut vb[x * d..][..d]);
-        }
-        for state in 0..states {
-            let i = (state % sq) as i64;
-            let qrow = &qs[state * d..][..d];
-            let mut mx = m[state];
-            for x in 0..nk {
-                let rel = (j0 + x - lo) as i64;
-                let seen = right.is_none_or(|r| rel <= i + off + r as i64) && left.is_none_or(|lf| rel >= i + off - lf as i64);
-                sc[x] = if seen {
-                    let s = p.scale * dot(qrow, &kb[x * d..][..d]);
-                    p.softcap.map_or(s, |c| c * (s / c).tanh())
-                } else {
-                    f32::NEG_INFINITY
-                };
-                mx = mx.max(sc[x]);
-            }
-            if mx == f32::NEG_INFINITY {
-                continue;
-            }
-            let alpha = (m[state] - mx).exp();
-            let acc = &mut po[state * d..][..d];
-            acc.iter_mut().for_each(|a| *a *= alpha);
-            let mut sum = 0f32;
-            for x in 0..nk {
-                let e = (sc[x] - mx).exp();
-                if e != 0.0 {
-                    sum += e;
-                    acc.iter_mut().zip(&vb[x * d..][..d]).for_each(|(a, v)| *a += e * v);
-                }
-            }
-            l[state] = l[state] * alpha + sum;
-            m[state] = mx;
-        }
-        j0 += nk;
-    }
-    for state in 0..states {
-        if l[state] > 0.0 {
-            po[state * d..][..d].iter_mut().for_each(|a| *a /= l[state]);
-            pl[state] = m[state] + l[state].ln();
-        }
-    }
-}
-
-/// a . b with 8 independent partial sums (which the compiler vectorises; a single running sum
-/// it may not reorder).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut part = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            part[l] += x[l] * y[l];
-        }
-    }
-    part.iter().sum::<f32>() + tail
 }

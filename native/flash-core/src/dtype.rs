@@ -138,7 +138,7 @@ fn as_u16_mut(b: &mut [u8]) -> Option<&mut [u16]> {
 
 /// Exact: normals rebiased, subnormals scaled by 2^-24, infinities and NaNs (payload kept) widened.
 #[inline(always)]
-fn f16_to_f32(h: u16) -> f32 {
+pub(crate) fn f16_to_f32(h: u16) -> f32 {
     let h = h as u32;
     let (sign, em) = ((h & 0x8000) << 16, h & 0x7FFF);
     let normal = (em << 13) + ((127 - 15) << 23);

@@ -211,7 +211,7 @@ fn dequantize_row(dtype: DType, fmt: &QuantFormat, words: &[u32], scales: &[u8],
 }
 
 /// One row's values in f32, `scale * q + bias`: its words, and its scales and biases (`dtype`
-/// bytes). Decode reads cache rows through this, with no dequantized copy of the cache.
+/// bytes).
 pub(crate) fn unpack_row(dtype: DType, fmt: &QuantFormat, words: &[u32], scales: &[u8], biases: &[u8], out: &mut [f32]) {
     let mut sc = [0f32; MAX_HEAD_DIM / 32];
     let mut bi = [0f32; MAX_HEAD_DIM / 32];

@@ -5,6 +5,8 @@
 
 mod backward;
 mod batch;
+pub(crate) mod decode;
+mod decode_rows;
 mod forward;
 mod layout;
 pub(crate) mod materialized;

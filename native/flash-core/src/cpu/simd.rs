@@ -25,7 +25,8 @@ pub fn isa() -> Isa {
             {
                 return Isa::Avx512;
             }
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // (F16C: decode widens f16 caches with it; every AVX2 CPU has it.)
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c") {
                 return Isa::Avx2;
             }
         }

@@ -49,6 +49,17 @@ pub trait Vector: Copy {
     unsafe fn exp2(self) -> Self;
     unsafe fn reduce_max(self) -> f32;
     unsafe fn reduce_add(self) -> f32;
+    /// `x` holds LANES vectors; lane i of the result is the sum of x[i]'s lanes (LANES dot
+    /// products finished at once: a transpose and add tree, not LANES reduce_adds).
+    unsafe fn sum_each(x: &[Self]) -> Self;
+    /// LANES bf16 values at `p` (any alignment), widened.
+    unsafe fn load_bf16(p: *const u8) -> Self;
+    /// LANES f16 values at `p` (any alignment), widened.
+    unsafe fn load_f16(p: *const u8) -> Self;
+    /// LANES bytes at `p` as unsigned integers.
+    unsafe fn load_u8(p: *const u8) -> Self;
+    /// LANES bytes at `p`: their low nibbles and their high nibbles as unsigned integers.
+    unsafe fn load_u4(p: *const u8) -> (Self, Self);
 }
 
 /// The 1-lane fallback for machines without AVX2.
@@ -120,6 +131,26 @@ impl Vector for Scalar {
     #[inline(always)]
     unsafe fn reduce_add(self) -> f32 {
         self.0
+    }
+    #[inline(always)]
+    unsafe fn sum_each(x: &[Self]) -> Self {
+        x[0]
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u8) -> Self {
+        Scalar(f32::from_bits((u16::from_ne_bytes([*p, *p.add(1)]) as u32) << 16))
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u8) -> Self {
+        Scalar(crate::dtype::f16_to_f32(u16::from_ne_bytes([*p, *p.add(1)])))
+    }
+    #[inline(always)]
+    unsafe fn load_u8(p: *const u8) -> Self {
+        Scalar(*p as f32)
+    }
+    #[inline(always)]
+    unsafe fn load_u4(p: *const u8) -> (Self, Self) {
+        (Scalar((*p & 15) as f32), Scalar((*p >> 4) as f32))
     }
 }
 
@@ -212,6 +243,51 @@ pub mod x86 {
         unsafe fn reduce_add(self) -> f32 {
             _mm512_reduce_add_ps(self.0)
         }
+        #[inline(always)]
+        unsafe fn sum_each(x: &[Self]) -> Self {
+            assert!(x.len() == 16);
+            // Four halving steps (128-bit blocks across a pair, then blocks, then lanes within
+            // blocks) leave sum(x[4j + k]) in lane 4k + j: read the inputs in that order.
+            // (Loops, not closures: a closure might not inline into the caller's target features.)
+            const fn input(m: usize) -> usize {
+                (m % 4) * 4 + m / 4
+            }
+            let mut y = [_mm512_setzero_ps(); 8];
+            for (i, y) in y.iter_mut().enumerate() {
+                let (a, b) = (x[input(2 * i)].0, x[input(2 * i + 1)].0);
+                *y = _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(a, b), _mm512_shuffle_f32x4::<0xEE>(a, b));
+            }
+            let mut z = [_mm512_setzero_ps(); 4];
+            for (i, z) in z.iter_mut().enumerate() {
+                let (c, d) = (y[2 * i], y[2 * i + 1]);
+                *z = _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(c, d), _mm512_shuffle_f32x4::<0xDD>(c, d));
+            }
+            let mut w = [_mm512_setzero_ps(); 2];
+            for (i, w) in w.iter_mut().enumerate() {
+                let (e, f) = (z[2 * i], z[2 * i + 1]);
+                *w = _mm512_add_ps(_mm512_shuffle_ps::<0x44>(e, f), _mm512_shuffle_ps::<0xEE>(e, f));
+            }
+            Avx512(_mm512_add_ps(_mm512_shuffle_ps::<0x88>(w[0], w[1]), _mm512_shuffle_ps::<0xDD>(w[0], w[1])))
+        }
+        #[inline(always)]
+        unsafe fn load_bf16(p: *const u8) -> Self {
+            let x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
+            Avx512(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(x)))
+        }
+        #[inline(always)]
+        unsafe fn load_f16(p: *const u8) -> Self {
+            Avx512(_mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)))
+        }
+        #[inline(always)]
+        unsafe fn load_u8(p: *const u8) -> Self {
+            Avx512(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i))))
+        }
+        #[inline(always)]
+        unsafe fn load_u4(p: *const u8) -> (Self, Self) {
+            let x = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+            let lo = _mm512_and_si512(x, _mm512_set1_epi32(15));
+            (Avx512(_mm512_cvtepi32_ps(lo)), Avx512(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(x))))
+        }
     }
 
     impl Vector for Avx2 {
@@ -289,6 +365,45 @@ pub mod x86 {
         unsafe fn reduce_add(self) -> f32 {
             let a: [f32; 8] = std::mem::transmute(self.0);
             (a[0] + a[4]) + (a[1] + a[5]) + ((a[2] + a[6]) + (a[3] + a[7]))
+        }
+        #[inline(always)]
+        unsafe fn sum_each(x: &[Self]) -> Self {
+            assert!(x.len() == 8);
+            // As Avx512's, one step fewer: sum(x[2j + k]) lands in lane 4k + j.
+            const fn input(m: usize) -> usize {
+                (m % 2) * 4 + m / 2
+            }
+            let mut y = [_mm256_setzero_ps(); 4];
+            for (i, y) in y.iter_mut().enumerate() {
+                let (a, b) = (x[input(2 * i)].0, x[input(2 * i + 1)].0);
+                *y = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(a, b), _mm256_permute2f128_ps::<0x31>(a, b));
+            }
+            let mut w = [_mm256_setzero_ps(); 2];
+            for (i, w) in w.iter_mut().enumerate() {
+                let (e, f) = (y[2 * i], y[2 * i + 1]);
+                *w = _mm256_add_ps(_mm256_shuffle_ps::<0x44>(e, f), _mm256_shuffle_ps::<0xEE>(e, f));
+            }
+            Avx2(_mm256_add_ps(_mm256_shuffle_ps::<0x88>(w[0], w[1]), _mm256_shuffle_ps::<0xDD>(w[0], w[1])))
+        }
+        #[inline(always)]
+        unsafe fn load_bf16(p: *const u8) -> Self {
+            let x = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+            Avx2(_mm256_castsi256_ps(_mm256_slli_epi32::<16>(x)))
+        }
+        #[inline(always)]
+        unsafe fn load_f16(p: *const u8) -> Self {
+            // F16C: isa() reports Avx2 only where the CPU has it.
+            Avx2(_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)))
+        }
+        #[inline(always)]
+        unsafe fn load_u8(p: *const u8) -> Self {
+            Avx2(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i))))
+        }
+        #[inline(always)]
+        unsafe fn load_u4(p: *const u8) -> (Self, Self) {
+            let x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+            let lo = _mm256_and_si256(x, _mm256_set1_epi32(15));
+            (Avx2(_mm256_cvtepi32_ps(lo)), Avx2(_mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(x))))
         }
     }
 }

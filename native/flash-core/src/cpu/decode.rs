@@ -1,0 +1,415 @@
+//! Decode's inner loop on the CPU: one task is the keys `[k0, k1)` of one (batch row, kv head) for
+//! every query head of its GQA group and every query row (the task's "states"). Per block of
+//! KEY_BLOCK keys, each K and V row is read once from the cache into SIMD registers (decode_rows:
+//! widened or dequantized there), scored against all states (dot products finished LANES at a
+//! time by `Vector::sum_each`) and folded into the states by simd's online softmax; states go
+//! through the block in register-held groups of up to 8.
+
+use std::f32::consts::{LN_2, LOG2_E};
+
+use super::decode_rows::{position, Plain, Quant, Reader, Rows, KEY_BLOCK};
+use super::simd::{self, isa, Isa};
+#[cfg(target_arch = "x86_64")]
+use super::vector::x86;
+use super::vector::{Scalar, Vector};
+use crate::decode::{Cache, Decode};
+use crate::problem::MAX_HEAD_DIM;
+
+/// The widest vector (f32 lanes) of any instruction set here.
+const MAX_LANES: usize = 16;
+const _: () = assert!(KEY_BLOCK.is_multiple_of(MAX_LANES));
+
+/// One task's place in the call: batch row `b`, the row's valid keys `[lo, hi)` and the task's
+/// share `[k0, k1)` of them, for every kv head.
+#[derive(Clone, Copy)]
+pub(crate) struct Task {
+    pub b: usize,
+    pub lo: usize,
+    pub hi: usize,
+    pub k0: usize,
+    pub k1: usize,
+}
+
+/// Runs one task: `po [Hkv, states, D]` receives each state's normalised o and `pl [Hkv, states]`
+/// its lse (natural log; -inf and o = 0 where no key of `[k0, k1)` is visible). A kv head's states
+/// are ordered (query head in its group, query row).
+pub(crate) fn task(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
+    // SAFETY: isa() only reports instruction sets the CPU has; `run` checks its buffers' bounds.
+    unsafe {
+        match isa() {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => avx512(p, q, k, v, t, po, pl),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => avx2(p, q, k, v, t, po, pl),
+            _ => run::<Scalar>(p, q, k, v, t, po, pl),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma,f16c")]
+unsafe fn avx512(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
+    run::<x86::Avx512>(p, q, k, v, t, po, pl)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn avx2(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
+    run::<x86::Avx2>(p, q, k, v, t, po, pl)
+}
+
+/// The task's keys go block by block, and within a block kv head by kv head: a block's rows (all
+/// heads of KEY_BLOCK consecutive keys) are one contiguous stretch of the cache, read while the
+/// next block's is prefetched, so memory is read as one stream (a kv head's rows alone are
+/// strided by the other heads', which measured ~3x slower to read).
+#[inline(always)]
+unsafe fn run<V: Vector>(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
+    let (sq, h, hkv, d) = (p.seq_q, p.heads, p.kv_heads, p.head_dim);
+    let group = h / hkv;
+    let states = group * sq; // per kv head
+    let nvec = d.div_ceil(V::LANES);
+    let dp = nvec * V::LANES; // q and acc rows, zero padded
+    assert!(po.len() == hkv * states * d && pl.len() == hkv * states && d <= MAX_HEAD_DIM && t.k1 <= p.s_cache);
+    // q [Hkv, nvec, states, LANES] (the states' vector i side by side) in K's order, times
+    // scale · log2(e): scores in exp2 units (simd's softmax).
+    let at = |st: usize, pos: usize| ((pos / V::LANES) * states + st) * V::LANES + pos % V::LANES;
+    let mut qs = vec![0f32; hkv * states * dp];
+    let mut row = [0f32; MAX_HEAD_DIM];
+    for kv in 0..hkv {
+        for g in 0..group {
+            for i in 0..sq {
+                p.dtype.load(q, ((t.b * sq + i) * h + kv * group + g) * d, &mut row[..d]);
+                let dst = &mut qs[kv * states * dp..][..states * dp];
+                for (e, &x) in row[..d].iter().enumerate() {
+                    dst[at(g * sq + i, position(k, V::LANES, e))] = x * p.scale * LOG2_E;
+                }
+            }
+        }
+    }
+    let mut acc = vec![0f32; hkv * states * dp]; // as qs, V's order, unnormalised
+    let mut s = vec![0f32; states * KEY_BLOCK]; // scores, then probabilities [states, KEY_BLOCK]
+    let (mut m, mut l) = (vec![f32::NEG_INFINITY; hkv * states], vec![0f32; hkv * states]);
+    let mut alpha = vec![0f32; states];
+    // Query row i sees the relative keys [i + off - left, i + off + right] of [0, n).
+    let off = (t.hi - t.lo) as i64 - sq as i64;
+    let (left, right) = p.window();
+    let softcap2 = p.softcap.map(|c| c * LOG2_E);
+    let (mut kr, mut vr) = (Reader::new(k, p, V::LANES), Reader::new(v, p, V::LANES));
+    let row0 = t.b * p.s_cache * hkv; // the cache row of (b, key 0, kv head 0)
+    let mut j0 = t.k0;
+    while j0 < t.k1 {
+        let nk = (t.k1 - j0).min(KEY_BLOCK);
+        // The block's rows (every kv head), and the next block's, prefetched a share per head.
+        let rows = row0 + j0 * hkv..row0 + (j0 + nk) * hkv;
+        let ahead = (rows.end, (t.k1 - j0 - nk).min(KEY_BLOCK) * hkv);
+        kr.block(rows.clone());
+        vr.block(rows);
+        for kv in 0..hkv {
+            let share = ahead.0 + ahead.1 * kv / hkv..ahead.0 + ahead.1 * (kv + 1) / hkv;
+            kr.prefetch(share.clone());
+            vr.prefetch(share);
+            let (qs, acc) = (&qs[kv * states * dp..][..states * dp], &mut acc[kv * states * dp..][..states * dp]);
+            let (m, l) = (&mut m[kv * states..][..states], &mut l[kv * states..][..states]);
+            kr.head(kv);
+            scores::<V>(&kr, qs, states, nvec, nk, &mut s);
+            for st in 0..states {
+                let row = &mut s[st * KEY_BLOCK..][..nk];
+                if let Some(c2) = softcap2 {
+                    simd::softcap(row, c2, None);
+                }
+                // Row i sees the block's columns [first, end); the rest -inf (after the softcap,
+                // which would make -inf finite).
+                let (i, rel0) = ((st % sq) as i64, (j0 - t.lo) as i64);
+                let first = left.map_or(0, |lf| (i + off - lf as i64 - rel0).clamp(0, nk as i64) as usize);
+                let end = right.map_or(nk, |r| (i + off + r as i64 + 1 - rel0).clamp(first as i64, nk as i64) as usize);
+                row[..first].fill(f32::NEG_INFINITY);
+                row[end..].fill(f32::NEG_INFINITY);
+            }
+            simd::online_softmax(&mut s, nk, KEY_BLOCK, m, l, &mut alpha);
+            vr.head(kv);
+            accumulate::<V>(&vr, &s, &alpha, states, nvec, nk, acc);
+        }
+        j0 += nk;
+    }
+    for st in 0..hkv * states {
+        let out = &mut po[st * d..][..d];
+        if l[st] > 0.0 {
+            let (a, inv) = (&acc[st / states * states * dp..][..states * dp], 1.0 / l[st]);
+            for (e, o) in out.iter_mut().enumerate() {
+                *o = a[at(st % states, position(v, V::LANES, e))] * inv;
+            }
+            pl[st] = (m[st] + l[st].log2()) * LN_2;
+        } else {
+            out.fill(0.0);
+            pl[st] = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// Calls `$f::<V, Format, N>` for the reader's format over the states in groups of N = 8, 4, 2, 1
+/// (register-held; one pass over the block's rows per group): `$f(rows, first state, args..)`.
+macro_rules! by_format_and_group {
+    ($f:ident, $reader:expr, $states:expr, $($arg:expr),*) => {
+        match $reader {
+            Reader::F32(r) => groups!($f, Plain<'_, 0>, r, $states, $($arg),*),
+            Reader::F16(r) => groups!($f, Plain<'_, 1>, r, $states, $($arg),*),
+            Reader::Bf16(r) => groups!($f, Plain<'_, 2>, r, $states, $($arg),*),
+            Reader::Q8(r) => groups!($f, Quant<'_, 8>, r, $states, $($arg),*),
+            Reader::Q4(r) => groups!($f, Quant<'_, 4>, r, $states, $($arg),*),
+        }
+    };
+}
+
+macro_rules! groups {
+    ($f:ident, $fmt:ty, $r:expr, $states:expr, $($arg:expr),*) => {{
+        let mut st = 0;
+        while $states - st >= 8 {
+            $f::<V, $fmt, 8>($r, st, $($arg),*);
+            st += 8;
+        }
+        if $states - st >= 4 {
+            $f::<V, $fmt, 4>($r, st, $($arg),*);
+            st += 4;
+        }
+        if $states - st >= 2 {
+            $f::<V, $fmt, 2>($r, st, $($arg),*);
+            st += 2;
+        }
+        if $states - st >= 1 {
+            $f::<V, $fmt, 1>($r, st, $($arg),*);
+        }
+    }};
+}
+
+/// s[st, x] = qs[st] · k[x] for the block's keys x < nk (columns past nk, up to the next multiple
+/// of LANES, hold finite leftovers nobody reads); qs `[nvec, states, LANES]`.
+#[inline(always)]
+unsafe fn scores<V: Vector>(kr: &Reader, qs: &[f32], states: usize, nvec: usize, nk: usize, s: &mut [f32]) {
+    assert!(qs.len() == nvec * states * V::LANES && s.len() == states * KEY_BLOCK && nk <= KEY_BLOCK);
+    by_format_and_group!(score_group, kr, states, qs.as_ptr(), states, nvec, nk, s.as_mut_ptr());
+}
+
+/// States st0 .. st0 + N of [`scores`]: per key, N dot products in registers, the row's vectors
+/// read once (in pairs); every LANES keys, their partial sums reduced together.
+#[inline(always)]
+unsafe fn score_group<V: Vector, F: Rows, const N: usize>(rows: &F, st0: usize, qs: *const f32, states: usize, nvec: usize, nk: usize, s: *mut f32) {
+    let q = |i: usize| qs.add((i * states + st0) * V::LANES); // state st0's vector i; the group's follow
+    let mut part = [[V::zero(); MAX_LANES]; N];
+    let mut x0 = 0;
+    while x0 < nk {
+        for x in x0..(x0 + V::LANES).min(nk) {
+            // Two sums per state (even and odd vectors): 2N chains of FMAs, half as long.
+            let (mut a0, mut a1) = ([V::zero(); N], [V::zero(); N]);
+            for c in 0..nvec / 2 {
+                let (k0, k1) = rows.pair::<V>(x, c);
+                let (q0, q1) = (q(2 * c), q(2 * c + 1));
+                for n in 0..N {
+                    a0[n] = a0[n].fma(V::load(q0.add(n * V::LANES)), k0);
+                    a1[n] = a1[n].fma(V::load(q1.add(n * V::LANES)), k1);
+                }
+            }
+            if nvec % 2 == 1 {
+                let (k0, q0) = (rows.vector::<V>(x, nvec - 1), q(nvec - 1));
+                for (n, a) in a0.iter_mut().enumerate() {
+                    *a = a.fma(V::load(q0.add(n * V::LANES)), k0);
+                }
+            }
+            for n in 0..N {
+                part[n][x - x0] = a0[n].add(a1[n]);
+            }
+        }
+        for (n, part) in part.iter().enumerate() {
+            V::sum_each(&part[..V::LANES]).store(s.add((st0 + n) * KEY_BLOCK + x0));
+        }
+        x0 += V::LANES;
+    }
+}
+
+/// acc[st] = alpha[st] · acc[st] + sum over x < nk of p[st, x] · v[x]; acc `[nvec, states, LANES]`.
+#[inline(always)]
+unsafe fn accumulate<V: Vector>(vr: &Reader, p: &[f32], alpha: &[f32], states: usize, nvec: usize, nk: usize, acc: &mut [f32]) {
+    assert!(acc.len() == nvec * states * V::LANES && p.len() == states * KEY_BLOCK && alpha.len() == states && nk <= KEY_BLOCK);
+    by_format_and_group!(accumulate_group, vr, states, p.as_ptr(), alpha.as_ptr(), states, nvec, nk, acc.as_mut_ptr());
+}
+
+/// States st0 .. st0 + N of [`accumulate`], two vector columns of acc at a time in registers.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn accumulate_group<V: Vector, F: Rows, const N: usize>(
+    rows: &F,
+    st0: usize,
+    p: *const f32,
+    alpha: *const f32,
+    states: usize,
+    nvec: usize,
+    nk: usize,
+    acc: *mut f32,
+) {
+    let a_at = |i: usize| acc.add((i * states + st0) * V::LANES);
+    let p = p.add(st0 * KEY_BLOCK);
+    let mut al = [V::zero(); N];
+    for (n, a) in al.iter_mut().enumerate() {
+        *a = V::splat(*alpha.add(st0 + n));
+    }
+    for c in 0..nvec / 2 {
+        let (c0, c1) = (a_at(2 * c), a_at(2 * c + 1));
+        let (mut a0, mut a1) = ([V::zero(); N], [V::zero(); N]);
+        for n in 0..N {
+            a0[n] = V::load(c0.add(n * V::LANES)).mul(al[n]);
+            a1[n] = V::load(c1.add(n * V::LANES)).mul(al[n]);
+        }
+        for x in 0..nk {
+            let (v0, v1) = rows.pair::<V>(x, c);
+            for n in 0..N {
+                let pn = V::splat(*p.add(n * KEY_BLOCK + x));
+                a0[n] = a0[n].fma(pn, v0);
+                a1[n] = a1[n].fma(pn, v1);
+            }
+        }
+        for n in 0..N {
+            a0[n].store(c0.add(n * V::LANES));
+            a1[n].store(c1.add(n * V::LANES));
+        }
+    }
+    if nvec % 2 == 1 {
+        let c0 = a_at(nvec - 1);
+        let mut a0 = [V::zero(); N];
+        for n in 0..N {
+            a0[n] = V::load(c0.add(n * V::LANES)).mul(al[n]);
+        }
+        for x in 0..nk {
+            let v0 = rows.vector::<V>(x, nvec - 1);
+            for (n, a) in a0.iter_mut().enumerate() {
+                *a = a.fma(V::splat(*p.add(n * KEY_BLOCK + x)), v0);
+            }
+        }
+        for (n, a) in a0.iter().enumerate() {
+            a.store(c0.add(n * V::LANES));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// sum_each on every instruction set this machine has: lane i is the sum of input i.
+    #[test]
+    fn sum_each_sums_each_input() {
+        unsafe fn check<V: Vector>() {
+            let n = V::LANES;
+            let data: Vec<f32> = (0..n * n).map(|i| ((i * 7919) % 1009) as f32 - 500.0).collect();
+            let xs: Vec<V> = (0..n).map(|i| V::load(data.as_ptr().add(i * n))).collect();
+            let mut out = vec![0f32; n];
+            V::sum_each(&xs).store(out.as_mut_ptr());
+            for i in 0..n {
+                assert_eq!(out[i], data[i * n..(i + 1) * n].iter().sum::<f32>(), "lane {i} of {n}");
+            }
+        }
+        unsafe {
+            check::<Scalar>();
+            #[cfg(target_arch = "x86_64")]
+            {
+                if matches!(isa(), Isa::Avx512) {
+                    sum_each_avx512();
+                }
+                if matches!(isa(), Isa::Avx512 | Isa::Avx2) {
+                    sum_each_avx2();
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
+        unsafe fn sum_each_avx512() {
+            check::<x86::Avx512>()
+        }
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn sum_each_avx2() {
+            check::<x86::Avx2>()
+        }
+    }
+
+    /// One task on every instruction set this machine has (and the scalar one) gives the same
+    /// states: plain f16 and bf16 rows with D = 40 (a partial vector), 4- and 8-bit rows, K and V
+    /// in different formats, 1 and 3 query rows (groups of 8, 4, 2 and 1 states).
+    #[test]
+    fn every_instruction_set_agrees() {
+        use crate::dtype::DType;
+        use crate::quant::{quantize, QuantFormat};
+        let rand = |n: usize, seed: u64| -> Vec<f32> {
+            let mut x = seed | 1;
+            (0..n)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    ((x >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+                })
+                .collect()
+        };
+        let (b, s, hkv, group) = (1usize, 70usize, 2usize, 5usize);
+        for (dtype, d, quant) in [(DType::F16, 40, None), (DType::BF16, 40, None), (DType::BF16, 64, Some((4, 32))), (DType::F32, 128, Some((8, 64)))] {
+            for sq in [1, 3] {
+                let bytes = |x: &[f32]| {
+                    let mut out = vec![0u8; x.len() * dtype.size_bytes()];
+                    dtype.store(x, &mut out, 0);
+                    out
+                };
+                let q = bytes(&rand(b * sq * hkv * group * d, 3));
+                let (kx, vx) = (bytes(&rand(b * s * hkv * d, 5)), bytes(&rand(b * s * hkv * d, 7)));
+                let quantized = quant.map(|(bits, gs)| {
+                    let fmt = QuantFormat::new(bits, gs, d).unwrap();
+                    let rows = b * s * hkv;
+                    let mut v = vec![0u32; rows * fmt.words()];
+                    let (mut sc, mut bi) = (vec![0u8; rows * fmt.groups() * dtype.size_bytes()], vec![0u8; rows * fmt.groups() * dtype.size_bytes()]);
+                    quantize(dtype, &fmt, &kx, &mut v, &mut sc, &mut bi).unwrap();
+                    (fmt, v, sc, bi)
+                });
+                let k = match &quantized {
+                    Some((fmt, v, sc, bi)) => Cache::Quant { fmt: *fmt, values: v, scales: sc, biases: bi },
+                    None => Cache::Plain(&kx),
+                };
+                let v = Cache::Plain(&vx); // V plain: K and V in different formats when K is quantized
+                let p = Decode {
+                    dtype, batch: b, seq_q: sq, s_cache: s, heads: hkv * group, kv_heads: hkv, head_dim: d, causal: true, scale: 0.3,
+                    left: Some(50), right: None, softcap: None, num_splits: None,
+                };
+                let t = Task { b: 0, lo: 3, hi: s, k0: 3, k1: s };
+                let n = hkv * group * sq;
+                let go = |f: &dyn Fn(&mut [f32], &mut [f32])| {
+                    let (mut po, mut pl) = (vec![0f32; n * d], vec![0f32; n]);
+                    f(&mut po, &mut pl);
+                    (po, pl)
+                };
+                // SAFETY: each set runs only where isa() reports it.
+                let want = go(&|po, pl| unsafe { run::<Scalar>(&p, &q, &k, &v, t, po, pl) });
+                let mut got = vec![go(&|po, pl| task(&p, &q, &k, &v, t, po, pl))];
+                #[cfg(target_arch = "x86_64")]
+                if matches!(isa(), Isa::Avx512 | Isa::Avx2) {
+                    got.push(go(&|po, pl| unsafe { avx2(&p, &q, &k, &v, t, po, pl) }));
+                }
+                for (po, pl) in got {
+                    for (i, (a, w)) in po.iter().zip(&want.0).chain(pl.iter().zip(&want.1)).enumerate() {
+                        assert!((a - w).abs() <= 1e-5 * (1.0 + w.abs()), "{dtype:?} d={d} {quant:?} sq={sq}: [{i}] {a} vs {w}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn four_bit_positions_are_a_permutation() {
+        let fmt = crate::quant::QuantFormat::new(4, 32, 128).unwrap();
+        let c = Cache::Quant { fmt, values: &[], scales: &[], biases: &[] };
+        for lanes in [1, 8, 16] {
+            let mut seen = [false; 128];
+            for e in 0..128 {
+                seen[position(&c, lanes, e)] = true;
+            }
+            assert!(seen.iter().all(|&s| s), "{lanes} lanes");
+        }
+        assert_eq!((position(&c, 16, 0), position(&c, 16, 1), position(&c, 16, 2), position(&c, 16, 33)), (0, 16, 1, 48));
+        assert_eq!((position(&c, 1, 5), position(&c, 8, 1), position(&c, 8, 17)), (5, 8, 24));
+    }
+}
