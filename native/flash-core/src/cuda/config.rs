@@ -38,14 +38,21 @@ pub struct Spec {
 /// of the split-TF32 one (comparisons, benchmarks); `"tf32"` is unaffected.
 pub const TF32_ENV: &str = "FLASH_NIF_TF32";
 
-/// The TF32 products per pair of a call's `kernel` (see [`Spec::tf32_terms`]): the split-TF32
-/// forward for f32 under `precision="exact"` at every head dim (its errors against the oracle are
-/// within twice the SIMT kernel's: tests/test_tf32.py), the one-product one under `"tf32"`; the
-/// backward has no tensor-core f32 kernel yet and runs SIMT f32 under either.
-pub fn tf32_terms(kernel: Kernel, dtype: DType, precision: Precision) -> usize {
+/// Fewest keys (Sk) for which `precision="exact"` takes the split-TF32 forward. A split product
+/// keeps ~22 significant bits, so a row that sees a single key gets o = v only to ~2 ulps, where
+/// the SIMT kernel is exact (P = 1) — and its dq, exactly 0 in the oracle, is then all error.
+/// Short key sequences, where speed does not matter, run SIMT.
+pub const MIN_SPLIT_TF32_KEYS: usize = 16;
+
+/// The TF32 products per pair of a call's `kernel` with `seq_k` keys (see [`Spec::tf32_terms`]):
+/// the split-TF32 forward for f32 under `precision="exact"` at every head dim (its errors against
+/// the oracle are within twice the SIMT kernel's: tests/test_tf32.py) from MIN_SPLIT_TF32_KEYS
+/// keys on, the one-product one under `"tf32"`; the backward has no tensor-core f32 kernel yet and
+/// runs SIMT f32 under either.
+pub fn tf32_terms(kernel: Kernel, dtype: DType, precision: Precision, seq_k: usize) -> usize {
     let split_allowed = || std::env::var(TF32_ENV).map_or(true, |v| v.trim() != "0");
     match (kernel, dtype, precision) {
-        (Kernel::Fwd, DType::F32, Precision::Exact) if split_allowed() => 3,
+        (Kernel::Fwd, DType::F32, Precision::Exact) if seq_k >= MIN_SPLIT_TF32_KEYS && split_allowed() => 3,
         (Kernel::Fwd, DType::F32, Precision::Tf32) => 1,
         _ => 0,
     }
@@ -481,10 +488,14 @@ mod tests {
 
     #[test]
     fn f32_forward_runs_on_tensor_cores_by_precision() {
-        assert_eq!(tf32_terms(Kernel::Fwd, DType::F32, Precision::Tf32), 1);
+        assert_eq!(tf32_terms(Kernel::Fwd, DType::F32, Precision::Tf32, 1), 1);
+        if std::env::var(TF32_ENV).is_err() {
+            assert_eq!(tf32_terms(Kernel::Fwd, DType::F32, Precision::Exact, MIN_SPLIT_TF32_KEYS), 3);
+        }
+        assert_eq!(tf32_terms(Kernel::Fwd, DType::F32, Precision::Exact, MIN_SPLIT_TF32_KEYS - 1), 0, "short keys: SIMT");
         for (k, dt) in [(Kernel::BwdDkdvDq, DType::F32), (Kernel::BwdDq, DType::F32), (Kernel::Fwd, DType::BF16)] {
             for p in [Precision::Exact, Precision::Tf32] {
-                assert_eq!(tf32_terms(k, dt, p), 0, "{k:?} {dt:?} {p:?}");
+                assert_eq!(tf32_terms(k, dt, p, 4096), 0, "{k:?} {dt:?} {p:?}");
             }
         }
         for (terms, math) in [(3, "3xtf32"), (1, "tf32")] {
