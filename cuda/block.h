@@ -275,15 +275,8 @@ struct KeyBlock {
     // No key of this batch row is in the block (MASKED: the grid covers the longest sequence).
     __device__ __forceinline__ bool empty() const { return MASKED && n0 >= Sk; }
     // Iteration it < n_iter: its query head, and the first row of its query tile.
-    __device__ __forceinline__ int head(int it) const { return hkv * GQA_GROUP + visit(it) / m_tiles; }
-    __device__ __forceinline__ int query_row(int it) const { return (m_first + visit(it) % m_tiles) * BLOCK_M; }
-    // Plain walks may start at iteration `rotation` and wrap around (bwd_sm90.cu's deterministic
-    // stagger); iteration it visits (head, tile) number visit(it).
-    int rotation = 0;
-    __device__ __forceinline__ int visit(int it) const {
-        const int r = it + rotation;
-        return r >= n_iter ? r - n_iter : r;
-    }
+    __device__ __forceinline__ int head(int it) const { return hkv * GQA_GROUP + it / m_tiles; }
+    __device__ __forceinline__ int query_row(int it) const { return (m_first + it % m_tiles) * BLOCK_M; }
     // One past the last query row the block visits in each head.
     __device__ __forceinline__ int m_stop() const { return MASKED ? m_start + m_tiles * BLOCK_M : Sq; }
 #if MASKED

@@ -92,47 +92,33 @@ __device__ __forceinline__ u32 stage_of(int j) { return j % STAGES; }
 __device__ __forceinline__ u32 phase_of(int j) { return (j / STAGES) & 1; }
 
 // ---- the block's key block and its turn at each dQ tile --------------------------------------------
-// Deterministic (dq_sem) dQ tiles take their key blocks' reductions in a fixed order, chosen so that
-// blocks moving at the same pace never wait:
+// Deterministic (dq_sem) dQ tiles take their key blocks' reductions in a fixed order in which a block
+// only ever waits for blocks dispatched before it (CTAs start in index order, so those are resident
+// or done: no deadlock, however many key blocks there are and whatever else shares the GPU):
+// - plain walks: ascending key blocks (every block starts at tile 0);
 // - causal walks start at their diagonal tile, and ascending order would make each block wait for
 //   the blocks below it to walk down to its diagonal (a staircase). Descending order keeps every
-//   block two tiles (BLOCK_N / BLOCK_M) behind the one above it. The CTAs take the key blocks from
-//   the last down, so a block only ever waits for blocks dispatched before it;
-// - plain walks would all start at iteration 0 and queue behind each other at every tile. Key block
-//   n starts at iteration n instead (mod n_iter) and wraps around; a tile takes its visitors in the
-//   order of their arrival step (it - n mod n_iter), ties (more key blocks than iterations) by n.
+//   block two tiles (BLOCK_N / BLOCK_M) behind the one above it, and the CTAs take the key blocks
+//   from the last down.
+// (Staggered plain walks — block n starting at tile n — measured no faster, and would need every
+// key block of a head resident at once.)
 __device__ __forceinline__ KeyBlock key_block(const Sm90BwdParams& P) {
     const bool descending = IS_CAUSAL && P.dq_sem;
-    KeyBlock blk(P.p, descending ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
-    if (!IS_CAUSAL && P.dq_sem && blk.n_iter > 0) blk.rotation = blockIdx.x % blk.n_iter;
-    return blk;
+    return KeyBlock(P.p, descending ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
 }
 
-// How many of the residues idx, idx - 1, ..., idx - i + 1 (mod n) lie in [0, r).
-__device__ __forceinline__ int residues_below(int idx, int i, int n, int r) {
-    const int lo = idx - i + 1;  // >= idx - n + 1
-    if (lo >= 0) return max(0, min(idx, r - 1) - lo + 1);
-    return min(idx, r - 1) + 1 + max(0, r - (lo + n));  // [0, idx] and [lo + n, n - 1]
-}
-
-// The block's turn at its walk's iteration `it` (query tile m0): the reductions into that dQ tile
-// that go before its own.
-__device__ __forceinline__ int dq_turn(const KeyBlock& blk, int it, int m0) {
+// The block's turn at query tile m0: the reductions into that dQ tile that go before its own.
+__device__ __forceinline__ int dq_turn(const KeyBlock& blk, int m0) {
     const int n = blk.n0 / BLOCK_N;
 #if IS_CAUSAL
     // Key blocks n' visit the tile when n' BLOCK_N - (Sk - Sq) < m0 + BLOCK_M (block.h's
     // first_query_tile): the first `visitors` blocks, the last of them first.
-    (void)it;
     const int reach = m0 + BLOCK_M + (blk.Sk - blk.Sq);
     const int visitors = reach <= 0 ? 0 : min((reach + BLOCK_N - 1) / BLOCK_N, (int)gridDim.x);
     return visitors - 1 - n;
 #else
-    // Every key block visits every iteration; block n' reaches (head, tile) number idx at step
-    // (idx - n') mod n_iter. Those arriving earlier, then those arriving with it and a lower n.
-    const int iters = blk.n_iter, idx = blk.visit(it), step = it;
-    const int full = gridDim.x / iters, rem = gridDim.x % iters;
     (void)m0;
-    return step * full + residues_below(idx, step, iters, rem) + n / iters;
+    return n;
 #endif
 }
 
@@ -199,7 +185,7 @@ __device__ __forceinline__ void write_dq(const Sm90BwdParams& P, Smem& smem, int
         mbar_wait(smem_addr(&smem.dq_full[j % DQ_WRITERS]), (j / DQ_WRITERS) & 1);
         if (lane == 0) {
             if (sem)
-                while (ld_acquire_gpu(sem) != dq_turn(blk, w.it(), m0)) {
+                while (ld_acquire_gpu(sem) != dq_turn(blk, m0)) {
                 }
             // Rows past Sq land in the last tile's padding.
             bulk_reduce_add_f32(p.dq_accum + dq_tile_offset(p, blk.b, h, m0, 0, HEAD_DIM), smem_addr(smem.dq), BLOCK_M * HEAD_DIM * 4);
@@ -209,7 +195,7 @@ __device__ __forceinline__ void write_dq(const Sm90BwdParams& P, Smem& smem, int
             if (sem) {
                 bulk_wait<0>();  // the tile is in dq_accum: the next key block's turn
                 __threadfence();
-                st_release_gpu(sem, dq_turn(blk, w.it(), m0) + 1);
+                st_release_gpu(sem, dq_turn(blk, m0) + 1);
             }
         }
         __syncwarp();
