@@ -13,27 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_nif
-
-
-def timed(fn, warmup, reps):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+from gpu import timed  # bench/gpu.py: CUDA events, median (run as python bench/tf32.py)
 
 
 def ours(q, k, v, causal, precision, simt=False):
