@@ -5,31 +5,13 @@ and Elixir are judged alike; tests/test_quant.py holds the wider sweeps."""
 
 from __future__ import annotations
 
-import json
-import pathlib
-import sys
-
-import ml_dtypes
 import numpy as np
 
-FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
+from fixture_cases import FIXTURES, assert_generator_reproduces, read_cases
 
 
 def _cases():
-    """(case, tensors) from tests/fixtures/decode: little-endian bytes read as native arrays."""
-    manifest = json.loads((FIXTURES / "decode" / "manifest.json").read_text())
-    assert manifest["byte_order"] == "little"
-    out = []
-    for c in manifest["cases"]:
-        blob = (FIXTURES / "decode" / c["file"]).read_bytes()
-        tensors = {}
-        for e in c["tensors"]:
-            dtype = ml_dtypes.bfloat16 if e["dtype"] == "bfloat16" else np.dtype(e["dtype"])
-            size = np.dtype(dtype).itemsize
-            raw = np.frombuffer(blob, dtype=f"<u{size}", count=e["nbytes"] // size, offset=e["offset"])
-            tensors[e["name"]] = raw.astype(f"=u{size}").view(dtype).reshape(e["shape"])
-        out.append((c, tensors))
-    return out
+    return read_cases("decode")
 
 
 def _of(kind):
@@ -88,11 +70,4 @@ def test_readme_decode_loop_runs(fa):
 
 
 def test_fixtures_are_what_the_generator_writes(tmp_path):
-    sys.path.insert(0, str(FIXTURES))
-    try:
-        import generate_decode
-    finally:
-        sys.path.remove(str(FIXTURES))
-    generate_decode.build(tmp_path)
-    for f in sorted((FIXTURES / "decode").iterdir()):
-        assert (tmp_path / f.name).read_bytes() == f.read_bytes(), f"{f.name} is stale: rerun generate_decode.py"
+    assert_generator_reproduces("decode", tmp_path)

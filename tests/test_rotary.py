@@ -10,18 +10,14 @@ the errors: R > D, odd R, cos / sin mismatch, positions outside [0, max_pos), wr
 
 from __future__ import annotations
 
-import json
-import pathlib
-import sys
-
 import ml_dtypes
 import numpy as np
 import pytest
 
+from fixture_cases import assert_generator_reproduces, read_cases
 from test_masks import DEVICES, GPU_LIBS, HAVE_CUPY_GPU, Env, cupy
 
 DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
-FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 
 
 @pytest.fixture
@@ -317,20 +313,7 @@ def test_gpu_large_call(fa, ref, env, where):
 # --- the shared fixtures (ExUnit checks the NIF against the same numbers) ----------------------------
 
 def _fixture_cases():
-    """(case, tensors) from tests/fixtures/rotary: little-endian bytes read as native arrays."""
-    manifest = json.loads((FIXTURES / "rotary" / "manifest.json").read_text())
-    assert manifest["byte_order"] == "little"
-    out = []
-    for c in manifest["cases"]:
-        blob = (FIXTURES / "rotary" / c["file"]).read_bytes()
-        tensors = {}
-        for e in c["tensors"]:
-            dtype = ml_dtypes.bfloat16 if e["dtype"] == "bfloat16" else np.dtype(e["dtype"])
-            size = np.dtype(dtype).itemsize
-            raw = np.frombuffer(blob, dtype=f"<u{size}", count=e["nbytes"] // size, offset=e["offset"])
-            tensors[e["name"]] = raw.astype(f"=u{size}").view(dtype).reshape(e["shape"])
-        out.append((c, tensors))
-    return out
+    return read_cases("rotary")
 
 
 @pytest.mark.parametrize("where", DEVICES)
@@ -349,11 +332,4 @@ def test_shared_fixtures(fa, env, where):
 
 
 def test_fixtures_are_what_the_generator_writes(tmp_path):
-    sys.path.insert(0, str(FIXTURES))
-    try:
-        import generate_rotary
-    finally:
-        sys.path.remove(str(FIXTURES))
-    generate_rotary.build(tmp_path)
-    for f in sorted((FIXTURES / "rotary").iterdir()):
-        assert (tmp_path / f.name).read_bytes() == f.read_bytes(), f"{f.name} is stale: rerun generate_rotary.py"
+    assert_generator_reproduces("rotary", tmp_path)
