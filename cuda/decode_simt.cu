@@ -11,6 +11,7 @@
 // params.h wants a compile-time head dim: this kernel reads D from its params, at most this bound.
 #define HEAD_DIM 256
 #include "decode.h"
+#include "warp_reduce.h"
 
 #if STATE_TILE != 4
 #error "decode_simt.cu's warp tile is 4 query states"
@@ -49,12 +50,6 @@ __device__ __forceinline__ float scale_at(const unsigned char* row, int index) {
     } else {
         return to_float(reinterpret_cast<const u16*>(row)[index]);
     }
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
 }
 
 template <int BITS>

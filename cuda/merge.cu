@@ -10,6 +10,7 @@
 // lse = -inf. One warp per state (b, i, h), grid-stride: its lanes find the max and the sum over
 // the parts, then the columns. Arithmetic is f32 (expf / logf, not the approximations).
 #include "types.h"
+#include "warp_reduce.h"
 
 #ifndef NUM_WARPS
 #error "NUM_WARPS must be defined"
@@ -27,17 +28,6 @@ struct MergeParams {
     int parts, batch, seq_q, heads, dv, parts_f32;
 };
 static_assert(sizeof(MergeParams) == 4 * 8 + 6 * 4, "kv.rs mirrors this layout");
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-    return x;
-}
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_merge_states(const MergeParams p) {
     const int lane = threadIdx.x % 32;

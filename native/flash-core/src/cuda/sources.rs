@@ -33,6 +33,7 @@ pub const FILES: &[(&str, &str)] = &[
     ("bwd_dsinks.cu", include_str!("../../../../cuda/bwd_dsinks.cu")),
     ("pad.cu", include_str!("../../../../cuda/pad.cu")),
     ("rotary.cu", include_str!("../../../../cuda/rotary.cu")),
+    ("warp_reduce.h", include_str!("../../../../cuda/warp_reduce.h")),
     ("decode.h", include_str!("../../../../cuda/decode.h")),
     ("decode.cu", include_str!("../../../../cuda/decode.cu")),
     ("decode_simt.cu", include_str!("../../../../cuda/decode_simt.cu")),
