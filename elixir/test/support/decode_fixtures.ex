@@ -4,8 +4,6 @@ defmodule FlashNif.DecodeFixtures do
   # oracle; tests/test_decode_fixtures.py checks the Python side against the same files): every
   # case with its tensors as ExPhil.Native.FlashAttention.Tensor structs.
 
-  alias ExPhil.Native.FlashAttention.Tensor
-
   @dir Path.expand("../../../tests/fixtures/decode", __DIR__)
 
   @doc """
@@ -21,32 +19,7 @@ defmodule FlashNif.DecodeFixtures do
   The manifest alone, tensors as their descriptions: for generating tests at compile time
   without putting megabytes of fixtures into the test module as literals.
   """
-  def manifest do
-    {:ok, terms} = :file.consult(String.to_charlist(Path.join(@dir, "manifest.eterm")))
-    {:header, %{byte_order: "little"}} = hd(terms)
-    for {:fixture, c} <- terms, do: c
-  end
+  def manifest, do: FlashNif.Fixtures.manifest(@dir)
 
-  defp load(c) do
-    blob = File.read!(Path.join(@dir, c.file))
-
-    tensors =
-      Map.new(c.tensors, fn t ->
-        type = FlashNif.Fixtures.type(t.dtype)
-        size = Tensor.byte_size(type) * 8
-
-        data = little_to_native(binary_part(blob, t.offset, t.nbytes), size)
-
-        {String.to_atom(t.name), %Tensor{data: data, shape: List.to_tuple(t.shape), type: type}}
-      end)
-
-    %{c | tensors: tensors}
-  end
-
-  defp little_to_native(bin, size) do
-    case :erlang.system_info(:endian) do
-      :little -> bin
-      :big -> for <<x::little-size(size) <- bin>>, into: <<>>, do: <<x::big-size(size)>>
-    end
-  end
+  defp load(c), do: %{c | tensors: FlashNif.Fixtures.tensors(@dir, c)}
 end

@@ -15,23 +15,32 @@ defmodule FlashNif.Fixtures do
   :varlen, :tol (a map), :tensors (a map) and :opts, the options to call it with (masks and
   score modifiers included).
   """
-  def cases do
-    {:ok, terms} = :file.consult(String.to_charlist(Path.join(@dir, "manifest.eterm")))
-    {:header, %{byte_order: "little"}} = hd(terms)
-    for {:fixture, c} <- terms, do: load(c)
-  end
+  def cases, do: for(c <- manifest(@dir), do: load(c))
 
   defp load(c) do
-    blob = File.read!(Path.join(@dir, c.file))
-
-    tensors =
-      Map.new(c.tensors, fn t ->
-        type = type(t.dtype)
-        data = blob |> binary_part(t.offset, t.nbytes) |> little_to_native(Tensor.byte_size(type))
-        {String.to_atom(t.name), %Tensor{data: data, shape: List.to_tuple(t.shape), type: type}}
-      end)
-
+    tensors = tensors(@dir, c)
     %{c | tensors: tensors} |> Map.put(:opts, opts(c, tensors))
+  end
+
+  @doc """
+  The cases of a fixture folder's manifest.eterm (tests/fixtures/<folder>, written by the
+  generators there), tensors as their descriptions.
+  """
+  def manifest(dir) do
+    {:ok, terms} = :file.consult(String.to_charlist(Path.join(dir, "manifest.eterm")))
+    {:header, %{byte_order: "little"}} = hd(terms)
+    for {:fixture, c} <- terms, do: c
+  end
+
+  @doc "Case `c`'s tensors from its file in `dir`: Tensor structs by atom name, in native byte order."
+  def tensors(dir, c) do
+    blob = File.read!(Path.join(dir, c.file))
+
+    Map.new(c.tensors, fn t ->
+      type = type(t.dtype)
+      data = blob |> binary_part(t.offset, t.nbytes) |> little_to_native(Tensor.byte_size(type))
+      {String.to_atom(t.name), %Tensor{data: data, shape: List.to_tuple(t.shape), type: type}}
+    end)
   end
 
   # The manifest's window ([left, right], nil for an unbounded side), mask names, softcap (a number
