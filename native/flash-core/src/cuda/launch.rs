@@ -444,13 +444,14 @@ pub(super) unsafe fn backward_kernels(dev: &Device, p: &Problem, s: cu::CUstream
     let vp = kernel_variant(dev, p, Kernel::BwdPreprocess)?;
     let fp = device::function(dev, &vp)?;
     // The Hopper kernel's dq_accum is in whole tiles (params.h's dq_tile_offset): Sq rounded up.
+    let (tile_rows, tiles) = if hopper { sm90::backward_query_tiles(dev, p)? } else { (0, 0) };
     let dq_len = match (hopper, atomic_dq) {
-        (true, _) => d.batch * d.heads * sm90::backward_m_blocks(dev, p)? * sm90::backward_block_m(dev, p)? * d.head_dim,
+        (true, _) => d.batch * d.heads * tiles * tile_rows * d.head_dim,
         (false, true) => p.q_len(),
         (false, false) => 0,
     };
     prm.dq_tiled = hopper as i32;
-    let sem_len = if hopper && p.deterministic { d.batch * d.heads * sm90::backward_m_blocks(dev, p)? } else { 0 };
+    let sem_len = if hopper && p.deterministic { d.batch * d.heads * tiles } else { 0 };
     // Each part on a 128-byte boundary (the Hopper kernel's bulk reductions need 16).
     let stats_pad = stats.next_multiple_of(32);
     let work = DeviceBuffer::alloc((2 * stats_pad + dq_len + sem_len) * 4, s)?;

@@ -183,20 +183,16 @@ struct Sm90BwdParams<P> {
     p: P,
 }
 
-/// Query tiles per head of the Hopper backward for `p` (the deterministic mode's semaphores are
-/// `[B, H, backward_m_blocks]` int32).
-pub(super) fn backward_m_blocks(dev: &Device, p: &Problem) -> Result<usize> {
-    Ok(p.dims.seq_q.div_ceil(backward_block_m(dev, p)?))
-}
-
-/// Query rows per tile of the Hopper backward: dq_accum holds `[B, H, backward_m_blocks * this, D]`
-/// f32 in params.h's dq_tile_offset layout (whole tiles: the kernel adds a tile in one piece).
-pub(super) fn backward_block_m(dev: &Device, p: &Problem) -> Result<usize> {
-    Ok(super::launch::kernel_variant(dev, p, Kernel::BwdSm90)?.tiles.block_m)
+/// The Hopper backward's query tiles for `p`: (rows per tile, tiles per head). dq_accum holds
+/// `[B, H, tiles * rows, D]` f32 in params.h's dq_tile_offset layout (whole tiles: the kernel adds a
+/// tile in one piece); the deterministic mode's semaphores are `[B, H, tiles]` int32.
+pub(super) fn backward_query_tiles(dev: &Device, p: &Problem) -> Result<(usize, usize)> {
+    let rows = super::launch::kernel_variant(dev, p, Kernel::BwdSm90)?.tiles.block_m;
+    Ok((rows, p.dims.seq_q.div_ceil(rows)))
 }
 
 /// Launches the Hopper backward for `p` with `prm` (pointers and workspace set: delta, lse_log2 and
-/// the zeroed dq_accum; `dq_sem`, zeroed `[B, H, backward_m_blocks]` int32 or 0 for unordered dQ
+/// the zeroed dq_accum; `dq_sem`, zeroed `[B, H, tiles]` int32 (backward_query_tiles) or 0 for unordered dQ
 /// reductions).
 ///
 /// # Safety
