@@ -61,6 +61,7 @@
 #define DS_BYTES (CB_BYTES(BLOCK_N) * (BLOCK_M / 64))    // dS^T [BLOCK_N][BLOCK_M]
 static_assert(DQ_WRITERS <= 3, "warpgroup 0 has the producer and three more warps");
 static_assert(BLOCK_M % DQ_TILE_ROWS == 0, "a dQ tile is whole tiles of dq_accum");
+#define DQ_TILE_BYTES (DQ_TILE_ROWS * HEAD_DIM * 4)  // one tile of dq_accum
 
 // Shared memory: K, V [COL_BLOCKS][BLOCK_N][64]; Q, dO [STAGES][COL_BLOCKS][BLOCK_M][64]; dS^T, two
 // buffers of [BLOCK_M / 64][BLOCK_N][64] (query column blocks); the dQ tile [BLOCK_M][HEAD_DIM] f32 (dq_accum's tiles);
@@ -187,8 +188,13 @@ __device__ __forceinline__ void write_dq(const Sm90BwdParams& P, Smem& smem, int
             if (sem)
                 while (ld_acquire_gpu(sem) != dq_turn(blk, m0)) {
                 }
-            // Rows past Sq land in the last tile's padding.
-            bulk_reduce_add_f32(p.dq_accum + dq_tile_offset(p, blk.b, h, m0, 0, HEAD_DIM), smem_addr(smem.dq), BLOCK_M * HEAD_DIM * 4);
+            // One reduction per dq_accum tile that has rows below Sq (rows past Sq land in the last
+            // one's padding; a next tile would be the next head's).
+#pragma unroll
+            for (int i = 0; i < BLOCK_M / DQ_TILE_ROWS; ++i)
+                if (i == 0 || m0 + i * DQ_TILE_ROWS < blk.Sq)
+                    bulk_reduce_add_f32(p.dq_accum + dq_tile_offset(p, blk.b, h, m0 + i * DQ_TILE_ROWS, 0, HEAD_DIM),
+                                        smem_addr(smem.dq) + i * DQ_TILE_BYTES, DQ_TILE_BYTES);
             bulk_commit();
             bulk_wait_read<0>();
             mbar_arrive(smem_addr(&smem.dq_empty));  // the consumers may write the next tile
@@ -254,6 +260,25 @@ __device__ __forceinline__ void pack_a(u32 (&a)[KT][4], const float (&x)[2 * KT]
     }
 }
 
+// S^T, dP^T -> P^T, dS^T (bwd_grads.h) as 16-bit A fragments, 16 query columns at a time: each
+// step's lse / delta loads stay in it (a memory clobber), so that S^T, dP^T, dK, dV and the 2 x 32
+// columns' statistics are never all live at once (BLOCK_M = 128 spilled).
+__device__ __forceinline__ void grads_packed(u32 (&pa)[BLOCK_M / 16][4], u32 (&da)[BLOCK_M / 16][4],
+                                             float (&s)[BLOCK_M / 8][4], float (&dp)[BLOCK_M / 8][4], float scale_log2,
+                                             bool masked, int key0, int m0, const Visibility& vis, const float* lse2,
+                                             const float* dlt) {
+    typedef float Step[2][4];  // one 16-column step of S^T / dP^T
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+        Step& s2 = *reinterpret_cast<Step*>(&s[2 * kk]);
+        Step& dp2 = *reinterpret_cast<Step*>(&dp[2 * kk]);
+        grads_t<2>(s2, dp2, scale_log2, masked, key0, m0 + 16 * kk, vis, lse2 + 16 * kk, dlt + 16 * kk);
+        pack_a(*reinterpret_cast<u32(*)[1][4]>(&pa[kk]), s2);
+        pack_a(*reinterpret_cast<u32(*)[1][4]>(&da[kk]), dp2);
+        asm volatile("" ::: "memory");
+    }
+}
+
 // The warp's dS^T rows (A fragments) -> the swizzled dS^T tile at ds: key row `row` (and row + 8),
 // query columns 16 kk + 8 half + 2 t.
 __device__ __forceinline__ void store_ds(u32 ds, const u32 (&a)[BLOCK_M / 16][4], int row) {
@@ -306,10 +331,8 @@ __device__ __forceinline__ void consume(const Sm90BwdParams& P, Smem& smem, int 
         wgmma_wait<0>();  // S^T and dP^T (P^T V issued before dS^T is computed spilled at 232 registers)
         fence_regs(s);
         fence_regs(dp);
-        grads_t<BLOCK_M / 8>(s, dp, p.scale_log2, masked, key0, m0, blk.vis(h), lse2, dlt);
-        pack_a(pa, s);
+        grads_packed(pa, da, s, dp, p.scale_log2, masked, key0, m0, blk.vis(h), lse2, dlt);
         issue_ab(dv, pa, do_tile);
-        pack_a(da, dp);
         issue_ab(dk, da, q_tile);
 
         // dS^T to shared memory (buffer j % 2: both consumers finished reading it at iteration j - 2,

@@ -197,10 +197,11 @@ fn default_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize
             _ => (128, 80, 12, 2, 1),
         };
     }
-    // The Hopper backward: 128 keys per block (two consumer warpgroups of 64), 64 query rows per
-    // step, Q and dO STAGES = 2 deep (cuda/bwd_sm90.cu; D = 64 and 128 only).
+    // The Hopper backward: 128 keys per block (two consumer warpgroups of 64), 128 query rows per
+    // step at D = 64 (64-row steps were 64 x 64 x 64 products: too short) and 64 at D = 128, Q and
+    // dO STAGES = 2 deep (cuda/bwd_sm90.cu; D = 64 and 128 only).
     if kernel == Kernel::BwdSm90 {
-        return (64, 128, 12, 2, 1);
+        return (if d <= 64 { 128 } else { 64 }, 128, 12, 2, 1);
     }
     // The atomic-dQ dK/dV kernel takes 128 keys per block on 8 warps (the deterministic one: 64 on
     // 4): half the dQ atomics per query, and 8 warps per SM at D = 128 where 4-warp blocks of
