@@ -238,11 +238,11 @@ struct KeyBlock {
 #endif
 
     __device__ __forceinline__ explicit KeyBlock(const FlashParams& p) : KeyBlock(p, blockIdx.x) {}
-    // Key block n_block (a kernel that orders its blocks itself).
-    __device__ __forceinline__ KeyBlock(const FlashParams& p, int n_block) {
+    // Key block n_block of kv head hkv, batch b (a kernel that orders its blocks itself).
+    __device__ __forceinline__ KeyBlock(const FlashParams& p, int n_block, int kv_head = blockIdx.y, int batch = blockIdx.z) {
         n0 = n_block * BLOCK_N;
-        hkv = blockIdx.y;
-        b = blockIdx.z;
+        hkv = kv_head;
+        b = batch;
 #if MASKED
         seq = SeqMask::load(p, b);
         Sq = seq.q_len;

@@ -116,10 +116,36 @@ pub fn device(ordinal: usize) -> Result<Arc<Device>> {
     }
     let mut ctx: cu::CUcontext = std::ptr::null_mut();
     check("cuDevicePrimaryCtxRetain", unsafe { cu::cuDevicePrimaryCtxRetain(&mut ctx, dev) })?;
+    keep_pool_memory(dev)?;
     let arch = if major == 9 && minor == 0 { "sm_90a".to_string() } else { format!("sm_{major}{minor}") };
     let d = Arc::new(Device { ordinal, ctx, name, cc: (major, minor), arch, sm_count, max_smem_optin });
     map.insert(ordinal, d.clone());
     Ok(d)
+}
+
+/// Bytes of freed stream-ordered memory (the workspace of every call: the backward's dQ sums are
+/// q-sized f32) that the device's default pool keeps for the next call instead of returning them
+/// to the driver at each synchronisation. With the driver's default (0), every backward paid a
+/// fresh mapping of its workspace: +260 us of host time at B·S = 16k, H·D = 2048 on an H100
+/// (bench/RESULTS.md). `FLASH_NIF_POOL_KEEP=<bytes>` sets it (0: the driver's behaviour).
+pub const POOL_KEEP_ENV: &str = "FLASH_NIF_POOL_KEEP";
+const POOL_KEEP_DEFAULT: u64 = 4 << 30;
+
+fn keep_pool_memory(dev: cu::CUdevice) -> Result<()> {
+    let mut keep = std::env::var(POOL_KEEP_ENV).ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(POOL_KEEP_DEFAULT);
+    let mut pool: cu::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: out-pointer; then the pool's attribute from a u64, as the driver API documents it.
+    unsafe {
+        check("cuDeviceGetDefaultMemPool", cu::cuDeviceGetDefaultMemPool(&mut pool, dev))?;
+        check(
+            "cuMemPoolSetAttribute(RELEASE_THRESHOLD)",
+            cu::cuMemPoolSetAttribute(
+                pool,
+                cu::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut keep as *mut u64 as *mut std::ffi::c_void,
+            ),
+        )
+    }
 }
 
 /// Makes `dev`'s primary context current until dropped, then restores the previous one.
