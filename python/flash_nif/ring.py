@@ -153,7 +153,9 @@ class _Ring:
         self.stream = None
         if device.type == "cuda":
             idx = device.index if device.index is not None else torch.cuda.current_device()
-            self.stream = _STREAMS.setdefault(idx, torch.cuda.Stream(idx))
+            if idx not in _STREAMS:
+                _STREAMS[idx] = torch.cuda.Stream(idx)
+            self.stream = _STREAMS[idx]
 
     def shift(self, send: torch.Tensor, tag: int):
         """Posts the transfer; returns a handle for :meth:`wait`. ``send`` must not change until then."""
