@@ -152,15 +152,13 @@ def test_four_ranks_gloo_match_single_device(ft, ref, assert_close_to_oracle, gl
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_schedule_covers_each_visible_pair_once(fa, world, layout, causal):
+def test_schedule_covers_each_visible_pair_once(ft, world, layout, causal):
     """The blocks the ring computes, mapped to global positions, cover every (query, key) pair
     that the mask shows exactly once, and no hidden pair."""
     from flash_nif.ring import _block
 
     s = 4 * world  # chunks of 2 (zigzag) or 4 (contiguous)
     pos = torch.arange(s)
-    import flash_nif.torch as ft
-
     where = [ft.shard_sequence(pos, r, world, layout=layout, dim=0) for r in range(world)]
     n = s // world
     count = torch.zeros(s, s, dtype=torch.int64)
