@@ -34,7 +34,7 @@ import torch
 
 import flash_nif
 
-__all__ = ["attention", "attention_with_lse"]
+__all__ = ["attention", "attention_with_lse", "ring_attention", "shard_sequence", "unshard_sequence"]
 
 _LAYOUTS = ("bshd", "bhsd")
 
@@ -245,3 +245,6 @@ def _pair(segment_ids):
     if not (isinstance(segment_ids, tuple) and len(segment_ids) == 2):
         raise flash_nif.UnsupportedError("segment_ids must be a (seg_q, seg_k) tuple of tensors")
     return segment_ids
+
+
+from .ring import ring_attention, shard_sequence, unshard_sequence  # noqa: E402 (ring.py calls the ops above)
