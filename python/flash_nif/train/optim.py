@@ -1,14 +1,15 @@
 """AdamW (decoupled weight decay) with global-norm gradient clipping and a warmup schedule.
 
 One update for NumPy, CuPy and torch arrays (both frameworks of the trainer): the same operations
-in the same order with scalars in the parameters' dtype, so equal inputs give equal bits."""
+in the same order with scalars in the parameters' dtype and a correctly rounded sqrt, so equal
+gradients give equal bits."""
 
 from __future__ import annotations
 
 import math
 from functools import partial
 
-from .backend import scalar, to_float64, xp_of
+from .backend import scalar, sqrt, to_float64, xp_of
 
 
 def global_norm(grads: dict) -> float:
@@ -56,7 +57,6 @@ class AdamW:
         c2 = 1.0 - self.b2 ** self.step
         for name, p in params.items():
             g = grads[name]
-            xp = xp_of(p)
             t = partial(scalar, p)  # scalars in p's dtype
             m, v = self.m[name], self.v[name]
             m *= t(self.b1)
@@ -65,7 +65,7 @@ class AdamW:
             v += t(1 - self.b2) * (g * g)
             if self.weight_decay and self.decays(name):
                 p *= t(1.0 - lr * self.weight_decay)
-            p -= t(lr / c1) * m / (xp.sqrt(v / t(c2)) + t(self.eps))
+            p -= t(lr / c1) * m / (sqrt(v / t(c2)) + t(self.eps))
 
     def state(self) -> dict:
         return {"step": self.step, "m": self.m, "v": self.v}
