@@ -30,7 +30,9 @@ is in it. Then, from the SDPA-flash step of the same run,
     rest           = step(sdpa-flash) - L * as_used(sdpa-flash)   (projections, MLP, norms, loss, optimizer)
     predicted(a)   = rest + L * kernels(a)
 and step(a) / predicted(a) - 1 is what the step pays beyond the attention kernels: copies,
-synchronisations, launch gaps. `--profile` shows where (bench/gpt_profile.py).
+synchronisations, launch gaps. `--profile` shows where (bench/gpt_profile.py). The prediction
+needs the sdpa-flash row of the same run (`--attn all`); the attention timings run eagerly, also
+with `--compile` (which may fuse some of the layout copies that `as used` counts).
 
     python bench/gpt_step.py --attn all [--batch 4] [--seq 4096] [--contiguous-qkv] [--compile]
     python bench/gpt_step.py --attn flash_nif --profile --out runs/gpt_profile
@@ -278,7 +280,8 @@ def table(args, rows: list[dict]) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--attn", choices=ATTNS + ("all",), default="all")
+    p.add_argument("--attn", choices=ATTNS + ("all",), default="all",
+                   help="attention kind, or all three in one process (the prediction needs sdpa-flash)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--width", type=int, default=768)
