@@ -192,6 +192,18 @@ def test_cli_torch_run_resumes_bit_exact(fa, tmp_path):
     assert torch.get_num_threads() >= 1  # the CLI restored the thread count it changed
 
 
+def test_a_numpy_checkpoint_resumes_in_torch(fa, tmp_path):
+    """One checkpoint format: 3 NumPy steps + 3 torch steps follow 6 NumPy steps to float32 rounding."""
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    assert cli.main(SMALL + ["--steps", "6", "--out", straight]) == 0
+    assert cli.main(SMALL + ["--steps", "3", "--out", split]) == 0
+    assert cli.main(["--framework", "torch", "--steps", "6", "--out", split, "--resume", "--no-progress"]) == 0
+    a, b = _checkpoint(straight), _checkpoint(split)
+    assert np.array_equal(a["hist/train_loss"][:3], b["hist/train_loss"][:3])
+    assert max_rel_diff(a["hist/train_loss"], b["hist/train_loss"]) <= CURVE_TOL
+    assert json.loads((tmp_path / "split" / "summary.json").read_text())["framework"] == "torch"
+
+
 def test_torch_framework_refuses_the_numpy_oracle(fa, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["--framework", "torch", "--attention", "reference", "--steps", "1"])
