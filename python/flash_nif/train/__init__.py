@@ -3,7 +3,8 @@
 A decoder-only transformer trained with a hand-written backward pass in which attention is
 flash_nif's forward_with_states/backward (see model.py), on an associative-recall task (data.py),
 with AdamW and gradient clipping (optim.py), a whole-model gradient check (gradcheck.py), exact
-npz checkpoints (checkpoint.py) and a loss plot (plot.py).
+npz checkpoints (checkpoint.py) and a loss plot (plot.py). `--framework torch` trains the same
+model written as torch modules (torch_model.py, imported only then) with flash_nif.torch's op.
 """
 
 from .backend import Attention, Device, SetupError, get_attention, get_device

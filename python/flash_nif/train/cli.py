@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from . import checkpoint
-from .backend import SetupError, get_attention, get_device
+from .backend import FRAMEWORKS, SetupError, get_attention, get_device
 from .gradcheck import DEFAULT_TOL, grad_check, tiny_config
 from .plot import plot_curves
 from .trainer import TrainConfig, Trainer
@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Train a small decoder-only transformer on associative recall with a hand-written "
-                    "backward pass stitched to flash_nif's attention forward_with_states/backward. "
+                    "backward pass stitched to flash_nif's attention forward_with_states/backward "
+                    "(or, with --framework torch, the same model in torch with flash_nif.torch.attention). "
                     "A whole-model gradient check runs first.",
         formatter_class=_HelpFormatter,
     )
@@ -77,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                                              f"(default: {d['steps']})")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: NumPy arrays; cuda: CuPy arrays and flash_nif's GPU backend (no fallback)")
+    g.add_argument("--framework", choices=FRAMEWORKS, default="numpy",
+                   help="numpy: every layer's backward by hand, stitched to flash_nif's forward/backward "
+                        "(NumPy or CuPy); torch: the same model as torch modules, flash_nif.torch.attention "
+                        "for attention and torch autograd for the rest (torch tensors on --device)")
     g.add_argument("--seed", type=nonneg, help=f"seeds the parameters, the data and the eval set (default: {d['seed']})")
     g.add_argument("--out", default="runs/train", metavar="DIR",
                    help="checkpoint.npz, summary.json and loss.png go here")
@@ -109,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grad-check-tol", type=_float_range(0.0, inclusive=False), default=DEFAULT_TOL,
                    help="maximum relative error allowed in the gradient check")
     g.add_argument("--blas-threads", type=_int_at_least(0), default=1,
-                   help="BLAS threads for the NumPy matmuls (needs threadpoolctl; 0 = leave as is). "
-                        "One is fastest for these small matrices on a busy 2-core machine")
+                   help="BLAS threads for the NumPy matmuls (needs threadpoolctl), or torch's intra-op "
+                        "threads with --framework torch (0 = leave as is). One is fastest for these small "
+                        "matrices on a busy 2-core machine")
     g.add_argument("--no-progress", action="store_true",
                    help="no progress bar (it is shown only when stderr is a terminal, so logs stay clean)")
     return p
@@ -151,10 +157,39 @@ def resolve_config(args, parser, ckpt_meta: dict | None) -> TrainConfig:
     return cfg
 
 
-def limit_blas_threads(n: int):
-    """Cap the BLAS thread pool (small matmuls lose badly to thread hand-offs on a loaded CPU)."""
+class _TorchThreads:
+    """torch's intra-op threads set for the run and restored after it (threadpoolctl's interface)."""
+
+    def __init__(self, n: int):
+        import torch
+
+        self.torch, self.old = torch, torch.get_num_threads()
+        torch.set_num_threads(n)
+
+    def restore_original_limits(self):
+        self.torch.set_num_threads(self.old)
+
+
+class _Limits:
+    def __init__(self, limits):
+        self.limits = [limit for limit in limits if limit is not None]
+
+    def restore_original_limits(self):
+        for limit in reversed(self.limits):
+            limit.restore_original_limits()
+
+
+def limit_blas_threads(n: int, framework: str = "numpy"):
+    """Cap the BLAS thread pool (small matmuls lose badly to thread hand-offs on a loaded CPU: the
+    NumPy layers, and either framework's float64 gradient check); with torch, also torch's
+    intra-op threads (its OpenMP workers, spinning between the small ops, starve flash_nif's own
+    threads: 1,300 tokens/s with 2 on the busy 2-core machine, 46,000 with 1)."""
     if n <= 0:
         return None
+    return _Limits([_blas_limits(n), _TorchThreads(n) if framework == "torch" else None])
+
+
+def _blas_limits(n: int):
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:
@@ -192,12 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = resolve_config(args, parser, ckpt["meta"] if ckpt else None)
 
     try:
-        device = get_device(args.device)
+        device = get_device(args.device, args.framework)
         attention = get_attention(args.attention, device)
     except SetupError as exc:
         parser.error(str(exc))
 
-    limiter = limit_blas_threads(args.blas_threads if device.name == "cpu" else 0)
+    limiter = limit_blas_threads(args.blas_threads if device.name == "cpu" else 0, device.framework)
     try:
         return run(args, cfg, device, attention, ckpt, started)
     finally:
@@ -216,7 +251,7 @@ def run(args, cfg: TrainConfig, device, attention, ckpt: dict | None, started: f
             return fail(f"--resume: {exc}")
     mcfg, task = trainer.model_cfg, trainer.task
     say = print
-    say(f"flash_nif.train: device {device.name}, attention {attention.name}; "
+    say(f"flash_nif.train: device {device.name}, framework {device.framework}, attention {attention.name}; "
         f"{mcfg.layers} layers, {mcfg.heads} heads / {mcfg.kv_heads} kv heads, dim {mcfg.dim} "
         f"(head dim {mcfg.head_dim}), {trainer.num_params():,} parameters")
     say(f"task: associative recall, seq {task.seq} = {task.num_pairs} key-value pairs + "
@@ -318,6 +353,7 @@ def run(args, cfg: TrainConfig, device, attention, ckpt: dict | None, started: f
         "train_time_s": trainer.train_time,
         "wall_time_s": time.perf_counter() - started,
         "device": device.name,
+        "framework": device.framework,
         "attention": attention.name,
         "config": trainer.config_dict(),
     }

@@ -2,7 +2,8 @@
 
 The analytic side is the training code path itself -- the hand-written backward of every layer
 stitched to the attention backend that trains (flash_nif's kernels on the training device, float32
-by default). The numeric side is a central difference of the same model in float64 with the float64
+by default), or with `--framework torch` torch autograd through the torch modules and
+flash_nif.torch's op (so the check also shows that they compute the NumPy model). The numeric side is a central difference of the same model in float64 with the float64
 oracle `flash_nif.reference` as its attention:
 
     fd_i = (L(θ + ε e_i) - L(θ - ε e_i)) / 2ε,    ε = 1e-5.
@@ -25,9 +26,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .backend import Attention, Device, float64_reference_attention, to_host
+from .backend import Attention, Device, TorchAttention, float64_reference_attention, to_host
 from .data import RecallTask
-from .model import ModelConfig, Transformer, init_params
+from .model import ModelConfig, Transformer, build_model, init_params
 
 DEFAULT_TOL = 1e-3
 FD_EPS = 1e-5
@@ -61,7 +62,7 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return 0.0 if den == 0.0 else float(np.linalg.norm(a - b)) / den
 
 
-def grad_check(cfg: ModelConfig, task: RecallTask, attention: Attention, device: Device, *,
+def grad_check(cfg: ModelConfig, task: RecallTask, attention: Attention | TorchAttention, device: Device, *,
                dtype=np.float32, seed: int = 0, batch: int = 2, max_coords: int = 48,
                eps: float = FD_EPS) -> GradCheckResult:
     """Compare the stitched gradients of `attention` on `device` in `dtype` with float64 finite
@@ -74,7 +75,7 @@ def grad_check(cfg: ModelConfig, task: RecallTask, attention: Attention, device:
     params = {k: p.astype(dtype) for k, p in params.items()}  # the point both sides evaluate at
     tokens, targets = task.sample(rng, batch)
 
-    model = Transformer(cfg, attention)
+    model = build_model(cfg, attention)
     dev_params = {k: device.put(p) for k, p in params.items()}
     _, _, _, grads = model.loss_and_grads(dev_params, device.put(tokens), device.put(targets))
     grads = {k: to_host(g).astype(np.float64) for k, g in grads.items()}

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .. import reference, rotary
-from .backend import Attention, xp_of
+from .backend import Attention, TorchAttention, xp_of
 
 RMS_EPS = 1e-5
 GELU_C = math.sqrt(2.0 / math.pi)
@@ -288,3 +288,13 @@ class Transformer:
     def loss_and_grads(self, params, tokens, targets):
         loss, correct, count, tape = self.forward(params, tokens, targets)
         return loss, correct, count, self.backward(params, tape)
+
+
+def build_model(cfg: ModelConfig, attention):
+    """The model that trains with `attention`: this module's hand-stitched Transformer for a
+    NumPy/CuPy `Attention`, torch_model's modules for a `TorchAttention` (torch imported only then)."""
+    if isinstance(attention, TorchAttention):
+        from .torch_model import TorchTransformer
+
+        return TorchTransformer(cfg, attention)
+    return Transformer(cfg, attention)

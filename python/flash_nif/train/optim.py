@@ -1,17 +1,22 @@
-"""AdamW (decoupled weight decay) with global-norm gradient clipping and a warmup schedule."""
+"""AdamW (decoupled weight decay) with global-norm gradient clipping and a warmup schedule.
+
+One update for NumPy, CuPy and torch arrays (both frameworks of the trainer): the same operations
+in the same order with scalars in the parameters' dtype and a correctly rounded sqrt, so equal
+gradients give equal bits."""
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
-from .backend import xp_of
+from .backend import scalar, sqrt, to_float64, xp_of
 
 
 def global_norm(grads: dict) -> float:
     """sqrt of the sum of squares of every gradient entry (accumulated in float64 on the host)."""
     total = 0.0
     for g in grads.values():
-        g64 = g.astype("float64")
+        g64 = to_float64(g)
         total = total + (g64 * g64).sum()  # stays on the device until the one float() below
     return math.sqrt(float(total))
 
@@ -21,7 +26,7 @@ def clip_by_global_norm(grads: dict, max_norm: float) -> tuple[dict, float]:
     norm = global_norm(grads)
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        grads = {k: g * g.dtype.type(scale) for k, g in grads.items()}
+        grads = {k: g * scalar(g, scale) for k, g in grads.items()}
     return grads, norm
 
 
@@ -52,8 +57,7 @@ class AdamW:
         c2 = 1.0 - self.b2 ** self.step
         for name, p in params.items():
             g = grads[name]
-            xp = xp_of(p)
-            t = p.dtype.type
+            t = partial(scalar, p)  # scalars in p's dtype
             m, v = self.m[name], self.v[name]
             m *= t(self.b1)
             m += t(1 - self.b1) * g
@@ -61,7 +65,7 @@ class AdamW:
             v += t(1 - self.b2) * (g * g)
             if self.weight_decay and self.decays(name):
                 p *= t(1.0 - lr * self.weight_decay)
-            p -= t(lr / c1) * m / (xp.sqrt(v / t(c2)) + t(self.eps))
+            p -= t(lr / c1) * m / (sqrt(v / t(c2)) + t(self.eps))
 
     def state(self) -> dict:
         return {"step": self.step, "m": self.m, "v": self.v}

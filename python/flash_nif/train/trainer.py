@@ -1,4 +1,5 @@
-"""The training state and one step of it: batch -> stitched forward/backward -> clip -> AdamW.
+"""The training state and one step of it: batch -> forward/backward (hand-stitched, or torch
+autograd with --framework torch) -> clip -> AdamW.
 
 `Trainer` owns everything a checkpoint must hold to resume exactly: parameters, AdamW moments and
 step, the data generator's state, and the curves so far. Nothing else influences a step (no
@@ -14,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import checkpoint
-from .backend import Attention, Device
+from .backend import Attention, Device, TorchAttention, host_dtype
 from .data import RecallTask, Stream, eval_set
-from .model import ModelConfig, Transformer, decays, init_params, param_shapes
+from .model import ModelConfig, build_model, decays, init_params, param_shapes
 from .optim import AdamW, clip_by_global_norm, learning_rate
 
 HISTORY_KEYS = ("train_loss", "train_acc", "eval_step", "eval_loss", "eval_acc")
@@ -56,12 +57,12 @@ class TrainConfig:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, device: Device, attention: Attention):
+    def __init__(self, cfg: TrainConfig, device: Device, attention: Attention | TorchAttention):
         self.cfg = cfg
         self.device = device
         self.task = cfg.task()
         self.model_cfg = cfg.model()
-        self.model = Transformer(self.model_cfg, attention)
+        self.model = build_model(self.model_cfg, attention)
         init_rng = np.random.Generator(np.random.PCG64([cfg.seed, 0x1417]))
         host = init_params(self.model_cfg, init_rng)
         self.params = {k: device.put(v) for k, v in host.items()}
@@ -135,9 +136,10 @@ class Trainer:
                 raise ValueError(f"checkpoint {group} do not match the model: {sorted(missing)}")
             for name in names:
                 src = ckpt[group][name]
-                if src.shape != target[name].shape or src.dtype != target[name].dtype:
+                shape, dtype = tuple(target[name].shape), host_dtype(target[name])
+                if src.shape != shape or src.dtype != dtype:
                     raise ValueError(f"checkpoint {group}/{name} has shape {src.shape} {src.dtype}, "
-                                     f"the model wants {target[name].shape} {target[name].dtype}")
+                                     f"the model wants {shape} {dtype}")
                 target[name] = self.device.put(src.copy())
         self.opt.step = int(meta["adam_step"])
         self.stream.set_state(meta["data_rng"])
