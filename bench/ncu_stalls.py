@@ -16,7 +16,7 @@ def main(path: str, top: int = 40) -> None:
     text = open(path, encoding="utf-8", errors="replace").read()
     start = text.find('"Address"')  # ncu prints its log lines before the table
     rows = list(csv.DictReader(io.StringIO(text[start:])))
-    sample_cols = [c for c in rows[0] if c.startswith("stall_") or "Samples" in c]
+    sample_cols = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
     total_col = next(c for c in rows[0] if c.startswith("Warp Stall Sampling (All"))
     reasons = Counter()
     for r in rows:
