@@ -103,17 +103,21 @@ __device__ __forceinline__ u32 phase_of(int j) { return (j / STAGES) & 1; }
 //   from the last down.
 // (Staggered plain walks — block n starting at tile n — measured no faster, and would need every
 // key block of a head resident at once.)
-// Unordered causal walks differ in length (key block 0 visits every query tile, the last block one
-// or two). In dispatch order, the CTAs take groups of heads (about 128 key blocks a group: their Q,
-// dO and dq_accum tiles stay in L2; all heads at once measured 35 % slower), and in a group the
-// key blocks of its heads in turn, block 0 first: the longest walks start first and the short ones
-// fill the end (not a last head's long walks).
+// Dispatch order (the CTAs start in index order). Two walks take the key blocks of groups of heads
+// in turn, block 0 first (GROUP_L2_BYTES of Q, dO and dq_accum a group, so that they stay in L2:
+// all heads at once measured 35 % slower):
+// - unordered causal walks differ in length (key block 0 visits every query tile, the last one or
+//   two): the longest start first and the short ones fill the end (not a last head's long walks);
+// - deterministic plain walks all start at query tile 0, where key block n waits for the n blocks
+//   before it: here block n starts a group's worth of CTAs after block n - 1, not with it.
+#define GROUP_L2_BYTES (16 << 20)
 __device__ __forceinline__ KeyBlock key_block(const Sm90BwdParams& P) {
-    if (IS_CAUSAL && !P.dq_sem) {
+    if (!MASKED && IS_CAUSAL != (P.dq_sem != nullptr)) {  // (MASKED: spills at D = 64)
         const int blocks = gridDim.x, heads = gridDim.y * gridDim.z;
-        const int group = max(1, 128 / blocks);  // heads per group
-        const int id = blockIdx.x + blocks * (blockIdx.y + gridDim.y * blockIdx.z);  // dispatch order
-        const int first = id / (group * blocks) * group;  // the group's first head
+        const i64 per_head = (i64)P.p.seqlen_q * HEAD_DIM * (2 * sizeof(elem_t) + 4);  // Q, dO, dq_accum
+        const int group = (int)max((i64)1, GROUP_L2_BYTES / max(per_head, (i64)1));    // heads per group
+        const int id = blockIdx.x + blocks * (blockIdx.y + gridDim.y * blockIdx.z);     // dispatch order
+        const int first = id / (group * blocks) * group;                                // the group's first head
         const int size = min(group, heads - first), r = id - first * blocks;
         const int head = first + r % size;
         return KeyBlock(P.p, r / size, head % gridDim.y, head / gridDim.y);
