@@ -1,6 +1,6 @@
 // tf32.h — tile.h's warp-level GEMMs for f32 tiles, on tensor cores as TF32 products
 // (mma.sync m16n8k8, sm_80 and newer), with the same names and shapes as the fp16 / bf16 ones, so
-// that fwd.cu runs either. Included by tile.h when FLASH_DTYPE == 2.
+// that fwd.cu, bwd_dq.cu and bwd_dkdv.cu run either. Included by tile.h when FLASH_DTYPE == 2.
 //
 // TF32_TERMS = 3 (split TF32, "3xTF32"): each operand x = big + small, big = tf32(x) and
 //   small = tf32(x - big) (x - big is exact in f32), so big + small holds x to about 2^-22, and
@@ -10,6 +10,8 @@
 //   products in a zero accumulator, added to S by an f32 add (round to nearest); O += P V sums one
 //   key tile (3 * BLOCK_N / 8 products) per 8 output columns the same way. (Summing O's products
 //   per k step as well cost 70-90 more registers: ptxas interleaves every column's temporaries.)
+//   The backward's products take the same two shapes (S^T, dP^T as S; dV, dK, dQ as O, over a
+//   query or key tile), and the atomic-dQ kernel's dQ += dS K (gemm_atb) sums 32 keys at a time.
 // TF32_TERMS = 1: one TF32 product per pair (big_a * big_b) chained in the tensor cores: operands
 //   rounded to 11 significant bits (relative 2^-11); asked for by name only (precision="tf32").
 #pragma once
