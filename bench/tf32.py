@@ -1,12 +1,15 @@
-"""float32 forward on tensor cores vs SIMT vs torch's efficient backend, one run (issue 17).
+"""float32 forward and backward on tensor cores vs SIMT vs torch's efficient backend, one run (issue 17).
 
 Method (bench/gpu.py's): B*S = 16384 tokens, H*D = 2048, forward FLOPs = 4*B*H*S^2*D (halved when
-causal), median of --reps after --warmup runs, CUDA events, the same random tensors for everyone.
-Rows: ours precision="exact" (split TF32, "3xtf32"), ours with FLASH_NIF_TF32=0 (the SIMT f32
-forward, what "exact" ran before), ours precision="tf32", torch SDPA's efficient backend (f32).
-Errors: ||o - float64 oracle|| / ||oracle|| on the first batch row and head pair (torch in float64).
+causal), backward = 2.5 x forward, backward time = (forward+backward) - forward, median of --reps
+after --warmup runs, CUDA events, the same random tensors for everyone.
+Forward rows: ours precision="exact" (split TF32, "3xtf32"), ours with FLASH_NIF_TF32=0 (the SIMT
+f32 kernels, what "exact" ran before), ours precision="tf32", torch SDPA's efficient backend (f32).
+Backward rows: the same four, ours in the default mode (dQ by f32 atomics) and "exact" also with
+deterministic=True. Errors: ||x - float64|| / ||float64|| on the first batch row and head pair
+(torch in float64): o for the forward, the worst of dq, dk, dv for the backward.
 
-    python bench/tf32.py [--seqs 2048,8192] [--dims 64,128] [--md out.md]
+    python bench/tf32.py [--seqs 2048,8192] [--dims 64,128] [--passes fwd,bwd] [--md out.md]
 """
 
 from __future__ import annotations
@@ -42,6 +45,54 @@ def efficient(q, k, v, causal):
     return f
 
 
+def ours_fwd_bwd(q, k, v, do, causal, precision, simt=False, deterministic=False):
+    """(forward, forward + backward, backward's kernel info) of ours; grads as (dq, dk, dv)."""
+    def fwd():
+        return flash_nif.forward_with_states(q, k, v, causal=causal, precision=precision)
+
+    def fwd_bwd():
+        if simt:
+            os.environ["FLASH_NIF_TF32"] = "0"
+        try:
+            o, lse = fwd()
+            return flash_nif.backward(do, q, k, v, o, lse, causal=causal, precision=precision,
+                                      deterministic=deterministic)
+        finally:
+            os.environ.pop("FLASH_NIF_TF32", None)
+
+    def fwd_timed():  # the forward of fwd_bwd, under the same environment
+        if simt:
+            os.environ["FLASH_NIF_TF32"] = "0"
+        try:
+            return fwd()
+        finally:
+            os.environ.pop("FLASH_NIF_TF32", None)
+    return fwd_timed, fwd_bwd
+
+
+def efficient_fwd_bwd(q, k, v, do, causal):
+    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))  # [B, H, S, D]
+    dot = do.transpose(1, 2)
+
+    def fwd():
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION), torch.no_grad():
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    def fwd_bwd():
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            return tuple(g.transpose(1, 2) for g in torch.autograd.grad(out, (qt, kt, vt), dot))
+    return fwd, fwd_bwd
+
+
+def grad_err(grads, q, k, v, do, causal):
+    """The worst of dq, dk, dv's ||x - float64|| / ||float64|| on batch row 0, heads 0..1."""
+    q64, k64, v64 = (x[:1, :, :2].double().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q64, k64, v64, is_causal=causal)
+    want = torch.autograd.grad(out, (q64, k64, v64), do[:1, :, :2].double().transpose(1, 2))
+    return max(((g[:1, :, :2].double() - w.transpose(1, 2)).norm() / w.norm()).item() for g, w in zip(grads, want))
+
+
 def rel_err(o, q, k, v, causal):
     """On batch row 0, heads 0..1, against float64 torch math."""
     q64, k64, v64 = (x[:1, :, :2].double().transpose(1, 2) for x in (q, k, v))
@@ -56,9 +107,23 @@ def main():
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--passes", default="fwd,bwd")
     ap.add_argument("--md")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    passes = args.passes.split(",")
+    out = []
+    if "fwd" in passes:
+        out += ["TFLOPS (forward); ratios = time of torch efficient / ours", ""] + forward_rows(args) + [""]
+    if "bwd" in passes:
+        out += ["TFLOPS (backward); ratios = time of torch efficient / ours", ""] + backward_rows(args) + [""]
+    print("\n".join(out))
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write("\n".join(out))
+
+
+def forward_rows(args):
     cols = ["S", "D", "causal", "ours exact (3xtf32)", "ours SIMT", "ours tf32", "torch efficient", "exact / eff.",
             "tf32 / eff.", "err exact", "err SIMT", "err tf32", "err eff."]
     rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -85,10 +150,41 @@ def main():
                 rows.append("| " + " | ".join(map(str, cells)) + " |")
                 print(rows[-1], flush=True)
             del q, k, v
-    print("\n".join(rows))
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write("TFLOPS (forward); ratios = time of torch efficient / ours\n\n" + "\n".join(rows) + "\n")
+    return rows
+
+
+def backward_rows(args):
+    cols = ["S", "D", "causal", "ours exact (3xtf32)", "ours exact det.", "ours SIMT", "ours tf32", "torch efficient",
+            "exact / eff.", "tf32 / eff.", "err exact", "err exact det.", "err SIMT", "err tf32", "err eff."]
+    names = ("exact", "det", "simt", "tf32", "eff")
+    rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for s in (int(x) for x in args.seqs.split(",")):
+        for d in (int(x) for x in args.dims.split(",")):
+            b, h = 16384 // s, 2048 // d
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v, do = (torch.randn(b, s, h, d, device="cuda", generator=g) for _ in range(4))
+            for causal in (False, True):
+                flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+                fns = {"exact": ours_fwd_bwd(q, k, v, do, causal, "exact"),
+                       "det": ours_fwd_bwd(q, k, v, do, causal, "exact", deterministic=True),
+                       "simt": ours_fwd_bwd(q, k, v, do, causal, "exact", simt=True),
+                       "tf32": ours_fwd_bwd(q, k, v, do, causal, "tf32"),
+                       "eff": efficient_fwd_bwd(q, k, v, do, causal)}
+                ms, err, tf = {}, {}, {}
+                for name, (fwd, fwd_bwd) in fns.items():
+                    ms[name] = max(timed(fwd_bwd, args.warmup, args.reps) - timed(fwd, args.warmup, args.reps), 1e-6)
+                    tf[name] = flops / ms[name] / 1e9
+                    err[name] = grad_err(fwd_bwd(), q, k, v, do, causal)
+                    if name != "eff":
+                        kernel = flash_nif.info()["cuda"]["last_kernels"]["backward"]
+                        print(f"  {name}: {kernel['kernel']} [{kernel['math']}]")
+                cells = [s, d, causal, *(f"{tf[n]:.1f}" for n in names),
+                         f"{ms['eff'] / ms['exact']:.2f}", f"{ms['eff'] / ms['tf32']:.2f}",
+                         *(f"{err[n]:.1e}" for n in names)]
+                rows.append("| " + " | ".join(map(str, cells)) + " |")
+                print(rows[-1], flush=True)
+            del q, k, v, do
+    return rows
 
 
 if __name__ == "__main__":

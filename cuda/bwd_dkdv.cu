@@ -1,4 +1,6 @@
-// bwd_dkdv.cu — dK and dV on tensor cores (fp16 / bf16), and with ATOMIC_DQ also dQ.
+// bwd_dkdv.cu — dK and dV on tensor cores, and with ATOMIC_DQ also dQ: fp16 / bf16 (mma m16n8k16),
+// and f32 as split-TF32 or TF32 products (TF32_TERMS, the GEMMs of tf32.h; mma m16n8k8), P and dS
+// kept in f32.
 //
 // Grid (ceil(Sk / BLOCK_N), Hkv, B). One block owns BLOCK_N key rows of one kv head and loops over
 // the GQA_GROUP query heads that share it and over every query tile that can see its keys, so GQA
@@ -18,19 +20,34 @@
 #if BLOCK_N * D_SPLIT != 16 * NUM_WARPS
 #error "dkdv: BLOCK_N * D_SPLIT must be 16 * NUM_WARPS"
 #endif
-#define DPART (DPAD / D_SPLIT)  // dK/dV columns per warp, a multiple of 16
+#define DPART (DPAD / D_SPLIT)  // dK/dV columns per warp, a multiple of MMA_K
 
 #if ATOMIC_DQ
 // dQ work split: items of DQ_MT 16-row query tiles x DQ_NT 8-column slices of D, dealt to the
 // warps round-robin; with the usual tiles every warp gets exactly one item.
+#if FLASH_DTYPE == 2
+#define DS_ROW (BLOCK_M + 4)  // sdS row stride: 4 mod 16 floats, conflict-free scalar reads (tf32.h's gemm_atb)
+#else
 #define DS_ROW (BLOCK_M + 8)  // sdS row stride: an odd number of 16-byte units, conflict-free ldmatrix
+#endif
 constexpr int DQ_MT = (BLOCK_M / 16) % 3 == 0 ? 3 : (BLOCK_M / 16) % 2 == 0 ? 2 : 1;
 constexpr int DQ_MGROUPS = BLOCK_M / 16 / DQ_MT;
 constexpr int DQ_NSPLIT = NUM_WARPS / DQ_MGROUPS > 0 ? NUM_WARPS / DQ_MGROUPS : 1;
 constexpr int DQ_NT_ALL = DPAD / 8;
+#if FLASH_DTYPE == 2
+// Any column tiles per item (the TF32 GEMMs take them one by one), a divisor of DQ_NT_ALL, which
+// may be odd (D = 40, 72, 136): the largest one up to DQ_NT_ALL / DQ_NSPLIT.
+constexpr int dq_nt_f32() {
+    for (int n = DQ_NT_ALL / DQ_NSPLIT; n > 1; --n)
+        if (DQ_NT_ALL % n == 0) return n;
+    return 1;
+}
+constexpr int DQ_NT = dq_nt_f32();
+#else
 constexpr int DQ_NT = (DQ_NT_ALL % DQ_NSPLIT == 0 && (DQ_NT_ALL / DQ_NSPLIT) % 2 == 0)
                           ? DQ_NT_ALL / DQ_NSPLIT
                           : (DQ_NT_ALL % 4 == 0 ? 4 : 2);
+#endif
 constexpr int DQ_ITEMS = DQ_MGROUPS * (DQ_NT_ALL / DQ_NT);
 
 // dq_accum[b, m0 + i, h, :] += sum_j dS[i][j] K[j][:] for one work item (DQ_MT query tiles x DQ_NT
@@ -175,8 +192,7 @@ flash_bwd_dkdv(const FlashParams p) {
             for (int i = 0; i < BLOCK_M / 8; ++i)
 #pragma unroll
                 for (int r = 0; r < 2; ++r)
-                    *reinterpret_cast<u32*>(smem.ds + (slice * 16 + g + 8 * r) * DS_ROW + i * 8 + 2 * t) =
-                        pack2(dp[i][2 * r], dp[i][2 * r + 1]);
+                    store2(smem.ds + (slice * 16 + g + 8 * r) * DS_ROW + i * 8 + 2 * t, dp[i][2 * r], dp[i][2 * r + 1]);
         }
         __syncthreads();  // dS^T complete (the next write follows the next iteration's first barrier)
         add_dq_tile(p, blk, smem.ds, smem.k, blk.head(it), m0);

@@ -1,4 +1,5 @@
-// bwd_dq.cu — dQ on tensor cores (fp16 / bf16). Deterministic: no atomics, one block owns its rows.
+// bwd_dq.cu — dQ on tensor cores: fp16 / bf16, and f32 as split-TF32 or TF32 products (TF32_TERMS,
+// tf32.h), dS kept in f32. Deterministic: no atomics, one block owns its rows.
 //
 // Grid (ceil(Sq / BLOCK_M), H, B); each warp owns 16 query rows. K/V tiles stream through two
 // shared-memory buffers. Per tile, with P recomputed from the saved logsumexp:

@@ -1,6 +1,6 @@
 // tf32.h — tile.h's warp-level GEMMs for f32 tiles, on tensor cores as TF32 products
 // (mma.sync m16n8k8, sm_80 and newer), with the same names and shapes as the fp16 / bf16 ones, so
-// that fwd.cu runs either. Included by tile.h when FLASH_DTYPE == 2.
+// that fwd.cu, bwd_dq.cu and bwd_dkdv.cu run either. Included by tile.h when FLASH_DTYPE == 2.
 //
 // TF32_TERMS = 3 (split TF32, "3xTF32"): each operand x = big + small, big = tf32(x) and
 //   small = tf32(x - big) (x - big is exact in f32), so big + small holds x to about 2^-22, and
@@ -10,6 +10,8 @@
 //   products in a zero accumulator, added to S by an f32 add (round to nearest); O += P V sums one
 //   key tile (3 * BLOCK_N / 8 products) per 8 output columns the same way. (Summing O's products
 //   per k step as well cost 70-90 more registers: ptxas interleaves every column's temporaries.)
+//   The backward's products take the same two shapes (S^T, dP^T as S; dV, dK, dQ as O, over a
+//   query or key tile), and the atomic-dQ kernel's dQ += dS K (gemm_atb) sums 32 keys at a time.
 // TF32_TERMS = 1: one TF32 product per pair (big_a * big_b) chained in the tensor cores: operands
 //   rounded to 11 significant bits (relative 2^-11); asked for by name only (precision="tf32").
 #pragma once
@@ -139,6 +141,69 @@ __device__ __forceinline__ void gemm_pb_mt(float (&acc)[MT][NO][4], const float 
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[mt][no][e] += t[mt][e];
+        }
+    }
+}
+
+// The single-tile forms (MT = 1) on a warp's 16 rows, as tile.h's: S^T = K Q^T, dP^T = V dO^T
+// (gemm_abt), dV += P^T dO, dK += dS^T Q, dQ += dS K (gemm_pb) in the backward kernels.
+template <int NT>
+__device__ __forceinline__ void gemm_abt(float (&acc)[NT][4], const float* a_tile, const float* b_tile) {
+    gemm_abt_mt<1, NT>(reinterpret_cast<float (&)[1][NT][4]>(acc), a_tile, b_tile);
+}
+template <int KT, int NO>
+__device__ __forceinline__ void gemm_pb(float (&acc)[NO][4], const float (&p)[2 * KT][4], const float* b_tile,
+                                        int col0) {
+    gemm_pb_mt<1, KT, NO>(reinterpret_cast<float (&)[1][NO][4]>(acc),
+                          reinterpret_cast<const float (&)[1][2 * KT][4]>(p), b_tile, col0);
+}
+
+// acc[MT][NT] += A[16*MT x K] * B[K x 8*NT] for K = 16*KT, with A stored TRANSPOSED in shared
+// memory (at[k][m], row stride at_stride = 4 mod 16, first column m_off) and B row-major (b[k][n],
+// row stride SROW, first column n_off): dQ += dS K from the dS^T the dK/dV warps wrote (bwd_dkdv.cu,
+// ATOMIC_DQ). Scalar loads (ldmatrix cannot transpose 32-bit elements), each k step's keys in
+// gemm_pb_mt's order 0, 2, 4, 6, 1, 3, 5, 7: lane (g, t) reads A's keys 2t, 2t+1 of rows g, g + 8
+// and B's keys 2t, 2t+1 of column g; both strides are 4 mod 16, so rows 2t sit 8 banks apart (no
+// conflict). TF32_TERMS = 3: the products of each 32 keys (12 per output tile, half gemm_pb_mt's
+// chain at 64 keys) are summed in a zero accumulator and added to acc in f32.
+template <int MT, int NT, int KT>
+__device__ __forceinline__ void gemm_atb(float (&acc)[MT][NT][4], const float* at, int at_stride, int m_off,
+                                         const float* b_tile, int n_off) {
+    constexpr int GROUP = 2 * KT < 4 ? 2 * KT : 4;  // k steps (8 keys) per chain
+    static_assert((2 * KT) % GROUP == 0, "gemm_atb: K must be 16 keys or a multiple of 32");
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const float* ap = at + 2 * t * at_stride + m_off + g;
+    const float* bp = b_tile + 2 * t * SROW + n_off + g;
+#pragma unroll 1
+    for (int k0 = 0; k0 < 2 * KT; k0 += GROUP) {
+        float c[MT][NT][4] = {};  // this group's products (TF32_TERMS = 3)
+#pragma unroll
+        for (int kk = k0; kk < k0 + GROUP; ++kk) {
+            Tf32Frag<4> a[MT];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const float* r = ap + kk * 8 * at_stride + mt * 16;
+                a[mt].set(0, r[0]);
+                a[mt].set(1, r[8]);
+                a[mt].set(2, r[at_stride]);
+                a[mt].set(3, r[at_stride + 8]);
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                Tf32Frag<2> b;
+                b.set(0, bp[kk * 8 * SROW + nt * 8]);
+                b.set(1, bp[kk * 8 * SROW + SROW + nt * 8]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) mma_chain(TF32_TERMS == 3 ? c[mt][nt] : acc[mt][nt], a[mt], b, 0);
+            }
+        }
+        if (TF32_TERMS == 3) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[mt][nt][e] += c[mt][nt][e];
         }
     }
 }

@@ -1,14 +1,17 @@
-"""float32 on tensor cores: the ``precision`` option (cuda/tf32.h, fwd.cu with TF32_TERMS).
+"""float32 on tensor cores: the ``precision`` option (cuda/tf32.h; fwd.cu, bwd_dq.cu and bwd_dkdv.cu
+with TF32_TERMS).
 
 GPU tests (marked ``gpu``): every kernel ``precision="exact"`` can pick for float32 against the
-float64 oracle — the split-TF32 forward (three TF32 products per pair) and, behind it, the SIMT
-float32 backward fed its o and lse — within twice the SIMT kernels' worst errors of the GPU suite
+float64 oracle — the split-TF32 forward (three TF32 products per pair) and the split-TF32 backward
+fed its o and lse, both its paths (the default: dK/dV with dQ by atomics; ``deterministic=True``:
+the separate dQ and dK/dV kernels) — within twice the SIMT kernels' worst errors of the GPU suite
 (bench/RESULTS.md: o 6.9e-7, dq / dk / dv 1.7e-6): o <= 1.4e-6, dq / dk / dv <= 3.4e-6, lse 1e-5
-(conftest's float32 bound); every head-dim class, GQA, causal with Sq != Sk, ragged tiles, each
-mask and modifier. ``FLASH_NIF_TF32=0`` runs the SIMT forward on the same inputs for the record.
-``precision="tf32"`` (one TF32 product) within its documented bound (5e-3). Outputs of the
-native entry point are poisoned with NaN first. ``info()["cuda"]["last_kernels"]`` must name the
-kernel each precision promises.
+(conftest's float32 bound); every tile class of the forward and backward (D <= 64, <= 128, > 128),
+GQA, causal with Sq != Sk, ragged tiles, each mask and modifier. ``FLASH_NIF_TF32=0`` runs the
+SIMT kernels on the same inputs for the record (printed beside). ``precision="tf32"`` (one TF32
+product) within its documented bound (5e-3) for o, lse, dq, dk and dv. Outputs of the native entry
+points are poisoned with NaN first. ``info()["cuda"]["last_kernels"]`` must name the kernel each
+precision promises.
 
 CPU tests (run in CI): the option is accepted by every call, the CPU computes in float32 under
 either value (bit-identical results), and a bad value is a clear UnsupportedError.
@@ -152,7 +155,8 @@ def _gpu_kwargs(kw):
                 to_gpu(LIB, v) if k in ("seqused_k", "leftpad_k") else v) for k, v in kw.items()}
 
 
-def _run(fa, ref, rel_err, make_inputs, shape, causal, kw=None, precision="exact", backward=True):
+def _run(fa, ref, rel_err, make_inputs, shape, causal, kw=None, precision="exact", backward=True,
+         deterministic=False):
     """{output: error against the oracle} of one call on the GPU, and the kernels that ran."""
     b, sq, sk, h, hkv, d = shape
     q, k, v, do = make_inputs(11, b, sq, sk, h, hkv, d, np.float32)
@@ -163,54 +167,73 @@ def _run(fa, ref, rel_err, make_inputs, shape, causal, kw=None, precision="exact
     ro, rlse = ref.forward_with_states(q, k, v, causal=causal, **kw)
     err = {"o": rel_err(to_host(o), ro), "lse": rel_err(to_host(lse), rlse)}
     if backward:
-        grads = fa.backward(g[3], *g[:3], o, lse, causal=causal, precision=precision, **_gpu_kwargs(kw))
+        grads = fa.backward(g[3], *g[:3], o, lse, causal=causal, precision=precision, deterministic=deterministic,
+                            **_gpu_kwargs(kw))
         ran["backward"] = last(fa, "backward")
         want = ref.backward(do, q, k, v, to_host(o), to_host(lse), causal=causal, **kw)
         err.update({n: rel_err(to_host(x), w) for n, x, w in zip(("dq", "dk", "dv"), grads, want)})
     return err, ran
 
 
-def _check_exact(fa, ref, rel_err, make_inputs, record_error, shape, causal, kw=None):
-    err, ran = _run(fa, ref, rel_err, make_inputs, shape, causal, kw)
+def _backward_kernel(deterministic: bool) -> str:
+    """The name prefix of the backward kernel info() reports: the dK/dV one of either path."""
+    return "bwd_dkdv_f32_" if deterministic else "bwd_dkdv_dq_f32_"
+
+
+def _check_exact(fa, ref, rel_err, make_inputs, record_error, shape, causal, kw=None, deterministic=False):
+    err, ran = _run(fa, ref, rel_err, make_inputs, shape, causal, kw, deterministic=deterministic)
     assert ran["forward"]["math"] == "3xtf32" and "tf32_terms3" in ran["forward"]["kernel"], ran
-    assert ran["backward"]["math"] == "f32-simt", ran
+    bwd = ran["backward"]
+    assert bwd["math"] == "3xtf32" and "tf32_terms3" in bwd["kernel"], ran
+    assert bwd["kernel"].startswith(_backward_kernel(deterministic)), ran
     with _Env("0"):
-        simt, ran_simt = _run(fa, ref, rel_err, make_inputs, shape, causal, kw, backward=False)
-    assert ran_simt["forward"]["math"] == "f32-simt", ran_simt
-    print(f"{shape} causal={causal} {kw and list(kw)}: 3xtf32 " + " ".join(f"{n} {e:.2e}" for n, e in err.items())
-          + f" | simt o {simt['o']:.2e} lse {simt['lse']:.2e}")
+        simt, ran_simt = _run(fa, ref, rel_err, make_inputs, shape, causal, kw, deterministic=deterministic)
+    assert ran_simt["forward"]["math"] == "f32-simt" and ran_simt["backward"]["math"] == "f32-simt", ran_simt
+    print(f"{shape} causal={causal} det={deterministic} {kw and list(kw)}: 3xtf32 "
+          + " ".join(f"{n} {e:.2e}" for n, e in err.items())
+          + " | simt " + " ".join(f"{n} {e:.2e}" for n, e in simt.items()))
     for name, e in err.items():
         record_error("f32-3xtf32", name, e)
+        record_error("f32-simt", name, simt[name])
         assert e <= EXACT_BOUNDS[name], f"{name} {e:.3e} > {EXACT_BOUNDS[name]:.1e} ({shape}, causal={causal}, {kw})"
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_exact_f32_on_tensor_cores_meets_the_f32_bound(gpu, ref, rel_err, make_inputs, record_error, shape, causal):
-    _check_exact(gpu, ref, rel_err, make_inputs, record_error, shape, causal)
+def test_exact_f32_on_tensor_cores_meets_the_f32_bound(gpu, ref, rel_err, make_inputs, record_error, shape, causal,
+                                                       deterministic):
+    _check_exact(gpu, ref, rel_err, make_inputs, record_error, shape, causal, deterministic=deterministic)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
 @pytest.mark.parametrize("extra", list(EXTRAS))
 @pytest.mark.parametrize("d", [64, 128])
-def test_exact_f32_masks_and_modifiers(gpu, ref, rel_err, make_inputs, record_error, extra, d):
+def test_exact_f32_masks_and_modifiers(gpu, ref, rel_err, make_inputs, record_error, extra, d, deterministic):
     b, sq, sk, h = 2, 200, 230, 4
-    _check_exact(gpu, ref, rel_err, make_inputs, record_error, (b, sq, sk, h, 2, d), True, EXTRAS[extra](b, sq, sk, h))
+    _check_exact(gpu, ref, rel_err, make_inputs, record_error, (b, sq, sk, h, 2, d), True, EXTRAS[extra](b, sq, sk, h),
+                 deterministic=deterministic)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[5], SHAPES[7]])
-def test_tf32_within_its_documented_bound(gpu, ref, rel_err, make_inputs, record_error, shape, causal):
-    err, ran = _run(gpu, ref, rel_err, make_inputs, shape, causal, precision="tf32")
+def test_tf32_within_its_documented_bound(gpu, ref, rel_err, make_inputs, record_error, shape, causal, deterministic):
+    err, ran = _run(gpu, ref, rel_err, make_inputs, shape, causal, precision="tf32", deterministic=deterministic)
     assert ran["forward"]["math"] == "tf32" and "tf32_terms1" in ran["forward"]["kernel"], ran
-    assert ran["backward"]["math"] == "f32-simt", ran  # no TF32 backward: float32, never less
-    print(f"{shape} causal={causal}: tf32 " + " ".join(f"{n} {e:.2e}" for n, e in err.items()))
-    record_error("f32-tf32", "o", err["o"])
-    assert err["o"] <= TF32_BOUND and err["lse"] <= TF32_BOUND, err
+    bwd = ran["backward"]
+    assert bwd["math"] == "tf32" and "tf32_terms1" in bwd["kernel"], ran
+    assert bwd["kernel"].startswith(_backward_kernel(deterministic)), ran
+    print(f"{shape} causal={causal} det={deterministic}: tf32 " + " ".join(f"{n} {e:.2e}" for n, e in err.items()))
+    for name, e in err.items():
+        record_error("f32-tf32", name, e)
+        assert e <= TF32_BOUND, err
     # It did round to TF32: one product per pair is measurably less exact than three.
     assert err["o"] > 10 * EXACT_BOUNDS["o"], err
+    assert min(err["dq"], err["dk"], err["dv"]) > 10 * EXACT_BOUNDS["dq"], err
 
 
 @pytest.mark.gpu
@@ -237,11 +260,43 @@ def test_every_output_element_is_written(gpu, ref, rel_err, make_inputs, precisi
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_TORCH_GPU, reason="poisoned outputs need torch")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
+@pytest.mark.parametrize("precision", ["exact", "tf32"])
+def test_every_gradient_element_is_written(gpu, ref, rel_err, make_inputs, precision, deterministic):
+    """The TF32 backward through the native entry point into NaN-poisoned dq, dk, dv: a head dim
+    that is not a multiple of 16 (D = 72: padded columns, D_SPLIT), ragged query and key tiles, GQA."""
+    import torch
+
+    b, sq, sk, h, hkv, d = 1, 131, 77, 4, 2, 72
+    q, k, v, do = make_inputs(4, b, sq, sk, h, hkv, d, np.float32)
+    o, lse = ref.forward_with_states(q, k, v, causal=True)
+    host = [do, q, k, v, o.astype(np.float32), lse.astype(np.float32)]
+    gin = [torch.from_numpy(np.ascontiguousarray(x)).cuda() for x in host]
+    grads = [torch.full(x.shape, float("nan"), device="cuda") for x in (q, k, v)]
+    desc = [(x.data_ptr(), list(x.shape), "float32") for x in gin]
+    stream = torch.cuda.current_stream().cuda_stream
+    gpu._native.cuda_backward_device(desc, [x.data_ptr() for x in grads] + [0], 0, stream, causal=True,
+                                     precision=precision, deterministic=deterministic)
+    torch.cuda.synchronize()
+    ran = last(gpu, "backward")
+    assert ran["math"] == {"exact": "3xtf32", "tf32": "tf32"}[precision], ran
+    assert ran["kernel"].startswith(_backward_kernel(deterministic)), ran
+    want = ref.backward(do, q, k, v, o, lse, causal=True)
+    bound = EXACT_BOUNDS["dq"] if precision == "exact" else TF32_BOUND
+    for name, got, w in zip(("dq", "dk", "dv"), grads, want):
+        assert not torch.isnan(got).any(), name
+        assert rel_err(got.cpu().numpy(), w) <= bound, name
+
+
+@pytest.mark.gpu
 def test_exact_with_few_keys_runs_simt_and_a_single_key_gives_v(gpu, make_inputs):
     """A split product keeps ~22 bits: with fewer than MIN_SPLIT_TF32_KEYS keys "exact" takes the
     SIMT kernel, where a row with one key gives o = v bit for bit (P = 1; the oracle's dq is then 0,
     which no rounding of o may disturb)."""
-    q, k, v, _ = make_inputs(5, 1, 3, 1, 2, 2, 16, np.float32)
-    o, _ = gpu.forward_with_states(q, k, v, causal=False, device="cuda")
+    q, k, v, do = make_inputs(5, 1, 3, 1, 2, 2, 16, np.float32)
+    o, lse = gpu.forward_with_states(q, k, v, causal=False, device="cuda")
     assert last(gpu)["math"] == "f32-simt"
     np.testing.assert_array_equal(o, np.broadcast_to(v, o.shape))
+    gpu.backward(do, q, k, v, o, lse, causal=False, device="cuda")
+    assert last(gpu, "backward")["math"] == "f32-simt"

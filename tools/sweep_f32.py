@@ -12,9 +12,11 @@ On the GPU machine, from a checkout with the extension built (``make build``):
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
+os.environ["FLASH_NIF_TF32"] = "0"  # the SIMT kernels: precision="exact" would run split TF32 (tools/sweep_tf32.py)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from sweep import sweep  # noqa: E402
 

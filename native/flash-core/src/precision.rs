@@ -1,10 +1,11 @@
 //! How f32 products are computed: the caller's `precision` option (Python and Elixir).
 //!
-//! * `exact` (default): f32 accuracy. On the GPU the forward runs on tensor cores as split-TF32
-//!   products (three TF32 products per pair, summed in f32; cuda/tf32.h) where that kernel meets
-//!   the f32 bound, SIMT f32 FMAs elsewhere (the backward today); the CPU always computes in f32.
-//! * `tf32`: one TF32 product per pair on the GPU (q, k, v and the probabilities rounded to 11
-//!   significant bits: relative errors of order 1e-3, see [`TF32_BOUND`]); faster. Asked for by
+//! * `exact` (default): f32 accuracy. On the GPU the forward and backward run on tensor cores as
+//!   split-TF32 products (three TF32 products per pair, summed in f32; cuda/tf32.h) where those
+//!   kernels meet the f32 bound (cuda/config.rs's `tf32_terms`), SIMT f32 FMAs elsewhere; the CPU
+//!   always computes in f32.
+//! * `tf32`: one TF32 product per pair on the GPU (q, k, v, dO, the probabilities and dS rounded to
+//!   11 significant bits: relative errors of order 1e-3, see [`TF32_BOUND`]); faster. Asked for by
 //!   name only. The CPU stays exact f32; f16 / bf16 inputs are unaffected (their products are
 //!   exact in the tensor cores already).
 
@@ -18,8 +19,9 @@ pub enum Precision {
     Tf32,
 }
 
-/// The documented worst relative error (||o - oracle|| / ||oracle||, the tests' rel_err) of
-/// `precision="tf32"` against the float64 oracle; tests/test_tf32.py checks it on the GPU.
+/// The documented worst relative error (||x - oracle|| / ||oracle||, the tests' rel_err) of
+/// `precision="tf32"`'s o, lse, dq, dk and dv against the float64 oracle; tests/test_tf32.py checks
+/// it on the GPU.
 pub const TF32_BOUND: f64 = 5e-3;
 
 impl Precision {

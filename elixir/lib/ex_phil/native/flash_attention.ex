@@ -60,12 +60,13 @@ defmodule ExPhil.Native.FlashAttention do
       variable `FLASH_NIF_MODE` overrides the option. `:materialized` over that ceiling, or with
       `device: :cuda` (the GPU has fused kernels only), is an `:unsupported` error.
     * `:precision` — how `{:f, 32}` products are computed on the GPU: `:exact` (default) keeps
-      f32 accuracy whichever kernel runs (the forward as split-TF32 products on tensor cores:
-      each operand the sum of two TF32 numbers, three TF32 products per pair summed in f32; the
-      backward with f32 FMAs); `:tf32` (asked for by name only) one TF32 product per pair in the
-      forward, faster, relative errors of order 1e-3 (bound 5e-3 of ‖o - exact‖ / ‖exact‖);
-      the backward stays f32. The CPU always computes in f32 and accepts either;
-      `{:f, 16}` / `{:bf, 16}` are unaffected. `info/0` says which kernel ran and its `math`.
+      f32 accuracy whichever kernel runs (the forward and backward as split-TF32 products on
+      tensor cores from 16 keys on: each operand the sum of two TF32 numbers, three TF32
+      products per pair summed in f32; f32 FMAs below); `:tf32` (asked for by name only) one
+      TF32 product per pair, forward and backward, faster, relative errors of order 1e-3 (bound
+      5e-3 of ‖x - exact‖ / ‖exact‖ for o, lse and the gradients). The CPU always computes in f32
+      and accepts either; `{:f, 16}` / `{:bf, 16}` are unaffected. `info/0` says which kernel
+      ran and its `math`.
     * `:window` — `{left, right}`, each a non-negative integer or `:infinity` (unbounded): query
       `i` sees keys `j` with `i + off - left <= j <= i + off + right`, `off = seq_k - seq_q`
       (bottom-right, like `:causal`, which caps `right` at 0). ExPhil's sliding window,

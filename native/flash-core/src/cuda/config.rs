@@ -28,8 +28,8 @@ pub struct Spec {
     pub group: usize,
     /// Sk: EVEN_N drops the ragged-tile mask when it divides BLOCK_N.
     pub seq_k: usize,
-    /// f32 on tensor cores (the forward, fwd.cu with cuda/tf32.h): TF32 products per pair, 3
-    /// (split TF32, exact) or 1 (TF32); 0: the SIMT f32 kernels, and every fp16 / bf16 kernel.
+    /// f32 on tensor cores (fwd.cu, bwd_dq.cu and bwd_dkdv.cu with cuda/tf32.h): TF32 products per
+    /// pair, 3 (split TF32, exact) or 1 (TF32); 0: the SIMT f32 kernels, and every fp16 / bf16 kernel.
     /// [`tf32_terms`] chooses it for a call.
     pub tf32_terms: usize,
 }
@@ -38,24 +38,33 @@ pub struct Spec {
 /// of the split-TF32 one (comparisons, benchmarks); `"tf32"` is unaffected.
 pub const TF32_ENV: &str = "FLASH_NIF_TF32";
 
-/// Fewest keys (Sk) for which `precision="exact"` takes the split-TF32 forward. A split product
+/// Fewest keys (Sk) for which `precision="exact"` takes the split-TF32 kernels. A split product
 /// keeps ~22 significant bits, so a row that sees a single key gets o = v only to ~2 ulps, where
-/// the SIMT kernel is exact (P = 1) — and its dq, exactly 0 in the oracle, is then all error.
-/// Short key sequences, where speed does not matter, run SIMT.
+/// the SIMT kernel is exact (P = 1) — and its dq, exactly 0 in the oracle, is then all error (the
+/// backward likewise: dP - delta of such a row is 0 only in exact arithmetic). Short key
+/// sequences, where speed does not matter, run SIMT.
 pub const MIN_SPLIT_TF32_KEYS: usize = 16;
 
 /// The TF32 products per pair of a call's `kernel` with `seq_k` keys (see [`Spec::tf32_terms`]):
-/// the split-TF32 forward for f32 under `precision="exact"` at every head dim (its errors against
-/// the oracle are within twice the SIMT kernel's: tests/test_tf32.py) from MIN_SPLIT_TF32_KEYS
-/// keys on, the one-product one under `"tf32"`; the backward has no tensor-core f32 kernel yet and
-/// runs SIMT f32 under either.
+/// for f32, the split-TF32 forward and backward (dQ, dK/dV with or without atomic dQ) under
+/// `precision="exact"` at every head dim (their errors against the oracle are within twice the
+/// SIMT kernels': tests/test_tf32.py) from MIN_SPLIT_TF32_KEYS keys on, the one-product ones under
+/// `"tf32"`. The elementwise backward kernels compute in f32 under either.
 pub fn tf32_terms(kernel: Kernel, dtype: DType, precision: Precision, seq_k: usize) -> usize {
     let split_allowed = || std::env::var(TF32_ENV).map_or(true, |v| v.trim() != "0");
-    match (kernel, dtype, precision) {
-        (Kernel::Fwd, DType::F32, Precision::Exact) if seq_k >= MIN_SPLIT_TF32_KEYS && split_allowed() => 3,
-        (Kernel::Fwd, DType::F32, Precision::Tf32) => 1,
-        _ => 0,
+    if dtype != DType::F32 || !has_tf32(kernel) {
+        return 0;
     }
+    match precision {
+        Precision::Exact if seq_k >= MIN_SPLIT_TF32_KEYS && split_allowed() => 3,
+        Precision::Exact => 0,
+        Precision::Tf32 => 1,
+    }
+}
+
+/// The kernels with a tensor-core f32 form (cuda/tf32.h's GEMMs).
+fn has_tf32(kernel: Kernel) -> bool {
+    matches!(kernel, Kernel::Fwd | Kernel::BwdDq | Kernel::BwdDkdv | Kernel::BwdDkdvDq)
 }
 
 /// The variants a launch may use, in order of preference: the default tiles, then the small ones
@@ -81,7 +90,7 @@ fn table_candidates(spec: &Spec) -> Vec<Variant> {
 pub fn variant(spec: &Spec, set: TileSet) -> Variant {
     let (k, dt, d) = (spec.kernel, spec.dtype, spec.head_dim);
     if spec.tf32_terms > 0 && set != TileSet::Override {
-        return make_variant(spec, tiles(tf32_tiles(set, d)), set);
+        return make_variant(spec, tiles(tf32_tiles(k, set, d)), set);
     }
     let t = match set {
         TileSet::Default => tiles(default_tiles(k, dt, d)),
@@ -155,6 +164,14 @@ fn attention_variants(head_dims: &[usize]) -> Vec<Variant> {
                 for terms in [3, 1] {
                     for (causal, masked, mods) in [(false, false, false), (true, false, false), (false, true, false), (false, true, true)] {
                         out.extend(table_candidates(&Spec { tf32_terms: terms, ..spec(Kernel::Fwd, causal, masked, mods) }));
+                    }
+                }
+                // Then the tensor-core f32 backwards, likewise.
+                for terms in [3, 1] {
+                    for k in [Kernel::BwdDq, Kernel::BwdDkdv, Kernel::BwdDkdvDq] {
+                        for (causal, masked, mods) in [(false, false, false), (true, false, false), (false, true, false), (false, true, true)] {
+                            out.extend(table_candidates(&Spec { tf32_terms: terms, ..spec(k, causal, masked, mods) }));
+                        }
                     }
                 }
             }
@@ -272,19 +289,57 @@ fn small_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, 
     }
 }
 
-/// The f32 tensor-core forward's tiles (fwd.cu on cuda/tf32.h; M_TILES = 1 in the 4th place: two
-/// 16-row tiles per warp, as the 16-bit forward takes, spilled with the split operands, NVRTC 13.5).
-/// f32 rows take twice the shared memory of 16-bit ones: the default D <= 128 tiles need at most
-/// 135168 bytes (an A100 has 166912), D > 128 204800 (Hopper only; others take the small ones, at
-/// most 101376 bytes). Registers (sm_80 / sm_90a, TF32_TERMS = 3): 170 / 176 at D = 64, 201 / 207
-/// at D = 128, 255 / 254 at D = 256, no spills.
-fn tf32_tiles(set: TileSet, d: usize) -> (usize, usize, usize, usize, usize) {
+/// The f32 tensor-core kernels' tiles (cuda/tf32.h under fwd.cu, bwd_dq.cu, bwd_dkdv.cu), masked
+/// or not. f32 rows take twice the shared memory of 16-bit ones; the small tiles need at most
+/// 101376 bytes. Not swept on a GPU yet (bench/RESULTS.md).
+fn tf32_tiles(kernel: Kernel, set: TileSet, d: usize) -> (usize, usize, usize, usize, usize) {
+    match kernel {
+        Kernel::BwdDq => tf32_dq_tiles(set, d),
+        Kernel::BwdDkdv | Kernel::BwdDkdvDq => tf32_dkdv_tiles(set, d),
+        _ => tf32_fwd_tiles(set, d),
+    }
+}
+
+/// The forward's (M_TILES = 1 in the 4th place: two 16-row tiles per warp, as the 16-bit forward
+/// takes, spilled with the split operands, NVRTC 13.5). The default D <= 128 tiles need at most
+/// 135168 bytes (an A100 has 166912), D > 128 204800 (Hopper only). Registers (sm_80 / sm_90a,
+/// TF32_TERMS = 3): 170 / 176 at D = 64, 201 / 207 at D = 128, 255 / 254 at D = 256, no spills.
+fn tf32_fwd_tiles(set: TileSet, d: usize) -> (usize, usize, usize, usize, usize) {
     match (set, d) {
         (TileSet::Small, ..=128) => (64, 32, 4, 1, 1),
         (TileSet::Small, _) => (32, 16, 2, 1, 1),
         (_, ..=64) => (128, 64, 8, 1, 1),
         (_, ..=128) => (128, 32, 8, 1, 1),
         (_, _) => (64, 32, 4, 1, 1),
+    }
+}
+
+/// dQ's (bwd_dq.cu: 16 query rows a warp, BLOCK_M = 16 * warps). The default D <= 128 tiles need
+/// at most 202752 bytes (D <= 64: 139264), D > 128 199680.
+fn tf32_dq_tiles(set: TileSet, d: usize) -> (usize, usize, usize, usize, usize) {
+    match (set, d) {
+        (TileSet::Small, ..=64) => (64, 32, 4, 1, 1),
+        (TileSet::Small, ..=128) => (64, 16, 4, 1, 1),
+        (TileSet::Small, _) => (16, 16, 1, 1, 1),
+        (_, ..=64) => (128, 64, 8, 1, 1),
+        (_, ..=128) => (128, 32, 8, 1, 1),
+        (_, _) => (64, 16, 4, 1, 1),
+    }
+}
+
+/// dK/dV's, with or without atomic dQ (bwd_dkdv.cu: 16 keys a warp slice, BLOCK_N * D_SPLIT = 16 *
+/// warps). A warp holds dK and dV of 64 head-dim columns at most (D_SPLIT = 2 at D <= 128, 4
+/// above) and 32 query rows a step: 128 columns or 64 rows took 255 registers and spilled with the
+/// split operands (NVRTC 13.5). The default tiles need at most 144640 bytes at D <= 128 (fit an
+/// A100), 135808 above.
+fn tf32_dkdv_tiles(set: TileSet, d: usize) -> (usize, usize, usize, usize, usize) {
+    match (set, d) {
+        (TileSet::Small, ..=64) => (32, 64, 4, 1, 1),
+        (TileSet::Small, ..=128) => (16, 32, 4, 2, 1),
+        (TileSet::Small, _) => (16, 16, 4, 4, 1),
+        (_, ..=64) => (32, 128, 8, 1, 1),
+        (_, ..=128) => (32, 64, 8, 2, 1),
+        (_, _) => (16, 32, 8, 4, 1),
     }
 }
 
@@ -296,6 +351,8 @@ fn simt_f32(d: usize) -> bool {
 fn source(kernel: Kernel, dtype: DType, d: usize, tf32_terms: usize) -> &'static str {
     match (kernel, dtype) {
         (Kernel::Fwd, DType::F32) if tf32_terms > 0 => "fwd.cu",
+        (Kernel::BwdDq, DType::F32) if tf32_terms > 0 => "bwd_dq.cu",
+        (Kernel::BwdDkdv | Kernel::BwdDkdvDq, DType::F32) if tf32_terms > 0 => "bwd_dkdv.cu",
         (Kernel::Fwd, DType::F32) if simt_f32(d) => "fwd_f32_simt.cu",
         (Kernel::Fwd, DType::F32) => "fwd_f32.cu",
         (Kernel::BwdDkdv | Kernel::BwdDkdvDq, DType::F32) if simt_f32(d) => "bwd_dkdv_f32_simt.cu",
@@ -353,7 +410,7 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
             ("BLOCK_N", t.block_n as i64),
             ("EVEN_N", (!masked && seq_k % t.block_n == 0) as i64),
         ]);
-        if (kernel == Kernel::BwdDkdv || kernel == Kernel::BwdDkdvDq) && dtype != DType::F32 {
+        if (kernel == Kernel::BwdDkdv || kernel == Kernel::BwdDkdvDq) && (dtype != DType::F32 || tf32_terms > 0) {
             defines.push(("D_SPLIT", t.d_split as i64));
         }
         if kernel == Kernel::BwdDkdvDq {
@@ -494,7 +551,7 @@ mod tests {
             assert_eq!(tf32_terms(Kernel::Fwd, DType::F32, Precision::Exact, MIN_SPLIT_TF32_KEYS), 3);
         }
         assert_eq!(tf32_terms(Kernel::Fwd, DType::F32, Precision::Exact, MIN_SPLIT_TF32_KEYS - 1), 0, "short keys: SIMT");
-        for (k, dt) in [(Kernel::BwdDkdvDq, DType::F32), (Kernel::BwdDq, DType::F32), (Kernel::Fwd, DType::BF16)] {
+        for (k, dt) in [(Kernel::BwdPreprocess, DType::F32), (Kernel::BwdDqConvert, DType::F32), (Kernel::Fwd, DType::BF16), (Kernel::BwdDkdvDq, DType::F16)] {
             for p in [Precision::Exact, Precision::Tf32] {
                 assert_eq!(tf32_terms(k, dt, p, 4096), 0, "{k:?} {dt:?} {p:?}");
             }
@@ -511,6 +568,41 @@ mod tests {
         let simt = variant(&spec(Kernel::Fwd, DType::F32, 64), TileSet::Default);
         assert_eq!((simt.source, simt.math()), ("fwd_f32_simt.cu", "f32-simt"));
         assert!(!simt.defines.iter().any(|(k, _)| *k == "TF32_TERMS" || *k == "M_TILES"), "SIMT names stay as they were");
+    }
+
+    #[test]
+    fn f32_backward_runs_on_tf32_tensor_cores_by_precision() {
+        let bwd = [(Kernel::BwdDq, "bwd_dq.cu"), (Kernel::BwdDkdv, "bwd_dkdv.cu"), (Kernel::BwdDkdvDq, "bwd_dkdv.cu")];
+        for (k, src) in bwd {
+            assert_eq!(tf32_terms(k, DType::F32, Precision::Tf32, 1), 1, "{k:?}");
+            if std::env::var(TF32_ENV).is_err() {
+                assert_eq!(tf32_terms(k, DType::F32, Precision::Exact, MIN_SPLIT_TF32_KEYS), 3, "{k:?}");
+            }
+            assert_eq!(tf32_terms(k, DType::F32, Precision::Exact, MIN_SPLIT_TF32_KEYS - 1), 0, "{k:?}: short keys run SIMT");
+            for (terms, math) in [(3, "3xtf32"), (1, "tf32")] {
+                for d in [8, 40, 64, 72, 128, 136, 256] {
+                    for set in [TileSet::Default, TileSet::Small] {
+                        for (masked, mods) in [(false, false), (true, false), (true, true)] {
+                            let v = variant(&Spec { tf32_terms: terms, masked, mods, ..spec(k, DType::F32, d) }, set);
+                            assert_eq!((v.source, v.math()), (src, math), "{}", v.name());
+                            assert!(v.name().contains(&format!("_tf32_terms{terms}_")), "{}", v.name());
+                            if k != Kernel::BwdDq {
+                                // DPAD / D_SPLIT must stay a multiple of the mma k step; at most 64 columns a warp.
+                                let ds = v.tiles.d_split;
+                                assert!(v.defines.contains(&("D_SPLIT", ds as i64)), "{}", v.name());
+                                assert!(d.next_multiple_of(8 * ds) / ds <= 64, "{}", v.name());
+                            }
+                            assert_eq!(v.defines.contains(&("ATOMIC_DQ", 1)), k == Kernel::BwdDkdvDq, "{}", v.name());
+                        }
+                    }
+                }
+            }
+        }
+        for (k, src) in [(Kernel::BwdDq, "bwd_dq_f32_simt.cu"), (Kernel::BwdDkdvDq, "bwd_dkdv_f32_simt.cu")] {
+            let simt = variant(&spec(k, DType::F32, 64), TileSet::Default);
+            assert_eq!((simt.source, simt.math()), (src, "f32-simt"));
+            assert!(!simt.defines.iter().any(|(k, _)| *k == "TF32_TERMS" || *k == "D_SPLIT"), "SIMT names stay as they were");
+        }
     }
 
     #[test]
