@@ -46,17 +46,19 @@ pub const TF32_ENV: &str = "FLASH_NIF_TF32";
 pub const MIN_SPLIT_TF32_KEYS: usize = 16;
 
 /// The TF32 products per pair of a call's `kernel` with `seq_k` keys (see [`Spec::tf32_terms`]):
-/// for f32, the split-TF32 forward and backward (dQ, dK/dV with or without atomic dQ) under
-/// `precision="exact"` at every head dim (their errors against the oracle are within twice the
-/// SIMT kernels': tests/test_tf32.py) from MIN_SPLIT_TF32_KEYS keys on, the one-product ones under
-/// `"tf32"`. The elementwise backward kernels compute in f32 under either.
+/// for f32, the split-TF32 forward under `precision="exact"` at every head dim (its errors against
+/// the oracle are within twice the SIMT kernel's: tests/test_tf32.py) from MIN_SPLIT_TF32_KEYS keys
+/// on, and the one-product forward and backward (dQ, dK/dV with or without atomic dQ) under
+/// `"tf32"`. `"exact"`'s backward stays SIMT: the split-TF32 backward (TF32_TERMS = 3, as accurate)
+/// measured slower (H100: 25-35 against 33-37 TFLOPS, bench/RESULTS.md). The elementwise backward
+/// kernels compute in f32 under either.
 pub fn tf32_terms(kernel: Kernel, dtype: DType, precision: Precision, seq_k: usize) -> usize {
     let split_allowed = || std::env::var(TF32_ENV).map_or(true, |v| v.trim() != "0");
     if dtype != DType::F32 || !has_tf32(kernel) {
         return 0;
     }
     match precision {
-        Precision::Exact if seq_k >= MIN_SPLIT_TF32_KEYS && split_allowed() => 3,
+        Precision::Exact if kernel == Kernel::Fwd && seq_k >= MIN_SPLIT_TF32_KEYS && split_allowed() => 3,
         Precision::Exact => 0,
         Precision::Tf32 => 1,
     }
@@ -166,8 +168,8 @@ fn attention_variants(head_dims: &[usize]) -> Vec<Variant> {
                         out.extend(table_candidates(&Spec { tf32_terms: terms, ..spec(Kernel::Fwd, causal, masked, mods) }));
                     }
                 }
-                // Then the tensor-core f32 backwards, likewise.
-                for terms in [3, 1] {
+                // Then the tensor-core f32 backwards ("tf32" only: "exact" runs SIMT, see tf32_terms).
+                for terms in [1] {
                     for k in [Kernel::BwdDq, Kernel::BwdDkdv, Kernel::BwdDkdvDq] {
                         for (causal, masked, mods) in [(false, false, false), (true, false, false), (false, true, false), (false, true, true)] {
                             out.extend(table_candidates(&Spec { tf32_terms: terms, ..spec(k, causal, masked, mods) }));
@@ -576,7 +578,7 @@ mod tests {
         for (k, src) in bwd {
             assert_eq!(tf32_terms(k, DType::F32, Precision::Tf32, 1), 1, "{k:?}");
             if std::env::var(TF32_ENV).is_err() {
-                assert_eq!(tf32_terms(k, DType::F32, Precision::Exact, MIN_SPLIT_TF32_KEYS), 3, "{k:?}");
+                assert_eq!(tf32_terms(k, DType::F32, Precision::Exact, MIN_SPLIT_TF32_KEYS), 0, "{k:?}: exact runs SIMT");
             }
             assert_eq!(tf32_terms(k, DType::F32, Precision::Exact, MIN_SPLIT_TF32_KEYS - 1), 0, "{k:?}: short keys run SIMT");
             for (terms, math) in [(3, "3xtf32"), (1, "tf32")] {
