@@ -33,10 +33,10 @@ test-python: build
 # Compiles the CUDA kernel variants with NVRTC for Ampere and Hopper (all cores, through the disk
 # cache); fails on an error, a spill, or a table or shared memory that differs from the snapshot.
 # Each arch compiles the tile sets it can launch; the MASKED variants (about twice the compile time
-# of a plain one) are checked for sm_90a here, to keep CI under 10 minutes — `make test-kernels-all`
-# checks them for sm_80 too.
+# of a plain one) and the f32 tensor-core (TF32) ones are checked for sm_90a here, to keep CI under
+# 10 minutes — `make test-kernels-all` checks them for sm_80 too.
 test-kernels: build
-	$(PY) -m flash_nif.kernels --arch sm_80 --arch sm_90a --masked-arch sm_90a --golden tests/golden/kernel_variants.json
+	$(PY) -m flash_nif.kernels --arch sm_80 --arch sm_90a --masked-arch sm_90a --tf32-arch sm_90a --golden tests/golden/kernel_variants.json
 
 test-kernels-all: build
 	$(PY) -m flash_nif.kernels --arch sm_80 --arch sm_90a --golden tests/golden/kernel_variants.json

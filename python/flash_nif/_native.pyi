@@ -127,11 +127,12 @@ def cuda_compile_report(
     fresh: bool = False,
     tile_sets: list[str] | None = None,
     masked: bool = True,
+    tf32: bool = True,
 ) -> list[dict[str, Any]]:
     """One dict per (variant, arch), compiled by NVRTC on `jobs` threads (default: all cores) from the
     embedded sources through the disk cache (unless `fresh`): the variant's fields, arch, ok, then
     registers, spill_bytes, stack_bytes, smem_bytes, cached, log; or error. `tile_sets` keeps only
-    variants of those tile sets ("default", "small"); `masked=False` only the plain (non-MASKED) ones."""
+    variants of those tile sets ("default", "small"); `masked=False` only the plain (non-MASKED) ones; `tf32=False` drops the f32 tensor-core (TF32_TERMS) ones."""
 
 def cuda_nvrtc() -> tuple[str, str]:
     """(NVRTC version, where it was loaded from); raises DeviceError without NVRTC."""

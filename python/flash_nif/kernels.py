@@ -59,16 +59,18 @@ def launched_tile_sets(arch: str) -> list[str]:
     return ["default"] if arch.startswith("sm_90") else ["default", "small"]
 
 
-def compile_report(archs, head_dims=CHECK_HEAD_DIMS, jobs=None, fresh=False, masked_archs=None) -> list[dict]:
+def compile_report(archs, head_dims=CHECK_HEAD_DIMS, jobs=None, fresh=False, masked_archs=None,
+                   tf32_archs=None) -> list[dict]:
     """One dict per (variant, arch) that arch can launch, compiled in parallel (see
-    ``_native.cuda_compile_report``). ``masked_archs`` (default: all of ``archs``) limits the
-    MASKED variants to those archs."""
+    ``_native.cuda_compile_report``). ``masked_archs`` and ``tf32_archs`` (default: all of
+    ``archs``) limit the MASKED and the f32 tensor-core (TF32_TERMS) variants to those archs."""
     groups: dict[tuple, list[str]] = {}
     for a in archs:
         masked = masked_archs is None or a in masked_archs
-        groups.setdefault((tuple(launched_tile_sets(a)), masked), []).append(a)
-    return [r for (sets, masked), group in groups.items()
-            for r in _native.cuda_compile_report(group, list(head_dims), jobs, fresh, list(sets), masked)]
+        tf32 = tf32_archs is None or a in tf32_archs
+        groups.setdefault((tuple(launched_tile_sets(a)), masked, tf32), []).append(a)
+    return [r for (sets, masked, tf32), group in groups.items()
+            for r in _native.cuda_compile_report(group, list(head_dims), jobs, fresh, list(sets), masked, tf32)]
 
 
 def sm90_warnings(report: dict) -> list[str]:
@@ -148,6 +150,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh", action="store_true", help="compile everything, skipping the disk cache")
     ap.add_argument("--masked-arch", action="append",
                     help="compile the MASKED variants only for these archs (repeatable; default: every --arch)")
+    ap.add_argument("--tf32-arch", action="append",
+                    help="compile the f32 tensor-core (TF32) variants only for these archs (repeatable; default: every --arch)")
     ap.add_argument("--golden", metavar="PATH", help="check the table and shared memory against a snapshot")
     ap.add_argument("--write-golden", metavar="PATH", help="write the snapshot of this run")
     ap.add_argument("-v", "--verbose", action="store_true", help="print NVRTC logs")
@@ -159,7 +163,7 @@ def main(argv=None) -> int:
     version, library = _native.cuda_nvrtc()
     print(f"NVRTC {version} ({library}); kernel sources embedded in {_native.__file__}")
     t0 = time.perf_counter()
-    reports = compile_report(archs, dims, args.jobs, args.fresh, args.masked_arch)
+    reports = compile_report(archs, dims, args.jobs, args.fresh, args.masked_arch, args.tf32_arch)
     seconds = time.perf_counter() - t0
     failures = []
     print(f"{'variant':72s} {'arch':7s} {'regs':>4s} {'spill':>5s} {'stack':>5s} {'smem':>7s}")

@@ -40,9 +40,10 @@ fn cuda_kernel_variants(py: Python<'_>, head_dims: Vec<usize>) -> PyResult<Vec<B
 /// dict per (variant, arch): the variant's fields, arch, ok, and registers, spill_bytes,
 /// stack_bytes, smem_bytes, cached and log when ok, else error (with NVRTC's log). `tile_sets`
 /// ("default", "small") keeps only those variants; `masked` = False keeps only the plain ones (no
-/// MASKED define). Raises DeviceError without NVRTC.
+/// MASKED define); `tf32` = False drops the f32 tensor-core ones (a TF32_TERMS define). Raises
+/// DeviceError without NVRTC.
 #[pyfunction]
-#[pyo3(signature = (archs, head_dims, jobs = None, fresh = false, tile_sets = None, masked = true))]
+#[pyo3(signature = (archs, head_dims, jobs = None, fresh = false, tile_sets = None, masked = true, tf32 = true))]
 #[allow(clippy::too_many_arguments)] // Python keyword arguments, one per filter
 fn cuda_compile_report(
     py: Python<'_>,
@@ -52,6 +53,7 @@ fn cuda_compile_report(
     fresh: bool,
     tile_sets: Option<Vec<String>>,
     masked: bool,
+    tf32: bool,
 ) -> PyResult<Vec<Bound<'_, PyDict>>> {
     let jobs = jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let mut variants = cuda::all_variants(&head_dims);
@@ -60,6 +62,9 @@ fn cuda_compile_report(
     }
     if !masked {
         variants.retain(|v| !v.defines.contains(&("MASKED", 1)));
+    }
+    if !tf32 {
+        variants.retain(|v| !v.defines.iter().any(|(name, _)| *name == "TF32_TERMS"));
     }
     let reports = py.detach(|| cuda::compile_report(&variants, &archs, jobs, fresh)).map_err(PyFlashError)?;
     reports
