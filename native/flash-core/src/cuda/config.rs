@@ -169,11 +169,9 @@ fn attention_variants(head_dims: &[usize]) -> Vec<Variant> {
                     }
                 }
                 // Then the tensor-core f32 backwards ("tf32" only: "exact" runs SIMT, see tf32_terms).
-                for terms in [1] {
-                    for k in [Kernel::BwdDq, Kernel::BwdDkdv, Kernel::BwdDkdvDq] {
-                        for (causal, masked, mods) in [(false, false, false), (true, false, false), (false, true, false), (false, true, true)] {
-                            out.extend(table_candidates(&Spec { tf32_terms: terms, ..spec(k, causal, masked, mods) }));
-                        }
+                for k in [Kernel::BwdDq, Kernel::BwdDkdv, Kernel::BwdDkdvDq] {
+                    for (causal, masked, mods) in [(false, false, false), (true, false, false), (false, true, false), (false, true, true)] {
+                        out.extend(table_candidates(&Spec { tf32_terms: 1, ..spec(k, causal, masked, mods) }));
                     }
                 }
             }
