@@ -5,6 +5,7 @@ use crate::error::{FlashError, Result};
 use crate::io::{BackwardIo, ForwardIo};
 use crate::mask::MaskBuffers;
 use crate::problem::Problem;
+use crate::strides::{InputStrides, Strides};
 
 /// Runs `f`; a panic becomes `FlashError::Internal` naming the backend.
 pub(crate) fn catch_panics<T>(backend: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
@@ -22,24 +23,19 @@ pub(crate) fn catch_panics<T>(backend: &str, f: impl FnOnce() -> Result<T>) -> R
 /// buffers; the kernels trust these sizes).
 pub(crate) fn check_forward_buffers(p: &Problem, io: &ForwardIo) -> Result<()> {
     let b = byte_sizes(p);
-    check(&[("q", io.q.len(), b.q), ("k", io.k.len(), b.k), ("v", io.v.len(), b.v), ("o", io.o.len(), b.o), ("lse", io.lse.len(), b.lse)])?;
+    check(&[("o", io.o.len(), b.o), ("lse", io.lse.len(), b.lse)])?;
+    let spans = InputSpans::of(p, io.strides);
+    check_inputs(&[("q", io.q.len(), spans.q), ("k", io.k.len(), spans.k), ("v", io.v.len(), spans.v)], io.strides.is_some())?;
     check_mask_buffers(p, &io.mask)
 }
 
 /// As [`check_forward_buffers`], for the backward's nine buffers.
 pub(crate) fn check_backward_buffers(p: &Problem, io: &BackwardIo) -> Result<()> {
     let b = byte_sizes(p);
-    check(&[
-        ("d_out", io.d_out.len(), b.o),
-        ("q", io.q.len(), b.q),
-        ("k", io.k.len(), b.k),
-        ("v", io.v.len(), b.v),
-        ("o", io.o.len(), b.o),
-        ("lse", io.lse.len(), b.lse),
-        ("dq", io.dq.len(), b.q),
-        ("dk", io.dk.len(), b.k),
-        ("dv", io.dv.len(), b.v),
-    ])?;
+    check(&[("lse", io.lse.len(), b.lse), ("dq", io.dq.len(), b.q), ("dk", io.dk.len(), b.k), ("dv", io.dv.len(), b.v)])?;
+    let s = InputSpans::of(p, io.strides);
+    let inputs = [("d_out", io.d_out.len(), s.d_out), ("q", io.q.len(), s.q), ("k", io.k.len(), s.k), ("v", io.v.len(), s.v), ("o", io.o.len(), s.o)];
+    check_inputs(&inputs, io.strides.is_some())?;
     if let Some(dlse) = io.dlse {
         check(&[("dlse", dlse.len(), b.lse)])?;
     }
@@ -87,6 +83,43 @@ struct ByteSizes {
 fn byte_sizes(p: &Problem) -> ByteSizes {
     let e = p.dtype.size_bytes();
     ByteSizes { q: p.q_len() * e, k: p.kv_len() * e, v: p.v_len() * e, o: p.o_len() * e, lse: p.lse_len() * 4 }
+}
+
+/// Bytes from each input's first element to one past its last, as its strides lay it out.
+pub(crate) struct InputSpans {
+    pub q: usize,
+    pub k: usize,
+    pub v: usize,
+    pub o: usize,
+    pub d_out: usize,
+}
+
+impl InputSpans {
+    pub fn of(p: &Problem, strides: Option<InputStrides>) -> InputSpans {
+        let s = strides.unwrap_or_else(|| InputStrides::packed(p));
+        let e = p.dtype.size_bytes();
+        let span = |st: Strides, shape: Vec<usize>| st.extent(&shape) * e;
+        InputSpans {
+            q: span(s.q, p.q_shape()),
+            k: span(s.k, p.kv_shape()),
+            v: span(s.v, p.v_shape()),
+            o: span(s.o, p.o_shape()),
+            d_out: span(s.d_out, p.o_shape()),
+        }
+    }
+}
+
+/// Packed inputs hold exactly their bytes; strided ones at least their span.
+fn check_inputs(bufs: &[(&str, usize, usize)], strided: bool) -> Result<()> {
+    if !strided {
+        return check(bufs);
+    }
+    for &(name, got, want) in bufs {
+        if got < want {
+            return Err(FlashError::Shape(format!("{name} buffer holds {got} bytes; its strides reach {want}")));
+        }
+    }
+    Ok(())
 }
 
 fn check(bufs: &[(&str, usize, usize)]) -> Result<()> {

@@ -5,6 +5,7 @@
 //! and friends.
 
 use crate::mask::MaskBuffers;
+use crate::strides::InputStrides;
 
 /// Forward: reads q, k, v in `p.dtype`; writes o (`p.dtype`) and lse (f32, natural log).
 #[derive(Debug)]
@@ -16,6 +17,8 @@ pub struct ForwardIo<'a> {
     pub lse: &'a mut [u8], // [B, H, Sq]
     /// Segment ids and block mask, when the problem has them.
     pub mask: MaskBuffers<'a>,
+    /// Where q, k and v's rows lie in their buffers; `None`: packed (outputs always are).
+    pub strides: Option<InputStrides>,
 }
 
 /// Backward: reads the forward's inputs, its o and lse, and d_out (the gradient of o); writes
@@ -33,6 +36,8 @@ pub struct BackwardIo<'a> {
     pub dv: &'a mut [u8], // [B, Sk, Hkv, Dv]
     /// The forward's segment ids and block mask, when the problem has them.
     pub mask: MaskBuffers<'a>,
+    /// Where d_out, q, k, v and o's rows lie in their buffers; `None`: packed (outputs always are).
+    pub strides: Option<InputStrides>,
     /// With sinks: receives dsinks, f32 [H] (summed over batch rows and query rows).
     pub dsinks: Option<&'a mut [u8]>,
     /// Optional gradient of the loss with respect to lse, f32 like lse ([B, H, Sq]): it enters
@@ -43,7 +48,7 @@ pub struct BackwardIo<'a> {
 impl<'a> ForwardIo<'a> {
     /// From the buffers in argument order: inputs [q, k, v], outputs [o, lse].
     pub fn new([q, k, v]: [&'a [u8]; 3], [o, lse]: [&'a mut [u8]; 2]) -> Self {
-        ForwardIo { q, k, v, o, lse, mask: MaskBuffers::default() }
+        ForwardIo { q, k, v, o, lse, mask: MaskBuffers::default(), strides: None }
     }
 
     /// The same buffers with the call's mask data.
@@ -55,12 +60,17 @@ impl<'a> ForwardIo<'a> {
 impl<'a> BackwardIo<'a> {
     /// From the buffers in argument order: inputs [d_out, q, k, v, o, lse], outputs [dq, dk, dv].
     pub fn new([d_out, q, k, v, o, lse]: [&'a [u8]; 6], [dq, dk, dv]: [&'a mut [u8]; 3]) -> Self {
-        BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask: MaskBuffers::default(), dsinks: None, dlse: None }
+        BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask: MaskBuffers::default(), dsinks: None, dlse: None, strides: None }
     }
 
     /// The same buffers with the forward's mask data.
     pub fn with_mask(self, mask: MaskBuffers<'a>) -> Self {
         BackwardIo { mask, ..self }
+    }
+
+    /// The same buffers, the inputs' rows where `strides` say.
+    pub fn with_strides(self, strides: InputStrides) -> Self {
+        BackwardIo { strides: Some(strides), ..self }
     }
 
     /// The same buffers with the gradient of lse (f32, lse's shape).

@@ -31,12 +31,14 @@ pub mod precision;
 pub mod problem;
 pub mod quant;
 pub mod rotary;
+pub mod strides;
 
 pub use device::{backward_host, cuda_available, forward_host, rotary_host, Device};
 pub use dispatch::Mode;
 pub use dtype::DType;
 pub use error::{FlashError, Result};
 pub use io::{BackwardIo, ForwardIo};
+pub use strides::{InputStrides, Strides};
 pub use mask::{IndexArg, Mask, MaskArgs, MaskBuffers, Window, MASK_BLOCK};
 pub use modifiers::{FloatArg, ModArgs, Modifiers};
 pub use precision::Precision;

@@ -50,7 +50,7 @@ struct Ctx<'a> {
 
 /// Writes dq (like q), dk (like k) and dv (like v) in p.dtype.
 pub fn run(p: &Problem, io: BackwardIo) -> Result<()> {
-    let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask, dsinks, dlse } = io;
+    let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask, dsinks, dlse, strides: _ } = io;
     let dlse = dlse.map(|b| load_f32(b, "dlse")).transpose()?; // [PB·H, Rq], lse's layout
     let geo = Geometry::new(p);
     let lse2 = lse_log2(lse)?;

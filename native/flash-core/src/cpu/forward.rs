@@ -25,7 +25,7 @@ struct Packed {
 /// q, k, v in p.dtype (shapes [`Problem::q_shape`], [`Problem::kv_shape`], [`Problem::v_shape`]);
 /// writes o (p.dtype, [`Problem::o_shape`]) and lse (f32, natural log, [`Problem::lse_shape`]).
 pub fn run(p: &Problem, io: ForwardIo) -> Result<()> {
-    let ForwardIo { q, k, v, o, lse, mask } = io;
+    let ForwardIo { q, k, v, o, lse, mask, strides: _ } = io;
     let geo = Geometry::new(p);
     let dvp = padded_dim(geo.head_dim_v);
     let x = Packed {

@@ -84,7 +84,7 @@ fn task_list(p: &Problem) -> Vec<(usize, Range<usize>)> {
 
 /// Forward (layouts in [`ForwardIo`]).
 pub fn forward(p: &Problem, io: ForwardIo) -> Result<()> {
-    let ForwardIo { q, k, v, o, lse, mask } = io;
+    let ForwardIo { q, k, v, o, lse, mask, strides: _ } = io;
     let vis = Visibility::new(p, &mask);
     let outs = (SharedOut::new(o, p.dtype), SharedOut::new(lse, DType::F32));
     let chunk = kv_chunk(p);
@@ -99,7 +99,7 @@ pub fn forward(p: &Problem, io: ForwardIo) -> Result<()> {
 
 /// Backward (layouts in [`BackwardIo`]).
 pub fn backward(p: &Problem, io: BackwardIo) -> Result<()> {
-    let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask, dsinks, dlse } = io;
+    let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask, dsinks, dlse, strides: _ } = io;
     let dlse = dlse.map(|b| load_f32(b, "dlse")).transpose()?; // lse's layout
     let vis = Visibility::new(p, &mask);
     let outs = [SharedOut::new(dq, p.dtype), SharedOut::new(dk, p.dtype), SharedOut::new(dv, p.dtype)];

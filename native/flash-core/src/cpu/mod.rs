@@ -30,6 +30,7 @@ use crate::rotary::{RotaryIo, RotaryProblem};
 /// Forward on the CPU (layouts in [`ForwardIo`]).
 pub fn forward(p: &Problem, io: ForwardIo) -> Result<()> {
     check_forward_buffers(p, &io)?;
+    packed_only(p, io.strides)?;
     match dispatch::choose(p, Backend::Cpu, Pass::Forward)? {
         Path::Fused => catch_panics("CPU", || forward::run(p, io)),
         Path::Materialized => catch_panics("CPU", || materialized::forward(p, io)),
@@ -39,9 +40,18 @@ pub fn forward(p: &Problem, io: ForwardIo) -> Result<()> {
 /// Backward on the CPU from the forward's o and lse (layouts in [`BackwardIo`]).
 pub fn backward(p: &Problem, io: BackwardIo) -> Result<()> {
     check_backward_buffers(p, &io)?;
+    packed_only(p, io.strides)?;
     match dispatch::choose(p, Backend::Cpu, Pass::Backward)? {
         Path::Fused => catch_panics("CPU", || backward::run(p, io)),
         Path::Materialized => catch_panics("CPU", || materialized::backward(p, io)),
+    }
+}
+
+/// The CPU kernels read packed inputs only (for now).
+fn packed_only(p: &Problem, strides: Option<crate::strides::InputStrides>) -> Result<()> {
+    match strides {
+        Some(s) if !s.all_packed(p) => Err(crate::error::FlashError::Unsupported("strided inputs on the CPU".into())),
+        _ => Ok(()),
     }
 }
 
