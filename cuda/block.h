@@ -112,8 +112,6 @@ struct QueryBlock {
     int b, h, hkv;       // batch, query head, its key/value head
     int m0;              // first query row
     int Sq, Sk;          // query and key sequence lengths (MASKED: this batch row's q_len, k_len)
-    i64 q_stride;        // element distance between rows of q, o, do, dq
-    i64 kv_stride;       // element distance between rows of k, v
 #if MASKED
     SeqMask seq;         // this batch row
     int r_end;           // min(m0 + BLOCK_M, Sq): rows [m0, r_end) are real
@@ -146,8 +144,6 @@ struct QueryBlock {
         Sq = p.seqlen_q;
         Sk = p.seqlen_k;
 #endif
-        q_stride = (i64)p.heads * HEAD_DIM;
-        kv_stride = (i64)p.heads_kv * HEAD_DIM;
     }
     // No row of this batch row is in the block (MASKED: the grid covers the longest sequence).
     __device__ __forceinline__ bool empty() const { return MASKED && m0 >= Sq; }
@@ -177,10 +173,10 @@ struct QueryBlock {
     }
     __device__ __forceinline__ void look_ahead(KeyWalk& w) const { w.nxt = walk(w.cur.n0 + BLOCK_N); }
     __device__ __forceinline__ bool tile_mask(const KeyWalk& w) const { return w.cur.mask; }
-    // Element offsets of (row 0, h) of this batch row in q, o, do, dq; of (key 0, hkv) in k, v;
-    // and of (h, row 0) in lse, lse_log2, delta.
-    __device__ __forceinline__ i64 q_base(const FlashParams& p) const { return ((i64)seq.q_start * p.heads + h) * HEAD_DIM; }
-    __device__ __forceinline__ i64 kv_base(const FlashParams& p) const { return ((i64)seq.k_start * p.heads_kv + hkv) * HEAD_DIM; }
+    // The call's row (params.h's Strides) of this batch row's query 0 and key 0.
+    __device__ __forceinline__ i64 q_row0() const { return seq.q_start; }
+    __device__ __forceinline__ i64 k_row0() const { return seq.k_start; }
+    // Element offset of (h, row 0) in lse, lse_log2, delta.
     __device__ __forceinline__ i64 stat_base(const FlashParams& p) const {
         return (i64)seq.q_start * p.stat_q_mul + (i64)h * p.stat_h_stride;
     }
@@ -198,14 +194,16 @@ struct QueryBlock {
     __device__ __forceinline__ KeyWalk key_walk() const { return {0, n_tiles()}; }
     __device__ __forceinline__ void look_ahead(KeyWalk&) const {}
     __device__ __forceinline__ bool tile_mask(const KeyWalk& w) const { return tile_needs_mask(m0, w.n0(), BLOCK_N, Sq, Sk); }
-    // Element offsets of (b, row 0, h) in q, o, do, dq; of (b, key 0, hkv) in k, v; and of
-    // (b, h, row 0) in lse, lse_log2, delta.
-    __device__ __forceinline__ i64 q_base(const FlashParams& p) const { return q_row_offset(p, b, 0, h); }
-    __device__ __forceinline__ i64 kv_base(const FlashParams& p) const { return kv_row_offset(p, b, 0, hkv); }
+    __device__ __forceinline__ i64 q_row0() const { return (i64)b * Sq; }
+    __device__ __forceinline__ i64 k_row0() const { return (i64)b * Sk; }
     __device__ __forceinline__ i64 stat_base(const FlashParams& p) const { return stat_offset(p, b, h); }
     __device__ __forceinline__ Visibility vis() const { return {Sq, Sk}; }
     __device__ __forceinline__ float sink2(const FlashParams&) const { return NEG_INF; }
 #endif
+    // Element offsets of (row 0, h) in a query-side tensor laid out as st (q, o, do, dq), and of
+    // (key 0, hkv) in a key-side one (k, v); rows st.seq apart.
+    __device__ __forceinline__ i64 q_at(const Strides& st) const { return row_at(st, b, q_row0(), h); }
+    __device__ __forceinline__ i64 kv_at(const Strides& st) const { return row_at(st, b, k_row0(), hkv); }
     // The key tiles the block visits, in order: first_tile(), next_tile(t), ... while t.n0 < n_end().
     __device__ __forceinline__ KeyTile first_tile() const { return walk(n_begin()); }
     __device__ __forceinline__ KeyTile next_tile(KeyTile t) const { return walk(t.n0 + BLOCK_N); }
@@ -226,8 +224,7 @@ struct KeyBlock {
     int b, hkv;          // batch, key/value head
     int n0;              // first key row
     int Sq, Sk;          // query and key sequence lengths (MASKED: this batch row's q_len, k_len)
-    i64 q_stride;        // element distance between rows of q, do, dq_accum
-    i64 kv_stride;       // element distance between rows of k, v, dk, dv
+    i64 accum_stride;    // element distance between rows of dq_accum ([.., H, D], packed)
     int m_first;         // first query tile (index) with a row that sees a key of the block
     int m_start;         // its first row, m_first * BLOCK_M
     int m_tiles;         // query tiles per head from m_first on
@@ -262,8 +259,7 @@ struct KeyBlock {
         Sq = p.seqlen_q;
         Sk = p.seqlen_k;
 #endif
-        q_stride = (i64)p.heads * HEAD_DIM;
-        kv_stride = (i64)p.heads_kv * HEAD_DIM;
+        accum_stride = (i64)p.heads * HEAD_DIM;
 #if !MASKED
         m_first = first_query_tile(n0, BLOCK_M, Sq, Sk) / BLOCK_M;
         const int all_tiles = (Sq + BLOCK_M - 1) / BLOCK_M;
@@ -310,10 +306,10 @@ struct KeyBlock {
     __device__ __forceinline__ void look_ahead(QueryWalk& w) const { w.nxt = walk(w.cur.it + 1); }
     // Does the walk's current iteration need the element mask?
     __device__ __forceinline__ bool tile_mask(const QueryWalk& w) const { return w.cur.mask; }
-    // Element offsets of (key 0, hkv) of this batch row in k, v, dk, dv; of (row 0, h) in q, do,
-    // dq_accum; and of (h, row 0) in lse_log2, delta.
-    __device__ __forceinline__ i64 kv_base(const FlashParams& p) const { return ((i64)seq.k_start * p.heads_kv + hkv) * HEAD_DIM; }
-    __device__ __forceinline__ i64 q_base(const FlashParams& p, int h) const { return ((i64)seq.q_start * p.heads + h) * HEAD_DIM; }
+    // The call's row (params.h's Strides) of this batch row's query 0 and key 0.
+    __device__ __forceinline__ i64 q_row0() const { return seq.q_start; }
+    __device__ __forceinline__ i64 k_row0() const { return seq.k_start; }
+    // Element offset of (h, row 0) in lse_log2, delta.
     __device__ __forceinline__ i64 stat_base(const FlashParams& p, int h) const {
         return (i64)seq.q_start * p.stat_q_mul + (i64)h * p.stat_h_stride;
     }
@@ -322,13 +318,17 @@ struct KeyBlock {
     __device__ __forceinline__ TileTest query_tile(int, int) const { return {true, false}; }
     __device__ __forceinline__ QueryWalk query_walk() const { return {0, n_iter}; }
     __device__ __forceinline__ void look_ahead(QueryWalk&) const {}
-    // Element offsets of (b, key 0, hkv) in k, v, dk, dv; of (b, row 0, h) in q, do, dq_accum; and
-    // of (b, h, row 0) in lse_log2, delta.
-    __device__ __forceinline__ i64 kv_base(const FlashParams& p) const { return kv_row_offset(p, b, 0, hkv); }
-    __device__ __forceinline__ i64 q_base(const FlashParams& p, int h) const { return q_row_offset(p, b, 0, h); }
+    __device__ __forceinline__ i64 q_row0() const { return (i64)b * Sq; }
+    __device__ __forceinline__ i64 k_row0() const { return (i64)b * Sk; }
     __device__ __forceinline__ i64 stat_base(const FlashParams& p, int h) const { return stat_offset(p, b, h); }
     __device__ __forceinline__ Visibility vis(int) const { return {Sq, Sk}; }
 #endif
+    // Element offsets of (key 0, hkv) in a key-side tensor laid out as st (k, v, dk, dv), of (row 0,
+    // h) in a query-side one (q, do); rows st.seq apart. And of (row 0, h) in dq_accum (packed,
+    // rows accum_stride apart).
+    __device__ __forceinline__ i64 kv_at(const Strides& st) const { return row_at(st, b, k_row0(), hkv); }
+    __device__ __forceinline__ i64 q_at(const Strides& st, int h) const { return row_at(st, b, q_row0(), h); }
+    __device__ __forceinline__ i64 accum_base(const FlashParams& p, int h) const { return (q_row0() * p.heads + h) * HEAD_DIM; }
     // Does warp slice key0 (its 16 keys) need the element mask in the walk's current iteration?
     // Plain kernels refine per slice (only the diagonal's and the ragged end's); MASKED ones take
     // the tile's verdict.

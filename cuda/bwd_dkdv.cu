@@ -60,7 +60,7 @@ __device__ __forceinline__ void add_dq_item(const FlashParams& p, const KeyBlock
     float acc[DQ_MT][DQ_NT][4];
     zero(acc);
     gemm_atb<DQ_MT, DQ_NT, BLOCK_N / 16>(acc, sdS, DS_ROW, mg * DQ_MT * 16, sK, ng * DQ_NT * 8);
-    float* dq = p.dq_accum + blk.q_base(p, h);
+    float* dq = p.dq_accum + blk.accum_base(p, h);
 #pragma unroll
     for (int mt = 0; mt < DQ_MT; ++mt)
 #pragma unroll
@@ -70,7 +70,7 @@ __device__ __forceinline__ void add_dq_item(const FlashParams& p, const KeyBlock
 #pragma unroll
             for (int nt = 0; nt < DQ_NT; ++nt) {
                 const int col = (ng * DQ_NT + nt) * 8 + 2 * t;
-                if (col < HEAD_DIM) red_add_f32x2(dq + row * blk.q_stride + col, acc[mt][nt][2 * r], acc[mt][nt][2 * r + 1]);
+                if (col < HEAD_DIM) red_add_f32x2(dq + row * blk.accum_stride + col, acc[mt][nt][2 * r], acc[mt][nt][2 * r + 1]);
             }
         }
 }
@@ -107,15 +107,15 @@ flash_bwd_dkdv(const FlashParams p) {
     const int slice = warp / D_SPLIT, part = warp % D_SPLIT;
     QueryWalk w = blk.query_walk();
 
-    load_tile_async<BLOCK_N>(smem.k, p.k + blk.kv_base(p), blk.n0, blk.Sk, blk.kv_stride);
-    load_tile_async<BLOCK_N>(smem.v, p.v + blk.kv_base(p), blk.n0, blk.Sk, blk.kv_stride);
+    load_tile_async<BLOCK_N>(smem.k, p.k + blk.kv_at(p.k_st), blk.n0, blk.Sk, p.k_st.seq);
+    load_tile_async<BLOCK_N>(smem.v, p.v + blk.kv_at(p.v_st), blk.n0, blk.Sk, p.v_st.seq);
 
     // Iteration it = (query head, query tile). Its Q tile (with lse, delta) and its dO tile go in
     // separate commit groups, so that S^T = K Q^T starts while dO is in flight. In flight at the
     // top of iteration it: Q_it, dO_it. lse/delta are plain stores, visible after the next barrier.
     auto load_q = [&](int it, int buf) {
         const int h = blk.head(it), m0 = blk.query_row(it);
-        load_tile_async<BLOCK_M>(smem.q + buf * BLOCK_M * SROW, p.q + blk.q_base(p, h), m0, blk.Sq, blk.q_stride);
+        load_tile_async<BLOCK_M>(smem.q + buf * BLOCK_M * SROW, p.q + blk.q_at(p.q_st, h), m0, blk.Sq, p.q_st.seq);
         const i64 so = blk.stat_base(p, h);
         for (int i = threadIdx.x; i < BLOCK_M; i += NUM_THREADS) {
             const bool ok = m0 + i < blk.Sq;
@@ -125,7 +125,7 @@ flash_bwd_dkdv(const FlashParams p) {
     };
     auto load_do = [&](int it, int buf) {
         const int h = blk.head(it), m0 = blk.query_row(it);
-        load_tile_async<BLOCK_M>(smem.dout + buf * BLOCK_M * SROW, p.dout + blk.q_base(p, h), m0, blk.Sq, blk.q_stride);
+        load_tile_async<BLOCK_M>(smem.dout + buf * BLOCK_M * SROW, p.dout + blk.q_at(p.do_st, h), m0, blk.Sq, p.do_st.seq);
     };
     if (w.more()) load_q(w.it(), 0);
     cp_async_commit();  // with K and V
@@ -198,6 +198,6 @@ flash_bwd_dkdv(const FlashParams p) {
         add_dq_tile(p, blk, smem.ds, smem.k, blk.head(it), m0);
 #endif
     }
-    store_tile<DPART / 8>(p.dk + blk.kv_base(p), dk, p.scale, p.scale, key0, blk.Sk, col0, blk.kv_stride);
-    store_tile<DPART / 8>(p.dv + blk.kv_base(p), dv, 1.f, 1.f, key0, blk.Sk, col0, blk.kv_stride);
+    store_tile<DPART / 8>(p.dk + blk.kv_at(p.dk_st), dk, p.scale, p.scale, key0, blk.Sk, col0, p.dk_st.seq);
+    store_tile<DPART / 8>(p.dv + blk.kv_at(p.dv_st), dv, 1.f, 1.f, key0, blk.Sk, col0, p.dv_st.seq);
 }

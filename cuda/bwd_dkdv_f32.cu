@@ -27,8 +27,8 @@ flash_bwd_dkdv(const FlashParams p) {
     if (blk.empty()) return;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
     const int n0 = blk.n0, Sq = blk.Sq, Sk = blk.Sk;
-    load_tile_f32<BLOCK_N>(smem.k, p.k + blk.kv_base(p), n0, Sk, blk.kv_stride);
-    load_tile_f32<BLOCK_N>(smem.v, p.v + blk.kv_base(p), n0, Sk, blk.kv_stride);
+    load_tile_f32<BLOCK_N>(smem.k, p.k + blk.kv_at(p.k_st), n0, Sk, p.k_st.seq);
+    load_tile_f32<BLOCK_N>(smem.v, p.v + blk.kv_at(p.v_st), n0, Sk, p.v_st.seq);
 
     float dk[MR][DCOLS], dv[MR][DCOLS];
 #pragma unroll
@@ -51,8 +51,8 @@ flash_bwd_dkdv(const FlashParams p) {
                 continue;
             }
             __syncthreads();
-            load_tile_f32<BLOCK_M>(smem.q, p.q + blk.q_base(p, h), m0, Sq, blk.q_stride);
-            load_tile_f32<BLOCK_M>(smem.dout, p.dout + blk.q_base(p, h), m0, Sq, blk.q_stride);
+            load_tile_f32<BLOCK_M>(smem.q, p.q + blk.q_at(p.q_st, h), m0, Sq, p.q_st.seq);
+            load_tile_f32<BLOCK_M>(smem.dout, p.dout + blk.q_at(p.do_st, h), m0, Sq, p.do_st.seq);
             for (int i = threadIdx.x; i < BLOCK_M; i += NUM_THREADS) {
                 const bool ok = m0 + i < Sq;
                 smem.lse[i] = ok ? p.lse_log2[so + m0 + i] : POS_INF;
@@ -119,7 +119,7 @@ flash_bwd_dkdv(const FlashParams p) {
                         }
                     }
                 }
-                float* dqa = p.dq_accum + blk.q_base(p, h);
+                float* dqa = p.dq_accum + blk.accum_base(p, h);
 #pragma unroll
                 for (int i = 0; i < MC; ++i) {
                     const int q = m0 + ty + 16 * i;
@@ -127,7 +127,7 @@ flash_bwd_dkdv(const FlashParams p) {
 #pragma unroll
                     for (int jd = 0; jd < DCOLS; ++jd) {
                         const int col = tx + 16 * jd;
-                        if (col < HEAD_DIM) atomicAdd(dqa + (i64)q * blk.q_stride + col, dq[i][jd]);
+                        if (col < HEAD_DIM) atomicAdd(dqa + (i64)q * blk.accum_stride + col, dq[i][jd]);
                     }
                 }
             }
@@ -137,6 +137,6 @@ flash_bwd_dkdv(const FlashParams p) {
     float one[MR], sc[MR];
 #pragma unroll
     for (int i = 0; i < MR; ++i) { one[i] = 1.f; sc[i] = p.scale; }
-    store_rows_f32<MR>(p.dk + blk.kv_base(p), dk, sc, n0, Sk, blk.kv_stride);
-    store_rows_f32<MR>(p.dv + blk.kv_base(p), dv, one, n0, Sk, blk.kv_stride);
+    store_rows_f32<MR>(p.dk + blk.kv_at(p.dk_st), dk, sc, n0, Sk, p.dk_st.seq);
+    store_rows_f32<MR>(p.dv + blk.kv_at(p.dv_st), dv, one, n0, Sk, p.dv_st.seq);
 }

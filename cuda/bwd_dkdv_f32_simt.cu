@@ -42,12 +42,12 @@ flash_bwd_dkdv(const FlashParams p) {
     const int n0 = blk.n0, Sq = blk.Sq, Sk = blk.Sk;
     QueryWalk w = blk.query_walk();
 
-    cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, p.k + blk.kv_base(p), n0, Sk, blk.kv_stride);
-    cp_rows_f32<BLOCK_N, RSTRIDE>(smem.v, p.v + blk.kv_base(p), n0, Sk, blk.kv_stride);
+    cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, p.k + blk.kv_at(p.k_st), n0, Sk, p.k_st.seq);
+    cp_rows_f32<BLOCK_N, RSTRIDE>(smem.v, p.v + blk.kv_at(p.v_st), n0, Sk, p.v_st.seq);
     if (w.more()) {
         const int h = blk.head(w.it()), m0 = blk.query_row(w.it());
-        cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_base(p, h), m0, Sq, blk.q_stride);
-        cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_base(p, h), m0, Sq, blk.q_stride);
+        cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_at(p.q_st, h), m0, Sq, p.q_st.seq);
+        cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_at(p.do_st, h), m0, Sq, p.do_st.seq);
         if (threadIdx.x < BLOCK_M) {
             const int q = m0 + threadIdx.x;
             const i64 so = blk.stat_base(p, h);
@@ -128,8 +128,8 @@ flash_bwd_dkdv(const FlashParams p) {
         float nl = POS_INF, nd = 0.f;
         if (w.has_next()) {
             const int h1 = blk.head(w.next_it()), m1 = blk.query_row(w.next_it());
-            cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_base(p, h1), m1, Sq, blk.q_stride);
-            cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_base(p, h1), m1, Sq, blk.q_stride);
+            cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_at(p.q_st, h1), m1, Sq, p.q_st.seq);
+            cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_at(p.do_st, h1), m1, Sq, p.do_st.seq);
             if (threadIdx.x < BLOCK_M && m1 + (int)threadIdx.x < Sq) {
                 const i64 idx = blk.stat_base(p, h1) + m1 + threadIdx.x;
                 nl = p.lse_log2[idx];
@@ -160,13 +160,13 @@ flash_bwd_dkdv(const FlashParams p) {
                     fma4(dq[3][jj], av.w, bv[jj]);
                 }
             }
-            float* dqa = p.dq_accum + blk.q_base(p, h);
+            float* dqa = p.dq_accum + blk.accum_base(p, h);
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 const int q = m0 + 4 * ty + r;
                 if (q < Sq) {
 #pragma unroll
-                    for (int jj = 0; jj < DV4; ++jj) red_add4(dqa + (i64)q * blk.q_stride + 4 * (tx + 16 * jj), dq[r][jj]);
+                    for (int jj = 0; jj < DV4; ++jj) red_add4(dqa + (i64)q * blk.accum_stride + 4 * (tx + 16 * jj), dq[r][jj]);
                 }
             }
         }
@@ -178,8 +178,8 @@ flash_bwd_dkdv(const FlashParams p) {
         if (w.has_next()) {
             __syncthreads();  // (C) every thread is done with Q, dO, lse, delta
             const int h1 = blk.head(w.next_it()), m1 = blk.query_row(w.next_it());
-            cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_base(p, h1), m1, Sq, blk.q_stride);
-            cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_base(p, h1), m1, Sq, blk.q_stride);
+            cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_at(p.q_st, h1), m1, Sq, p.q_st.seq);
+            cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_at(p.do_st, h1), m1, Sq, p.do_st.seq);
             if (threadIdx.x < BLOCK_M) {
                 const bool ok = m1 + (int)threadIdx.x < Sq;
                 const i64 idx = blk.stat_base(p, h1) + m1 + threadIdx.x;
@@ -195,6 +195,6 @@ flash_bwd_dkdv(const FlashParams p) {
     float one[MR], sc[MR];
 #pragma unroll
     for (int i = 0; i < MR; ++i) { one[i] = 1.f; sc[i] = p.scale; }
-    store_rows4_f32<MR>(p.dk + blk.kv_base(p), dk, sc, n0, Sk, blk.kv_stride);
-    store_rows4_f32<MR>(p.dv + blk.kv_base(p), dv, one, n0, Sk, blk.kv_stride);
+    store_rows4_f32<MR>(p.dk + blk.kv_at(p.dk_st), dk, sc, n0, Sk, p.dk_st.seq);
+    store_rows4_f32<MR>(p.dv + blk.kv_at(p.dv_st), dv, one, n0, Sk, p.dv_st.seq);
 }

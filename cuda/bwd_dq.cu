@@ -25,17 +25,17 @@ flash_bwd_dq(const FlashParams p) {
     if (blk.empty()) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4;
-    const elem_t* k = p.k + blk.kv_base(p);
-    const elem_t* v = p.v + blk.kv_base(p);
+    const elem_t* k = p.k + blk.kv_at(p.k_st);
+    const elem_t* v = p.v + blk.kv_at(p.v_st);
     KeyWalk w = blk.key_walk();
 
     // Commit groups: (Q, dO, K_0), V_0, then K_{j+1} and V_{j+1} per tile, so that S = Q K^T
     // starts while V is in flight. In flight at the top of iteration j: K_j, V_j.
-    load_tile_async<BLOCK_M>(smem.q, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
-    load_tile_async<BLOCK_M>(smem.dout, p.dout + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
-    if (w.more()) load_tile_async<BLOCK_N>(smem.k, k, w.n0(), blk.Sk, blk.kv_stride);
+    load_tile_async<BLOCK_M>(smem.q, p.q + blk.q_at(p.q_st), blk.m0, blk.Sq, p.q_st.seq);
+    load_tile_async<BLOCK_M>(smem.dout, p.dout + blk.q_at(p.do_st), blk.m0, blk.Sq, p.do_st.seq);
+    if (w.more()) load_tile_async<BLOCK_N>(smem.k, k, w.n0(), blk.Sk, p.k_st.seq);
     cp_async_commit();
-    if (w.more()) load_tile_async<BLOCK_N>(smem.v, v, w.n0(), blk.Sk, blk.kv_stride);
+    if (w.more()) load_tile_async<BLOCK_N>(smem.v, v, w.n0(), blk.Sk, p.v_st.seq);
     cp_async_commit();
 
     // Row statistics of this lane's two rows (rows past Sq: lse +inf gives P = 0).
@@ -54,7 +54,7 @@ flash_bwd_dq(const FlashParams p) {
         const int nb = w.next_buf();
         cp_async_wait<1>();
         __syncthreads();  // K_j landed; every warp is done with K_{j-1}'s buffer
-        if (w.has_next()) load_tile_async<BLOCK_N>(smem.k + nb * BLOCK_N * SROW, k, w.next_n0(), blk.Sk, blk.kv_stride);
+        if (w.has_next()) load_tile_async<BLOCK_N>(smem.k + nb * BLOCK_N * SROW, k, w.next_n0(), blk.Sk, p.k_st.seq);
         cp_async_commit();
         const elem_t* sKj = smem.k + w.buf() * BLOCK_N * SROW;
         const elem_t* sVj = smem.v + w.buf() * BLOCK_N * SROW;
@@ -67,7 +67,7 @@ flash_bwd_dq(const FlashParams p) {
 
         cp_async_wait<1>();
         __syncthreads();  // V_j landed; every warp is done with V_{j-1}'s buffer
-        if (w.has_next()) load_tile_async<BLOCK_N>(smem.v + nb * BLOCK_N * SROW, v, w.next_n0(), blk.Sk, blk.kv_stride);
+        if (w.has_next()) load_tile_async<BLOCK_N>(smem.v + nb * BLOCK_N * SROW, v, w.next_n0(), blk.Sk, p.v_st.seq);
         cp_async_commit();
         gemm_abt<BLOCK_N / 8>(dp, sdOw, sVj);
 #pragma unroll
@@ -99,5 +99,5 @@ flash_bwd_dq(const FlashParams p) {
 #endif
         gemm_pb<BLOCK_N / 16, DPAD / 8>(dq, s, sKj, 0);
     }
-    store_tile<DPAD / 8>(p.dq + blk.q_base(p), dq, p.scale, p.scale, row0, blk.Sq, 0, blk.q_stride);
+    store_tile<DPAD / 8>(p.dq + blk.q_at(p.dq_st), dq, p.scale, p.scale, row0, blk.Sq, 0, p.dq_st.seq);
 }

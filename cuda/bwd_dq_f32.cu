@@ -24,11 +24,11 @@ flash_bwd_dq(const FlashParams p) {
     const QueryBlock blk(p);
     if (blk.empty()) return;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const float* k = p.k + blk.kv_base(p);
-    const float* v = p.v + blk.kv_base(p);
+    const float* k = p.k + blk.kv_at(p.k_st);
+    const float* v = p.v + blk.kv_at(p.v_st);
     const int n_end = blk.n_end();
-    load_tile_f32<BLOCK_M>(smem.q, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
-    load_tile_f32<BLOCK_M>(smem.dout, p.dout + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
+    load_tile_f32<BLOCK_M>(smem.q, p.q + blk.q_at(p.q_st), blk.m0, blk.Sq, p.q_st.seq);
+    load_tile_f32<BLOCK_M>(smem.dout, p.dout + blk.q_at(p.do_st), blk.m0, blk.Sq, p.do_st.seq);
 
     float lse2[MR], dlt[MR], acc[MR][DCOLS];
 #pragma unroll
@@ -40,8 +40,8 @@ flash_bwd_dq(const FlashParams p) {
     for (KeyTile tile = blk.first_tile(); tile.n0 < n_end; tile = blk.next_tile(tile)) {
         const int n0 = tile.n0;
         __syncthreads();
-        load_tile_f32<BLOCK_N>(smem.k, k, n0, blk.Sk, blk.kv_stride);
-        load_tile_f32<BLOCK_N>(smem.v, v, n0, blk.Sk, blk.kv_stride);
+        load_tile_f32<BLOCK_N>(smem.k, k, n0, blk.Sk, p.k_st.seq);
+        load_tile_f32<BLOCK_N>(smem.v, v, n0, blk.Sk, p.v_st.seq);
         __syncthreads();
         float s[MR][MC], dp[MR][MC];
         zero(s);
@@ -55,5 +55,5 @@ flash_bwd_dq(const FlashParams p) {
     float mul[MR];
 #pragma unroll
     for (int i = 0; i < MR; ++i) mul[i] = p.scale;
-    store_rows_f32<MR>(p.dq + blk.q_base(p), acc, mul, blk.m0, blk.Sq, blk.q_stride);
+    store_rows_f32<MR>(p.dq + blk.q_at(p.dq_st), acc, mul, blk.m0, blk.Sq, p.dq_st.seq);
 }

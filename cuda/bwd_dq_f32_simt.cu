@@ -33,15 +33,15 @@ flash_bwd_dq(const FlashParams p) {
     const QueryBlock blk(p);
     if (blk.empty()) return;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const float* k = p.k + blk.kv_base(p);
-    const float* v = p.v + blk.kv_base(p);
+    const float* k = p.k + blk.kv_at(p.k_st);
+    const float* v = p.v + blk.kv_at(p.v_st);
     const int n_end = blk.n_end();
     KeyTile tile = blk.first_tile();
-    cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
-    cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
+    cp_rows_f32<BLOCK_M, RSTRIDE>(smem.q, p.q + blk.q_at(p.q_st), blk.m0, blk.Sq, p.q_st.seq);
+    cp_rows_f32<BLOCK_M, RSTRIDE>(smem.dout, p.dout + blk.q_at(p.do_st), blk.m0, blk.Sq, p.do_st.seq);
     if (tile.n0 < n_end) {
-        cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, k, tile.n0, blk.Sk, blk.kv_stride);
-        cp_rows_f32<BLOCK_N, RSTRIDE>(smem.v, v, tile.n0, blk.Sk, blk.kv_stride);
+        cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, k, tile.n0, blk.Sk, p.k_st.seq);
+        cp_rows_f32<BLOCK_N, RSTRIDE>(smem.v, v, tile.n0, blk.Sk, p.v_st.seq);
     }
     cp_async_commit();
 
@@ -60,7 +60,7 @@ flash_bwd_dq(const FlashParams p) {
         float* sK = smem.k + buf * BLOCK_N * RSTRIDE;
         cp_async_wait<0>();
         __syncthreads();  // (A) K_j, V_j in place; every thread is done with dS and K_{j-1}
-        if (next.n0 < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k + (buf ^ 1) * BLOCK_N * RSTRIDE, k, next.n0, blk.Sk, blk.kv_stride);
+        if (next.n0 < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k + (buf ^ 1) * BLOCK_N * RSTRIDE, k, next.n0, blk.Sk, p.k_st.seq);
         cp_async_commit();
 
         float s[MR][MC], dp[MR][MC];
@@ -70,7 +70,7 @@ flash_bwd_dq(const FlashParams p) {
         mm_rows_f32<MR, MC, RSTRIDE>(dp, smem.dout, smem.v);
         store_ds_rows<PS>(smem.ds, s, dp, lse2, dlt, blk.m0, n0, blk.tile_mask(tile), p.scale_log2, blk.vis(), ty, tx);
         __syncthreads();  // (B) dS visible; every thread is done with V_j
-        if (next.n0 < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.v, v, next.n0, blk.Sk, blk.kv_stride);
+        if (next.n0 < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.v, v, next.n0, blk.Sk, p.v_st.seq);
         cp_async_commit();
         mm_pv_f32<MR, BLOCK_N, PS, RSTRIDE>(acc, smem.ds, sK);
         tile = next;
@@ -79,5 +79,5 @@ flash_bwd_dq(const FlashParams p) {
     float mul[MR];
 #pragma unroll
     for (int i = 0; i < MR; ++i) mul[i] = p.scale;
-    store_rows4_f32<MR>(p.dq + blk.q_base(p), acc, mul, blk.m0, blk.Sq, blk.q_stride);
+    store_rows4_f32<MR>(p.dq + blk.q_at(p.dq_st), acc, mul, blk.m0, blk.Sq, p.dq_st.seq);
 }

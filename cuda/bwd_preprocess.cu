@@ -15,16 +15,16 @@ flash_bwd_preprocess(const FlashParams p) {
     const i64 row = (i64)blockIdx.x * NUM_WARPS + warp;  // index into [B, Sq, H]
     const i64 rows = (i64)p.batch * p.seqlen_q * p.heads;
     if (row >= rows) return;
-    const elem_t* o = p.o + row * HEAD_DIM;
-    const elem_t* dout = p.dout + row * HEAD_DIM;
+    const int h = (int)(row % p.heads);
+    const i64 bs = row / p.heads;  // the call's row: b * Sq + i
+    const int i = (int)(bs % p.seqlen_q), b = (int)(bs / p.seqlen_q);
+    const elem_t* o = p.o + row_at(p.o_st, b, bs, h);
+    const elem_t* dout = p.dout + row_at(p.do_st, b, bs, h);
     float acc = 0.f;
     for (int d = lane; d < HEAD_DIM; d += 32) acc += to_float(o[d]) * to_float(dout[d]);
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
     if (lane == 0) {
-        const int h = (int)(row % p.heads);
-        const i64 bs = row / p.heads;
-        const int i = (int)(bs % p.seqlen_q), b = (int)(bs / p.seqlen_q);
         const i64 idx = stat_offset(p, b, h) + i;
         const float l = p.lse[idx];
         p.delta[idx] = (p.dlse != nullptr && l != NEG_INF) ? acc - p.dlse[idx] : acc;

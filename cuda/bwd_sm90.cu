@@ -381,8 +381,8 @@ __device__ __forceinline__ void consume(const Sm90BwdParams& P, Smem& smem, int 
         fence_async_smem();
         mbar_arrive(smem_addr(&smem.dq_full[j % DQ_WRITERS]));
     }
-    store_tile<HEAD_DIM / 8>(p.dk + blk.kv_base(p), dk, p.scale, p.scale, key0, blk.Sk, 0, blk.kv_stride);
-    store_tile<HEAD_DIM / 8>(p.dv + blk.kv_base(p), dv, 1.f, 1.f, key0, blk.Sk, 0, blk.kv_stride);
+    store_tile<HEAD_DIM / 8>(p.dk + blk.kv_at(p.dk_st), dk, p.scale, p.scale, key0, blk.Sk, 0, p.dk_st.seq);
+    store_tile<HEAD_DIM / 8>(p.dv + blk.kv_at(p.dv_st), dv, 1.f, 1.f, key0, blk.Sk, 0, p.dv_st.seq);
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_bwd_sm90(const __grid_constant__ Sm90BwdParams P) {

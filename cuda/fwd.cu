@@ -30,17 +30,17 @@ flash_fwd(const FlashParams p) {
     const QueryBlock blk(p);
     if (blk.empty()) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const elem_t* q = p.q + blk.q_base(p);
-    const elem_t* k = p.k + blk.kv_base(p);
-    const elem_t* v = p.v + blk.kv_base(p);
+    const elem_t* q = p.q + blk.q_at(p.q_st);
+    const elem_t* k = p.k + blk.kv_at(p.k_st);
+    const elem_t* v = p.v + blk.kv_at(p.v_st);
     KeyWalk w = blk.key_walk();
 
     // Two commit groups per tile, K then V, so that S = Q K^T starts while V is still in flight.
     // In flight at the top of iteration j: K_j, V_j (in that order).
-    load_tile_async<BLOCK_M>(smem.q, q, blk.m0, blk.Sq, blk.q_stride);
-    if (w.more()) load_tile_async<BLOCK_N>(smem.k, k, w.n0(), blk.Sk, blk.kv_stride);
+    load_tile_async<BLOCK_M>(smem.q, q, blk.m0, blk.Sq, p.q_st.seq);
+    if (w.more()) load_tile_async<BLOCK_N>(smem.k, k, w.n0(), blk.Sk, p.k_st.seq);
     cp_async_commit();
-    if (w.more()) load_tile_async<BLOCK_N>(smem.v, v, w.n0(), blk.Sk, blk.kv_stride);
+    if (w.more()) load_tile_async<BLOCK_N>(smem.v, v, w.n0(), blk.Sk, p.v_st.seq);
     cp_async_commit();
 
     float acc[M_TILES][DPAD / 8][4];
@@ -56,7 +56,7 @@ flash_fwd(const FlashParams p) {
         const int nb = w.next_buf();
         cp_async_wait<1>();
         __syncthreads();  // K_j landed; every warp is done with K_{j-1}'s buffer
-        if (w.has_next()) load_tile_async<BLOCK_N>(smem.k + nb * BLOCK_N * SROW, k, w.next_n0(), blk.Sk, blk.kv_stride);
+        if (w.has_next()) load_tile_async<BLOCK_N>(smem.k + nb * BLOCK_N * SROW, k, w.next_n0(), blk.Sk, p.k_st.seq);
         cp_async_commit();
         const elem_t* sKj = smem.k + w.buf() * BLOCK_N * SROW;
         const elem_t* sVj = smem.v + w.buf() * BLOCK_N * SROW;
@@ -79,7 +79,7 @@ flash_fwd(const FlashParams p) {
 
         cp_async_wait<1>();
         __syncthreads();  // V_j landed; every warp is done with V_{j-1}'s buffer
-        if (w.has_next()) load_tile_async<BLOCK_N>(smem.v + nb * BLOCK_N * SROW, v, w.next_n0(), blk.Sk, blk.kv_stride);
+        if (w.has_next()) load_tile_async<BLOCK_N>(smem.v + nb * BLOCK_N * SROW, v, w.next_n0(), blk.Sk, p.v_st.seq);
         cp_async_commit();
         gemm_pb_mt<M_TILES, BLOCK_N / 16, DPAD / 8>(acc, s, sVj, 0);
     }
@@ -89,7 +89,7 @@ flash_fwd(const FlashParams p) {
         float inv[2], lse[2];
         sm[mt].finish(inv, lse);
         const int r0 = row0 + 16 * mt;
-        store_tile<DPAD / 8>(p.o + blk.q_base(p), acc[mt], inv[0], inv[1], r0, blk.Sq, 0, blk.q_stride);
+        store_tile<DPAD / 8>(p.o + blk.q_at(p.o_st), acc[mt], inv[0], inv[1], r0, blk.Sq, 0, p.o_st.seq);
         if (lane % 4 == 0) {
             float* out_lse = p.lse + blk.stat_base(p);
             const int g = lane / 4;

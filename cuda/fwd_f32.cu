@@ -23,10 +23,10 @@ flash_fwd(const FlashParams p) {
     const QueryBlock blk(p);
     if (blk.empty()) return;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const float* k = p.k + blk.kv_base(p);
-    const float* v = p.v + blk.kv_base(p);
+    const float* k = p.k + blk.kv_at(p.k_st);
+    const float* v = p.v + blk.kv_at(p.v_st);
     const int n_end = blk.n_end();
-    load_tile_f32<BLOCK_M>(smem.q, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
+    load_tile_f32<BLOCK_M>(smem.q, p.q + blk.q_at(p.q_st), blk.m0, blk.Sq, p.q_st.seq);
 
     float acc[MR][DCOLS];
     OnlineSoftmaxRows<MR> sm;
@@ -35,8 +35,8 @@ flash_fwd(const FlashParams p) {
     for (KeyTile tile = blk.first_tile(); tile.n0 < n_end; tile = blk.next_tile(tile)) {
         const int n0 = tile.n0;
         __syncthreads();  // previous tile's K, V, P no longer read
-        load_tile_f32<BLOCK_N>(smem.k, k, n0, blk.Sk, blk.kv_stride);
-        load_tile_f32<BLOCK_N>(smem.v, v, n0, blk.Sk, blk.kv_stride);
+        load_tile_f32<BLOCK_N>(smem.k, k, n0, blk.Sk, p.k_st.seq);
+        load_tile_f32<BLOCK_N>(smem.v, v, n0, blk.Sk, p.v_st.seq);
         __syncthreads();
         float s[MR][MC];
         zero(s);
@@ -48,5 +48,5 @@ flash_fwd(const FlashParams p) {
 
     float inv[MR];
     sm.finish(inv, p.lse, blk.stat_base(p), blk.m0, blk.Sq, ty, tx);
-    store_rows_f32<MR>(p.o + blk.q_base(p), acc, inv, blk.m0, blk.Sq, blk.q_stride);
+    store_rows_f32<MR>(p.o + blk.q_at(p.o_st), acc, inv, blk.m0, blk.Sq, p.o_st.seq);
 }

@@ -34,12 +34,12 @@ flash_fwd(const FlashParams p) {
     const QueryBlock blk(p);
     if (blk.empty()) return;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    const float* k = p.k + blk.kv_base(p);
-    const float* v = p.v + blk.kv_base(p);
+    const float* k = p.k + blk.kv_at(p.k_st);
+    const float* v = p.v + blk.kv_at(p.v_st);
     const int n_end = blk.n_end();
     KeyTile tile = blk.first_tile();
-    cp_rows_f32<BLOCK_M, QS>(smem.q, p.q + blk.q_base(p), blk.m0, blk.Sq, blk.q_stride);
-    if (tile.n0 < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, k, tile.n0, blk.Sk, blk.kv_stride);
+    cp_rows_f32<BLOCK_M, QS>(smem.q, p.q + blk.q_at(p.q_st), blk.m0, blk.Sq, p.q_st.seq);
+    if (tile.n0 < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, k, tile.n0, blk.Sk, p.k_st.seq);
     cp_async_commit();
 
     float4 acc[MR][DV4];
@@ -51,7 +51,7 @@ flash_fwd(const FlashParams p) {
         const int n0 = tile.n0;
         cp_async_wait<0>();
         __syncthreads();  // K_j landed; every thread is done with V_{j-1} and P
-        cp_rows_f32<BLOCK_N, VS>(smem.v, v, n0, blk.Sk, blk.kv_stride);
+        cp_rows_f32<BLOCK_N, VS>(smem.v, v, n0, blk.Sk, p.v_st.seq);
         cp_async_commit();
 
         float s[MR][MC];
@@ -61,7 +61,7 @@ flash_fwd(const FlashParams p) {
         sm.update<PS>(s, acc, smem.p, blk.m0, n0, blk.tile_mask(tile), p.scale_log2, blk.vis());
         cp_async_wait<0>();
         __syncthreads();  // V_j landed, P visible, every thread is done with K_j
-        if (next.n0 < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, k, next.n0, blk.Sk, blk.kv_stride);
+        if (next.n0 < n_end) cp_rows_f32<BLOCK_N, RSTRIDE>(smem.k, k, next.n0, blk.Sk, p.k_st.seq);
         cp_async_commit();
         mm_pv_f32<MR, BLOCK_N, PS, VS>(acc, smem.p, smem.v);
         tile = next;
@@ -70,5 +70,5 @@ flash_fwd(const FlashParams p) {
 
     float inv[MR];
     sm.finish(inv, p.lse, blk.stat_base(p), blk.m0, blk.Sq, ty, tx);
-    store_rows4_f32<MR>(p.o + blk.q_base(p), acc, inv, blk.m0, blk.Sq, blk.q_stride);
+    store_rows4_f32<MR>(p.o + blk.q_at(p.o_st), acc, inv, blk.m0, blk.Sq, p.o_st.seq);
 }

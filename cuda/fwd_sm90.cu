@@ -262,7 +262,7 @@ __device__ __forceinline__ int consume_tile(const FlashParams& p, const QueryBlo
 
     float inv[2], lse[2];
     sm.finish(inv, lse);
-    store_tile<HEAD_DIM / 8>(p.o + blk.q_base(p), o, inv[0], inv[1], row0, blk.Sq, 0, blk.q_stride);
+    store_tile<HEAD_DIM / 8>(p.o + blk.q_at(p.o_st), o, inv[0], inv[1], row0, blk.Sq, 0, p.o_st.seq);
     if (lane % 4 == 0) {
         float* out_lse = p.lse + blk.stat_base(p);
         const int g = lane / 4;

@@ -14,11 +14,14 @@ FLASH_EXPORT_SMEM(0)  // no shared memory
 
 // The params of this kernel alone (the host mirrors them in pad.rs).
 struct PadParams {
-    const elem_t* src;  // [rows, cols] (to_wide) or [rows, HEAD_DIM]
+    const elem_t* src;  // [rows, cols] (to_wide: rows r = (call row, head) laid out as src_st) or [rows, HEAD_DIM]
     elem_t* dst;        // [rows, HEAD_DIM] (to_wide) or [rows, cols]
     i64 rows;
     int cols;
     int to_wide;
+    Strides src_st;     // to_wide: where the source's rows lie (params.h)
+    i64 heads;          // rows per call row
+    i64 batch_rows;     // call rows per batch row (for src_st's batch_gap)
 };
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS)
@@ -27,7 +30,8 @@ flash_pad(const PadParams p) {
     const i64 warps = (i64)gridDim.x * NUM_WARPS;
     for (i64 r = (i64)blockIdx.x * NUM_WARPS + threadIdx.x / 32; r < p.rows; r += warps) {
         if (p.to_wide) {
-            const elem_t* src = p.src + r * p.cols;
+            const i64 row = r / p.heads;
+            const elem_t* src = p.src + row_at(p.src_st, (int)(row / p.batch_rows), row, (int)(r % p.heads));
             elem_t* dst = p.dst + r * HEAD_DIM;
             for (int c = lane; c < HEAD_DIM; c += 32) dst[c] = c < p.cols ? src[c] : (elem_t)0;
         } else {

@@ -89,12 +89,27 @@ __device__ __forceinline__ void rescale(T (&a)[N], float f) {
     for (int i = 0; i < N; ++i) rescale(a[i], f);
 }
 
-// All tensors are contiguous, row-major:
+// Shapes:
 //   q, o, do, dq  [B, Sq, H, D]      k, v, dk, dv  [B, Sk, Hkv, D]      lse, delta  [B, H, Sq]
 // A varlen call packs its sequences instead: q, o, do, dq [total_q, H, D], k, v, dk, dv
 // [total_k, Hkv, D], lse, delta [H, total_q], with B the number of sequences and Sq, Sk the longest
 // (only the MASKED kernels, which find each batch row's rows in `seqs`, take those).
+// The eight [.., H, D] tensors lie where their Strides say (views of the caller's tensors: a
+// `qkv.unbind`, a [B, H, S, D] transpose; the library's own outputs are packed); lse, delta and the
+// workspaces are packed.
 // The struct is passed by value; the host mirrors it field for field (#[repr(C)]).
+
+// Where a tensor's rows lie, in elements (its last axis contiguous): row r of the call's rows
+// (b * S + i in a padded call; the packed row in a varlen one), head h, of batch row b is at
+// r * seq + h * head + b * batch_gap, batch_gap being the batch stride less S * seq (0 when the
+// batch rows follow each other, and in varlen calls).
+struct Strides {
+    i64 seq, head, batch_gap;
+};
+__device__ __forceinline__ i64 row_at(const Strides& st, int b, i64 r, int h) {
+    return r * st.seq + (i64)h * st.head + (i64)b * st.batch_gap;
+}
+
 struct FlashParams {
     const elem_t* q;       // [B, Sq, H, D]
     const elem_t* k;       // [B, Sk, Hkv, D]
@@ -118,6 +133,7 @@ struct FlashParams {
     float scale;           // softmax scale applied to q.k
     float scale_log2;      // scale * log2(e): scores go to the exp2 domain with one multiply
     int dq_tiled;          // dq_accum's layout: 0 [B, Sq, H, D]; 1 dq_tile_offset's tiles (bwd_sm90.cu)
+    Strides q_st, k_st, v_st, o_st, do_st, dq_st, dk_st, dv_st;
 #if MASKED
     // Masks (seq.h): the MASKED kernels' params extend the plain ones, which stay as they were.
     const int* seqs;                  // [B, 6] per batch row: q_start, q_len, k_start, k_len, k_lo, k_hi
@@ -144,12 +160,9 @@ struct FlashParams {
 #define NEG_INF (__int_as_float(0xff800000))
 #define POS_INF (__int_as_float(0x7f800000))
 
-// Element offsets of (b, s, h) rows; 64-bit so that B*S*H*D may exceed 2^31.
+// Element offset of (b, s, h) in dq_accum's [B, Sq, H, D] layout; 64-bit so that B*S*H*D may exceed 2^31.
 __device__ __forceinline__ i64 q_row_offset(const FlashParams& p, int b, int s, int h) {
     return (((i64)b * p.seqlen_q + s) * p.heads + h) * HEAD_DIM;
-}
-__device__ __forceinline__ i64 kv_row_offset(const FlashParams& p, int b, int s, int hkv) {
-    return (((i64)b * p.seqlen_k + s) * p.heads_kv + hkv) * HEAD_DIM;
 }
 // dq_accum with dq_tiled (the Hopper backward's): [B, H, ceil(Sq / 64), 64, D] f32, tiles of
 // DQ_TILE_ROWS query rows, each one contiguous bulk reduction; in a row, the 16-byte chunks are

@@ -5,7 +5,10 @@ current (CuPy's current stream, torch's current stream for that device), with ou
 by the same library on the same device: CuPy in -> CuPy out, torch in -> torch out. Other DLPack
 producers on a CUDA device are viewed through ``cupy.from_dlpack`` (zero copy) and get CuPy outputs.
 Nothing is synchronised: the kernels are queued on that stream like the library's own work.
-Non-contiguous inputs are made contiguous by the array library first.
+The attention inputs (q, k, v, and the backward's do and o) are read where they lie when their
+last axis is contiguous (``qkv.unbind`` views, ``[B, H, S, D]`` transposes, batch slices): the
+kernels take their batch, sequence and head strides. Any other array is made contiguous by its
+library first.
 
 Mask arrays and cu_seqlens are inputs like the others (same library, same device); the small
 index arrays (seqused_k, leftpad_k, cu_seqlens) are then copied to the host, since the core checks
@@ -73,8 +76,28 @@ def _device_id(x) -> int:
     return x.device.index if _kind(x) == "torch" else x.device.id
 
 
+# The arguments the kernels read through strides (the others are made contiguous).
+_STRIDED = ("q", "k", "v", "do", "o")
+
+
+def _element_strides(a):
+    """a's strides in elements if the kernels can read it where it lies (none negative, the last
+    axis contiguous), else None."""
+    if hasattr(a, "data_ptr"):  # torch
+        st = list(a.stride())
+    else:
+        item = a.dtype.itemsize
+        if any(s % item for s in a.strides):
+            return None
+        st = [s // item for s in a.strides]
+    if any(s < 0 for s in st) or (a.ndim and a.shape[-1] > 1 and st[-1] != 1):
+        return None
+    return st
+
+
 class _Tensors:
-    """Arrays of one call by name, all of one kind on one device, made contiguous."""
+    """Arrays of one call by name, all of one kind on one device; the attention inputs kept as the
+    views they are where the kernels can read them (`strides`), every other array made contiguous."""
 
     def __init__(self, named: dict):
         names, arrays = list(named), list(named.values())
@@ -96,8 +119,9 @@ class _Tensors:
             raise DeviceError(f"inputs are on different GPUs ({desc}); move them to one device")
         self.kind = kind
         self.device = devices.pop()
+        in_place = [n in _STRIDED and _element_strides(a) is not None for n, a in zip(names, arrays)]
         if kind == "torch":
-            arrays = [a.detach().contiguous() for a in arrays]
+            arrays = [a.detach() if keep else a.detach().contiguous() for a, keep in zip(arrays, in_place)]
             import torch
 
             self.stream = torch.cuda.current_stream(self.device).cuda_stream
@@ -105,9 +129,20 @@ class _Tensors:
             import cupy
 
             with cupy.cuda.Device(self.device):
-                arrays = [cupy.ascontiguousarray(a) for a in arrays]
+                arrays = [a if keep else cupy.ascontiguousarray(a) for a, keep in zip(arrays, in_place)]
                 self.stream = cupy.cuda.get_current_stream().ptr
         self.named = dict(zip(names, arrays))
+
+    def strides(self, names) -> dict:
+        """``strides=`` for the native call: each of `names`' element strides (None for lse and other
+        packed extras); empty when every one is contiguous (the kernels' default)."""
+        st = [_element_strides(self.named[n]) if n in _STRIDED else None for n in names]
+        if all(s is None or self._contiguous(self.named[n]) for n, s in zip(names, st)):
+            return {}
+        return {"strides": st}
+
+    def _contiguous(self, a) -> bool:
+        return a.is_contiguous() if self.kind == "torch" else a.flags.c_contiguous
 
     def __getitem__(self, name):
         return self.named[name]
@@ -203,9 +238,9 @@ def forward_with_states(qkv, opts, device, masks, cu_seqlens=None):
     outputs = [t.ptr(o), t.ptr(lse)]
     if cu_seqlens:
         cu = [t.host_int32(t[n], n) for n in _args.CU_NAMES]
-        _native.cuda_varlen_forward_device(desc, outputs, cu, t.device, t.stream, **opts)
+        _native.cuda_varlen_forward_device(desc, outputs, cu, t.device, t.stream, **t.strides(names), **opts)
     else:
-        _native.cuda_forward_device(desc, outputs, t.device, t.stream, **opts, **_masks(t, masks))
+        _native.cuda_forward_device(desc, outputs, t.device, t.stream, **t.strides(names), **opts, **_masks(t, masks))
     return o, lse
 
 
@@ -230,9 +265,9 @@ def backward(arrays, opts, device, masks, cu_seqlens=None, dlse=None):
     g = None if dlse is None else t.describe(t["dlse"])
     if cu_seqlens:
         cu = [t.host_int32(t[n], n) for n in _args.CU_NAMES]
-        _native.cuda_varlen_backward_device(desc, outputs, cu, t.device, t.stream, g, **opts)
+        _native.cuda_varlen_backward_device(desc, outputs, cu, t.device, t.stream, g, **t.strides(names), **opts)
     else:
-        _native.cuda_backward_device(desc, outputs, t.device, t.stream, g, **opts, **_masks(t, masks))
+        _native.cuda_backward_device(desc, outputs, t.device, t.stream, g, **t.strides(names), **opts, **_masks(t, masks))
     return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
 
 

@@ -16,10 +16,10 @@ Devices follow the data: CPU tensors run on flash_nif's CPU backend, shared with
 bfloat16 is viewed as ``ml_dtypes.bfloat16`` through int16); CUDA tensors run flash_nif's kernels
 on torch's current stream, outputs allocated by torch's caching allocator.
 
-Strides: the kernels read contiguous ``[B, S, H, D]`` tensors today. A view that is not (a
-``bhsd`` transpose, ``qkv.unbind(2)``) is copied to a contiguous tensor inside the op, once per
-forward and once per backward. The kernels taking batch / sequence / head strides would remove
-that copy; until then, contiguous ``bshd`` inputs are the zero-copy path.
+Strides: on CUDA the kernels take each input's batch, sequence and head strides, so views whose
+last axis is contiguous — a ``bhsd`` transpose, ``qkv.unbind(2)``, a batch slice — run with no
+copy (a view whose rows do not start on 16-byte boundaries is copied once inside the call, by the
+kernels' own padding copy). On the CPU, views go to NumPy as they are (see the README).
 
 Under ``torch.autocast``, float32 q, k, v are cast to the autocast dtype first (as
 ``scaled_dot_product_attention`` is). ``import flash_nif`` never imports torch; importing this

@@ -39,8 +39,15 @@ impl Strides {
                 "{name} has strides {strides:?}: its last (head_dim) axis must be contiguous (stride 1)"
             )));
         }
-        let s: Vec<usize> = strides.iter().map(|&x| x as usize).collect();
-        Ok(if n == 4 { Strides { batch: s[0], seq: s[1], head: s[2] } } else { Strides { batch: 0, seq: s[0], head: s[1] } })
+        // An axis of length 1 is never stepped over: its packed stride stands in for whatever the
+        // array library reports (torch's may be anything), so that packed views compare equal.
+        let packed = Strides::packed(shape);
+        let pick = |axis: usize, want: usize| if shape[axis] <= 1 { want } else { strides[axis] as usize };
+        Ok(if n == 4 {
+            Strides { batch: pick(0, packed.batch), seq: pick(1, packed.seq), head: pick(2, packed.head) }
+        } else {
+            Strides { batch: 0, seq: pick(0, packed.seq), head: pick(1, packed.head) }
+        })
     }
 
     /// Element offset of row (b, s, h).
@@ -64,6 +71,12 @@ impl Strides {
         let n = shape.len();
         let axis = |len: usize, a: usize, b: usize| len <= 1 || a == b;
         (n == 3 || axis(shape[0], self.batch, p.batch)) && axis(shape[n - 3], self.seq, p.seq) && axis(shape[n - 2], self.head, p.head)
+    }
+
+    /// True when every stride is a multiple of `bytes` bytes for elements of `elem` bytes (the GPU
+    /// kernels load 16-byte chunks of rows).
+    pub fn aligned(&self, elem: usize, bytes: usize) -> bool {
+        [self.batch, self.seq, self.head].iter().all(|&s| (s * elem).is_multiple_of(bytes))
     }
 }
 
@@ -124,5 +137,7 @@ mod tests {
         assert!(Strides::from_axes("q", &[1, 2, 3, 4], &[24, -12, 4, 1]).is_err());
         assert!(Strides::from_axes("q", &[1, 2, 3, 4], &[12, 4, 1]).is_err());
         assert!(Strides::from_axes("q", &[1, 2, 3, 1], &[6, 3, 1, 7]).is_ok());
+        // Length-1 axes take their packed strides.
+        assert_eq!(Strides::from_axes("q", &[1, 2, 1, 4], &[0, 4, 99, 1]).unwrap(), Strides::packed(&[1, 2, 1, 4]));
     }
 }

@@ -4,7 +4,7 @@
 //! through the core's `forward_host` / `backward_host`. Validation is the core's `Problem`; errors map like the CPU's.
 
 use flash_core::cuda::{self, BackwardPtrs, ForwardPtrs, MaskPtrs};
-use flash_core::{FlashError, Problem, TensorSpec};
+use flash_core::{FlashError, InputStrides, Problem, Strides, TensorSpec};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -22,18 +22,47 @@ fn dev_specs<'a, const N: usize>(inputs: &'a [DevTensor], names: [&'a str; N]) -
     }
 }
 
+/// Element strides per input (one per axis, as the array library reports them; None: packed).
+type GivenStrides = Option<Vec<Option<Vec<i64>>>>;
+
 /// Forward on device pointers. `inputs` = [q, k, v]; `outputs` = [o (like q), lse ([B, H, Sq] f32)],
-/// preallocated by the caller on the same device. Mask options: segment ids and the block mask as
-/// (pointer, shape, dtype) on that device, seqused_k / leftpad_k as NumPy int32 copies.
+/// preallocated by the caller on the same device; `strides`: where each input's rows lie (the last
+/// axis contiguous; None: packed). Mask options: segment ids and the block mask as (pointer, shape,
+/// dtype) on that device, seqused_k / leftpad_k as NumPy int32 copies.
 #[pyfunction]
-#[pyo3(signature = (inputs, outputs, device, stream, **options))]
+#[pyo3(signature = (inputs, outputs, device, stream, strides = None, **options))]
 fn cuda_forward_device(
-    py: Python<'_>, inputs: Vec<DevTensor>, outputs: [u64; 2], device: usize, stream: usize, options: Option<&Bound<'_, PyDict>>,
+    py: Python<'_>, inputs: Vec<DevTensor>, outputs: [u64; 2], device: usize, stream: usize, strides: GivenStrides,
+    options: Option<&Bound<'_, PyDict>>,
 ) -> Result<(), PyFlashError> {
     let [q, k, v] = dev_specs(&inputs, ["q", "k", "v"])?;
     let c = masks::parse(options, Some(&DevArray::extract))?;
     let p = Problem::forward_masked(&q, &k, &v, &c.opts, &c.masks.args())?.with_modifiers(&c.mods.args())?;
-    run_forward(py, &p, &inputs, outputs, device, stream, c.masks.ptrs())
+    let st = input_strides(&p, &inputs, &["q", "k", "v"], strides)?;
+    run_forward(py, &p, &inputs, outputs, device, stream, c.masks.ptrs(), st)
+}
+
+/// The inputs' strides as the core's [`InputStrides`] for `p`, checked (None: all packed). `names`
+/// in `inputs`' order: q, k, v (forward) or do, q, k, v, o (backward; lse is packed).
+fn input_strides(p: &Problem, inputs: &[DevTensor], names: &[&str], given: GivenStrides) -> Result<Option<InputStrides>, FlashError> {
+    let Some(given) = given else { return Ok(None) };
+    if given.len() != inputs.len() {
+        return Err(FlashError::Internal(format!("{} strides for {} inputs", given.len(), inputs.len())));
+    }
+    let mut s = InputStrides::packed(p);
+    for ((t, g), &name) in inputs.iter().zip(&given).zip(names) {
+        let Some(g) = g else { continue };
+        let st = Strides::from_axes(name, &t.1, g)?;
+        match name {
+            "q" => s.q = st,
+            "k" => s.k = st,
+            "v" => s.v = st,
+            "o" => s.o = st,
+            "do" => s.d_out = st,
+            _ => {}
+        }
+    }
+    Ok(Some(s))
 }
 
 /// Backward on device pointers. `inputs` = [do, q, k, v, o, lse]; `outputs` = [dq (like q), dk, dv
@@ -41,17 +70,22 @@ fn cuda_forward_device(
 /// `dlse` the optional gradient of lse (f32, lse's shape, same device); the forward's mask and
 /// modifier options.
 #[pyfunction]
-#[pyo3(signature = (inputs, outputs, device, stream, dlse = None, **options))]
+#[pyo3(signature = (inputs, outputs, device, stream, dlse = None, strides = None, **options))]
+#[allow(clippy::too_many_arguments)] // the binding's arguments, as the Python layer passes them
 fn cuda_backward_device(
     py: Python<'_>, inputs: Vec<DevTensor>, outputs: [u64; 4], device: usize, stream: usize, dlse: Option<DevTensor>,
-    options: Option<&Bound<'_, PyDict>>,
+    strides: GivenStrides, options: Option<&Bound<'_, PyDict>>,
 ) -> Result<(), PyFlashError> {
     let specs = dev_specs(&inputs, ["do", "q", "k", "v", "o", "lse"])?;
     let c = masks::parse(options, Some(&DevArray::extract))?;
     let p = Problem::backward_masked(specs.each_ref(), &c.opts, &c.masks.args())?.with_modifiers(&c.mods.args())?;
     let dlse = dlse_ptr(&p, dlse.as_ref())?;
-    run_backward(py, &p, &inputs, outputs, dlse, device, stream, c.masks.ptrs())
+    let st = input_strides(&p, &inputs, &BACKWARD_INPUTS, strides)?;
+    run_backward(py, &p, &inputs, outputs, dlse, device, stream, c.masks.ptrs(), st)
 }
+
+/// The backward's inputs in order.
+const BACKWARD_INPUTS: [&str; 6] = ["do", "q", "k", "v", "o", "lse"];
 
 /// The device pointer of the optional `dlse` (0: none), checked against `p`.
 fn dlse_ptr(p: &Problem, dlse: Option<&DevTensor>) -> Result<u64, FlashError> {
@@ -64,26 +98,28 @@ fn dlse_ptr(p: &Problem, dlse: Option<&DevTensor>) -> Result<u64, FlashError> {
 /// [total_k, Hkv, D]]; `outputs` = [o (like q), lse ([H, total_q] f32)]; `cu_seqlens` =
 /// [cu_seqlens_q, cu_seqlens_k] as NumPy int32 [B + 1] (host copies: they size the grid).
 #[pyfunction]
-#[pyo3(signature = (inputs, outputs, cu_seqlens, device, stream, **options))]
+#[pyo3(signature = (inputs, outputs, cu_seqlens, device, stream, strides = None, **options))]
+#[allow(clippy::too_many_arguments)] // the binding's arguments, as the Python layer passes them
 fn cuda_varlen_forward_device<'py>(
     py: Python<'py>, inputs: Vec<DevTensor>, outputs: [u64; 2], cu_seqlens: Vec<Bound<'py, PyAny>>, device: usize,
-    stream: usize, options: Option<&Bound<'py, PyDict>>,
+    stream: usize, strides: GivenStrides, options: Option<&Bound<'py, PyDict>>,
 ) -> Result<(), PyFlashError> {
     let [q, k, v] = dev_specs(&inputs, ["q", "k", "v"])?;
     let [cu_q, cu_k] = crate::cu_seqlens_arrays(&cu_seqlens)?;
     let (opts, mods) = masks::options(options)?;
     let p = Problem::varlen_forward(&q, &k, &v, &cu_q.arg(), &cu_k.arg(), &opts)?.with_modifiers(&mods.args())?;
-    run_forward(py, &p, &inputs, outputs, device, stream, MaskPtrs::default())
+    let st = input_strides(&p, &inputs, &["q", "k", "v"], strides)?;
+    run_forward(py, &p, &inputs, outputs, device, stream, MaskPtrs::default(), st)
 }
 
 /// Packed variable-length backward on device pointers: `inputs` = [do, q, k, v, o, lse],
 /// `outputs` = [dq, dk, dv, dsinks or 0], `cu_seqlens` as the forward's, `dlse` as [`cuda_backward_device`]'s.
 #[pyfunction]
-#[pyo3(signature = (inputs, outputs, cu_seqlens, device, stream, dlse = None, **options))]
+#[pyo3(signature = (inputs, outputs, cu_seqlens, device, stream, dlse = None, strides = None, **options))]
 #[allow(clippy::too_many_arguments)] // the binding's positional arguments, as the Python layer passes them
 fn cuda_varlen_backward_device<'py>(
     py: Python<'py>, inputs: Vec<DevTensor>, outputs: [u64; 4], cu_seqlens: Vec<Bound<'py, PyAny>>, device: usize,
-    stream: usize, dlse: Option<DevTensor>, options: Option<&Bound<'py, PyDict>>,
+    stream: usize, dlse: Option<DevTensor>, strides: GivenStrides, options: Option<&Bound<'py, PyDict>>,
 ) -> Result<(), PyFlashError> {
     let [d_out, q, k, v, o, lse] = dev_specs(&inputs, ["do", "q", "k", "v", "o", "lse"])?;
     let [cu_q, cu_k] = crate::cu_seqlens_arrays(&cu_seqlens)?;
@@ -91,17 +127,21 @@ fn cuda_varlen_backward_device<'py>(
     let (opts, mods) = masks::options(options)?;
     let p = Problem::varlen_backward(&d_out, &q, &k, &v, &o, &lse, cu, &opts)?.with_modifiers(&mods.args())?;
     let dlse = dlse_ptr(&p, dlse.as_ref())?;
-    run_backward(py, &p, &inputs, outputs, dlse, device, stream, MaskPtrs::default())
+    let st = input_strides(&p, &inputs, &BACKWARD_INPUTS, strides)?;
+    run_backward(py, &p, &inputs, outputs, dlse, device, stream, MaskPtrs::default(), st)
 }
 
 /// Queues the forward of `p` on `stream` without the GIL (`inputs` checked by `p` already).
+#[allow(clippy::too_many_arguments)] // the call's pointers, device, stream, masks and strides
 fn run_forward(
     py: Python<'_>, p: &Problem, inputs: &[DevTensor], [o, lse]: [u64; 2], device: usize, stream: usize, mask: MaskPtrs,
+    strides: Option<InputStrides>,
 ) -> Result<(), PyFlashError> {
     let [q, k, v] = [0, 1, 2].map(|i| inputs[i].0);
-    let ptrs = ForwardPtrs { q, k, v, o, lse, mask };
-    // SAFETY: the Python layer passes pointers of contiguous arrays of these shapes on `device`,
-    // kept alive by the caller until the stream has run.
+    let ptrs = ForwardPtrs { q, k, v, o, lse, mask, strides };
+    // SAFETY: the Python layer passes pointers of arrays of these shapes (laid out as `strides`
+    // say: views of allocations that hold every element) on `device`, kept alive by the caller
+    // until the stream has run.
     Ok(py.detach(|| unsafe { cuda::forward_device(p, device, stream, ptrs) })?)
 }
 
@@ -109,10 +149,10 @@ fn run_forward(
 #[allow(clippy::too_many_arguments)] // the call's pointers, device, stream and masks
 fn run_backward(
     py: Python<'_>, p: &Problem, inputs: &[DevTensor], [dq, dk, dv, dsinks]: [u64; 4], dlse: u64, device: usize,
-    stream: usize, mask: MaskPtrs,
+    stream: usize, mask: MaskPtrs, strides: Option<InputStrides>,
 ) -> Result<(), PyFlashError> {
     let [d_out, q, k, v, o, lse] = [0, 1, 2, 3, 4, 5].map(|i| inputs[i].0);
-    let ptrs = BackwardPtrs { d_out, q, k, v, o, lse, dq, dk, dv, dsinks, dlse, mask };
+    let ptrs = BackwardPtrs { d_out, q, k, v, o, lse, dq, dk, dv, dsinks, dlse, mask, strides };
     // SAFETY: as run_forward.
     Ok(py.detach(|| unsafe { cuda::backward_device(p, device, stream, ptrs) })?)
 }

@@ -101,7 +101,7 @@ pub fn forward_host(p: &Problem, device: usize, io: ForwardIo) -> Result<()> {
         let (q, k, v) = (upload(io.q, s)?, upload(io.k, s)?, upload(io.v, s)?);
         let mask = upload_masks(&io.mask, s)?;
         let (o, lse) = (DeviceBuffer::alloc(io.o.len(), s.0)?, DeviceBuffer::alloc(io.lse.len(), s.0)?);
-        let ptrs = ForwardPtrs { q: q.ptr, k: k.ptr, v: v.ptr, o: o.ptr, lse: lse.ptr, mask: mask.ptrs };
+        let ptrs = ForwardPtrs { q: q.ptr, k: k.ptr, v: v.ptr, o: o.ptr, lse: lse.ptr, mask: mask.ptrs, strides: io.strides };
         // SAFETY: buffers sized from the problem, on this device, ordered on stream s.
         unsafe { launch::forward(dev, p, s.0, ptrs)? };
         download(io.o, &o, s)?;
@@ -123,7 +123,7 @@ pub fn backward_host(p: &Problem, device: usize, io: BackwardIo) -> Result<()> {
         let ptrs = BackwardPtrs {
             d_out: d_out.ptr, q: q.ptr, k: k.ptr, v: v.ptr, o: o.ptr, lse: lse.ptr,
             dq: dq.ptr, dk: dk.ptr, dv: dv.ptr, dsinks: dsinks.as_ref().map_or(0, |d| d.ptr),
-            dlse: dlse.as_ref().map_or(0, |d| d.ptr), mask: mask.ptrs,
+            dlse: dlse.as_ref().map_or(0, |d| d.ptr), mask: mask.ptrs, strides: io.strides,
         };
         // SAFETY: buffers sized from the problem, on this device, ordered on stream s.
         unsafe { launch::backward(dev, p, s.0, ptrs)? };

@@ -16,6 +16,7 @@ use crate::dispatch::{self, Backend, Pass};
 use crate::error::{FlashError, Result};
 use crate::guard::catch_panics;
 use crate::problem::Problem;
+use crate::strides::{InputStrides, Strides};
 
 /// The params struct of cuda/params.h, field for field.
 #[repr(C)]
@@ -43,6 +44,59 @@ pub(super) struct FlashParams {
     scale_log2: f32,
     /// dq_accum's layout: 0 `[B, Sq, H, D]`; 1 the Hopper backward's tiles (params.h's dq_tile_offset).
     dq_tiled: i32,
+    pub q_st: KernelStrides,
+    pub k_st: KernelStrides,
+    pub v_st: KernelStrides,
+    pub o_st: KernelStrides,
+    pub do_st: KernelStrides,
+    dq_st: KernelStrides,
+    dk_st: KernelStrides,
+    dv_st: KernelStrides,
+}
+
+/// params.h's Strides: row r of the call's rows (b * S + i padded, the packed row varlen), head h,
+/// of batch row b at r * seq + h * head + b * batch_gap elements.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct KernelStrides {
+    pub seq: i64,
+    pub head: i64,
+    pub batch_gap: i64,
+}
+
+impl KernelStrides {
+    /// A tensor laid out as `st` whose batch rows hold `rows` rows each (varlen: no batch axis).
+    pub(super) fn of(st: Strides, rows: usize, varlen: bool) -> KernelStrides {
+        let batch_gap = if varlen { 0 } else { st.batch as i64 - (rows * st.seq) as i64 };
+        KernelStrides { seq: st.seq as i64, head: st.head as i64, batch_gap }
+    }
+
+    /// The batch stride again (padded calls), for the Hopper kernels' tensor maps.
+    pub fn batch(&self, rows: usize) -> i64 {
+        self.batch_gap + rows as i64 * self.seq
+    }
+}
+
+/// The Strides of `p`'s inputs (packed where `strides` is None) into `prm`; the outputs packed.
+fn set_strides(prm: &mut FlashParams, p: &Problem, strides: Option<InputStrides>) {
+    let packed = InputStrides::packed(p);
+    let s = strides.unwrap_or(packed);
+    let varlen = p.mask.varlen.is_some();
+    let (sq, sk) = (p.dims.seq_q, p.dims.seq_k);
+    prm.q_st = KernelStrides::of(s.q, sq, varlen);
+    prm.k_st = KernelStrides::of(s.k, sk, varlen);
+    prm.v_st = KernelStrides::of(s.v, sk, varlen);
+    prm.o_st = KernelStrides::of(s.o, sq, varlen);
+    prm.do_st = KernelStrides::of(s.d_out, sq, varlen);
+    prm.dq_st = KernelStrides::of(packed.q, sq, varlen);
+    prm.dk_st = KernelStrides::of(packed.k, sk, varlen);
+    prm.dv_st = KernelStrides::of(packed.v, sk, varlen);
+}
+
+/// Whether the kernels read an input laid out as `st` at `ptr` where it lies: its row starts on
+/// 16-byte boundaries (they load 16-byte chunks). Else the padding layer copies it first.
+pub(super) fn in_place(st: &Strides, ptr: u64, elem: usize) -> bool {
+    ptr.is_multiple_of(16) && st.aligned(elem, 16)
 }
 
 /// The MASKED kernels' params: FlashParams, then the mask fields (cuda/params.h's `#if MASKED`
@@ -95,6 +149,8 @@ pub struct ForwardPtrs {
     pub o: u64,
     pub lse: u64,
     pub mask: MaskPtrs,
+    /// Where q, k and v's rows lie (None: packed); o is packed.
+    pub strides: Option<InputStrides>,
 }
 
 /// Device pointers of a backward call: [`BackwardIo`](crate::BackwardIo)'s buffers on one GPU.
@@ -114,6 +170,8 @@ pub struct BackwardPtrs {
     /// Optional gradient of lse, f32 like lse (0: none); the preprocess takes delta - dlse.
     pub dlse: u64,
     pub mask: MaskPtrs,
+    /// Where d_out, q, k, v and o's rows lie (None: packed); dq, dk and dv are packed.
+    pub strides: Option<InputStrides>,
 }
 
 fn check_supported(p: &Problem) -> Result<()> {
@@ -158,7 +216,8 @@ fn check_mask_ptrs(p: &Problem, m: &MaskPtrs) -> Result<()> {
 
 fn params(p: &Problem) -> FlashParams {
     let d = &p.dims;
-    FlashParams {
+    let none = KernelStrides { seq: 0, head: 0, batch_gap: 0 };
+    let mut prm = FlashParams {
         q: 0,
         k: 0,
         v: 0,
@@ -180,7 +239,17 @@ fn params(p: &Problem) -> FlashParams {
         scale: p.scale,
         scale_log2: p.scale * std::f32::consts::LOG2_E,
         dq_tiled: 0,
-    }
+        q_st: none,
+        k_st: none,
+        v_st: none,
+        o_st: none,
+        do_st: none,
+        dq_st: none,
+        dk_st: none,
+        dv_st: none,
+    };
+    set_strides(&mut prm, p, None);
+    prm
 }
 
 /// A masked call's mask fields: its device pointers, the uploaded tables (batch rows, modifiers)
@@ -359,7 +428,7 @@ pub(super) unsafe fn forward(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: F
     dispatch::choose(p, Backend::Cuda, Pass::Forward)?; // fused only: refuses an explicit materialized
     // SAFETY: the caller's guarantees, passed on.
     unsafe {
-        match pad::needed(&p.dims) {
+        match pad::needed(&p.dims) || !pad::inputs_in_place(p, &pad::forward_inputs(p, &ptrs)) {
             false => forward_kernels(dev, p, s, ptrs),
             true => pad::forward(dev, p, s, ptrs),
         }
@@ -377,9 +446,10 @@ pub(super) unsafe fn forward_kernels(dev: &Device, p: &Problem, s: cu::CUstream,
     }
     let mut prm = params(p);
     (prm.q, prm.k, prm.v, prm.o, prm.lse) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse);
+    set_strides(&mut prm, p, ptrs.strides);
     let tables = upload_tables(p, s)?;
     let mask = tables.as_ref().map(|t| mask_fields(p, &ptrs.mask, t));
-    match sm90::forward_choice(dev, p, [ptrs.q, ptrs.k, ptrs.v]) {
+    match sm90::forward_choice(dev, p, &[(prm.q, prm.q_st), (prm.k, prm.k_st), (prm.v, prm.v_st)]) {
         // SAFETY: the caller's guarantees, passed on; the tables are freed stream-ordered after it.
         Ok(()) => return unsafe { sm90::forward(dev, p, s, &prm, mask.as_ref()) },
         Err(why) => trace::fallback("forward", &why),
@@ -405,7 +475,7 @@ pub(super) unsafe fn backward(dev: &Device, p: &Problem, s: cu::CUstream, ptrs: 
     }
     // SAFETY: the caller's guarantees, passed on.
     unsafe {
-        match pad::needed(&p.dims) {
+        match pad::needed(&p.dims) || !pad::inputs_in_place(p, &pad::backward_inputs(p, &ptrs)) {
             false => backward_kernels(dev, p, s, ptrs),
             true => pad::backward(dev, p, s, ptrs),
         }
@@ -431,9 +501,11 @@ pub(super) unsafe fn backward_kernels(dev: &Device, p: &Problem, s: cu::CUstream
     let mut prm = params(p);
     (prm.q, prm.k, prm.v, prm.o, prm.lse, prm.dout) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse, ptrs.d_out);
     (prm.dq, prm.dk, prm.dv, prm.dlse) = (ptrs.dq, ptrs.dk, ptrs.dv, ptrs.dlse);
+    set_strides(&mut prm, p, ptrs.strides);
     // The Hopper kernel adds dQ into dq_accum (in key-block order when deterministic); else the
     // default adds it with atomics and the deterministic backward computes it in its own kernel.
-    let hopper = match sm90::backward_choice(dev, p, [ptrs.q, ptrs.k, ptrs.v, ptrs.d_out]) {
+    let tensors = [(prm.q, prm.q_st), (prm.k, prm.k_st), (prm.v, prm.v_st), (prm.dout, prm.do_st)];
+    let hopper = match sm90::backward_choice(dev, p, &tensors) {
         Ok(()) => true,
         Err(why) => {
             trace::fallback("backward", &why);
@@ -507,11 +579,13 @@ mod tests {
 
     #[test]
     fn params_struct_matches_the_kernel_layout() {
-        // 13 pointers, 5 ints, 2 floats, dq_tiled (cuda/params.h).
-        assert_eq!(std::mem::size_of::<FlashParams>(), 13 * 8 + 8 * 4);
-        // MASKED: then 4 pointers, 2 i64 strides, 5 ints and 1 pad int, from offset 136; then the
-        // modifiers' 3 pointers and 2 floats.
-        assert_eq!(std::mem::offset_of!(MaskedParams, mask), 13 * 8 + 8 * 4);
-        assert_eq!(std::mem::size_of::<MaskedParams>(), 13 * 8 + 8 * 4 + 4 * 8 + 2 * 8 + 6 * 4 + 3 * 8 + 2 * 4);
+        // 13 pointers, 5 ints, 2 floats, dq_tiled, then 8 Strides of 3 i64 (cuda/params.h).
+        let base = 13 * 8 + 8 * 4 + 8 * 3 * 8;
+        assert_eq!(std::mem::offset_of!(FlashParams, q_st), 13 * 8 + 8 * 4);
+        assert_eq!(std::mem::size_of::<FlashParams>(), base);
+        // MASKED: then 4 pointers, 2 i64 strides, 5 ints and 1 pad int; then the modifiers' 3
+        // pointers and 2 floats.
+        assert_eq!(std::mem::offset_of!(MaskedParams, mask), base);
+        assert_eq!(std::mem::size_of::<MaskedParams>(), base + 4 * 8 + 2 * 8 + 6 * 4 + 3 * 8 + 2 * 4);
     }
 }

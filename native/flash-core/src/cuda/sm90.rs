@@ -10,7 +10,7 @@
 use cudarc::driver::sys as cu;
 
 use super::device::{self, Device};
-use super::launch::{FlashParams, MaskFields, MaskedParams};
+use super::launch::{FlashParams, KernelStrides, MaskFields, MaskedParams};
 use super::variant::Kernel;
 use crate::dtype::DType;
 use crate::error::{FlashError, Result};
@@ -30,17 +30,17 @@ pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 /// registers and shared memory in this design).
 pub const BWD_HEAD_DIMS: [usize; 2] = [64, 128];
 
-/// Whether `p`'s forward (head dims already the kernels') runs the Hopper kernel on `dev`: Ok(())
-/// when it does, else the reason it does not.
-pub fn forward_choice(dev: &Device, p: &Problem, ptrs: [u64; 3]) -> std::result::Result<(), String> {
-    common_choice(dev, p, &ptrs, &HEAD_DIMS)?;
+/// Whether `p`'s forward (head dims already the kernels') runs the Hopper kernel on `dev` (`tensors`:
+/// q, k, v and where their rows lie): Ok(()) when it does, else the reason it does not.
+pub(super) fn forward_choice(dev: &Device, p: &Problem, tensors: &[(u64, KernelStrides)]) -> std::result::Result<(), String> {
+    common_choice(dev, p, tensors, &HEAD_DIMS)?;
     fits(dev, p, Kernel::FwdSm90)
 }
 
 /// Whether `p`'s backward (head dims already the kernels') runs the Hopper kernel on `dev`
-/// (`ptrs`: q, k, v, dO): Ok(()) when it does, else the reason it does not.
-pub fn backward_choice(dev: &Device, p: &Problem, ptrs: [u64; 4]) -> std::result::Result<(), String> {
-    common_choice(dev, p, &ptrs, &BWD_HEAD_DIMS)?;
+/// (`tensors`: q, k, v, dO and where their rows lie): Ok(()) when it does, else the reason it does not.
+pub(super) fn backward_choice(dev: &Device, p: &Problem, tensors: &[(u64, KernelStrides)]) -> std::result::Result<(), String> {
+    common_choice(dev, p, tensors, &BWD_HEAD_DIMS)?;
     if !p.is_plain() && p.dims.head_dim > 64 {
         // Its masked kernel has 224 registers per consumer thread, too few for D = 128's products.
         return Err(format!("masks at head dim {} run the portable kernels", p.dims.head_dim));
@@ -52,7 +52,7 @@ pub fn backward_choice(dev: &Device, p: &Problem, ptrs: [u64; 4]) -> std::result
     fits(dev, p, Kernel::BwdSm90)
 }
 
-fn common_choice(dev: &Device, p: &Problem, ptrs: &[u64], head_dims: &[usize]) -> std::result::Result<(), String> {
+fn common_choice(dev: &Device, p: &Problem, tensors: &[(u64, KernelStrides)], head_dims: &[usize]) -> std::result::Result<(), String> {
     if dev.cc != (9, 0) {
         return Err(format!("compute capability {}.{} is not 9.0", dev.cc.0, dev.cc.1));
     }
@@ -71,8 +71,16 @@ fn common_choice(dev: &Device, p: &Problem, ptrs: &[u64], head_dims: &[usize]) -
     if p.dims.seq_k == 0 {
         return Err("no keys".into());
     }
-    if ptrs.iter().any(|x| x % 16 != 0) {
+    if tensors.iter().any(|(x, _)| x % 16 != 0) {
         return Err("the tensors must be 16-byte aligned for the tensor copy engine".into());
+    }
+    // The copy engine takes strides of 16 bytes up to 2^40, not 0 (a broadcast axis).
+    let (e, d) = (p.dtype.size_bytes() as i64, &p.dims);
+    for (rows, st) in tensors.iter().enumerate().map(|(i, (_, st))| (if i == 0 || i == 3 { d.seq_q } else { d.seq_k }, st)) {
+        let ok = |s: i64| s > 0 && (s * e) % 16 == 0 && s * e < 1 << 40;
+        if !(ok(st.seq) && ok(st.head) && (d.batch == 1 || ok(st.batch(rows)))) {
+            return Err("strides the tensor copy engine cannot take (0, or not 16-byte multiples)".into());
+        }
     }
     Ok(())
 }
@@ -96,10 +104,11 @@ struct Sm90Params<P> {
     p: P,
 }
 
-/// The 4-d tensor map (D, heads, rows, batch) of a [B, S, H, D] tensor at `ptr`, read in boxes of
-/// 64 elements (128 bytes, swizzled) x 1 head x `box_rows` rows x 1 batch row. Rows past S arrive
-/// as zeros.
-fn tensor_map(ptr: u64, dtype: DType, batch: usize, rows: usize, heads: usize, d: usize, box_rows: usize) -> Result<cu::CUtensorMap> {
+/// The 4-d tensor map (D, heads, rows, batch) of a [B, S, H, D] tensor at `ptr` laid out as `st`,
+/// read in boxes of 64 elements (128 bytes, swizzled) x 1 head x `box_rows` rows x 1 batch row.
+/// Rows past S arrive as zeros.
+#[allow(clippy::too_many_arguments)] // one tensor's pointer, layout and box
+fn tensor_map(ptr: u64, st: &KernelStrides, dtype: DType, batch: usize, rows: usize, heads: usize, d: usize, box_rows: usize) -> Result<cu::CUtensorMap> {
     use cu::CUtensorMapDataType as T;
     let data_type = match dtype {
         DType::F16 => T::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
@@ -108,7 +117,9 @@ fn tensor_map(ptr: u64, dtype: DType, batch: usize, rows: usize, heads: usize, d
     };
     let e = dtype.size_bytes() as u64;
     let dims = [d as u64, heads as u64, rows as u64, batch as u64];
-    let strides = [d as u64 * e, (heads * d) as u64 * e, (rows * heads * d) as u64 * e];
+    // A single batch row's batch stride is never stepped over: any valid value serves.
+    let batch_stride = if batch == 1 { (rows as i64 * st.seq).max(1) } else { st.batch(rows) };
+    let strides = [st.head as u64 * e, st.seq as u64 * e, batch_stride as u64 * e];
     let boxes = [64u32, 1, box_rows as u32, 1];
     let elem_strides = [1u32; 4];
     let mut map = std::mem::MaybeUninit::<cu::CUtensorMap>::zeroed();
@@ -143,9 +154,9 @@ pub(super) unsafe fn forward(dev: &Device, p: &Problem, s: cu::CUstream, prm: &F
     let f = device::function(dev, &v)?;
     let (bm, bn) = (v.tiles.block_m, v.tiles.block_n);
     let (tq, tk, tv) = (
-        tensor_map(prm.q, p.dtype, d.batch, d.seq_q, d.heads, d.head_dim, bm)?,
-        tensor_map(prm.k, p.dtype, d.batch, d.seq_k, d.kv_heads, d.head_dim, bn)?,
-        tensor_map(prm.v, p.dtype, d.batch, d.seq_k, d.kv_heads, d.head_dim, bn)?,
+        tensor_map(prm.q, &prm.q_st, p.dtype, d.batch, d.seq_q, d.heads, d.head_dim, bm)?,
+        tensor_map(prm.k, &prm.k_st, p.dtype, d.batch, d.seq_k, d.kv_heads, d.head_dim, bn)?,
+        tensor_map(prm.v, &prm.v_st, p.dtype, d.batch, d.seq_k, d.kv_heads, d.head_dim, bn)?,
     );
     // Plain non-causal calls: persistent, a block per SM at most, each walking tiles (query block,
     // head, batch row) with a fixed stride. Causal and masked tiles differ in work, which a fixed
@@ -203,10 +214,10 @@ pub(super) unsafe fn backward(dev: &Device, p: &Problem, s: cu::CUstream, prm: &
     let f = device::function(dev, &v)?;
     let (bm, bn) = (v.tiles.block_m, v.tiles.block_n);
     let (tq, tk, tv, tdo) = (
-        tensor_map(prm.q, p.dtype, d.batch, d.seq_q, d.heads, d.head_dim, bm)?,
-        tensor_map(prm.k, p.dtype, d.batch, d.seq_k, d.kv_heads, d.head_dim, bn)?,
-        tensor_map(prm.v, p.dtype, d.batch, d.seq_k, d.kv_heads, d.head_dim, bn)?,
-        tensor_map(prm.dout, p.dtype, d.batch, d.seq_q, d.heads, d.head_dim, bm)?,
+        tensor_map(prm.q, &prm.q_st, p.dtype, d.batch, d.seq_q, d.heads, d.head_dim, bm)?,
+        tensor_map(prm.k, &prm.k_st, p.dtype, d.batch, d.seq_k, d.kv_heads, d.head_dim, bn)?,
+        tensor_map(prm.v, &prm.v_st, p.dtype, d.batch, d.seq_k, d.kv_heads, d.head_dim, bn)?,
+        tensor_map(prm.dout, &prm.do_st, p.dtype, d.batch, d.seq_q, d.heads, d.head_dim, bm)?,
     );
     let m_blocks = d.seq_q.div_ceil(bm) as i32;
     let grid = (super::launch::grid_over(d.seq_k, bn), d.kv_heads as u32, d.batch as u32);
