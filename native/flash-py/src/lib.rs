@@ -22,12 +22,7 @@ type Array<'py> = Bound<'py, PyAny>;
 
 /// The NumPy arrays of one call, named for messages; `inputs` must hold exactly N of them.
 fn host_arrays<'py, const N: usize>(inputs: &[Array<'py>], names: [&'static str; N]) -> Result<[HostArray<'py>; N], FlashError> {
-    if inputs.len() != N {
-        return Err(FlashError::Internal(format!("expected the {N} arrays {names:?}, got {}", inputs.len())));
-    }
-    let arrays: Vec<HostArray> =
-        inputs.iter().zip(names).map(|(obj, name)| HostArray::extract(obj, name)).collect::<Result<_, _>>()?;
-    Ok(arrays.try_into().unwrap_or_else(|_| unreachable!("length checked above")))
+    attention_arrays(inputs, names, 0)
 }
 
 /// The NumPy arrays of an attention call: the first `views` (q, k, v; the backward's do and o

@@ -5,8 +5,9 @@
 //!
 //! What it buys on short sequences (measured in bench/RESULTS.md, "Dispatch"):
 //! * no passes over whole tensors: a task reads its rows of q, k, v (dO, o) straight from the
-//!   caller's buffers (at their strides) into scratch that stays in cache, sweeping memory in order (all its heads of
-//!   one row, then the next row), and writes its outputs back the same way. The fused path packs
+//!   caller's buffers (at their strides) into scratch that stays in cache, sweeping memory in
+//!   order when packed (all its heads of one row, then the next row), and writes its outputs back
+//!   the same way. The fused path packs
 //!   whole tensors into working layouts first and unpacks after (module `layout`), passes that cost
 //!   as much as the attention itself at S = 60;
 //! * no online-softmax rescaling, and the hidden parts of S skipped at a 16-row grain (the causal
