@@ -16,7 +16,10 @@ D and Dv are any head dims from 1 to 256, on every device; v's Dv may differ fro
 (DeepSeek-style attention: D = 192, Dv = 128). ``causal`` defaults to True and is aligned
 bottom-right (query i sees keys j <= i + Sk - Sq); ``scale`` defaults to 1/sqrt(D). A row that sees no key gives
 o = 0, lse = -inf and zero gradients. Arithmetic is f32 whatever the storage dtype.
-Non-contiguous or byte-swapped inputs are copied to C order first, never misread.
+On the CPU, q, k, v (and the backward's o, do) are read where they lie when their strides allow
+it — non-negative, last axis contiguous, native byte order: ``np.swapaxes`` of a [B, H, S, D]
+array, ``qkv[:, :, 0]`` of a packed [B, S, 3, H, D] one, a batch slice — with no copy. Any other
+view or byte order (and every input of a GPU call) is copied to C order first, never misread.
 
 Masks (sliding windows, segment ids, key padding, block masks) and score modifiers (``softcap``,
 ``alibi_slopes``, attention ``sinks``) are keyword options of :func:`forward_with_states`,
@@ -122,7 +125,7 @@ def forward_with_states(
     masks = _args.masks(segment_ids, seqused_k, leftpad_k, block_mask)
     if _cuda.any_gpu(q, k, v, *masks.values()):
         return _cuda.forward_with_states((q, k, v), opts, device, masks)
-    q, k, v = (_args.host_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    q, k, v = (_args.host_view(x, n, host_device) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     return _native.forward_host_arrays([q, k, v], host_device, **opts, **_args.host_masks(masks))
 
 
@@ -207,7 +210,8 @@ def backward(
     if _cuda.any_gpu(do, q, k, v, o, lse, *extra, *masks.values()):
         return _cuda.backward((do, q, k, v, o, lse), opts, device, masks, dlse=dlse)
     names = ("do", "q", "k", "v", "o", "lse")
-    arrays = [_args.host_array(x, n) for x, n in zip((do, q, k, v, o, lse), names)]
+    arrays = [_args.host_view(x, n, host_device) for x, n in zip((do, q, k, v, o), names)]
+    arrays.append(_args.host_array(lse, "lse"))
     return _native.backward_host_arrays(arrays, host_device, _args.optional_host(dlse, "dlse"), **opts,
                                         **_args.host_masks(masks))
 

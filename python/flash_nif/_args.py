@@ -2,7 +2,8 @@
 
 The core validates values (shapes, dtypes, ranges) and names the argument in its messages; this
 module checks only what the core cannot see (Python types) and does the friendly conversions:
-NumPy arrays to C order, integer index arrays to int32. Shared by ``flash_nif`` (padded calls),
+NumPy arrays to C order (the attention inputs of a CPU call only where the core cannot read the
+view in place: :func:`host_view`), integer index arrays to int32. Shared by ``flash_nif`` (padded calls),
 ``flash_nif.varlen`` and ``flash_nif._cuda`` (GPU arrays).
 """
 
@@ -129,6 +130,27 @@ def host_array(x, name: str) -> np.ndarray:
         return np.ascontiguousarray(x)
     except MemoryError as e:
         raise OutOfMemoryError(f"cannot make a contiguous copy of {name} with shape {x.shape}") from e
+
+
+def readable_view(x: np.ndarray) -> bool:
+    """Whether the CPU kernels read ``x`` in place: native byte order, strides that are
+    non-negative multiples of the itemsize, the last axis contiguous (any stride where it has
+    length 1). The binding (``HostArray::extract_view``) checks the same."""
+    item = x.dtype.itemsize
+    if not x.dtype.isnative or item == 0:
+        return False
+    if any(s < 0 or s % item for s in x.strides):
+        return False
+    return x.ndim == 0 or x.shape[-1] <= 1 or x.strides[-1] == item
+
+
+def host_view(x, name: str, device: str) -> np.ndarray:
+    """An attention input (q, k, v, o, do) of a host call: on the CPU a view the kernels read in
+    place (a ``[B, H, S, D]`` transpose, one slice of a packed qkv, a batch slice) is passed as it
+    is, with no copy; anything else, and every input on another device, as :func:`host_array`."""
+    if device == "cpu" and isinstance(x, np.ndarray) and readable_view(x):
+        return x
+    return host_array(x, name)
 
 
 def optional_host(x, name: str):

@@ -1,5 +1,7 @@
 //! The host buffers of one call, named: native-endian, row-major, contiguous bytes whose sizes
-//! the call's [`Problem`](crate::Problem) implies (checked by every backend before it reads them).
+//! the call's [`Problem`](crate::Problem) implies (checked by every backend before it reads them);
+//! with `strides`, the inputs' rows lie where those say instead (a view; the CPU backend reads it
+//! in place).
 //! The CUDA backend's device-pointer twins are `cuda::ForwardPtrs` / `cuda::BackwardPtrs`.
 //! Shapes below are a padded call's; a varlen call's are [`Problem::q_shape`](crate::Problem::q_shape)
 //! and friends.
@@ -54,6 +56,11 @@ impl<'a> ForwardIo<'a> {
     /// The same buffers with the call's mask data.
     pub fn with_mask(self, mask: MaskBuffers<'a>) -> Self {
         ForwardIo { mask, ..self }
+    }
+
+    /// The same buffers, the inputs' rows where `strides` say.
+    pub fn with_strides(self, strides: InputStrides) -> Self {
+        ForwardIo { strides: Some(strides), ..self }
     }
 }
 

@@ -12,7 +12,7 @@ mod rotary;
 
 use arrays::{empty_f32, empty_like_dtype, HostArray};
 use errors::PyFlashError;
-use flash_core::{backward_host, cpu, forward_host, BackwardIo, Device, FlashError, ForwardIo, MaskBuffers, Problem};
+use flash_core::{backward_host, cpu, forward_host, BackwardIo, Device, FlashError, ForwardIo, InputStrides, MaskBuffers, Problem};
 use masks::Index;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -22,12 +22,45 @@ type Array<'py> = Bound<'py, PyAny>;
 
 /// The NumPy arrays of one call, named for messages; `inputs` must hold exactly N of them.
 fn host_arrays<'py, const N: usize>(inputs: &[Array<'py>], names: [&'static str; N]) -> Result<[HostArray<'py>; N], FlashError> {
+    attention_arrays(inputs, names, 0)
+}
+
+/// The NumPy arrays of an attention call: the first `views` (q, k, v; the backward's do and o
+/// too) may be views the CPU kernels read in place, the others (lse) must be C-contiguous.
+fn attention_arrays<'py, const N: usize>(
+    inputs: &[Array<'py>], names: [&'static str; N], views: usize,
+) -> Result<[HostArray<'py>; N], FlashError> {
     if inputs.len() != N {
         return Err(FlashError::Internal(format!("expected the {N} arrays {names:?}, got {}", inputs.len())));
     }
-    let arrays: Vec<HostArray> =
-        inputs.iter().zip(names).map(|(obj, name)| HostArray::extract(obj, name)).collect::<Result<_, _>>()?;
+    let arrays: Vec<HostArray> = inputs
+        .iter()
+        .zip(names)
+        .enumerate()
+        .map(|(i, (obj, name))| if i < views { HostArray::extract_view(obj, name) } else { HostArray::extract(obj, name) })
+        .collect::<Result<_, _>>()?;
     Ok(arrays.try_into().unwrap_or_else(|_| unreachable!("length checked above")))
+}
+
+/// The inputs' strides when any of `views` (q, k, v, then do and o) is a view; `None`: all packed.
+/// Strided host arrays run on the CPU only: the host-to-GPU path uploads packed buffers.
+fn input_strides(device: Device, p: &Problem, views: &[&HostArray]) -> Result<Option<InputStrides>, FlashError> {
+    if !views.iter().any(|a| a.is_view()) {
+        return Ok(None);
+    }
+    if device != Device::Cpu {
+        return Err(FlashError::Unsupported(
+            "NumPy views (non-contiguous inputs) run on the CPU; on device=\"cuda\" pass C-contiguous arrays \
+             (flash_nif's Python functions copy them)"
+                .into(),
+        ));
+    }
+    let mut st = InputStrides::packed(p);
+    let fields = [&mut st.q, &mut st.k, &mut st.v, &mut st.d_out, &mut st.o];
+    for (field, a) in fields.into_iter().zip(views) {
+        *field = a.core_strides()?;
+    }
+    Ok(Some(st))
 }
 
 /// (o, lse) for NumPy `inputs` = [q, k, v], computed on `device` ("cpu", "cuda" or "auto"), with
@@ -38,7 +71,7 @@ fn forward_host_arrays<'py>(
     py: Python<'py>, inputs: Vec<Array<'py>>, device: &str, options: Option<&Bound<'py, PyDict>>,
 ) -> Result<(Array<'py>, Array<'py>), PyFlashError> {
     let device = Device::parse(device)?;
-    let [q, k, v] = host_arrays(&inputs, ["q", "k", "v"])?;
+    let [q, k, v] = attention_arrays(&inputs, ["q", "k", "v"], 3)?;
     let c = masks::parse(options, Some(&HostArray::extract))?;
     let p = Problem::forward_masked(&q.spec(), &k.spec(), &v.spec(), &c.opts, &c.masks.args())?.with_modifiers(&c.mods.args())?;
     run_forward(py, device, &p, [q, k, v], c.masks.buffers())
@@ -53,7 +86,7 @@ fn backward_host_arrays<'py>(
     py: Python<'py>, inputs: Vec<Array<'py>>, device: &str, dlse: Option<Array<'py>>, options: Option<&Bound<'py, PyDict>>,
 ) -> Result<Bound<'py, PyTuple>, PyFlashError> {
     let device = Device::parse(device)?;
-    let a = host_arrays(&inputs, ["do", "q", "k", "v", "o", "lse"])?;
+    let a = attention_arrays(&inputs, ["do", "q", "k", "v", "o", "lse"], 5)?;
     let c = masks::parse(options, Some(&HostArray::extract))?;
     let p = Problem::backward_masked(a.each_ref().map(HostArray::spec).each_ref(), &c.opts, &c.masks.args())?
         .with_modifiers(&c.mods.args())?;
@@ -70,7 +103,7 @@ fn varlen_forward_host_arrays<'py>(
     options: Option<&Bound<'py, PyDict>>,
 ) -> Result<(Array<'py>, Array<'py>), PyFlashError> {
     let device = Device::parse(device)?;
-    let [q, k, v] = host_arrays(&inputs, ["q", "k", "v"])?;
+    let [q, k, v] = attention_arrays(&inputs, ["q", "k", "v"], 3)?;
     let [cu_q, cu_k] = cu_seqlens_arrays(&cu_seqlens)?;
     let (opts, mods) = masks::options(options)?;
     let p = Problem::varlen_forward(&q.spec(), &k.spec(), &v.spec(), &cu_q.arg(), &cu_k.arg(), &opts)?.with_modifiers(&mods.args())?;
@@ -86,7 +119,7 @@ fn varlen_backward_host_arrays<'py>(
     options: Option<&Bound<'py, PyDict>>,
 ) -> Result<Bound<'py, PyTuple>, PyFlashError> {
     let device = Device::parse(device)?;
-    let a = host_arrays(&inputs, ["do", "q", "k", "v", "o", "lse"])?;
+    let a = attention_arrays(&inputs, ["do", "q", "k", "v", "o", "lse"], 5)?;
     let [cu_q, cu_k] = cu_seqlens_arrays(&cu_seqlens)?;
     let [d_out, q, k, v, o, lse] = a.each_ref().map(HostArray::spec);
     let cu = [&cu_q.arg(), &cu_k.arg()];
@@ -119,7 +152,11 @@ fn run_forward<'py>(
 ) -> Result<(Array<'py>, Array<'py>), PyFlashError> {
     let o = empty_like_dtype(py, &p.o_shape(), &q)?;
     let lse = empty_f32(py, &p.lse_shape())?;
-    let io = ForwardIo::new([&q, &k, &v].map(HostArray::bytes), [o.bytes_mut(), lse.bytes_mut()]).with_mask(mask);
+    let strides = input_strides(device, p, &[&q, &k, &v])?;
+    let mut io = ForwardIo::new([&q, &k, &v].map(HostArray::bytes), [o.bytes_mut(), lse.bytes_mut()]).with_mask(mask);
+    if let Some(st) = strides {
+        io = io.with_strides(st);
+    }
     py.detach(|| forward_host(device, p, io))?;
     Ok((o.array.into_any(), lse.array.into_any()))
 }
@@ -129,7 +166,8 @@ fn run_forward<'py>(
 fn run_backward<'py>(
     py: Python<'py>, device: Device, p: &Problem, a: [HostArray<'py>; 6], dlse: Option<&HostArray<'py>>, mask: MaskBuffers,
 ) -> Result<Bound<'py, PyTuple>, PyFlashError> {
-    let [_, q, k, v, ..] = &a;
+    let [d_out, q, k, v, o, _] = &a;
+    let strides = input_strides(device, p, &[q, k, v, d_out, o])?;
     let dq = empty_like_dtype(py, &p.q_shape(), q)?;
     let dk = empty_like_dtype(py, &p.kv_shape(), k)?;
     let dv = empty_like_dtype(py, &p.v_shape(), v)?;
@@ -141,6 +179,9 @@ fn run_backward<'py>(
     }
     if let Some(g) = dlse {
         io = io.with_dlse(g.bytes());
+    }
+    if let Some(st) = strides {
+        io = io.with_strides(st);
     }
     py.detach(|| backward_host(device, p, io))?;
     let mut out = vec![dq.array.into_any(), dk.array.into_any(), dv.array.into_any()];

@@ -26,6 +26,7 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::io::BackwardIo;
 use crate::problem::Problem;
+use crate::strides::{InputStrides, Strides};
 use rayon::prelude::*;
 use std::f32::consts::{LN_2, LOG2_E};
 
@@ -50,20 +51,21 @@ struct Ctx<'a> {
 
 /// Writes dq (like q), dk (like k) and dv (like v) in p.dtype.
 pub fn run(p: &Problem, io: BackwardIo) -> Result<()> {
-    let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask, dsinks, dlse, strides: _ } = io;
+    let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask, dsinks, dlse, strides } = io;
+    let st = strides.unwrap_or_else(|| InputStrides::packed(p));
     let dlse = dlse.map(|b| load_f32(b, "dlse")).transpose()?; // [PB·H, Rq], lse's layout
     let geo = Geometry::new(p);
     let lse2 = lse_log2(lse)?;
-    let mut delta = row_dots(p, &geo, d_out, o)?;
+    let mut delta = row_dots(p, &geo, (d_out, st.d_out), (o, st.o))?;
     if let Some(dlse) = &dlse {
         subtract_dlse(&mut delta, &lse2, dlse);
     }
     let x = Packed {
-        qs: pack_rows(q, p.dtype, geo.q4(), p.scale * LOG2_E, "packed q")?,
-        d_out: pack_rows(d_out, p.dtype, geo.o4(), 1.0, "packed d_out")?,
-        k: pack_rows(k, p.dtype, geo.kv4(), 1.0, "packed k")?,
-        kt: pack_transposed(k, p.dtype, geo.kv4(), "packed k")?,
-        vt: pack_transposed(v, p.dtype, geo.v4(), "packed v")?,
+        qs: pack_rows(q, p.dtype, geo.q4(), st.q, p.scale * LOG2_E, "packed q")?,
+        d_out: pack_rows(d_out, p.dtype, geo.o4(), st.d_out, 1.0, "packed d_out")?,
+        k: pack_rows(k, p.dtype, geo.kv4(), st.k, 1.0, "packed k")?,
+        kt: pack_transposed(k, p.dtype, geo.kv4(), st.k, "packed k")?,
+        vt: pack_transposed(v, p.dtype, geo.v4(), st.v, "packed v")?,
         lse2,
         delta,
     };
@@ -89,7 +91,7 @@ pub fn run(p: &Problem, io: BackwardIo) -> Result<()> {
     }
 
     if let Some(out) = dsinks {
-        DType::F32.store(&sink_grads(p, d_out, o, lse, dlse.as_deref()), out, 0);
+        DType::F32.store(&sink_grads(p, (d_out, st.d_out), (o, st.o), lse, dlse.as_deref()), out, 0);
     }
 
     // dQ = scale·dS·K; dK = scale·dSᵀ·Q = ln2·dSᵀ·Qs.
@@ -118,8 +120,9 @@ pub(super) fn subtract_dlse(delta: &mut [f32], lse2: &[f32], dlse: &[f32]) {
     }
 }
 
-/// delta[pb, h, i] = Σ_d dO[pb, i, h, d] · O[pb, i, h, d] (d < Dv), in f32. Returns [PB·H, Rq].
-fn row_dots(p: &Problem, geo: &Geometry, d_out: &[u8], o: &[u8]) -> Result<Buffer> {
+/// delta[pb, h, i] = Σ_d dO[pb, i, h, d] · O[pb, i, h, d] (d < Dv), in f32, each read at its
+/// strides. Returns [PB·H, Rq].
+fn row_dots(p: &Problem, geo: &Geometry, (d_out, do_st): (&[u8], Strides), (o, o_st): (&[u8], Strides)) -> Result<Buffer> {
     let [_, rq, h, d] = geo.o4();
     let mut delta = zeroed(p.lse_len(), "delta")?;
     if rq == 0 {
@@ -129,9 +132,8 @@ fn row_dots(p: &Problem, geo: &Geometry, d_out: &[u8], o: &[u8]) -> Result<Buffe
         let (b, hh) = (bh / h, bh % h);
         let (mut a, mut c) = (vec![0.0f32; d], vec![0.0f32; d]);
         for (i, x) in out.iter_mut().enumerate() {
-            let start = ((b * rq + i) * h + hh) * d;
-            p.dtype.load(d_out, start, &mut a);
-            p.dtype.load(o, start, &mut c);
+            p.dtype.load(d_out, do_st.at(b, i, hh), &mut a);
+            p.dtype.load(o, o_st.at(b, i, hh), &mut c);
             *x = a.iter().zip(&c).map(|(x, y)| x * y).sum();
         }
     });

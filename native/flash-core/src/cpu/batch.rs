@@ -55,7 +55,7 @@ impl Geometry {
     }
 
     /// The packed batch that holds batch row b.
-    fn batch_of(&self, b: usize) -> usize {
+    pub fn batch_of(&self, b: usize) -> usize {
         if self.varlen {
             0
         } else {
@@ -71,6 +71,11 @@ impl Geometry {
     /// Row (rows layout) or column (transposed layout) of the batch row's key 0 in its matrix.
     pub fn key_offset(&self, seq: &Seq, b: usize) -> usize {
         seq.k_start - self.batch_of(b) * self.k_rows
+    }
+
+    /// Row of the batch row's query 0 in its packed batch (`[PB, Rq, H, D]`).
+    pub fn query_offset(&self, seq: &Seq, b: usize) -> usize {
+        seq.q_start - self.batch_of(b) * self.q_rows
     }
 
     /// Packed row in `[PB·Hkv, Rk]` of the batch row's key 0 for kv head `hkv`.

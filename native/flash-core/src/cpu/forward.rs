@@ -12,6 +12,7 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::io::ForwardIo;
 use crate::problem::Problem;
+use crate::strides::InputStrides;
 use rayon::prelude::*;
 use std::f32::consts::{LN_2, LOG2_E};
 
@@ -25,13 +26,14 @@ struct Packed {
 /// q, k, v in p.dtype (shapes [`Problem::q_shape`], [`Problem::kv_shape`], [`Problem::v_shape`]);
 /// writes o (p.dtype, [`Problem::o_shape`]) and lse (f32, natural log, [`Problem::lse_shape`]).
 pub fn run(p: &Problem, io: ForwardIo) -> Result<()> {
-    let ForwardIo { q, k, v, o, lse, mask, strides: _ } = io;
+    let ForwardIo { q, k, v, o, lse, mask, strides } = io;
+    let st = strides.unwrap_or_else(|| InputStrides::packed(p));
     let geo = Geometry::new(p);
     let dvp = padded_dim(geo.head_dim_v);
     let x = Packed {
-        qs: pack_rows(q, p.dtype, geo.q4(), p.scale * LOG2_E, "packed q")?,
-        kt: pack_transposed(k, p.dtype, geo.kv4(), "packed k")?,
-        v: pack_rows(v, p.dtype, geo.v4(), 1.0, "packed v")?,
+        qs: pack_rows(q, p.dtype, geo.q4(), st.q, p.scale * LOG2_E, "packed q")?,
+        kt: pack_transposed(k, p.dtype, geo.kv4(), st.k, "packed k")?,
+        v: pack_rows(v, p.dtype, geo.v4(), st.v, 1.0, "packed v")?,
     };
     let vis = Visibility::new(p, &mask);
     let mut o_acc = zeroed(geo.batches * geo.heads * geo.q_rows * dvp, "output accumulator")?; // [PB·H, Rq, Dvp]

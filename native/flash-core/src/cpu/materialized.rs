@@ -5,8 +5,9 @@
 //!
 //! What it buys on short sequences (measured in bench/RESULTS.md, "Dispatch"):
 //! * no passes over whole tensors: a task reads its rows of q, k, v (dO, o) straight from the
-//!   caller's buffers into scratch that stays in cache, sweeping memory in order (all its heads of
-//!   one row, then the next row), and writes its outputs back the same way. The fused path packs
+//!   caller's buffers (at their strides) into scratch that stays in cache, sweeping memory in
+//!   order when packed (all its heads of one row, then the next row), and writes its outputs back
+//!   the same way. The fused path packs
 //!   whole tensors into working layouts first and unpacks after (module `layout`), passes that cost
 //!   as much as the attention itself at S = 60;
 //! * no online-softmax rescaling, and the hidden parts of S skipped at a 16-row grain (the causal
@@ -20,6 +21,7 @@
 //! query heads and dk / dv of its kv heads: no atomics, bit-identical run to run.
 
 use super::backward::subtract_dlse;
+use super::batch::Geometry;
 use super::layout::{load_f32, padded_dim, transposed_ld};
 use super::matmul::{matmul, Mat};
 use super::modify::{sink2, sink_grads, softcap_chain, TileMods};
@@ -31,6 +33,7 @@ use crate::error::Result;
 use crate::io::{BackwardIo, ForwardIo};
 use crate::mask::Seq;
 use crate::problem::Problem;
+use crate::strides::{InputStrides, Strides};
 use rayon::prelude::*;
 use std::f32::consts::{LN_2, LOG2_E};
 use std::cell::RefCell;
@@ -84,22 +87,24 @@ fn task_list(p: &Problem) -> Vec<(usize, Range<usize>)> {
 
 /// Forward (layouts in [`ForwardIo`]).
 pub fn forward(p: &Problem, io: ForwardIo) -> Result<()> {
-    let ForwardIo { q, k, v, o, lse, mask, strides: _ } = io;
+    let ForwardIo { q, k, v, o, lse, mask, strides } = io;
+    let st = strides.unwrap_or_else(|| InputStrides::packed(p));
     let vis = Visibility::new(p, &mask);
     let outs = (SharedOut::new(o, p.dtype), SharedOut::new(lse, DType::F32));
     let chunk = kv_chunk(p);
     let tasks = task_list(p);
     (0..tasks.len()).into_par_iter().for_each_init(Lease::take, |kept, i| {
         let mut w = ForwardScratch::carve(p, chunk, &mut kept.0);
-        let next = Ahead::new(p, &[q], &[k, v], tasks.get(i + 1));
-        forward_task(p, &vis, [q, k, v], &outs, tasks[i].clone(), &mut w, next)
+        let next = Ahead::new(p, &[(q, st.q)], &[(k, st.k), (v, st.v)], tasks.get(i + 1));
+        forward_task(p, &vis, [(q, st.q), (k, st.k), (v, st.v)], &outs, tasks[i].clone(), &mut w, next)
     });
     Ok(())
 }
 
 /// Backward (layouts in [`BackwardIo`]).
 pub fn backward(p: &Problem, io: BackwardIo) -> Result<()> {
-    let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask, dsinks, dlse, strides: _ } = io;
+    let BackwardIo { d_out, q, k, v, o, lse, dq, dk, dv, mask, dsinks, dlse, strides } = io;
+    let st = strides.unwrap_or_else(|| InputStrides::packed(p));
     let dlse = dlse.map(|b| load_f32(b, "dlse")).transpose()?; // lse's layout
     let vis = Visibility::new(p, &mask);
     let outs = [SharedOut::new(dq, p.dtype), SharedOut::new(dk, p.dtype), SharedOut::new(dv, p.dtype)];
@@ -107,11 +112,12 @@ pub fn backward(p: &Problem, io: BackwardIo) -> Result<()> {
     let tasks = task_list(p);
     (0..tasks.len()).into_par_iter().for_each_init(Lease::take, |kept, i| {
         let mut w = BackwardScratch::carve(p, chunk, &mut kept.0);
-        let next = Ahead::new(p, &[q, d_out, o], &[k, v], tasks.get(i + 1));
-        backward_task(p, &vis, [d_out, q, k, v, o, lse], dlse.as_deref(), &outs, tasks[i].clone(), &mut w, next)
+        let next = Ahead::new(p, &[(q, st.q), (d_out, st.d_out), (o, st.o)], &[(k, st.k), (v, st.v)], tasks.get(i + 1));
+        let inputs = Inputs { d_out: (d_out, st.d_out), q: (q, st.q), k: (k, st.k), v: (v, st.v), o: (o, st.o), lse };
+        backward_task(p, &vis, inputs, dlse.as_deref(), &outs, tasks[i].clone(), &mut w, next)
     });
     if let Some(out) = dsinks {
-        DType::F32.store(&sink_grads(p, d_out, o, lse, dlse.as_deref()), out, 0);
+        DType::F32.store(&sink_grads(p, (d_out, st.d_out), (o, st.o), lse, dlse.as_deref()), out, 0);
     }
     Ok(())
 }
@@ -181,13 +187,13 @@ struct Ahead<'a> {
 
 impl<'a> Ahead<'a> {
     /// The rows of `task` in the q-like tensors (q, dO, o) and the k-like ones (k, v).
-    fn new(p: &Problem, q_like: &[&'a [u8]], k_like: &[&'a [u8]], task: Option<&(usize, Range<usize>)>) -> Self {
+    fn new(p: &Problem, q_like: &[Input<'a>], k_like: &[Input<'a>], task: Option<&(usize, Range<usize>)>) -> Self {
         let mut regions = Vec::new();
         if let Some((b, kv)) = task {
-            let (qr, kr) = task_rows(p, &p.mask.seq(*b), kv);
+            let (qr, kr) = task_rows(p, *b, kv);
             let elem = p.dtype.size_bytes();
-            regions.extend(k_like.iter().map(|t| kr.bytes(t, elem)));
-            regions.extend(q_like.iter().map(|t| qr.bytes(t, elem)));
+            regions.extend(k_like.iter().map(|&t| kr.bytes(t, elem)));
+            regions.extend(q_like.iter().map(|&t| qr.bytes(t, elem)));
         }
         let total: usize = regions.iter().map(|r| r.len()).sum();
         let steps = (p.dims.group() * p.dims.seq_q.div_ceil(SUB_Q)).max(1);
@@ -251,30 +257,46 @@ impl<'a> SharedOut<'a> {
     }
 }
 
-/// Heads `heads` of a `[rows, n_heads, D]` tensor at the rows of one batch row.
+/// An input buffer and where its rows lie.
+type Input<'a> = (&'a [u8], Strides);
+
+/// The backward's inputs; lse is f32 `[B, H, Sq]` (`[H, total_q]` varlen), always packed.
+struct Inputs<'a> {
+    d_out: Input<'a>,
+    q: Input<'a>,
+    k: Input<'a>,
+    v: Input<'a>,
+    o: Input<'a>,
+    lse: &'a [u8],
+}
+
+/// Heads `heads` of a `[PB, R, n_heads, D]` tensor (see [`Geometry`]) at the rows of one batch
+/// row: rows `row0..row0 + rows` of packed batch `pb`.
 #[derive(Clone)]
 struct Rows {
+    pb: usize,
     row0: usize,
     rows: usize,
-    n_heads: usize,
     heads: Range<usize>,
     d: usize,
+    /// The tensor's packed strides: those of the outputs (dq like q, o like q; dk, dv like k).
+    packed: Strides,
 }
 
 impl Rows {
-    /// Element index of (row i, head h, 0).
-    fn at(&self, i: usize, h: usize) -> usize {
-        ((self.row0 + i) * self.n_heads + h) * self.d
+    /// Element index of (row i, head h, 0) in a tensor at strides `st`.
+    fn at(&self, st: Strides, i: usize, h: usize) -> usize {
+        st.at(self.pb, self.row0 + i, h)
     }
 
     /// Reads the heads into `dst` `[heads, rows, Dp]` (head-major; each element times `scale`;
-    /// padding columns left as they are: zero), sweeping memory in order.
-    fn load(&self, src: &[u8], dtype: DType, scale: f32, dst: &mut [f32]) {
+    /// padding columns left as they are: zero), sweeping memory in order (when packed).
+    fn load(&self, (src, st): Input, dtype: DType, scale: f32, dst: &mut [f32]) {
         let (d, dp) = (self.d, padded_dim(self.d));
         for i in 0..self.rows {
             for (j, h) in self.heads.clone().enumerate() {
                 let row = &mut dst[(j * self.rows + i) * dp..][..d];
-                dtype.load(src, self.at(i, h), row);
+                dtype.load(src, self.at(st, i, h), row);
                 if scale != 1.0 {
                     row.iter_mut().for_each(|x| *x *= scale);
                 }
@@ -284,26 +306,27 @@ impl Rows {
 
     /// Reads the heads into the transposed `dst` `[heads, D, ld]`, SUB_K rows at a time
     /// through `tmp` `[SUB_K, D]`.
-    fn load_transposed(&self, src: &[u8], dtype: DType, ld: usize, tmp: &mut [f32], dst: &mut [f32]) {
+    fn load_transposed(&self, (src, st): Input, dtype: DType, ld: usize, tmp: &mut [f32], dst: &mut [f32]) {
         let d = self.d;
         for i0 in (0..self.rows).step_by(SUB_K) {
             let n = SUB_K.min(self.rows - i0);
             for (j, h) in self.heads.clone().enumerate() {
                 for (r, row) in tmp.chunks_exact_mut(d).take(n).enumerate() {
-                    dtype.load(src, self.at(i0 + r, h), row);
+                    dtype.load(src, self.at(st, i0 + r, h), row);
                 }
                 transpose(tmp, d, n, d, &mut dst[j * d * ld + i0..], ld);
             }
         }
     }
 
-    /// The bytes from this call's first element to its last in a `[rows, n_heads, D]` tensor of
-    /// `elem` bytes per element (other heads' elements in between).
-    fn bytes<'s>(&self, src: &'s [u8], elem: usize) -> &'s [u8] {
+    /// The bytes from these rows' first element to their last in a tensor at strides `st` of
+    /// `elem` bytes per element (other elements in between; strides are never negative, so the
+    /// first row and head come first and the last last).
+    fn bytes<'s>(&self, (src, st): Input<'s>, elem: usize) -> &'s [u8] {
         if self.rows == 0 || self.heads.is_empty() {
             return &[];
         }
-        let (first, end) = (self.at(0, self.heads.start), self.at(self.rows - 1, self.heads.end - 1) + self.d);
+        let (first, end) = (self.at(st, 0, self.heads.start), self.at(st, self.rows - 1, self.heads.end - 1) + self.d);
         &src[(first * elem).min(src.len())..(end * elem).min(src.len())]
     }
 
@@ -318,17 +341,19 @@ impl Rows {
                 if scale != 1.0 {
                     row.iter_mut().for_each(|x| *x *= scale);
                 }
-                out.store(self.at(i, h), row);
+                out.store(self.at(self.packed, i, h), row);
             }
         }
     }
 }
 
 /// The query and key rows of one task: batch row b's queries of the query heads of kv heads `kv`.
-fn task_rows(p: &Problem, seq: &Seq, kv: &Range<usize>) -> (Rows, Rows) {
-    let (d, g) = (p.dims.head_dim, p.dims.group());
-    let qr = Rows { row0: seq.q_start, rows: seq.q_len, n_heads: p.dims.heads, heads: kv.start * g..kv.end * g, d };
-    let kr = Rows { row0: seq.k_start, rows: seq.k_len, n_heads: p.dims.kv_heads, heads: kv.clone(), d };
+fn task_rows(p: &Problem, b: usize, kv: &Range<usize>) -> (Rows, Rows) {
+    let (d, g, geo, seq) = (p.dims.head_dim, p.dims.group(), Geometry::new(p), p.mask.seq(b));
+    let pb = geo.batch_of(b);
+    let (q_packed, k_packed) = (Strides::packed(&geo.q4()), Strides::packed(&geo.kv4()));
+    let qr = Rows { pb, row0: geo.query_offset(&seq, b), rows: seq.q_len, heads: kv.start * g..kv.end * g, d, packed: q_packed };
+    let kr = Rows { pb, row0: geo.key_offset(&seq, b), rows: seq.k_len, heads: kv.clone(), d, packed: k_packed };
     (qr, kr)
 }
 
@@ -432,12 +457,12 @@ impl<'a> ForwardScratch<'a> {
 }
 
 /// Batch row b, kv heads `kv` and their query heads: o and lse.
-fn forward_task(p: &Problem, vis: &Visibility, [q, k, v]: [&[u8]; 3], (o, lse): &(SharedOut, SharedOut), (b, kv): (usize, Range<usize>), w: &mut ForwardScratch, mut next: Ahead) {
+fn forward_task(p: &Problem, vis: &Visibility, [q, k, v]: [Input; 3], (o, lse): &(SharedOut, SharedOut), (b, kv): (usize, Range<usize>), w: &mut ForwardScratch, mut next: Ahead) {
     let seq = p.mask.seq(b);
     let (sq, sk) = (seq.q_len, seq.k_len);
     let (d, g) = (p.dims.head_dim, p.dims.group());
     let (dp, ld) = (padded_dim(d), transposed_ld(p.dims.seq_k));
-    let (qr, kr) = task_rows(p, &seq, &kv);
+    let (qr, kr) = task_rows(p, b, &kv);
     qr.load(q, p.dtype, p.scale * LOG2_E, w.q);
     kr.load_transposed(k, p.dtype, ld, w.tmp, w.kt);
     kr.load(v, p.dtype, 1.0, w.v);
@@ -548,15 +573,15 @@ impl<'a> BackwardScratch<'a> {
 /// out), dV = Pᵀ·dO, dK = dSᵀ·Qs (times ln 2 on the way out).
 #[allow(clippy::too_many_arguments)] // the call's buffers, the task and its scratch
 fn backward_task(
-    p: &Problem, vis: &Visibility, inputs: [&[u8]; 6], dlse: Option<&[f32]>, [dq, dk, dv]: &[SharedOut; 3],
+    p: &Problem, vis: &Visibility, inputs: Inputs, dlse: Option<&[f32]>, [dq, dk, dv]: &[SharedOut; 3],
     (b, kv): (usize, Range<usize>), w: &mut BackwardScratch, mut next: Ahead,
 ) {
-    let [d_out, q, k, v, o, lse] = inputs;
+    let Inputs { d_out, q, k, v, o, lse } = inputs;
     let seq = p.mask.seq(b);
     let (sq, sk) = (seq.q_len, seq.k_len);
     let (d, g) = (p.dims.head_dim, p.dims.group());
     let (dp, ld) = (padded_dim(d), transposed_ld(p.dims.seq_k));
-    let (qr, kr) = task_rows(p, &seq, &kv);
+    let (qr, kr) = task_rows(p, b, &kv);
     kr.load(k, p.dtype, 1.0, w.k);
     for j in 0..kv.len() {
         transpose(&w.k[j * sk * dp..], dp, sk, d, &mut w.kt[j * d * ld..], ld);
@@ -654,12 +679,12 @@ fn dot(x: &[f32], y: &[f32]) -> f32 {
 /// lse2 (log2 units; +inf where lse = -inf, so that P = 0) and delta = rowsum(dO ∘ O) of the
 /// task's query heads, from the o and lse passed in (as the oracle does), less dlse where given.
 /// Needs w.d_out loaded.
-fn row_stats(p: &Problem, qr: &Rows, b: usize, o: &[u8], lse: &[u8], dlse: Option<&[f32]>, w: &mut BackwardScratch) {
+fn row_stats(p: &Problem, qr: &Rows, b: usize, (o, o_st): Input, lse: &[u8], dlse: Option<&[f32]>, w: &mut BackwardScratch) {
     let (sq, dp, d) = (qr.rows, padded_dim(qr.d), qr.d);
     for i in 0..sq {
         for (j, h) in qr.heads.clone().enumerate() {
             let o_row = &mut w.tmp[..d];
-            p.dtype.load(o, qr.at(i, h), o_row);
+            p.dtype.load(o, qr.at(o_st, i, h), o_row);
             let dor = &w.d_out[(j * sq + i) * dp..][..d];
             w.delta[j * sq + i] = dot(o_row, dor);
         }

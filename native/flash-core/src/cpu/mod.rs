@@ -1,7 +1,8 @@
 //! The CPU backend: multithreaded (rayon) tiled FlashAttention in f32, O(B·H·S·D) extra memory.
 //! Every mask of [`Mask`](crate::Mask) is taken; the tiles it hides are skipped (module `tiles`).
 //! Beside it, the materialized path (module `materialized`: whole S×S scores per head), chosen
-//! per call by [`dispatch`](crate::dispatch).
+//! per call by [`dispatch`](crate::dispatch). Both read their inputs where they lie
+//! ([`ForwardIo::strides`] / [`BackwardIo::strides`]); outputs are packed.
 
 mod backward;
 mod batch;
@@ -30,7 +31,6 @@ use crate::rotary::{RotaryIo, RotaryProblem};
 /// Forward on the CPU (layouts in [`ForwardIo`]).
 pub fn forward(p: &Problem, io: ForwardIo) -> Result<()> {
     check_forward_buffers(p, &io)?;
-    packed_only(p, io.strides)?;
     match dispatch::choose(p, Backend::Cpu, Pass::Forward)? {
         Path::Fused => catch_panics("CPU", || forward::run(p, io)),
         Path::Materialized => catch_panics("CPU", || materialized::forward(p, io)),
@@ -40,18 +40,9 @@ pub fn forward(p: &Problem, io: ForwardIo) -> Result<()> {
 /// Backward on the CPU from the forward's o and lse (layouts in [`BackwardIo`]).
 pub fn backward(p: &Problem, io: BackwardIo) -> Result<()> {
     check_backward_buffers(p, &io)?;
-    packed_only(p, io.strides)?;
     match dispatch::choose(p, Backend::Cpu, Pass::Backward)? {
         Path::Fused => catch_panics("CPU", || backward::run(p, io)),
         Path::Materialized => catch_panics("CPU", || materialized::backward(p, io)),
-    }
-}
-
-/// The CPU kernels read packed inputs only (for now).
-fn packed_only(p: &Problem, strides: Option<crate::strides::InputStrides>) -> Result<()> {
-    match strides {
-        Some(s) if !s.all_packed(p) => Err(crate::error::FlashError::Unsupported("strided inputs on the CPU".into())),
-        _ => Ok(()),
     }
 }
 

@@ -3,11 +3,13 @@
 //! `slope·log2(e)`; the softmax then needs no other change. Sinks live in the row state
 //! ([`sink2`]) and in the backward's dsinks sum, not in the tiles.
 
+use super::batch::Geometry;
 use super::simd;
 use super::tiles::{KeyTile, RowBlock};
 use super::workspace::BLOCK_K;
 use crate::dtype::DType;
 use crate::problem::Problem;
+use crate::strides::Strides;
 use std::f32::consts::LOG2_E;
 
 /// 0, 1, 2, … as f32: the column offsets of a tile's keys (ALiBi's distances).
@@ -83,9 +85,10 @@ pub fn sink2(p: &Problem, h: usize) -> Option<f32> {
 }
 
 /// dsinks[h] = −Σ over batch rows and query rows of exp(sink_h − lse) · (rowsum(dO ∘ O) − dlse), in f64 in
-/// a fixed order, from the caller's o, dO and lse (both CPU paths' dsinks).
-pub fn sink_grads(p: &Problem, d_out: &[u8], o: &[u8], lse: &[u8], dlse: Option<&[f32]>) -> Vec<f32> {
+/// a fixed order, from the caller's o, dO (each at its strides) and lse (both CPU paths' dsinks).
+pub fn sink_grads(p: &Problem, (d_out, do_st): (&[u8], Strides), (o, o_st): (&[u8], Strides), lse: &[u8], dlse: Option<&[f32]>) -> Vec<f32> {
     let (h_n, d) = (p.dims.heads, p.dims.head_dim_v);
+    let geo = Geometry::new(p);
     let (mut a, mut c, mut l) = (vec![0.0f32; d], vec![0.0f32; d], [0.0f32]);
     (0..h_n)
         .map(|h| {
@@ -93,14 +96,14 @@ pub fn sink_grads(p: &Problem, d_out: &[u8], o: &[u8], lse: &[u8], dlse: Option<
             let mut sum = 0.0f64;
             for b in 0..p.dims.batch {
                 let seq = p.mask.seq(b);
+                let (pb, r0) = (geo.batch_of(b), geo.query_offset(&seq, b));
                 for i in 0..seq.q_len {
                     DType::F32.load(lse, p.lse_base(b, h) + i, &mut l);
                     if l[0] == f32::NEG_INFINITY {
                         continue;
                     }
-                    let at = ((seq.q_start + i) * h_n + h) * d;
-                    p.dtype.load(d_out, at, &mut a);
-                    p.dtype.load(o, at, &mut c);
+                    p.dtype.load(d_out, do_st.at(pb, r0 + i, h), &mut a);
+                    p.dtype.load(o, o_st.at(pb, r0 + i, h), &mut c);
                     let mut delta: f64 = a.iter().zip(&c).map(|(x, y)| (x * y) as f64).sum();
                     if let Some(g) = dlse {
                         delta -= g[p.lse_base(b, h) + i] as f64;
