@@ -145,6 +145,25 @@ def test_cupy_views(gpu):
     assert cupy.array_equal(o, o2) and cupy.array_equal(lse, lse2)
 
 
+def test_numpy_views_with_device_cuda(gpu):
+    """NumPy views on device="cuda": each view's span is uploaded as it lies, with its strides."""
+    import flash_nif as fa
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 80, 3, 4, 64)).astype(np.float32)
+    views = (x[:, :, 0], x[:, :, 1], np.swapaxes(rng.standard_normal((2, 4, 80, 64)).astype(np.float32), 1, 2))
+    do = rng.standard_normal((2, 80, 4, 64)).astype(np.float32)
+    for got, want in zip(fa.forward_with_states(*views, causal=True, device="cuda"),
+                         fa.forward_with_states(*(np.ascontiguousarray(t) for t in views), causal=True, device="cuda")):
+        assert np.array_equal(got, want)
+    o, lse = fa.forward_with_states(*views, causal=True, device="cuda")
+    o_view = np.swapaxes(np.ascontiguousarray(np.swapaxes(o, 1, 2)), 1, 2)
+    got = fa.backward(do, *views, o_view, lse, causal=True, deterministic=True, device="cuda")
+    want = fa.backward(do, *(np.ascontiguousarray(t) for t in views), o, lse, causal=True, deterministic=True, device="cuda")
+    for g, w in zip(got, want):
+        assert np.array_equal(g, w)
+
+
 @needs_torch
 def test_torch_op_runs_views_with_no_copy(gpu):
     """flash_nif.torch.attention on qkv.unbind views and bhsd tensors launches no copy kernel."""

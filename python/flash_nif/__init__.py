@@ -125,7 +125,7 @@ def forward_with_states(
     masks = _args.masks(segment_ids, seqused_k, leftpad_k, block_mask)
     if _cuda.any_gpu(q, k, v, *masks.values()):
         return _cuda.forward_with_states((q, k, v), opts, device, masks)
-    q, k, v = (_args.host_view(x, n, host_device) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    q, k, v = (_args.host_view(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     return _native.forward_host_arrays([q, k, v], host_device, **opts, **_args.host_masks(masks))
 
 
@@ -210,7 +210,7 @@ def backward(
     if _cuda.any_gpu(do, q, k, v, o, lse, *extra, *masks.values()):
         return _cuda.backward((do, q, k, v, o, lse), opts, device, masks, dlse=dlse)
     names = ("do", "q", "k", "v", "o", "lse")
-    arrays = [_args.host_view(x, n, host_device) for x, n in zip((do, q, k, v, o), names)]
+    arrays = [_args.host_view(x, n) for x, n in zip((do, q, k, v, o), names)]
     arrays.append(_args.host_array(lse, "lse"))
     return _native.backward_host_arrays(arrays, host_device, _args.optional_host(dlse, "dlse"), **opts,
                                         **_args.host_masks(masks))

@@ -144,11 +144,12 @@ def readable_view(x: np.ndarray) -> bool:
     return x.ndim == 0 or x.shape[-1] <= 1 or x.strides[-1] == item
 
 
-def host_view(x, name: str, device: str) -> np.ndarray:
-    """An attention input (q, k, v, o, do) of a host call: on the CPU a view the kernels read in
-    place (a ``[B, H, S, D]`` transpose, one slice of a packed qkv, a batch slice) is passed as it
-    is, with no copy; anything else, and every input on another device, as :func:`host_array`."""
-    if device == "cpu" and isinstance(x, np.ndarray) and readable_view(x):
+def host_view(x, name: str) -> np.ndarray:
+    """An attention input (q, k, v, o, do) of a host call: a view the kernels read in place (a
+    ``[B, H, S, D]`` transpose, one slice of a packed qkv, a batch slice) is passed as it is, with
+    no copy (with ``device="cuda"`` its span is uploaded as it lies); anything else as
+    :func:`host_array`."""
+    if isinstance(x, np.ndarray) and readable_view(x):
         return x
     return host_array(x, name)
 

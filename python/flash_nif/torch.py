@@ -19,7 +19,8 @@ on torch's current stream, outputs allocated by torch's caching allocator.
 Strides: on CUDA the kernels take each input's batch, sequence and head strides, so views whose
 last axis is contiguous — a ``bhsd`` transpose, ``qkv.unbind(2)``, a batch slice — run with no
 copy (a view whose rows do not start on 16-byte boundaries is copied once inside the call, by the
-kernels' own padding copy). On the CPU, views go to NumPy as they are (see the README).
+kernels' own padding copy). On the CPU the same views reach the CPU kernels as NumPy views, read
+where they lie too.
 
 Under ``torch.autocast``, float32 q, k, v are cast to the autocast dtype first (as
 ``scaled_dot_product_attention`` is). ``import flash_nif`` never imports torch; importing this

@@ -56,7 +56,7 @@ def forward_with_states(
     cu = (cu_seqlens_q, cu_seqlens_k)
     if _cuda.any_gpu(q, k, v, *cu):
         return _cuda.forward_with_states((q, k, v), opts, device, {}, cu_seqlens=cu)
-    q, k, v = (_args.host_view(x, n, host_device) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    q, k, v = (_args.host_view(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     cu = [_args.host_int32(x, n) for x, n in zip(cu, _args.CU_NAMES)]
     return _native.varlen_forward_host_arrays([q, k, v], cu, host_device, **opts)
 
@@ -118,7 +118,7 @@ def backward(
     if _cuda.any_gpu(do, q, k, v, o, lse, *extra, *cu):
         return _cuda.backward((do, q, k, v, o, lse), opts, device, {}, cu_seqlens=cu, dlse=dlse)
     names = ("do", "q", "k", "v", "o", "lse")
-    arrays = [_args.host_view(x, n, host_device) for x, n in zip((do, q, k, v, o), names)]
+    arrays = [_args.host_view(x, n) for x, n in zip((do, q, k, v, o), names)]
     arrays.append(_args.host_array(lse, "lse"))
     cu = [_args.host_int32(x, n) for x, n in zip(cu, _args.CU_NAMES)]
     return _native.varlen_backward_host_arrays(arrays, cu, host_device, _args.optional_host(dlse, "dlse"), **opts)

@@ -43,17 +43,10 @@ fn attention_arrays<'py, const N: usize>(
 }
 
 /// The inputs' strides when any of `views` (q, k, v, then do and o) is a view; `None`: all packed.
-/// Strided host arrays run on the CPU only: the host-to-GPU path uploads packed buffers.
-fn input_strides(device: Device, p: &Problem, views: &[&HostArray]) -> Result<Option<InputStrides>, FlashError> {
+/// Every device reads them (the host-to-GPU path uploads each view's span and passes its strides).
+fn input_strides(p: &Problem, views: &[&HostArray]) -> Result<Option<InputStrides>, FlashError> {
     if !views.iter().any(|a| a.is_view()) {
         return Ok(None);
-    }
-    if device != Device::Cpu {
-        return Err(FlashError::Unsupported(
-            "NumPy views (non-contiguous inputs) run on the CPU; on device=\"cuda\" pass C-contiguous arrays \
-             (flash_nif's Python functions copy them)"
-                .into(),
-        ));
     }
     let mut st = InputStrides::packed(p);
     let fields = [&mut st.q, &mut st.k, &mut st.v, &mut st.d_out, &mut st.o];
@@ -152,7 +145,7 @@ fn run_forward<'py>(
 ) -> Result<(Array<'py>, Array<'py>), PyFlashError> {
     let o = empty_like_dtype(py, &p.o_shape(), &q)?;
     let lse = empty_f32(py, &p.lse_shape())?;
-    let strides = input_strides(device, p, &[&q, &k, &v])?;
+    let strides = input_strides(p, &[&q, &k, &v])?;
     let mut io = ForwardIo::new([&q, &k, &v].map(HostArray::bytes), [o.bytes_mut(), lse.bytes_mut()]).with_mask(mask);
     if let Some(st) = strides {
         io = io.with_strides(st);
@@ -167,7 +160,7 @@ fn run_backward<'py>(
     py: Python<'py>, device: Device, p: &Problem, a: [HostArray<'py>; 6], dlse: Option<&HostArray<'py>>, mask: MaskBuffers,
 ) -> Result<Bound<'py, PyTuple>, PyFlashError> {
     let [d_out, q, k, v, o, _] = &a;
-    let strides = input_strides(device, p, &[q, k, v, d_out, o])?;
+    let strides = input_strides(p, &[q, k, v, d_out, o])?;
     let dq = empty_like_dtype(py, &p.q_shape(), q)?;
     let dk = empty_like_dtype(py, &p.kv_shape(), k)?;
     let dv = empty_like_dtype(py, &p.v_shape(), v)?;
