@@ -24,14 +24,24 @@ struct PadParams {
     i64 batch_rows;     // call rows per batch row (for src_st's batch_gap)
 };
 
+// floor(x / y) for 0 <= x < 2^50, 0 < y: x times the double reciprocal of y, then corrected (that
+// estimate is off by at most one). 64-bit integer and double divisions are subroutines whose call
+// frames ptxas counts as spills.
+__device__ __forceinline__ i64 div_i64(i64 x, i64 y) {
+    i64 q = (i64)((double)x * __drcp_rn((double)y));
+    while (q > 0 && q * y > x) --q;
+    while ((q + 1) * y <= x) ++q;
+    return q;
+}
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 flash_pad(const PadParams p) {
     const int lane = threadIdx.x % 32;
     const i64 warps = (i64)gridDim.x * NUM_WARPS;
     for (i64 r = (i64)blockIdx.x * NUM_WARPS + threadIdx.x / 32; r < p.rows; r += warps) {
         if (p.to_wide) {
-            const i64 row = r / p.heads;
-            const elem_t* src = p.src + row_at(p.src_st, (int)(row / p.batch_rows), row, (int)(r % p.heads));
+            const i64 row = div_i64(r, p.heads);
+            const elem_t* src = p.src + row_at(p.src_st, (int)div_i64(row, p.batch_rows), row, (int)(r - row * p.heads));
             elem_t* dst = p.dst + r * HEAD_DIM;
             for (int c = lane; c < HEAD_DIM; c += 32) dst[c] = c < p.cols ? src[c] : (elem_t)0;
         } else {

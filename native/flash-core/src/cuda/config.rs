@@ -116,6 +116,10 @@ fn masked_tiles(kernel: Kernel, dtype: DType, d: usize, t: Tiles, mods: bool) ->
         Tiles { block_n: 64, ..t }
     } else if mods && kernel == Kernel::BwdDq && dtype != DType::F32 && d <= 64 && t.block_n > 64 {
         Tiles { block_n: 64, ..t } // 128 keys spilled 56 bytes at D = 40 (sm_90a)
+    } else if mods && kernel == Kernel::BwdDkdv && dtype != DType::F32 && d <= 64 {
+        Tiles { block_m: 64, ..t } // 96 query rows spilled 16 bytes with per-tensor strides (sm_90a)
+    } else if mods && matches!(kernel, Kernel::BwdDkdv | Kernel::BwdDkdvDq) && dtype == DType::F32 && simt_f32(d) && t.block_n > 64 {
+        Tiles { block_n: 64, ..t } // 128 keys spilled 12-28 bytes with per-tensor strides (sm_90a)
     } else if mods && kernel == Kernel::BwdDkdv && dtype != DType::F32 && d > 64 && d <= 128 {
         Tiles { block_m: 64, block_n: 64, num_warps: 8, d_split: 2, ..t } // 4 warps spilled 8 bytes
     } else if mods && kernel == Kernel::BwdDkdvDq && dtype != DType::F32 && d > 128 {
