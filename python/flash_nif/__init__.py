@@ -110,9 +110,10 @@ def forward_with_states(
     without that path) raises :class:`UnsupportedError`.
 
     ``precision`` (float32 inputs on a GPU): ``"exact"`` (default) keeps float32 accuracy, whichever
-    kernel runs: the forward and backward compute their products on tensor cores as split-TF32
-    (each float32 operand the sum of two TF32 numbers, three TF32 products per pair, summed in
-    float32) from 16 keys on, with float32 FMAs below. ``"tf32"`` (asked for by name only) takes one
+    kernel runs, the fastest exact one: the forward computes its products on tensor cores as
+    split-TF32 (each float32 operand the sum of two TF32 numbers, three TF32 products per pair,
+    summed in float32) from 16 keys on, but at head dims 64 and 128 (and below 16 keys) with
+    float32 FMAs, which are faster there; the backward with float32 FMAs. ``"tf32"`` (asked for by name only) takes one
     TF32 product per pair, forward and backward: faster, with relative errors of order 1e-3 (the
     operands rounded to 11 significant bits; bound ``5e-3`` of ||x - exact|| / ||exact|| for o, lse,
     dq, dk, dv, checked by tests/test_tf32.py). The CPU always computes in float32 and accepts
@@ -200,8 +201,8 @@ def backward(
     losses that use lse too (merged states, z-loss). It enters each row as ``delta - dlse``
     (``d lse / d s_j = P_j``); rows that see no key ignore it. FlashAttention has no such input.
 
-    ``precision`` as in :func:`forward_with_states`: ``"exact"`` runs the split-TF32 backward (or the
-    float32 FMA one below 16 keys), ``"tf32"`` one TF32 product per pair.
+    ``precision`` as in :func:`forward_with_states`: ``"exact"`` runs the float32 FMA backward (the
+    split-TF32 one measured slower), ``"tf32"`` one TF32 product per pair.
     """
     opts, host_device = _args.options(causal, scale, window, device, deterministic, mode=mode, precision=precision)
     opts.update(_args.modifiers(softcap, alibi_slopes, sinks))

@@ -45,20 +45,22 @@ pub const TF32_ENV: &str = "FLASH_NIF_TF32";
 /// sequences, where speed does not matter, run SIMT.
 pub const MIN_SPLIT_TF32_KEYS: usize = 16;
 
-/// The TF32 products per pair of a call's `kernel` with `seq_k` keys (see [`Spec::tf32_terms`]):
-/// for f32, the split-TF32 forward under `precision="exact"` at every head dim (its errors against
-/// the oracle are within twice the SIMT kernel's: tests/test_tf32.py) from MIN_SPLIT_TF32_KEYS keys
-/// on, and the one-product forward and backward (dQ, dK/dV with or without atomic dQ) under
-/// `"tf32"`. `"exact"`'s backward stays SIMT: the split-TF32 backward (TF32_TERMS = 3, as accurate)
+/// The TF32 products per pair of a call's `kernel` with `seq_k` keys at head dim `head_dim` (see
+/// [`Spec::tf32_terms`]): for f32, the split-TF32 forward under `precision="exact"` (its errors
+/// against the oracle are within twice the SIMT kernel's: tests/test_tf32.py) from
+/// MIN_SPLIT_TF32_KEYS keys on, at the head dims where it is the faster exact forward — all but
+/// those of the SIMT kernels (64 and 128, where SIMT measured 1.0-1.16x faster on an H100, split
+/// 1.3-1.7x faster at 32, 96 and 256: bench/RESULTS.md) — and the one-product forward and backward
+/// (dQ, dK/dV with or without atomic dQ) under `"tf32"`. `"exact"`'s backward stays SIMT: the split-TF32 backward (TF32_TERMS = 3, as accurate)
 /// measured slower (H100: 25-35 against 33-37 TFLOPS, bench/RESULTS.md). The elementwise backward
 /// kernels compute in f32 under either.
-pub fn tf32_terms(kernel: Kernel, dtype: DType, precision: Precision, seq_k: usize) -> usize {
+pub fn tf32_terms(kernel: Kernel, dtype: DType, precision: Precision, seq_k: usize, head_dim: usize) -> usize {
     let split_allowed = || std::env::var(TF32_ENV).map_or(true, |v| v.trim() != "0");
     if dtype != DType::F32 || !has_tf32(kernel) {
         return 0;
     }
     match precision {
-        Precision::Exact if kernel == Kernel::Fwd && seq_k >= MIN_SPLIT_TF32_KEYS && split_allowed() => 3,
+        Precision::Exact if kernel == Kernel::Fwd && seq_k >= MIN_SPLIT_TF32_KEYS && !simt_f32(head_dim) && split_allowed() => 3,
         Precision::Exact => 0,
         Precision::Tf32 => 1,
     }
@@ -550,14 +552,19 @@ mod tests {
 
     #[test]
     fn f32_forward_runs_on_tensor_cores_by_precision() {
-        assert_eq!(tf32_terms(Kernel::Fwd, DType::F32, Precision::Tf32, 1), 1);
+        assert_eq!(tf32_terms(Kernel::Fwd, DType::F32, Precision::Tf32, 1, 64), 1);
         if std::env::var(TF32_ENV).is_err() {
-            assert_eq!(tf32_terms(Kernel::Fwd, DType::F32, Precision::Exact, MIN_SPLIT_TF32_KEYS), 3);
+            for d in [8, 32, 40, 72, 96, 136, 256] {
+                assert_eq!(tf32_terms(Kernel::Fwd, DType::F32, Precision::Exact, MIN_SPLIT_TF32_KEYS, d), 3, "D = {d}");
+            }
         }
-        assert_eq!(tf32_terms(Kernel::Fwd, DType::F32, Precision::Exact, MIN_SPLIT_TF32_KEYS - 1), 0, "short keys: SIMT");
+        for d in [64, 128] {
+            assert_eq!(tf32_terms(Kernel::Fwd, DType::F32, Precision::Exact, 4096, d), 0, "D = {d}: SIMT is faster");
+        }
+        assert_eq!(tf32_terms(Kernel::Fwd, DType::F32, Precision::Exact, MIN_SPLIT_TF32_KEYS - 1, 96), 0, "short keys: SIMT");
         for (k, dt) in [(Kernel::BwdPreprocess, DType::F32), (Kernel::BwdDqConvert, DType::F32), (Kernel::Fwd, DType::BF16), (Kernel::BwdDkdvDq, DType::F16)] {
             for p in [Precision::Exact, Precision::Tf32] {
-                assert_eq!(tf32_terms(k, dt, p, 4096), 0, "{k:?} {dt:?} {p:?}");
+                assert_eq!(tf32_terms(k, dt, p, 4096, 96), 0, "{k:?} {dt:?} {p:?}");
             }
         }
         for (terms, math) in [(3, "3xtf32"), (1, "tf32")] {
@@ -578,11 +585,11 @@ mod tests {
     fn f32_backward_runs_on_tf32_tensor_cores_by_precision() {
         let bwd = [(Kernel::BwdDq, "bwd_dq.cu"), (Kernel::BwdDkdv, "bwd_dkdv.cu"), (Kernel::BwdDkdvDq, "bwd_dkdv.cu")];
         for (k, src) in bwd {
-            assert_eq!(tf32_terms(k, DType::F32, Precision::Tf32, 1), 1, "{k:?}");
+            assert_eq!(tf32_terms(k, DType::F32, Precision::Tf32, 1, 96), 1, "{k:?}");
             if std::env::var(TF32_ENV).is_err() {
-                assert_eq!(tf32_terms(k, DType::F32, Precision::Exact, MIN_SPLIT_TF32_KEYS), 0, "{k:?}: exact runs SIMT");
+                assert_eq!(tf32_terms(k, DType::F32, Precision::Exact, MIN_SPLIT_TF32_KEYS, 96), 0, "{k:?}: exact runs SIMT");
             }
-            assert_eq!(tf32_terms(k, DType::F32, Precision::Exact, MIN_SPLIT_TF32_KEYS - 1), 0, "{k:?}: short keys run SIMT");
+            assert_eq!(tf32_terms(k, DType::F32, Precision::Exact, MIN_SPLIT_TF32_KEYS - 1, 96), 0, "{k:?}: short keys run SIMT");
             for (terms, math) in [(3, "3xtf32"), (1, "tf32")] {
                 for d in [8, 40, 64, 72, 128, 136, 256] {
                     for set in [TileSet::Default, TileSet::Small] {
