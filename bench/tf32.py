@@ -3,7 +3,8 @@
 Method (bench/gpu.py's): B*S = 16384 tokens, H*D = 2048, forward FLOPs = 4*B*H*S^2*D (halved when
 causal), backward = 2.5 x forward, backward time = (forward+backward) - forward, median of --reps
 after --warmup runs, CUDA events, the same random tensors for everyone.
-Forward rows: ours precision="exact" (split TF32, "3xtf32"), ours with FLASH_NIF_TF32=0 (the SIMT
+Forward rows: ours precision="exact" (the faster exact kernel: split TF32, "3xtf32", but SIMT at
+D = 64 and 128; the kernel lines name it), ours with FLASH_NIF_TF32=0 (the SIMT
 f32 kernels, what "exact" ran before), ours precision="tf32", torch SDPA's efficient backend (f32).
 Backward rows: the same four, ours in the default mode (dQ by f32 atomics) and "exact" also with
 deterministic=True. Errors: ||x - float64|| / ||float64|| on the first batch row and head pair
@@ -124,7 +125,7 @@ def main():
 
 
 def forward_rows(args):
-    cols = ["S", "D", "causal", "ours exact (3xtf32)", "ours SIMT", "ours tf32", "torch efficient", "exact / eff.",
+    cols = ["S", "D", "causal", "ours exact", "ours SIMT", "ours tf32", "torch efficient", "exact / eff.",
             "tf32 / eff.", "err exact", "err SIMT", "err tf32", "err eff."]
     rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for s in (int(x) for x in args.seqs.split(",")):
@@ -154,7 +155,7 @@ def forward_rows(args):
 
 
 def backward_rows(args):
-    cols = ["S", "D", "causal", "ours exact (3xtf32)", "ours exact det.", "ours SIMT", "ours tf32", "torch efficient",
+    cols = ["S", "D", "causal", "ours exact", "ours exact det.", "ours SIMT", "ours tf32", "torch efficient",
             "exact / eff.", "tf32 / eff.", "err exact", "err exact det.", "err SIMT", "err tf32", "err eff."]
     names = ("exact", "det", "simt", "tf32", "eff")
     rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
