@@ -49,8 +49,8 @@ pub const MIN_SPLIT_TF32_KEYS: usize = 16;
 /// [`Spec::tf32_terms`]): for f32, the split-TF32 forward under `precision="exact"` (its errors
 /// against the oracle are within twice the SIMT kernel's: tests/test_tf32.py) from
 /// MIN_SPLIT_TF32_KEYS keys on, at the head dims where it is the faster exact forward — all but
-/// those of the SIMT kernels (64 and 128, where SIMT measured 1.0-1.16x faster on an H100, split
-/// 1.3-1.7x faster at 32, 96 and 256: bench/RESULTS.md) — and the one-product forward and backward
+/// those of the SIMT kernels (64 and 128, where SIMT measured 0.98-1.05x and 1.08-1.15x split's
+/// speed on an H100, split 1.2-1.7x SIMT's at 32, 96 and 256: bench/RESULTS.md) — and the one-product forward and backward
 /// (dQ, dK/dV with or without atomic dQ) under `"tf32"`. `"exact"`'s backward stays SIMT: the split-TF32 backward (TF32_TERMS = 3, as accurate)
 /// measured slower (H100: 25-35 against 33-37 TFLOPS, bench/RESULTS.md). The elementwise backward
 /// kernels compute in f32 under either.
