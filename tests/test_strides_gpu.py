@@ -185,3 +185,16 @@ def test_torch_op_runs_views_with_no_copy(gpu):
     assert not copies, copies
     want = ft.attention(*(t.detach().contiguous() for t in (q, k, v)))
     assert torch.equal(o, want)
+
+
+@needs_torch
+def test_other_calls_copy_views_they_cannot_read(gpu):
+    """decode reads packed arrays only: a strided q is copied for it, never misread."""
+    import flash_nif as fa
+
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    x = torch.randn(2, 1, 3, 8, 64, device="cuda", generator=gen).to(torch.bfloat16)
+    q = x[:, :, 0]  # [B, 1, H, D], a strided view
+    kc, vc = (torch.randn(2, 300, 2, 64, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+    for got, want in zip(fa.decode(q, kc, vc), fa.decode(q.contiguous(), kc, vc)):
+        assert torch.equal(got, want)

@@ -76,7 +76,8 @@ def _device_id(x) -> int:
     return x.device.index if _kind(x) == "torch" else x.device.id
 
 
-# The arguments the kernels read through strides (the others are made contiguous).
+# The attention calls' arguments that the kernels read through strides (every other array, and
+# every array of another call — decode, rotary, the cache conversions — is made contiguous).
 _STRIDED = ("q", "k", "v", "do", "o")
 
 
@@ -96,10 +97,11 @@ def _element_strides(a):
 
 
 class _Tensors:
-    """Arrays of one call by name, all of one kind on one device; the attention inputs kept as the
-    views they are where the kernels can read them (`strides`), every other array made contiguous."""
+    """Arrays of one call by name, all of one kind on one device; the arrays named in `views` kept
+    as the views they are where the kernels can read them (`strides`), every other one made
+    contiguous."""
 
-    def __init__(self, named: dict):
+    def __init__(self, named: dict, views=()):
         names, arrays = list(named), list(named.values())
         kinds = {_kind(a) for a in arrays}
         if len(kinds) != 1 or not kinds <= set(_GPU_KINDS):
@@ -119,7 +121,8 @@ class _Tensors:
             raise DeviceError(f"inputs are on different GPUs ({desc}); move them to one device")
         self.kind = kind
         self.device = devices.pop()
-        in_place = [n in _STRIDED and _element_strides(a) is not None for n, a in zip(names, arrays)]
+        self.views = tuple(views)
+        in_place = [n in self.views and _element_strides(a) is not None for n, a in zip(names, arrays)]
         if kind == "torch":
             arrays = [a.detach() if keep else a.detach().contiguous() for a, keep in zip(arrays, in_place)]
             import torch
@@ -136,7 +139,7 @@ class _Tensors:
     def strides(self, names) -> dict:
         """``strides=`` for the native call: each of `names`' element strides (None for lse and other
         packed extras); empty when every one is contiguous (the kernels' default)."""
-        st = [_element_strides(self.named[n]) if n in _STRIDED else None for n in names]
+        st = [_element_strides(self.named[n]) if n in self.views else None for n in names]
         if all(s is None or self._contiguous(self.named[n]) for n, s in zip(names, st)):
             return {}
         return {"strides": st}
@@ -223,7 +226,7 @@ def forward_with_states(qkv, opts, device, masks, cu_seqlens=None):
     a packed varlen call (flash_nif.varlen): q [total_q, H, D] gives lse [H, total_q]."""
     _check_device(device)
     names = ("q", "k", "v")
-    t = _Tensors({**dict(zip(names, qkv)), **masks, **dict(zip(_args.CU_NAMES, cu_seqlens or ()))})
+    t = _Tensors({**dict(zip(names, qkv)), **masks, **dict(zip(_args.CU_NAMES, cu_seqlens or ()))}, views=_STRIDED)
     q, v = t["q"], t["v"]
     desc = [t.describe(t[n]) for n in names]  # the core validates shapes and dtypes from these
     rank = 3 if cu_seqlens else 4
@@ -250,7 +253,8 @@ def backward(arrays, opts, device, masks, cu_seqlens=None, dlse=None):
     _check_device(device)
     names = ("do", "q", "k", "v", "o", "lse")
     grad_lse = {} if dlse is None else {"dlse": dlse}
-    t = _Tensors({**dict(zip(names, arrays)), **grad_lse, **masks, **dict(zip(_args.CU_NAMES, cu_seqlens or ()))})
+    t = _Tensors({**dict(zip(names, arrays)), **grad_lse, **masks, **dict(zip(_args.CU_NAMES, cu_seqlens or ()))},
+                 views=_STRIDED)
     desc = [t.describe(t[n]) for n in names]  # the core validates every shape and dtype from these
     q, k, v = t["q"], t["k"], t["v"]
     rank = 3 if cu_seqlens else 4
