@@ -213,24 +213,22 @@ __device__ __forceinline__ int copy_unit_bytes(const DecodeParams& p) {
 __device__ __forceinline__ void copy_rows(unsigned char* dst, int srow, const unsigned char* cache, const DecodeParams& p,
                                           const DecodeWork& w, int key0, int key_end, int nrows, const CopyMap& m,
                                           int unit) {
-    if (unit == 16) {
-        // The common case in few instructions per copy: no unit switch, shared addresses as u32.
-        const u32 s0 = smem_addr(dst);
+    if (unit == 16 && m.cstep == m.chunks) {
+        // The common case in few instructions per copy: one 16-byte chunk of each of this thread's
+        // rows, shared addresses as u32.
+        const u32 d = smem_addr(dst) + 16 * m.c0;
         for (int r = m.r0; r < nrows; r += m.rstep) {
             const bool valid = key0 + r < key_end;
-            const unsigned char* src = valid ? cache + (w.row0 + (i64)(key0 + r) * p.kv_heads) * p.row_bytes : cache;
-            for (int c = m.c0; c < m.chunks; c += m.cstep) {
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s0 + r * srow + 16 * c),
-                             "l"(valid ? src + 16 * c : cache), "r"(valid ? 16 : 0));
-            }
+            const i64 at = (w.row0 + (i64)(key0 + r) * p.kv_heads) * p.row_bytes + 16 * m.c0;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d + r * srow), "l"(cache + (valid ? at : 0)),
+                         "r"(valid ? 16 : 0));
         }
         return;
     }
     for (int r = m.r0; r < nrows; r += m.rstep) {
         const bool valid = key0 + r < key_end;
         const unsigned char* src = valid ? cache + (w.row0 + (i64)(key0 + r) * p.kv_heads) * p.row_bytes : cache;
-        unsigned char* d = dst + r * srow;
-        for (int c = m.c0; c < m.chunks; c += m.cstep) copy_unit(d + c * unit, valid ? src + c * unit : cache, unit, valid);
+        for (int c = m.c0; c < m.chunks; c += m.cstep) copy_unit(dst + r * srow + c * unit, valid ? src + c * unit : cache, unit, valid);
     }
 }
 

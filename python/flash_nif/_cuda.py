@@ -37,14 +37,31 @@ if hasattr(_native, "cuda_set_search_roots"):
     _native.cuda_set_search_roots([p for p in sys.path if isinstance(p, str) and p])
 
 
+# A call's host path is on the critical path of decode (a few microseconds of kernel per token):
+# the kind of each array type is looked up once, torch's dtypes are named once.
+_KIND_OF_TYPE: dict = {}
+
+
 def _kind(x) -> str:
+    t = type(x)
+    kind = _KIND_OF_TYPE.get(t)
+    if kind is None:
+        kind = _kind_of_type(x)
+        if kind in ("numpy", "cupy", "torch?"):
+            _KIND_OF_TYPE[t] = kind  # a property of the type (torch: of the type and the device)
+    if kind == "torch?":
+        return "torch" if x.is_cuda else "torch-cpu"
+    return kind
+
+
+def _kind_of_type(x) -> str:
     mod = type(x).__module__.split(".")[0]
     if isinstance(x, np.ndarray):
         return "numpy"
     if mod == "cupy":
         return "cupy"
     if mod == "torch":
-        return "torch" if x.device.type == "cuda" else "torch-cpu"
+        return "torch?"
     if hasattr(x, "__cuda_array_interface__"):
         return "cai"
     if hasattr(x, "__dlpack_device__"):
@@ -64,16 +81,31 @@ def any_gpu(*xs) -> bool:
     return any(_kind(x) in _GPU_KINDS for x in xs)
 
 
-def _dtype_name(x) -> str:
+_TORCH_DTYPE_NAMES: dict = {}
+
+
+def _dtype_name(x, kind=None) -> str:
     """The dtype's name as NumPy spells it ("float32", "bfloat16", "int32", "bool"); the core
     judges it and names the argument."""
-    if _kind(x) == "torch":
-        return str(x.dtype).removeprefix("torch.")
+    if (kind or _kind(x)) == "torch":
+        name = _TORCH_DTYPE_NAMES.get(x.dtype)
+        if name is None:
+            name = _TORCH_DTYPE_NAMES[x.dtype] = str(x.dtype).removeprefix("torch.")
+        return name
     return np.dtype(x.dtype).name
 
 
-def _device_id(x) -> int:
-    return x.device.index if _kind(x) == "torch" else x.device.id
+def _device_id(x, kind=None) -> int:
+    return x.get_device() if (kind or _kind(x)) == "torch" else x.device.id
+
+
+def _torch_stream(device: int) -> int:
+    """torch's current stream on `device` as a CUstream integer (torch's private raw getter where it
+    has one: a tenth of the public path's time)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
 # The attention calls' arguments that the kernels read through strides (every other array, and
@@ -115,19 +147,19 @@ class _Tensors:
                 raise DeviceError(f"{kind} GPU arrays need CuPy installed to be read") from e
             arrays = [cupy.asarray(a) if kind == "cai" else cupy.from_dlpack(a) for a in arrays]
             kind = "cupy"
-        devices = {_device_id(a) for a in arrays}
+        devices = {_device_id(a, kind) for a in arrays}
         if len(devices) != 1:
-            desc = ", ".join(f"{n}: cuda:{_device_id(a)}" for n, a in zip(names, arrays))
+            desc = ", ".join(f"{n}: cuda:{_device_id(a, kind)}" for n, a in zip(names, arrays))
             raise DeviceError(f"inputs are on different GPUs ({desc}); move them to one device")
         self.kind = kind
         self.device = devices.pop()
         self.views = tuple(views)
         in_place = [n in self.views and _element_strides(a) is not None for n, a in zip(names, arrays)]
         if kind == "torch":
-            arrays = [a.detach() if keep else a.detach().contiguous() for a, keep in zip(arrays, in_place)]
-            import torch
-
-            self.stream = torch.cuda.current_stream(self.device).cuda_stream
+            # Only the pointers are read: a contiguous tensor (or a view kept as it is) goes on as it
+            # is; a copy is made outside autograd.
+            arrays = [a if keep or a.is_contiguous() else a.detach().contiguous() for a, keep in zip(arrays, in_place)]
+            self.stream = _torch_stream(self.device)
         else:
             import cupy
 
@@ -167,7 +199,7 @@ class _Tensors:
 
     def describe(self, a, name=None):
         """(pointer, shape, dtype name) of a GPU array, for the core's validation."""
-        return (self.ptr(a), _shape(a), _dtype_name(a))
+        return (self.ptr(a), _shape(a), _dtype_name(a, self.kind))
 
     def int32(self, a, name):
         """a as int32 on its device: another integer dtype is converted when its values fit. The
