@@ -103,6 +103,18 @@ impl InputStrides {
         }
     }
 
+    /// A forward's: q, k, v where given (None: packed), o and d_out packed.
+    pub fn forward(p: &Problem, [q, k, v]: [Option<Strides>; 3]) -> InputStrides {
+        let s = InputStrides::packed(p);
+        InputStrides { q: q.unwrap_or(s.q), k: k.unwrap_or(s.k), v: v.unwrap_or(s.v), ..s }
+    }
+
+    /// A backward's: d_out, q, k, v, o where given (None: packed), in [`BackwardIo`](crate::BackwardIo)'s order.
+    pub fn backward(p: &Problem, [d_out, q, k, v, o]: [Option<Strides>; 5]) -> InputStrides {
+        let s = InputStrides::packed(p);
+        InputStrides { d_out: d_out.unwrap_or(s.d_out), o: o.unwrap_or(s.o), ..InputStrides::forward(p, [q, k, v]) }
+    }
+
     /// True when every input is packed.
     pub fn all_packed(&self, p: &Problem) -> bool {
         let (q, kv, v, o) = (p.q_shape(), p.kv_shape(), p.v_shape(), p.o_shape());

@@ -38,31 +38,23 @@ fn cuda_forward_device(
     let [q, k, v] = dev_specs(&inputs, ["q", "k", "v"])?;
     let c = masks::parse(options, Some(&DevArray::extract))?;
     let p = Problem::forward_masked(&q, &k, &v, &c.opts, &c.masks.args())?.with_modifiers(&c.mods.args())?;
-    let st = input_strides(&p, &inputs, &["q", "k", "v"], strides)?;
+    let st = given_strides(&inputs, ["q", "k", "v"], strides)?.map(|s| InputStrides::forward(&p, s));
     run_forward(py, &p, &inputs, outputs, device, stream, c.masks.ptrs(), st)
 }
 
-/// The inputs' strides as the core's [`InputStrides`] for `p`, checked (None: all packed). `names`
-/// in `inputs`' order: q, k, v (forward) or do, q, k, v, o (backward; lse is packed).
-fn input_strides(p: &Problem, inputs: &[DevTensor], names: &[&str], given: GivenStrides) -> Result<Option<InputStrides>, FlashError> {
+/// The first N inputs' strides (`names` in `inputs`' order), checked; None: all packed.
+fn given_strides<const N: usize>(
+    inputs: &[DevTensor], names: [&str; N], given: GivenStrides,
+) -> Result<Option<[Option<Strides>; N]>, FlashError> {
     let Some(given) = given else { return Ok(None) };
-    if given.len() != inputs.len() {
+    if given.len() != inputs.len() || inputs.len() < N {
         return Err(FlashError::Internal(format!("{} strides for {} inputs", given.len(), inputs.len())));
     }
-    let mut s = InputStrides::packed(p);
-    for ((t, g), &name) in inputs.iter().zip(&given).zip(names) {
-        let Some(g) = g else { continue };
-        let st = Strides::from_axes(name, &t.1, g)?;
-        match name {
-            "q" => s.q = st,
-            "k" => s.k = st,
-            "v" => s.v = st,
-            "o" => s.o = st,
-            "do" => s.d_out = st,
-            _ => {}
-        }
+    let mut out = [None; N];
+    for (i, name) in names.into_iter().enumerate() {
+        out[i] = given[i].as_ref().map(|g| Strides::from_axes(name, &inputs[i].1, g)).transpose()?;
     }
-    Ok(Some(s))
+    Ok(Some(out))
 }
 
 /// Backward on device pointers. `inputs` = [do, q, k, v, o, lse]; `outputs` = [dq (like q), dk, dv
@@ -80,12 +72,12 @@ fn cuda_backward_device(
     let c = masks::parse(options, Some(&DevArray::extract))?;
     let p = Problem::backward_masked(specs.each_ref(), &c.opts, &c.masks.args())?.with_modifiers(&c.mods.args())?;
     let dlse = dlse_ptr(&p, dlse.as_ref())?;
-    let st = input_strides(&p, &inputs, &BACKWARD_INPUTS, strides)?;
+    let st = given_strides(&inputs, BACKWARD_STRIDED, strides)?.map(|s| InputStrides::backward(&p, s));
     run_backward(py, &p, &inputs, outputs, dlse, device, stream, c.masks.ptrs(), st)
 }
 
-/// The backward's inputs in order.
-const BACKWARD_INPUTS: [&str; 6] = ["do", "q", "k", "v", "o", "lse"];
+/// The backward's inputs that may be views, in order (lse, after them, is packed).
+const BACKWARD_STRIDED: [&str; 5] = ["do", "q", "k", "v", "o"];
 
 /// The device pointer of the optional `dlse` (0: none), checked against `p`.
 fn dlse_ptr(p: &Problem, dlse: Option<&DevTensor>) -> Result<u64, FlashError> {
@@ -108,7 +100,7 @@ fn cuda_varlen_forward_device<'py>(
     let [cu_q, cu_k] = crate::cu_seqlens_arrays(&cu_seqlens)?;
     let (opts, mods) = masks::options(options)?;
     let p = Problem::varlen_forward(&q, &k, &v, &cu_q.arg(), &cu_k.arg(), &opts)?.with_modifiers(&mods.args())?;
-    let st = input_strides(&p, &inputs, &["q", "k", "v"], strides)?;
+    let st = given_strides(&inputs, ["q", "k", "v"], strides)?.map(|s| InputStrides::forward(&p, s));
     run_forward(py, &p, &inputs, outputs, device, stream, MaskPtrs::default(), st)
 }
 
@@ -127,7 +119,7 @@ fn cuda_varlen_backward_device<'py>(
     let (opts, mods) = masks::options(options)?;
     let p = Problem::varlen_backward(&d_out, &q, &k, &v, &o, &lse, cu, &opts)?.with_modifiers(&mods.args())?;
     let dlse = dlse_ptr(&p, dlse.as_ref())?;
-    let st = input_strides(&p, &inputs, &BACKWARD_INPUTS, strides)?;
+    let st = given_strides(&inputs, BACKWARD_STRIDED, strides)?.map(|s| InputStrides::backward(&p, s));
     run_backward(py, &p, &inputs, outputs, dlse, device, stream, MaskPtrs::default(), st)
 }
 

@@ -12,7 +12,7 @@ mod rotary;
 
 use arrays::{empty_f32, empty_like_dtype, HostArray};
 use errors::PyFlashError;
-use flash_core::{backward_host, cpu, forward_host, BackwardIo, Device, FlashError, ForwardIo, InputStrides, MaskBuffers, Problem};
+use flash_core::{backward_host, cpu, forward_host, BackwardIo, Device, FlashError, ForwardIo, InputStrides, MaskBuffers, Problem, Strides};
 use masks::Index;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -42,18 +42,17 @@ fn attention_arrays<'py, const N: usize>(
     Ok(arrays.try_into().unwrap_or_else(|_| unreachable!("length checked above")))
 }
 
-/// The inputs' strides when any of `views` (q, k, v, then do and o) is a view; `None`: all packed.
-/// Every device reads them (the host-to-GPU path uploads each view's span and passes its strides).
-fn input_strides(p: &Problem, views: &[&HostArray]) -> Result<Option<InputStrides>, FlashError> {
+/// The strides of `views` when any of them is a view; `None`: all packed. Every device reads them
+/// (the host-to-GPU path uploads each view's span and passes its strides).
+fn view_strides<const N: usize>(views: [&HostArray; N]) -> Result<Option<[Option<Strides>; N]>, FlashError> {
     if !views.iter().any(|a| a.is_view()) {
         return Ok(None);
     }
-    let mut st = InputStrides::packed(p);
-    let fields = [&mut st.q, &mut st.k, &mut st.v, &mut st.d_out, &mut st.o];
-    for (field, a) in fields.into_iter().zip(views) {
-        *field = a.core_strides()?;
+    let mut out = [None; N];
+    for (s, a) in out.iter_mut().zip(views) {
+        *s = Some(a.core_strides()?);
     }
-    Ok(Some(st))
+    Ok(Some(out))
 }
 
 /// (o, lse) for NumPy `inputs` = [q, k, v], computed on `device` ("cpu", "cuda" or "auto"), with
@@ -145,7 +144,7 @@ fn run_forward<'py>(
 ) -> Result<(Array<'py>, Array<'py>), PyFlashError> {
     let o = empty_like_dtype(py, &p.o_shape(), &q)?;
     let lse = empty_f32(py, &p.lse_shape())?;
-    let strides = input_strides(p, &[&q, &k, &v])?;
+    let strides = view_strides([&q, &k, &v])?.map(|s| InputStrides::forward(p, s));
     let mut io = ForwardIo::new([&q, &k, &v].map(HostArray::bytes), [o.bytes_mut(), lse.bytes_mut()]).with_mask(mask);
     if let Some(st) = strides {
         io = io.with_strides(st);
@@ -160,7 +159,7 @@ fn run_backward<'py>(
     py: Python<'py>, device: Device, p: &Problem, a: [HostArray<'py>; 6], dlse: Option<&HostArray<'py>>, mask: MaskBuffers,
 ) -> Result<Bound<'py, PyTuple>, PyFlashError> {
     let [d_out, q, k, v, o, _] = &a;
-    let strides = input_strides(p, &[q, k, v, d_out, o])?;
+    let strides = view_strides([d_out, q, k, v, o])?.map(|s| InputStrides::backward(p, s));
     let dq = empty_like_dtype(py, &p.q_shape(), q)?;
     let dk = empty_like_dtype(py, &p.kv_shape(), k)?;
     let dv = empty_like_dtype(py, &p.v_shape(), v)?;

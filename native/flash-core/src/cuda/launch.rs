@@ -449,7 +449,8 @@ pub(super) unsafe fn forward_kernels(dev: &Device, p: &Problem, s: cu::CUstream,
     set_strides(&mut prm, p, ptrs.strides);
     let tables = upload_tables(p, s)?;
     let mask = tables.as_ref().map(|t| mask_fields(p, &ptrs.mask, t));
-    match sm90::forward_choice(dev, p, &[(prm.q, prm.q_st), (prm.k, prm.k_st), (prm.v, prm.v_st)]) {
+    let (sq, sk) = (d.seq_q, d.seq_k);
+    match sm90::forward_choice(dev, p, &[(prm.q, prm.q_st, sq), (prm.k, prm.k_st, sk), (prm.v, prm.v_st, sk)]) {
         // SAFETY: the caller's guarantees, passed on; the tables are freed stream-ordered after it.
         Ok(()) => return unsafe { sm90::forward(dev, p, s, &prm, mask.as_ref()) },
         Err(why) => trace::fallback("forward", &why),
@@ -504,7 +505,8 @@ pub(super) unsafe fn backward_kernels(dev: &Device, p: &Problem, s: cu::CUstream
     set_strides(&mut prm, p, ptrs.strides);
     // The Hopper kernel adds dQ into dq_accum (in key-block order when deterministic); else the
     // default adds it with atomics and the deterministic backward computes it in its own kernel.
-    let tensors = [(prm.q, prm.q_st), (prm.k, prm.k_st), (prm.v, prm.v_st), (prm.dout, prm.do_st)];
+    let (sq, sk) = (d.seq_q, d.seq_k);
+    let tensors = [(prm.q, prm.q_st, sq), (prm.k, prm.k_st, sk), (prm.v, prm.v_st, sk), (prm.dout, prm.do_st, sq)];
     let hopper = match sm90::backward_choice(dev, p, &tensors) {
         Ok(()) => true,
         Err(why) => {

@@ -30,16 +30,19 @@ pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 /// registers and shared memory in this design).
 pub const BWD_HEAD_DIMS: [usize; 2] = [64, 128];
 
+/// A tensor the copy engine would read: its pointer, where its rows lie, and its rows per batch row.
+pub(super) type MappedTensor = (u64, KernelStrides, usize);
+
 /// Whether `p`'s forward (head dims already the kernels') runs the Hopper kernel on `dev` (`tensors`:
-/// q, k, v and where their rows lie): Ok(()) when it does, else the reason it does not.
-pub(super) fn forward_choice(dev: &Device, p: &Problem, tensors: &[(u64, KernelStrides)]) -> std::result::Result<(), String> {
+/// q, k, v): Ok(()) when it does, else the reason it does not.
+pub(super) fn forward_choice(dev: &Device, p: &Problem, tensors: &[MappedTensor]) -> std::result::Result<(), String> {
     common_choice(dev, p, tensors, &HEAD_DIMS)?;
     fits(dev, p, Kernel::FwdSm90)
 }
 
 /// Whether `p`'s backward (head dims already the kernels') runs the Hopper kernel on `dev`
-/// (`tensors`: q, k, v, dO and where their rows lie): Ok(()) when it does, else the reason it does not.
-pub(super) fn backward_choice(dev: &Device, p: &Problem, tensors: &[(u64, KernelStrides)]) -> std::result::Result<(), String> {
+/// (`tensors`: q, k, v, dO): Ok(()) when it does, else the reason it does not.
+pub(super) fn backward_choice(dev: &Device, p: &Problem, tensors: &[MappedTensor]) -> std::result::Result<(), String> {
     common_choice(dev, p, tensors, &BWD_HEAD_DIMS)?;
     if !p.is_plain() && p.dims.head_dim > 64 {
         // Its masked kernel has 224 registers per consumer thread, too few for D = 128's products.
@@ -52,7 +55,7 @@ pub(super) fn backward_choice(dev: &Device, p: &Problem, tensors: &[(u64, Kernel
     fits(dev, p, Kernel::BwdSm90)
 }
 
-fn common_choice(dev: &Device, p: &Problem, tensors: &[(u64, KernelStrides)], head_dims: &[usize]) -> std::result::Result<(), String> {
+fn common_choice(dev: &Device, p: &Problem, tensors: &[MappedTensor], head_dims: &[usize]) -> std::result::Result<(), String> {
     if dev.cc != (9, 0) {
         return Err(format!("compute capability {}.{} is not 9.0", dev.cc.0, dev.cc.1));
     }
@@ -71,14 +74,14 @@ fn common_choice(dev: &Device, p: &Problem, tensors: &[(u64, KernelStrides)], he
     if p.dims.seq_k == 0 {
         return Err("no keys".into());
     }
-    if tensors.iter().any(|(x, _)| x % 16 != 0) {
+    if tensors.iter().any(|(x, _, _)| x % 16 != 0) {
         return Err("the tensors must be 16-byte aligned for the tensor copy engine".into());
     }
     // The copy engine takes strides of 16 bytes up to 2^40, not 0 (a broadcast axis).
-    let (e, d) = (p.dtype.size_bytes() as i64, &p.dims);
-    for (rows, st) in tensors.iter().enumerate().map(|(i, (_, st))| (if i == 0 || i == 3 { d.seq_q } else { d.seq_k }, st)) {
+    let e = p.dtype.size_bytes() as i64;
+    for &(_, st, rows) in tensors {
         let ok = |s: i64| s > 0 && (s * e) % 16 == 0 && s * e < 1 << 40;
-        if !(ok(st.seq) && ok(st.head) && (d.batch == 1 || ok(st.batch(rows)))) {
+        if !(ok(st.seq) && ok(st.head) && (p.dims.batch == 1 || ok(st.batch(rows)))) {
             return Err("strides the tensor copy engine cannot take (0, or not 16-byte multiples)".into());
         }
     }
