@@ -43,9 +43,12 @@ pub const TF32_ENV: &str = "FLASH_NIF_TF32";
 /// per c k-steps and O per key tile in fresh accumulators, added in f32 (cuda/fwd_sm90_f32.cu).
 pub const TF32_CHUNK_ENV: &str = "FLASH_NIF_TF32_CHUNK";
 
-/// The TF32_CHUNK of the Hopper f32 forward ([`TF32_CHUNK_ENV`]; 0 when unset or not a number).
-fn tf32_chunk() -> usize {
-    std::env::var(TF32_CHUNK_ENV).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0)
+/// The TF32_CHUNK of the Hopper f32 forward at head dim `d` ([`TF32_CHUNK_ENV`]; 0 when unset or not
+/// a number; a value that does not divide the D / 8 k-steps becomes D / 8: S chained whole, O summed
+/// per key tile).
+fn tf32_chunk(d: usize) -> usize {
+    let c: usize = std::env::var(TF32_CHUNK_ENV).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0);
+    if c == 0 || (d / 8) % c == 0 { c } else { d / 8 }
 }
 
 /// Fewest keys (Sk) for which `precision="exact"` takes the split-TF32 kernels. A split product
@@ -464,7 +467,7 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
         }
         if kernel == Kernel::FwdSm90 && dtype == DType::F32 {
             // How the split products are summed (cuda/fwd_sm90_f32.cu); TF32_CHUNK_ENV picks it.
-            defines.extend([("STAGES", t.d_split as i64), ("TF32_CHUNK", tf32_chunk() as i64)]);
+            defines.extend([("STAGES", t.d_split as i64), ("TF32_CHUNK", tf32_chunk(head_dim) as i64)]);
         } else if kernel == Kernel::FwdSm90 {
             // The consumer warpgroups take turns issuing their products (cuda/fwd_sm90.cu).
             defines.extend([("STAGES", t.d_split as i64), ("PINGPONG", (t.num_warps >= 12) as i64)]);
