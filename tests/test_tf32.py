@@ -101,20 +101,27 @@ def last(fa, pass_="forward") -> dict:
 
 
 class _Env:
-    """FLASH_NIF_TF32 set for a block (the core reads it per call)."""
+    """An environment variable (FLASH_NIF_TF32 unless named) set for a block (the core reads it per
+    call)."""
 
-    def __init__(self, value):
-        self.value, self.old = value, None
+    def __init__(self, value, name="FLASH_NIF_TF32"):
+        self.name, self.value, self.old = name, value, None
 
     def __enter__(self):
-        self.old = os.environ.get("FLASH_NIF_TF32")
-        os.environ["FLASH_NIF_TF32"] = self.value
+        self.old = os.environ.get(self.name)
+        os.environ[self.name] = self.value
 
     def __exit__(self, *exc):
         if self.old is None:
-            del os.environ["FLASH_NIF_TF32"]
+            del os.environ[self.name]
         else:
-            os.environ["FLASH_NIF_TF32"] = self.old
+            os.environ[self.name] = self.old
+
+
+# precision="exact" runs the Hopper f32 forward only with this set (config.rs: its chained wgmma
+# accumulation misses the f32 bound), with errors within this bound (4e-6 to 6e-5 measured on the H100).
+SM90_F32_EXACT = "FLASH_NIF_SM90_F32_EXACT"
+HOPPER_EXACT_MEASURED_BOUND = 1e-4
 
 
 # (B, Sq, Sk, H, Hkv, D): every tile class of the TF32 forward (D <= 64, <= 128, > 128), head dims
@@ -180,16 +187,27 @@ def _backward_kernel(deterministic: bool) -> str:
     return "bwd_dkdv_f32_" if deterministic else "bwd_dkdv_dq_f32_"
 
 
-def exact_forward_math(d: int) -> str:
-    """What "exact" runs forward at head dim d (16 keys or more): split TF32, but SIMT at the head
-    dims of the SIMT kernels, where it is faster (config.rs's tf32_terms)."""
-    return "f32-simt" if d in (64, 128) else "3xtf32"
+def hopper_f32(fa, d: int, plain: bool = True, precision: str = "exact") -> bool:
+    """Does the f32 forward at head dim d run the Hopper kernel (cuda/fwd_sm90_f32.cu: compute
+    capability 9.0, FLASH_NIF_SM90 not 0, D = 64 or 128, no mask or modifier, 16 keys or more;
+    "exact" only with FLASH_NIF_SM90_F32_EXACT=1)?"""
+    opted_in = precision != "exact" or os.environ.get(SM90_F32_EXACT) == "1"
+    return bool(fa.info()["cuda"].get("sm90")) and d in (64, 128) and plain and opted_in
+
+
+def exact_forward_math(d: int, hopper: bool = False) -> str:
+    """What "exact" runs forward at head dim d (16 keys or more): split TF32 (on a Hopper GPU at D = 64
+    and 128 the wgmma kernel), but SIMT at the head dims of the SIMT kernels off it, where SIMT is the
+    faster portable kernel (config.rs's tf32_terms)."""
+    return "3xtf32" if hopper or d not in (64, 128) else "f32-simt"
 
 
 def _check_exact(fa, ref, rel_err, make_inputs, record_error, shape, causal, kw=None, deterministic=False):
     err, ran = _run(fa, ref, rel_err, make_inputs, shape, causal, kw, deterministic=deterministic)
-    math = exact_forward_math(shape[-1])
+    hopper = hopper_f32(fa, shape[-1], plain=not kw)
+    math = exact_forward_math(shape[-1], hopper)
     assert ran["forward"]["math"] == math and (math != "3xtf32" or "tf32_terms3" in ran["forward"]["kernel"]), ran
+    assert ran["forward"]["kernel"].startswith("fwd_sm90_f32_") == hopper, ran
     bwd = ran["backward"]
     assert bwd["math"] == "f32-simt", ran  # exact's backward: SIMT (faster than split TF32, config.rs)
     assert bwd["kernel"].startswith(_backward_kernel(deterministic)), ran
@@ -310,3 +328,121 @@ def test_exact_with_few_keys_runs_simt_and_a_single_key_gives_v(gpu, make_inputs
     np.testing.assert_array_equal(o, np.broadcast_to(v, o.shape))
     gpu.backward(do, q, k, v, o, lse, causal=False, device="cuda")
     assert last(gpu, "backward")["math"] == "f32-simt"
+
+
+# ---- GPU: the Hopper f32 forward (cuda/fwd_sm90_f32.cu) ---------------------------------------------
+
+# (B, Sq, Sk, H, Hkv, D): both head dims, GQA / MQA, ragged query and key tiles (Sk not a multiple of
+# 32 or 64), Sq != Sk both ways (causal rows that see no key), several key tiles, 2048 keys.
+HOPPER_SHAPES = [
+    pytest.param((2, 300, 300, 4, 2, 64), id="s300-gqa-d64"),
+    pytest.param((1, 129, 257, 3, 3, 64), id="sq129<sk257-d64"),
+    pytest.param((1, 513, 200, 2, 2, 128), id="sq513>sk200-d128"),
+    pytest.param((1, 1, 1000, 4, 1, 128), id="decode-mqa-d128"),
+    pytest.param((1, 1027, 1027, 2, 1, 128), id="s1027-d128"),
+    pytest.param((1, 2048, 2048, 2, 2, 64), id="s2048-d64"),
+    pytest.param((1, 2048, 2048, 2, 2, 128), id="s2048-d128"),
+]
+
+
+@pytest.fixture
+def hopper(gpu):
+    if not gpu.info()["cuda"].get("sm90"):
+        pytest.skip("the Hopper f32 forward runs on compute capability 9.0 only (and not with FLASH_NIF_SM90=0)")
+    return gpu
+
+
+def _hopper_forward(fa, ref, rel_err, make_inputs, shape, causal, precision="exact", views=None):
+    """{o, lse: error against the oracle} of the Hopper f32 forward and the kernel that ran; `views`
+    (test_strides_gpu's kinds) runs it on strided views of q, k, v."""
+    import torch
+
+    from test_strides_gpu import views as make_views
+
+    b, sq, sk, h, hkv, d = shape
+    if views:
+        assert sq == sk
+        gen = torch.Generator(device="cuda").manual_seed(7)
+        g = make_views(views, b, sq, h, hkv, d, torch.float32, gen)
+        q, k, v = (x.cpu().numpy() for x in g)
+    else:
+        q, k, v, _ = make_inputs(13, b, sq, sk, h, hkv, d, np.float32)
+        g = [to_gpu("torch", x) for x in (q, k, v)]
+    o, lse = fa.forward_with_states(*g, causal=causal, precision=precision)
+    ran = last(fa)
+    ro, rlse = ref.forward_with_states(q, k, v, causal=causal)
+    return {"o": rel_err(to_host(o), ro), "lse": rel_err(to_host(lse), rlse)}, ran, (to_host(o), to_host(lse))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_TORCH_GPU, reason="needs torch")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", HOPPER_SHAPES)
+def test_hopper_f32_exact_opt_in_errors(hopper, ref, rel_err, make_inputs, record_error, shape, causal):
+    """With FLASH_NIF_SM90_F32_EXACT=1, precision="exact" runs the Hopper kernel (split TF32 on
+    wgmma), within its measured errors (not the f32 bound: the reason "exact" does not run it by
+    default); the same inputs on the portable kernel (FLASH_NIF_SM90=0) printed beside.
+    FLASH_NIF_TF32_CHUNK (read per call) picks the accumulation (cuda/fwd_sm90_f32.cu's TF32_CHUNK)."""
+    with _Env("1", SM90_F32_EXACT):
+        err, ran, (o, lse) = _hopper_forward(hopper, ref, rel_err, make_inputs, shape, causal)
+    assert ran["kernel"].startswith(f"fwd_sm90_f32_d{shape[-1]}_") and ran["math"] == "3xtf32", ran
+    assert ran["not_sm90_because"] is None, ran
+    with _Env("0", "FLASH_NIF_SM90"):
+        simt, ran_simt, _ = _hopper_forward(hopper, ref, rel_err, make_inputs, shape, causal)
+    assert ran_simt["math"] == "f32-simt" and "FLASH_NIF_SM90=0" in ran_simt["not_sm90_because"], ran_simt
+    print(f"{shape} causal={causal} {ran['kernel']}: " + " ".join(f"{n} {e:.2e}" for n, e in err.items())
+          + " | simt " + " ".join(f"{n} {e:.2e}" for n, e in simt.items()))
+    b, sq, sk = shape[:3]
+    if causal and sq > sk:  # rows that see no key: o = 0, lse = -inf
+        assert np.isneginf(lse[:, :, : sq - sk]).all() and (o[:, : sq - sk] == 0).all()
+    for name, e in err.items():
+        record_error("f32-3xtf32-sm90", name, e)
+        assert e <= HOPPER_EXACT_MEASURED_BOUND, f"{name} {e:.3e} ({shape}, causal={causal})"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_TORCH_GPU, reason="needs torch")
+@pytest.mark.parametrize("kind", ["qkv", "bhsd", "batch-slice"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_f32_forward_on_strided_views(hopper, ref, rel_err, make_inputs, kind, d):
+    with _Env("1", SM90_F32_EXACT):
+        err, ran, _ = _hopper_forward(hopper, ref, rel_err, make_inputs, (2, 333, 333, 4, 2, d), True, views=kind)
+    assert ran["kernel"].startswith(f"fwd_sm90_f32_d{d}_"), ran
+    for name, e in err.items():
+        assert e <= HOPPER_EXACT_MEASURED_BOUND, f"{name} {e:.3e} ({kind}, d={d})"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_TORCH_GPU, reason="needs torch")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_tf32_forward_one_product(hopper, ref, rel_err, make_inputs, d, causal):
+    """precision="tf32" runs the same kernel with one TF32 product: within its bound, and measurably
+    less exact than "exact" (so it did round)."""
+    err, ran, _ = _hopper_forward(hopper, ref, rel_err, make_inputs, (1, 300, 300, 2, 1, d), causal, "tf32")
+    assert ran["kernel"].startswith(f"fwd_sm90_f32_d{d}_") and ran["math"] == "tf32", ran
+    assert all(e <= TF32_BOUND for e in err.values()), err
+    assert err["o"] > 10 * EXACT_BOUNDS["o"], err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_TORCH_GPU, reason="needs torch")
+def test_hopper_f32_falls_back_and_says_why(hopper, make_inputs):
+    """What the Hopper f32 forward does not take runs an exact portable kernel, and info() says why."""
+    q, k, v, _ = make_inputs(1, 1, 100, 100, 2, 2, 64, np.float32)
+    g = [to_gpu("torch", x) for x in (q, k, v)]
+    hopper.forward(*g, causal=True, window=(20, 0))
+    ran = last(hopper)
+    assert not ran["kernel"].startswith("fwd_sm90") and "masks" in ran["not_sm90_because"], ran
+    q, k, v, _ = make_inputs(1, 1, 100, 100, 2, 2, 96, np.float32)
+    hopper.forward(*(to_gpu("torch", x) for x in (q, k, v)), causal=True)
+    ran = last(hopper)
+    assert ran["math"] == "3xtf32" and ran["kernel"].startswith("fwd_f32_d96"), ran
+    assert "head dim 96" in ran["not_sm90_because"], ran
+    hopper.forward(*g, causal=True)  # "exact" by default: the portable kernels (SIMT at D = 64)
+    ran = last(hopper)
+    assert ran["math"] == "f32-simt" and SM90_F32_EXACT in ran["not_sm90_because"], ran
+    with _Env("0"), _Env("1", SM90_F32_EXACT):
+        hopper.forward(*g, causal=True)
+    ran = last(hopper)
+    assert ran["math"] == "f32-simt" and "FLASH_NIF_TF32=0" in ran["not_sm90_because"], ran

@@ -3,7 +3,10 @@
 //!
 //! The forward runs on compute capability 9.0 for fp16 / bf16 at D = 64, 128 and 256 (the call's
 //! head dim after padding), the backward at D = 64 and 128, both with every mask but varlen batches
-//! and every score modifier, unless `FLASH_NIF_SM90=0`. Anything else runs the portable kernels,
+//! and every score modifier, unless `FLASH_NIF_SM90=0`. The f32 forward (cuda/fwd_sm90_f32.cu: one
+//! TF32 product under `"tf32"`; split TF32 under `precision="exact"` only with
+//! `FLASH_NIF_SM90_F32_EXACT=1`, as it misses the f32 bound) runs at D = 64 and 128 on plain problems
+//! (causal or not). Anything else runs the portable kernels,
 //! which compute the same function; [`forward_choice`] and [`backward_choice`] say which and why,
 //! and `FLASH_NIF_LOG=1` prints it per call.
 
@@ -26,6 +29,8 @@ pub fn enabled() -> bool {
 
 /// Head dims the Hopper forward has kernels for.
 pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
+/// Head dims the Hopper f32 forward has kernels for.
+pub const F32_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Head dims the Hopper backward has kernels for (D = 256's K, V, dK and dV do not fit one block's
 /// registers and shared memory in this design).
 pub const BWD_HEAD_DIMS: [usize; 2] = [64, 128];
@@ -36,13 +41,34 @@ pub(super) type MappedTensor = (u64, KernelStrides, usize);
 /// Whether `p`'s forward (head dims already the kernels') runs the Hopper kernel on `dev` (`tensors`:
 /// q, k, v): Ok(()) when it does, else the reason it does not.
 pub(super) fn forward_choice(dev: &Device, p: &Problem, tensors: &[MappedTensor]) -> std::result::Result<(), String> {
-    common_choice(dev, p, tensors, &HEAD_DIMS)?;
+    if p.dtype == DType::F32 {
+        common_choice(dev, p, tensors, &F32_HEAD_DIMS)?;
+        if !p.is_plain() {
+            return Err("float32 with masks or score modifiers runs the portable kernels".into());
+        }
+        let d = &p.dims;
+        if super::config::tf32_terms(Kernel::FwdSm90, p.dtype, p.precision, d.seq_k, d.head_dim) == 0 {
+            let why = format!(
+                "float32 \"exact\" runs the portable exact kernels: the Hopper f32 forward misses the f32 bound \
+                 ({}=1 runs it for measurements; it also needs {} keys or more and not {}=0)",
+                super::config::SM90_F32_EXACT_ENV,
+                super::config::MIN_SPLIT_TF32_KEYS,
+                super::config::TF32_ENV
+            );
+            return Err(why);
+        }
+    } else {
+        common_choice(dev, p, tensors, &HEAD_DIMS)?;
+    }
     fits(dev, p, Kernel::FwdSm90)
 }
 
 /// Whether `p`'s backward (head dims already the kernels') runs the Hopper kernel on `dev`
 /// (`tensors`: q, k, v, dO): Ok(()) when it does, else the reason it does not.
 pub(super) fn backward_choice(dev: &Device, p: &Problem, tensors: &[MappedTensor]) -> std::result::Result<(), String> {
+    if p.dtype == DType::F32 {
+        return Err("float32 runs the portable kernels".into());
+    }
     common_choice(dev, p, tensors, &BWD_HEAD_DIMS)?;
     if !p.is_plain() && p.dims.head_dim > 64 {
         // Its masked kernel has 224 registers per consumer thread, too few for D = 128's products.
@@ -62,9 +88,6 @@ fn common_choice(dev: &Device, p: &Problem, tensors: &[MappedTensor], head_dims:
     if !enabled() {
         return Err(format!("{SM90_ENV}=0"));
     }
-    if p.dtype == DType::F32 {
-        return Err("float32 runs the portable kernels".into());
-    }
     if !head_dims.contains(&p.dims.head_dim) {
         return Err(format!("head dim {} is not one of {head_dims:?}", p.dims.head_dim));
     }
@@ -77,7 +100,8 @@ fn common_choice(dev: &Device, p: &Problem, tensors: &[MappedTensor], head_dims:
     if tensors.iter().any(|(x, _, _)| x % 16 != 0) {
         return Err("the tensors must be 16-byte aligned for the tensor copy engine".into());
     }
-    // The copy engine takes strides of 16 bytes up to 2^40, not 0 (a broadcast axis).
+    // The copy engine takes strides of 16 bytes up to 2^40, not 0 (a broadcast axis); the f32
+    // kernel's 16-byte loads need the same of every row start.
     let e = p.dtype.size_bytes() as i64;
     for &(_, st, rows) in tensors {
         let ok = |s: i64| s > 0 && (s * e) % 16 == 0 && s * e < 1 << 40;
@@ -152,6 +176,10 @@ fn tensor_map(ptr: u64, st: &KernelStrides, dtype: DType, batch: usize, rows: us
 /// # Safety
 /// As [`super::launch::forward_device`]; [`forward_choice`] must have accepted `p`.
 pub(super) unsafe fn forward(dev: &Device, p: &Problem, s: cu::CUstream, prm: &FlashParams, mask: Option<&MaskFields>) -> Result<()> {
+    if p.dtype == DType::F32 {
+        // SAFETY: the caller's guarantees, passed on.
+        return unsafe { forward_f32(dev, p, s, prm) };
+    }
     let d = &p.dims;
     let v = super::launch::kernel_variant(dev, p, Kernel::FwdSm90)?;
     let f = device::function(dev, &v)?;
@@ -180,6 +208,22 @@ pub(super) unsafe fn forward(dev: &Device, p: &Problem, s: cu::CUstream, prm: &F
             Some(m) => device::launch("flash_fwd_sm90", f, grid, s, &Sm90Params { tq, tk, tv, p: MaskedParams { base: *prm, mask: *m } }),
         }
     }
+}
+
+/// Launches the Hopper f32 forward (cuda/fwd_sm90_f32.cu) for `p` with `prm`: its producer warps
+/// read q, k, v through the params' strides (no tensor maps), a block per query tile, causal
+/// heaviest first, as the portable forward.
+///
+/// # Safety
+/// As [`forward`].
+unsafe fn forward_f32(dev: &Device, p: &Problem, s: cu::CUstream, prm: &FlashParams) -> Result<()> {
+    let d = &p.dims;
+    let v = super::launch::kernel_variant(dev, p, Kernel::FwdSm90)?;
+    let f = device::function(dev, &v)?;
+    let grid = (super::launch::grid_over(d.seq_q, v.tiles.block_m), d.heads as u32, d.batch as u32);
+    super::trace::kernel("forward", &v);
+    // SAFETY: the caller's guarantees; the kernel takes FlashParams by value.
+    unsafe { device::launch("flash_fwd_sm90", f, grid, s, prm) }
 }
 
 /// The kernel parameter of cuda/bwd_sm90.cu: the tensor maps of q, k, v, dO, the deterministic

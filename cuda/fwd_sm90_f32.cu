@@ -1,0 +1,438 @@
+// fwd_sm90_f32.cu — attention forward for Hopper (sm_90a) in f32, its products as split TF32 on
+// warpgroup MMA (wgmma m64nNk8 .tf32): TF32_TERMS = 3 ("exact": x = big + small, big = tf32(x),
+// small = tf32(x - big), a b ~ big_a small_b + small_a big_b + big_a big_b) or 1 ("tf32": big only).
+// D = 64 and 128, plain problems (causal or not, GQA); sm90.rs sends everything else elsewhere.
+//
+// Grid (ceil(Sq / BLOCK_M), H, B), causal heaviest first; NUM_WARPS = 4 * (1 + CONSUMERS):
+// - warpgroup 0, the producer: all 128 threads load Q once and then K_0, K_1, V_0, K_2, V_1, ...
+//   from global memory (16-byte loads for Q / K, coalesced 4-byte ones for V), split each element
+//   into its TF32 parts (cvt.rna, explicitly: the parts' low 13 bits are zero, so it does not matter
+//   whether the tensor cores ignore or round them) and store the parts in the layout wgmma reads:
+//   128-byte-swizzled [rows][32 f32] column blocks, K-major (TF32 wgmma takes no transposed
+//   operand). Q and K are stored as they come (D contiguous); V transposed, V^T [D][keys], keys
+//   contiguous, and within each group of 8 keys in the order 0, 2, 4, 6, 1, 3, 5, 7 (see pv_frag).
+//   Each thread fences its stores into the async proxy and arrives on the stage's mbarrier
+//   (128 arrivals); a stage is reused once every consumer warp has released it. The next K and V
+//   tiles are loaded into registers before waiting for their stage (the register file is the
+//   producer's second buffer).
+// - warpgroups 1..CONSUMERS own 64 query rows each (warp w: 16 rows, the mma.sync accumulator layout,
+//   so masks and the online softmax are the other kernels'). Per key tile j: S_j = Q K_j^T (ss: both
+//   parts of Q and K in shared memory) is issued with O += P_{j-1} V_{j-1} (rs: P's parts in
+//   registers), the softmax of S_j runs while the second product is still on the tensor cores.
+//   P's accumulator registers are its A fragment as they stand: a wgmma .tf32 A fragment holds
+//   (row g, k t), (g + 8, t), (g, t + 4), (g + 8, t + 4) (g = lane / 4, t = lane % 4, CUTLASS's
+//   ALayout_64x8), the accumulator (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1) per 8
+//   columns: with k index t <-> key 2t and t + 4 <-> key 2t + 1, a = {s0, s2, s1, s3}.
+//
+// Accumulation (TF32_CHUNK; the tensor cores add into their accumulator truncating, see tf32.h):
+//   0: S chains its 3 D / 8 products from zero; O chains every key tile's products in the tensor
+//      cores (rescaled in f32 between tiles). Cheapest.
+//   c > 0: S sums each c k-steps' products (3 c) in a fresh accumulator, the chunks added in f32;
+//      O sums each key tile's 3 BLOCK_N / 8 products in a fresh accumulator, added to O in f32.
+//
+// Shared memory per block (f32, TERMS = 2 parts for TF32_TERMS = 3):
+//   Q  TERMS * BLOCK_M * D * 4, K and V^T each STAGES * TERMS * BLOCK_N * D * 4.
+//   D = 64:  BLOCK_M 128, BLOCK_N 64, STAGES 2: 64 + 64 + 64 KiB = 192 KiB.
+//   D = 128: BLOCK_M 128, BLOCK_N 32, STAGES 1: 128 + 32 + 32 KiB = 192 KiB (two stages: 256).
+// Work per key tile (D = 128, BLOCK_N = 32, both consumers): tensor cores 2 x 2 x 64 x 32 x 128 x 2
+//   x 3 = 6.3 MFLOP of TF32 = 3072 cycles at the SM's 2048 TF32 FLOP / cycle; the producer ~8
+//   float4 + 32 scalar loads, 3 x 8192 / 128 = 192 conversions and 32 16-byte stores per thread
+//   (~1000 warp instructions over 4 schedulers: ~250 issue cycles); the consumers' softmax and P
+//   split ~ 16 scores x ~12 instructions per thread (~200 cycles per warp). So the tensor cores
+//   bound it, 3x the 16-bit kernel's work for the same shared-memory operand traffic per product.
+#include "hopper.h"
+#include "wgmma.h"
+#include "tile.h"
+#include "block.h"
+#include "softmax.h"
+
+#define CONSUMERS (NUM_WARPS / 4 - 1)
+#ifndef STAGES
+#define STAGES 1
+#endif
+#ifndef TF32_CHUNK
+#define TF32_CHUNK 0
+#endif
+#if FLASH_DTYPE != 2 || (HEAD_DIM != 64 && HEAD_DIM != 128) || CONSUMERS != 2 || BLOCK_M != 64 * CONSUMERS || \
+    (BLOCK_N != 32 && BLOCK_N != 64) || MASKED
+#error "fwd_sm90_f32: f32, HEAD_DIM 64 or 128, two consumer warpgroups of 64 rows, BLOCK_N 32 or 64, plain"
+#endif
+#if TF32_CHUNK < 0 || (TF32_CHUNK > 0 && (HEAD_DIM / 8) % TF32_CHUNK != 0)
+#error "fwd_sm90_f32: TF32_CHUNK must divide HEAD_DIM / 8"
+#endif
+
+#if TF32_TERMS == 3
+#define TERMS 2  // big, small
+#else
+#define TERMS 1
+#endif
+// Registers per thread (128 x (producer + 2 consumers) <= 64 K): the producer holds a K and a V tile
+// (2 x BLOCK_N x D / 128 floats) and their addresses (112 spilled 52 bytes, NVRTC 13.5); a consumer
+// O, S and P's parts (no spill at 176, D = 64 and 128). TF32_CHUNK (a measurement of accuracy) adds
+// O's and S's chunks: at D = 128 it spills even at 216 (NVRTC 13.5), D = 64 with TF32_CHUNK = 8 does not.
+#if TF32_CHUNK
+#define PRODUCER_REGS 80
+#define CONSUMER_REGS 216
+#else
+#define PRODUCER_REGS 152
+#define CONSUMER_REGS 176
+#endif
+
+#define PRODUCER_THREADS 128
+#define CB_BYTES(rows) ((rows) * 128)          // one [rows][32] f32 column block
+#define PART_BYTES(rows) ((rows) * HEAD_DIM * 4)  // one part of a [rows][D] (or [D][rows]) tile
+#define KV_ELEMS (BLOCK_N * HEAD_DIM)
+
+// Shared memory: Q [TERMS][D / 32][BLOCK_M][32]; K [STAGES][TERMS][D / 32][BLOCK_N][32];
+// V^T [STAGES][TERMS][BLOCK_N / 32][D][32] (keys permuted within groups of 8); the mbarriers.
+struct __align__(1024) Smem {
+    float q[TERMS * BLOCK_M * HEAD_DIM];
+    float k[STAGES * TERMS * KV_ELEMS];
+    float v[STAGES * TERMS * KV_ELEMS];
+    u64 q_full, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
+};
+FLASH_EXPORT_SMEM(sizeof(Smem) + 1024)  // + the round-up of the start to the swizzle's period
+
+__device__ __forceinline__ u32 stage_of(int j) { return j % STAGES; }
+__device__ __forceinline__ u32 phase_of(int j) { return (j / STAGES) & 1; }
+
+// Byte offset of 16-byte chunk `chunk` (0..7) of row r in a 128-byte-swizzled column block.
+__device__ __forceinline__ u32 sw128(int r, int chunk) { return r * 128 + ((chunk ^ (r & 7)) << 4); }
+
+__device__ __forceinline__ void st_shared_v4(u32 addr, float a, float b, float c, float d) {
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+
+// x's TF32 parts: big = tf32(x) and small = tf32(x - big) (x - big is exact in f32).
+__device__ __forceinline__ float tf32_big(float x) { return __uint_as_float(to_tf32(x)); }
+__device__ __forceinline__ float tf32_small(float x, float big) { return __uint_as_float(to_tf32(x - big)); }
+
+// Stores four consecutive elements of one row (one 16-byte chunk) as their parts at `off` of each
+// part (parts `part_bytes` apart from `base`).
+__device__ __forceinline__ void store_parts(u32 base, u32 part_bytes, u32 off, float4 x) {
+    const float b0 = tf32_big(x.x), b1 = tf32_big(x.y), b2 = tf32_big(x.z), b3 = tf32_big(x.w);
+    st_shared_v4(base + off, b0, b1, b2, b3);
+#if TERMS == 2
+    st_shared_v4(base + part_bytes + off, tf32_small(x.x, b0), tf32_small(x.y, b1), tf32_small(x.z, b2),
+                 tf32_small(x.w, b3));
+#endif
+}
+
+// ---- the producer: row tiles (Q, K) --------------------------------------------------------------
+// A [R][D] tile of rows r0.. of src (row stride `stride`), rows >= nrows as zeros: thread i holds
+// the 16-byte chunks i, i + 128, ... (row-major), so a warp reads whole rows.
+template <int R>
+struct RowTile {
+    static constexpr int CHUNKS = R * HEAD_DIM / 4 / PRODUCER_THREADS;
+    float4 x[CHUNKS];
+
+    __device__ __forceinline__ void load(const float* src, i64 stride, int r0, int nrows) {
+#pragma unroll
+        for (int i = 0; i < CHUNKS; ++i) {
+            const int c = threadIdx.x + PRODUCER_THREADS * i, r = c / (HEAD_DIM / 4), c4 = c % (HEAD_DIM / 4);
+            x[i] = r0 + r < nrows ? *reinterpret_cast<const float4*>(src + (i64)(r0 + r) * stride + 4 * c4)
+                                  : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
+    // Into the parts at `base` of a [rows][D] tile, as rows row_off..; K-major, swizzled.
+    template <int ROWS>
+    __device__ __forceinline__ void store(u32 base, int row_off) const {
+#pragma unroll
+        for (int i = 0; i < CHUNKS; ++i) {
+            const int c = threadIdx.x + PRODUCER_THREADS * i, r = row_off + c / (HEAD_DIM / 4), c4 = c % (HEAD_DIM / 4);
+            store_parts(base, PART_BYTES(ROWS), (c4 / 8) * CB_BYTES(ROWS) + sw128(r, c4 % 8), x[i]);
+        }
+    }
+};
+
+// ---- the producer: V^T ----------------------------------------------------------------------------
+// A [BLOCK_N][D] tile of V (keys n0.., keys >= nkeys as zeros) held for its transposed store: thread
+// i takes column d = i % D and the units u = i / D + (128 / D) m: key group u / 2, parity u % 2,
+// the keys 8 (u / 2) + u % 2 + {0, 2, 4, 6} (4-byte loads, a warp reading 32 consecutive columns of
+// a key row), which V^T row d holds at positions 4 (u % 2) + {0, 1, 2, 3} of its group: one 16-byte
+// chunk. The 8 threads of a store phase write 8 consecutive rows: no bank conflict.
+struct VTile {
+    static constexpr int STEP = PRODUCER_THREADS / HEAD_DIM;  // threads per column
+    static constexpr int UNITS = BLOCK_N / 4 / STEP;
+    float4 x[UNITS];
+
+    __device__ __forceinline__ void load(const float* src, i64 stride, int n0, int nkeys) {
+        const int d = threadIdx.x % HEAD_DIM;
+#pragma unroll
+        for (int m = 0; m < UNITS; ++m) {
+            const int u = threadIdx.x / HEAD_DIM + STEP * m, key = n0 + 8 * (u / 2) + u % 2;
+            float e[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) e[i] = key + 2 * i < nkeys ? src[(i64)(key + 2 * i) * stride + d] : 0.f;
+            x[m] = make_float4(e[0], e[1], e[2], e[3]);
+        }
+    }
+    __device__ __forceinline__ void store(u32 base) const {
+        const int d = threadIdx.x % HEAD_DIM;
+#pragma unroll
+        for (int m = 0; m < UNITS; ++m) {
+            const int u = threadIdx.x / HEAD_DIM + STEP * m, group = u / 2;
+            store_parts(base, PART_BYTES(BLOCK_N), (group / 4) * CB_BYTES(HEAD_DIM) + sw128(d, 2 * (group % 4) + u % 2), x[m]);
+        }
+    }
+};
+
+// This thread's stores are done: make them visible to the tensor cores (the async proxy), then arrive.
+__device__ __forceinline__ void publish(u32 full) {
+    fence_async_smem();
+    mbar_arrive(full);
+}
+
+__device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& blk, Smem& smem) {
+    const float* q = p.q + blk.q_at(p.q_st);
+    const float* k = p.k + blk.kv_at(p.k_st);
+    const float* v = p.v + blk.kv_at(p.v_st);
+    // Q, 32 rows at a time (a whole tile would hold D / 4 float4 per thread).
+#pragma unroll 1
+    for (int r = 0; r < BLOCK_M; r += 32) {
+        RowTile<32> t;
+        t.load(q, p.q_st.seq, blk.m0 + r, blk.Sq);
+        t.store<BLOCK_M>(smem_addr(smem.q), r);
+    }
+    publish(smem_addr(&smem.q_full));
+
+    const u32 k_base = smem_addr(smem.k), v_base = smem_addr(smem.v);
+    auto store_k = [&](const RowTile<BLOCK_N>& t, int j) {
+        const u32 s = stage_of(j);
+        if (j >= STAGES) mbar_wait(smem_addr(&smem.k_empty[s]), phase_of(j) ^ 1);
+        t.store<BLOCK_N>(k_base + s * TERMS * PART_BYTES(BLOCK_N), 0);
+        publish(smem_addr(&smem.k_full[s]));
+    };
+    auto store_v = [&](const VTile& t, int j) {
+        const u32 s = stage_of(j);
+        if (j >= STAGES) mbar_wait(smem_addr(&smem.v_empty[s]), phase_of(j) ^ 1);
+        t.store(v_base + s * TERMS * PART_BYTES(BLOCK_N));
+        publish(smem_addr(&smem.v_full[s]));
+    };
+    // The consumers' order: K_0, K_1, V_0, K_2, V_1, ... (P_{j-1} V_{j-1} is issued after S_j).
+    const int n = blk.key_walk().n_tiles;
+    if (n == 0) return;
+    RowTile<BLOCK_N> kt;
+    kt.load(k, p.k_st.seq, 0, blk.Sk);
+    store_k(kt, 0);
+#pragma unroll 1
+    for (int j = 0; j < n; ++j) {
+        VTile vt;
+        if (j + 1 < n) kt.load(k, p.k_st.seq, (j + 1) * BLOCK_N, blk.Sk);
+#if TF32_CHUNK  // fewer producer registers: K_{j+1} stored before V_j is loaded
+        if (j + 1 < n) store_k(kt, j + 1);
+        vt.load(v, p.v_st.seq, j * BLOCK_N, blk.Sk);
+#else
+        vt.load(v, p.v_st.seq, j * BLOCK_N, blk.Sk);
+        if (j + 1 < n) store_k(kt, j + 1);
+#endif
+        store_v(vt, j);
+    }
+}
+
+// ---- the consumers ----------------------------------------------------------------------------------
+// Descriptor of k-step kk (8 elements) of a K-major operand: column block kk / 4, 32 bytes per step in it.
+__device__ __forceinline__ u64 kdesc(u32 base, int rows, int kk) {
+    return desc_sw128(base + (kk / 4) * CB_BYTES(rows) + (kk % 4) * 32, 0);
+}
+
+// d (+)= the TF32_TERMS products of A (ss: rows a_rows, parts at a, a + a_part) and B (rows
+// b_rows, parts at b, b + b_part) over k-steps [k0, k1); the first accumulates iff `acc`. The
+// correction products first (their sums are small), then big x big.
+template <int N>
+__device__ __forceinline__ void ss_products(float (&d)[N / 8][4], u32 a, u32 a_part, int a_rows, u32 b, u32 b_part,
+                                            int b_rows, int k0, int k1, bool acc) {
+#if TERMS == 2
+#pragma unroll
+    for (int kk = k0; kk < k1; ++kk) {
+        WgmmaTf32<N>::ss(d, kdesc(a, a_rows, kk), kdesc(b + b_part, b_rows, kk), acc || kk > k0);
+    }
+#pragma unroll
+    for (int kk = k0; kk < k1; ++kk) WgmmaTf32<N>::ss(d, kdesc(a + a_part, a_rows, kk), kdesc(b, b_rows, kk), 1);
+#pragma unroll
+    for (int kk = k0; kk < k1; ++kk) WgmmaTf32<N>::ss(d, kdesc(a, a_rows, kk), kdesc(b, b_rows, kk), 1);
+#else
+#pragma unroll
+    for (int kk = k0; kk < k1; ++kk) WgmmaTf32<N>::ss(d, kdesc(a, a_rows, kk), kdesc(b, b_rows, kk), acc || kk > k0);
+#endif
+}
+
+#define S_CHUNKS (TF32_CHUNK ? HEAD_DIM / 8 / TF32_CHUNK : 1)
+
+// S = Q K^T for the warpgroup's 64 rows (q: their first row's address in Q's big part), K at k;
+// issued, not waited for. TF32_CHUNK: into sc[chunk], summed by sum_chunks once landed.
+__device__ __forceinline__ void issue_qk(float (&sc)[S_CHUNKS][BLOCK_N / 8][4], u32 q, u32 k) {
+    wgmma_fence();
+#pragma unroll
+    for (int c = 0; c < S_CHUNKS; ++c) {
+        constexpr int STEPS = HEAD_DIM / 8 / S_CHUNKS;
+        ss_products<BLOCK_N>(sc[c], q, PART_BYTES(BLOCK_M), BLOCK_M, k, PART_BYTES(BLOCK_N), BLOCK_N, c * STEPS,
+                             (c + 1) * STEPS, false);
+    }
+    wgmma_commit();
+}
+
+// P's A fragments (8 keys each): big and (TERMS = 2) small parts.
+struct PFrag {
+    u32 big[BLOCK_N / 8][4];
+#if TERMS == 2
+    u32 small[BLOCK_N / 8][4];
+#endif
+    // From probabilities in accumulator layout: a = {s0, s2, s1, s3} (the keys' order in V^T).
+    __device__ __forceinline__ void set(const float (&s)[BLOCK_N / 8][4]) {
+#pragma unroll
+        for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
+            const float x[4] = {s[nt][0], s[nt][2], s[nt][1], s[nt][3]};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                big[nt][e] = to_tf32(x[e]);
+#if TERMS == 2
+                small[nt][e] = to_tf32(x[e] - __uint_as_float(big[nt][e]));
+#endif
+            }
+        }
+    }
+};
+
+// o (+)= P V (rs: P's parts in registers, V^T's at v); `acc` = 0 starts o from zero. Issued, not
+// waited for.
+__device__ __forceinline__ void issue_pv(float (&o)[HEAD_DIM / 8][4], const PFrag& pf, u32 v, bool acc) {
+    wgmma_fence();
+    constexpr int KS = BLOCK_N / 8;
+#if TERMS == 2
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) WgmmaTf32<HEAD_DIM>::rs(o, pf.big[kk], kdesc(v + PART_BYTES(BLOCK_N), HEAD_DIM, kk), acc || kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) WgmmaTf32<HEAD_DIM>::rs(o, pf.small[kk], kdesc(v, HEAD_DIM, kk), 1);
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) WgmmaTf32<HEAD_DIM>::rs(o, pf.big[kk], kdesc(v, HEAD_DIM, kk), 1);
+#else
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) WgmmaTf32<HEAD_DIM>::rs(o, pf.big[kk], kdesc(v, HEAD_DIM, kk), acc || kk > 0);
+#endif
+    wgmma_commit();
+}
+
+template <int R, int C>
+__device__ __forceinline__ void add_into(float (&d)[R][C], const float (&x)[R][C]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int j = 0; j < C; ++j) d[i][j] += x[i][j];
+}
+
+// A consumer warpgroup (c = 0, 1) on rows m0 + 64 c .. of the block.
+__device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& blk, Smem& smem, int c) {
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int row0 = blk.m0 + 64 * c + 16 * warp;  // this warp's 16 rows
+    const Visibility vis = blk.vis();
+
+    float o[HEAD_DIM / 8][4];
+    float sc[S_CHUNKS][BLOCK_N / 8][4];
+    float (&s)[BLOCK_N / 8][4] = sc[0];
+#if TF32_CHUNK
+    float ot[HEAD_DIM / 8][4];  // one key tile's P V
+#else
+    float (&ot)[HEAD_DIM / 8][4] = o;
+#endif
+    PFrag pf;
+    OnlineSoftmax sm;
+    zero(o);
+    sm.init(NEG_INF);
+    mbar_wait(smem_addr(&smem.q_full), 0);
+
+    auto softmax_step = [&](const KeyWalk& w, float (&alpha)[2]) {
+        if (blk.tile_mask(w)) mask_tile<BLOCK_N / 8>(s, row0, w.n0(), vis);
+        sm.step_scaled(s, p.scale_log2, alpha);
+    };
+    // S's chunks landed: fence them and (TF32_CHUNK) sum them into s in f32.
+    auto s_landed = [&]() {
+#pragma unroll
+        for (int ch = 0; ch < S_CHUNKS; ++ch) fence_regs(sc[ch]);
+#pragma unroll
+        for (int ch = 1; ch < S_CHUNKS; ++ch) add_into(s, sc[ch]);
+    };
+    // P V landed: fence it and (TF32_CHUNK) add it to O in f32.
+    auto pv_landed = [&]() {
+        fence_regs(ot);
+#if TF32_CHUNK
+        add_into(o, ot);
+#endif
+    };
+
+    KeyWalk w = blk.key_walk();
+    const u32 q = opaque(smem_addr(smem.q)) + 64 * c * 128;
+    u32 prev = 0;  // the stage of the tile whose P V is pending
+    bool pending = false;
+    for (; w.more(); w.advance()) {
+        const u32 st = stage_of(w.j);
+        mbar_wait(smem_addr(&smem.k_full[st]), phase_of(w.j));
+        issue_qk(sc, q, opaque(smem_addr(smem.k)) + st * TERMS * PART_BYTES(BLOCK_N));
+        if (pending) {
+            mbar_wait(smem_addr(&smem.v_full[prev]), phase_of(w.j - 1));
+            issue_pv(ot, pf, opaque(smem_addr(smem.v)) + prev * TERMS * PART_BYTES(BLOCK_N), !TF32_CHUNK);
+        }
+        float alpha[2];
+        if (pending) {
+            wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
+            if (lane == 0) mbar_arrive(smem_addr(&smem.k_empty[st]));
+            s_landed();
+            softmax_step(w, alpha);
+            wgmma_wait<0>();
+            pv_landed();
+            if (lane == 0) mbar_arrive(smem_addr(&smem.v_empty[prev]));
+        } else {
+            wgmma_wait<0>();
+            if (lane == 0) mbar_arrive(smem_addr(&smem.k_empty[st]));
+            s_landed();
+            softmax_step(w, alpha);
+        }
+        OnlineSoftmax::rescale_rows(o, alpha);
+        pf.set(s);
+        prev = st;
+        pending = true;
+    }
+    if (pending) {
+        mbar_wait(smem_addr(&smem.v_full[prev]), phase_of(w.j - 1));
+        issue_pv(ot, pf, opaque(smem_addr(smem.v)) + prev * TERMS * PART_BYTES(BLOCK_N), !TF32_CHUNK);
+        wgmma_wait<0>();
+        pv_landed();
+        if (lane == 0) mbar_arrive(smem_addr(&smem.v_empty[prev]));
+    }
+
+    float inv[2], lse[2];
+    sm.finish(inv, lse);
+    store_tile<HEAD_DIM / 8>(p.o + blk.q_at(p.o_st), o, inv[0], inv[1], row0, blk.Sq, 0, p.o_st.seq);
+    if (lane % 4 == 0) {
+        float* out_lse = p.lse + blk.stat_base(p);
+        const int g = lane / 4;
+        if (row0 + g < blk.Sq) out_lse[row0 + g] = lse[0];
+        if (row0 + g + 8 < blk.Sq) out_lse[row0 + g + 8] = lse[1];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_fwd_sm90(const FlashParams p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    Smem& smem = *reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+    const QueryBlock blk(p);
+    const int wg = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        mbar_init(smem_addr(&smem.q_full), PRODUCER_THREADS);
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(smem_addr(&smem.k_full[s]), PRODUCER_THREADS);
+            mbar_init(smem_addr(&smem.v_full[s]), PRODUCER_THREADS);
+            mbar_init(smem_addr(&smem.k_empty[s]), 4 * CONSUMERS);  // every consumer warp's lane 0
+            mbar_init(smem_addr(&smem.v_empty[s]), 4 * CONSUMERS);
+        }
+        mbar_fence_init();
+    }
+    __syncthreads();
+    if (wg == 0) {
+        setmaxnreg_dec<PRODUCER_REGS>();
+        produce(p, blk, smem);
+    } else {
+        setmaxnreg_inc<CONSUMER_REGS>();
+        consume(p, blk, smem, wg - 1);
+    }
+}
