@@ -24,11 +24,14 @@
 //   ALayout_64x8), the accumulator (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1) per 8
 //   columns: with k index t <-> key 2t and t + 4 <-> key 2t + 1, a = {s0, s2, s1, s3}.
 //
-// Accumulation (TF32_CHUNK; the tensor cores add into their accumulator truncating, see tf32.h):
-//   0: S chains its 3 D / 8 products from zero; O chains every key tile's products in the tensor
-//      cores (rescaled in f32 between tiles). Cheapest.
-//   c > 0: S sums each c k-steps' products (3 c) in a fresh accumulator, the chunks added in f32;
-//      O sums each key tile's 3 BLOCK_N / 8 products in a fresh accumulator, added to O in f32.
+// Accumulation (the tensor cores add into their accumulator truncating, see tf32.h: over a long
+//   chain that is a bias). S chains its 3 D / 8 products from zero (one chain per key tile). O,
+//   with split products (TERMS = 2), sums each key tile's 3 BLOCK_N / 8 products in a fresh
+//   accumulator, added to O in f32: chained over every key tile instead, o's error grew with the
+//   keys to 1.5e-5 at 2048 and 6e-5 at 8192 keys (H100), 10-40x the SIMT kernel's. An emulation
+//   (acc = RZ_f32(acc + the k-step's 8 exact products)) gave 1.9e-5 chained and 5-7e-7 per tile at
+//   2048-4096 keys, D = 64 and 128, and summing S per k-step as well only 3-4e-7. One product
+//   (TERMS = 1) chains O: TF32's own error dwarfs the truncation.
 //
 // Shared memory per block (f32, TERMS = 2 parts for TF32_TERMS = 3):
 //   Q  TERMS * BLOCK_M * D * 4, K and V^T each STAGES * TERMS * BLOCK_N * D * 4.
@@ -50,48 +53,72 @@
 #ifndef STAGES
 #define STAGES 1
 #endif
-#ifndef TF32_CHUNK
-#define TF32_CHUNK 0
-#endif
 #if FLASH_DTYPE != 2 || (HEAD_DIM != 64 && HEAD_DIM != 128) || CONSUMERS != 2 || BLOCK_M != 64 * CONSUMERS || \
     (BLOCK_N != 32 && BLOCK_N != 64) || MASKED
 #error "fwd_sm90_f32: f32, HEAD_DIM 64 or 128, two consumer warpgroups of 64 rows, BLOCK_N 32 or 64, plain"
 #endif
-#if TF32_CHUNK < 0 || (TF32_CHUNK > 0 && (HEAD_DIM / 8) % TF32_CHUNK != 0)
-#error "fwd_sm90_f32: TF32_CHUNK must divide HEAD_DIM / 8"
-#endif
 
 #if TF32_TERMS == 3
-#define TERMS 2  // big, small
+#define TERMS 2     // big, small
+#define FRESH_O 1   // O per key tile in a fresh accumulator (see Accumulation)
 #else
 #define TERMS 1
+#define FRESH_O 0
 #endif
-// Registers per thread (128 x (producer + 2 consumers) <= 64 K): the producer holds a K and a V tile
-// (2 x BLOCK_N x D / 128 floats) and their addresses (112 spilled 52 bytes, NVRTC 13.5); a consumer
-// O, S and P's parts (no spill at 176, D = 64 and 128). TF32_CHUNK (a measurement of accuracy) adds
-// O's and S's chunks: at D = 128 it spills even at 216 (NVRTC 13.5), D = 64 with TF32_CHUNK = 8 does not.
-#if TF32_CHUNK
-#define PRODUCER_REGS 80
-#define CONSUMER_REGS 216
-#else
+// Registers per thread. The block starts with REG_CAP each (__launch_bounds__(NUM_THREADS, 1)); the
+// producer gives some back (setmaxnreg.dec) and the consumers take them (setmaxnreg.inc), which
+// waits until the pool holds them: PRODUCER_REGS + CONSUMERS * CONSUMER_REGS > (CONSUMERS + 1) *
+// REG_CAP would hang, not fail. The producer holds a K and a V tile (2 x BLOCK_N x D / 128 floats)
+// and their addresses: it spills below 128 at D = 64, below 120 at D = 128 (NVRTC 13.5). A consumer
+// holds O, S and P's parts (no spill at 176, D = 64 and 128) and with FRESH_O an O_PART-column
+// slice of one key tile's P V besides: O_PART = 32 needs 184 at D = 64 and 192 at D = 128 (the
+// whole tile's, O_PART = D, 200 and over 216).
+#define REG_CAP ((65536 / NUM_THREADS) & ~7)
+#if !FRESH_O
 #define PRODUCER_REGS 152
 #define CONSUMER_REGS 176
+#elif HEAD_DIM == 64
+#define O_PART 32
+#define PRODUCER_REGS 136
+#define CONSUMER_REGS 184
+#else
+#define O_PART 32
+#ifndef PRODUCER_REGS
+#define PRODUCER_REGS 120
+#define CONSUMER_REGS 192
 #endif
+#endif
+static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (CONSUMERS + 1) * REG_CAP,
+              "setmaxnreg: the consumers would wait forever for registers the producer did not give back");
 
 #define PRODUCER_THREADS 128
 #define CB_BYTES(rows) ((rows) * 128)          // one [rows][32] f32 column block
 #define PART_BYTES(rows) ((rows) * HEAD_DIM * 4)  // one part of a [rows][D] (or [D][rows]) tile
 #define KV_ELEMS (BLOCK_N * HEAD_DIM)
 
-// Shared memory: Q [TERMS][D / 32][BLOCK_M][32]; K [STAGES][TERMS][D / 32][BLOCK_N][32];
-// V^T [STAGES][TERMS][BLOCK_N / 32][D][32] (keys permuted within groups of 8); the mbarriers.
-struct __align__(1024) Smem {
-    float q[TERMS * BLOCK_M * HEAD_DIM];
-    float k[STAGES * TERMS * KV_ELEMS];
-    float v[STAGES * TERMS * KV_ELEMS];
-    u64 q_full, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
+// Shared memory, from a base aligned to the swizzle's period (1024 bytes): Q [TERMS][D / 32][BLOCK_M][32];
+// K [STAGES][TERMS][D / 32][BLOCK_N][32]; V^T [STAGES][TERMS][BLOCK_N / 32][D][32] (keys permuted
+// within groups of 8); the mbarriers q_full, k_full[STAGES], v_full[STAGES], k_empty[STAGES],
+// v_empty[STAGES]. Addressed as 32-bit offsets from one base (a generic Smem& kept a 64-bit pointer
+// live through both roles, and spilled it).
+constexpr u32 SMEM_Q = 0;
+constexpr u32 SMEM_K = SMEM_Q + TERMS * BLOCK_M * HEAD_DIM * 4;
+constexpr u32 SMEM_V = SMEM_K + STAGES * TERMS * KV_ELEMS * 4;
+constexpr u32 SMEM_BARS = SMEM_V + STAGES * TERMS * KV_ELEMS * 4;
+constexpr u32 SMEM_END = SMEM_BARS + 8 * (1 + 4 * STAGES);
+FLASH_EXPORT_SMEM((SMEM_END + 1023) / 1024 * 1024 + 1024)  // + the round-up of the start to 1024
+
+struct SmemAt {
+    u32 base;
+    __device__ __forceinline__ u32 q() const { return base + SMEM_Q; }
+    __device__ __forceinline__ u32 k() const { return base + SMEM_K; }
+    __device__ __forceinline__ u32 v() const { return base + SMEM_V; }
+    __device__ __forceinline__ u32 q_full() const { return base + SMEM_BARS; }
+    __device__ __forceinline__ u32 k_full(u32 s) const { return base + SMEM_BARS + 8 * (1 + s); }
+    __device__ __forceinline__ u32 v_full(u32 s) const { return base + SMEM_BARS + 8 * (1 + STAGES + s); }
+    __device__ __forceinline__ u32 k_empty(u32 s) const { return base + SMEM_BARS + 8 * (1 + 2 * STAGES + s); }
+    __device__ __forceinline__ u32 v_empty(u32 s) const { return base + SMEM_BARS + 8 * (1 + 3 * STAGES + s); }
 };
-FLASH_EXPORT_SMEM(sizeof(Smem) + 1024)  // + the round-up of the start to the swizzle's period
 
 __device__ __forceinline__ u32 stage_of(int j) { return j % STAGES; }
 __device__ __forceinline__ u32 phase_of(int j) { return (j / STAGES) & 1; }
@@ -183,7 +210,7 @@ __device__ __forceinline__ void publish(u32 full) {
     mbar_arrive(full);
 }
 
-__device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& blk, Smem& smem) {
+__device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& blk, const SmemAt smem) {
     const float* q = p.q + blk.q_at(p.q_st);
     const float* k = p.k + blk.kv_at(p.k_st);
     const float* v = p.v + blk.kv_at(p.v_st);
@@ -192,22 +219,22 @@ __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& 
     for (int r = 0; r < BLOCK_M; r += 32) {
         RowTile<32> t;
         t.load(q, p.q_st.seq, blk.m0 + r, blk.Sq);
-        t.store<BLOCK_M>(smem_addr(smem.q), r);
+        t.store<BLOCK_M>(smem.q(), r);
     }
-    publish(smem_addr(&smem.q_full));
+    publish(smem.q_full());
 
-    const u32 k_base = smem_addr(smem.k), v_base = smem_addr(smem.v);
+    const u32 k_base = smem.k(), v_base = smem.v();
     auto store_k = [&](const RowTile<BLOCK_N>& t, int j) {
         const u32 s = stage_of(j);
-        if (j >= STAGES) mbar_wait(smem_addr(&smem.k_empty[s]), phase_of(j) ^ 1);
+        if (j >= STAGES) mbar_wait(smem.k_empty(s), phase_of(j) ^ 1);
         t.store<BLOCK_N>(k_base + s * TERMS * PART_BYTES(BLOCK_N), 0);
-        publish(smem_addr(&smem.k_full[s]));
+        publish(smem.k_full(s));
     };
     auto store_v = [&](const VTile& t, int j) {
         const u32 s = stage_of(j);
-        if (j >= STAGES) mbar_wait(smem_addr(&smem.v_empty[s]), phase_of(j) ^ 1);
+        if (j >= STAGES) mbar_wait(smem.v_empty(s), phase_of(j) ^ 1);
         t.store(v_base + s * TERMS * PART_BYTES(BLOCK_N));
-        publish(smem_addr(&smem.v_full[s]));
+        publish(smem.v_full(s));
     };
     // The consumers' order: K_0, K_1, V_0, K_2, V_1, ... (P_{j-1} V_{j-1} is issued after S_j).
     const int n = blk.key_walk().n_tiles;
@@ -219,13 +246,8 @@ __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& 
     for (int j = 0; j < n; ++j) {
         VTile vt;
         if (j + 1 < n) kt.load(k, p.k_st.seq, (j + 1) * BLOCK_N, blk.Sk);
-#if TF32_CHUNK  // fewer producer registers: K_{j+1} stored before V_j is loaded
-        if (j + 1 < n) store_k(kt, j + 1);
-        vt.load(v, p.v_st.seq, j * BLOCK_N, blk.Sk);
-#else
         vt.load(v, p.v_st.seq, j * BLOCK_N, blk.Sk);
         if (j + 1 < n) store_k(kt, j + 1);
-#endif
         store_v(vt, j);
     }
 }
@@ -236,39 +258,31 @@ __device__ __forceinline__ u64 kdesc(u32 base, int rows, int kk) {
     return desc_sw128(base + (kk / 4) * CB_BYTES(rows) + (kk % 4) * 32, 0);
 }
 
-// d (+)= the TF32_TERMS products of A (ss: rows a_rows, parts at a, a + a_part) and B (rows
-// b_rows, parts at b, b + b_part) over k-steps [k0, k1); the first accumulates iff `acc`. The
-// correction products first (their sums are small), then big x big.
+// d = the TF32_TERMS products of A (ss: rows a_rows, parts at a, a + a_part) and B (rows b_rows,
+// parts at b, b + b_part) over every k-step, from zero: the correction products first (their sums
+// are small), then big x big.
 template <int N>
 __device__ __forceinline__ void ss_products(float (&d)[N / 8][4], u32 a, u32 a_part, int a_rows, u32 b, u32 b_part,
-                                            int b_rows, int k0, int k1, bool acc) {
+                                            int b_rows) {
+    constexpr int KS = HEAD_DIM / 8;
 #if TERMS == 2
 #pragma unroll
-    for (int kk = k0; kk < k1; ++kk) {
-        WgmmaTf32<N>::ss(d, kdesc(a, a_rows, kk), kdesc(b + b_part, b_rows, kk), acc || kk > k0);
-    }
+    for (int kk = 0; kk < KS; ++kk) WgmmaTf32<N>::ss(d, kdesc(a, a_rows, kk), kdesc(b + b_part, b_rows, kk), kk > 0);
 #pragma unroll
-    for (int kk = k0; kk < k1; ++kk) WgmmaTf32<N>::ss(d, kdesc(a + a_part, a_rows, kk), kdesc(b, b_rows, kk), 1);
+    for (int kk = 0; kk < KS; ++kk) WgmmaTf32<N>::ss(d, kdesc(a + a_part, a_rows, kk), kdesc(b, b_rows, kk), 1);
 #pragma unroll
-    for (int kk = k0; kk < k1; ++kk) WgmmaTf32<N>::ss(d, kdesc(a, a_rows, kk), kdesc(b, b_rows, kk), 1);
+    for (int kk = 0; kk < KS; ++kk) WgmmaTf32<N>::ss(d, kdesc(a, a_rows, kk), kdesc(b, b_rows, kk), 1);
 #else
 #pragma unroll
-    for (int kk = k0; kk < k1; ++kk) WgmmaTf32<N>::ss(d, kdesc(a, a_rows, kk), kdesc(b, b_rows, kk), acc || kk > k0);
+    for (int kk = 0; kk < KS; ++kk) WgmmaTf32<N>::ss(d, kdesc(a, a_rows, kk), kdesc(b, b_rows, kk), kk > 0);
 #endif
 }
 
-#define S_CHUNKS (TF32_CHUNK ? HEAD_DIM / 8 / TF32_CHUNK : 1)
-
 // S = Q K^T for the warpgroup's 64 rows (q: their first row's address in Q's big part), K at k;
-// issued, not waited for. TF32_CHUNK: into sc[chunk], summed by sum_chunks once landed.
-__device__ __forceinline__ void issue_qk(float (&sc)[S_CHUNKS][BLOCK_N / 8][4], u32 q, u32 k) {
+// issued, not waited for.
+__device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 8][4], u32 q, u32 k) {
     wgmma_fence();
-#pragma unroll
-    for (int c = 0; c < S_CHUNKS; ++c) {
-        constexpr int STEPS = HEAD_DIM / 8 / S_CHUNKS;
-        ss_products<BLOCK_N>(sc[c], q, PART_BYTES(BLOCK_M), BLOCK_M, k, PART_BYTES(BLOCK_N), BLOCK_N, c * STEPS,
-                             (c + 1) * STEPS, false);
-    }
+    ss_products<BLOCK_N>(s, q, PART_BYTES(BLOCK_M), BLOCK_M, k, PART_BYTES(BLOCK_N), BLOCK_N);
     wgmma_commit();
 }
 
@@ -294,97 +308,109 @@ struct PFrag {
     }
 };
 
-// o (+)= P V (rs: P's parts in registers, V^T's at v); `acc` = 0 starts o from zero. Issued, not
-// waited for.
-__device__ __forceinline__ void issue_pv(float (&o)[HEAD_DIM / 8][4], const PFrag& pf, u32 v, bool acc) {
+// o (+)= P V for the N output columns d0.. (rs: P's parts in registers, V^T's at v); `acc` = 0
+// starts o from zero. Issued, not waited for.
+template <int N>
+__device__ __forceinline__ void issue_pv(float (&o)[N / 8][4], const PFrag& pf, u32 v, int d0, bool acc) {
     wgmma_fence();
     constexpr int KS = BLOCK_N / 8;
+    v += d0 * 128;  // V^T row d0 of each column block (128 bytes a row; d0 a multiple of the swizzle's 8 rows)
 #if TERMS == 2
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) WgmmaTf32<HEAD_DIM>::rs(o, pf.big[kk], kdesc(v + PART_BYTES(BLOCK_N), HEAD_DIM, kk), acc || kk > 0);
+    for (int kk = 0; kk < KS; ++kk) WgmmaTf32<N>::rs(o, pf.big[kk], kdesc(v + PART_BYTES(BLOCK_N), HEAD_DIM, kk), acc || kk > 0);
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) WgmmaTf32<HEAD_DIM>::rs(o, pf.small[kk], kdesc(v, HEAD_DIM, kk), 1);
+    for (int kk = 0; kk < KS; ++kk) WgmmaTf32<N>::rs(o, pf.small[kk], kdesc(v, HEAD_DIM, kk), 1);
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) WgmmaTf32<HEAD_DIM>::rs(o, pf.big[kk], kdesc(v, HEAD_DIM, kk), 1);
+    for (int kk = 0; kk < KS; ++kk) WgmmaTf32<N>::rs(o, pf.big[kk], kdesc(v, HEAD_DIM, kk), 1);
 #else
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) WgmmaTf32<HEAD_DIM>::rs(o, pf.big[kk], kdesc(v, HEAD_DIM, kk), acc || kk > 0);
+    for (int kk = 0; kk < KS; ++kk) WgmmaTf32<N>::rs(o, pf.big[kk], kdesc(v, HEAD_DIM, kk), acc || kk > 0);
 #endif
     wgmma_commit();
 }
 
-template <int R, int C>
-__device__ __forceinline__ void add_into(float (&d)[R][C], const float (&x)[R][C]) {
+// d[i0 + i] += x[i] for x's rows.
+template <int R, int C, int RX>
+__device__ __forceinline__ void add_into(float (&d)[R][C], const float (&x)[RX][C], int i0) {
 #pragma unroll
-    for (int i = 0; i < R; ++i)
+    for (int i = 0; i < RX; ++i)
 #pragma unroll
-        for (int j = 0; j < C; ++j) d[i][j] += x[i][j];
+        for (int j = 0; j < C; ++j) d[i0 + i][j] += x[i][j];
 }
 
 // A consumer warpgroup (c = 0, 1) on rows m0 + 64 c .. of the block.
-__device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& blk, Smem& smem, int c) {
+__device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& blk, const SmemAt smem, int c) {
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int row0 = blk.m0 + 64 * c + 16 * warp;  // this warp's 16 rows
     const Visibility vis = blk.vis();
 
     float o[HEAD_DIM / 8][4];
-    float sc[S_CHUNKS][BLOCK_N / 8][4];
-    float (&s)[BLOCK_N / 8][4] = sc[0];
-#if TF32_CHUNK
-    float ot[HEAD_DIM / 8][4];  // one key tile's P V
-#else
-    float (&ot)[HEAD_DIM / 8][4] = o;
+    float s[BLOCK_N / 8][4];
+#if FRESH_O
+    float ot[O_PART / 8][4];  // one key tile's P V, O_PART columns of it
 #endif
     PFrag pf;
     OnlineSoftmax sm;
     zero(o);
     sm.init(NEG_INF);
-    mbar_wait(smem_addr(&smem.q_full), 0);
+    mbar_wait(smem.q_full(), 0);
 
     auto softmax_step = [&](const KeyWalk& w, float (&alpha)[2]) {
         if (blk.tile_mask(w)) mask_tile<BLOCK_N / 8>(s, row0, w.n0(), vis);
         sm.step_scaled(s, p.scale_log2, alpha);
     };
-    // S's chunks landed: fence them and (TF32_CHUNK) sum them into s in f32.
-    auto s_landed = [&]() {
-#pragma unroll
-        for (int ch = 0; ch < S_CHUNKS; ++ch) fence_regs(sc[ch]);
-#pragma unroll
-        for (int ch = 1; ch < S_CHUNKS; ++ch) add_into(s, sc[ch]);
+    // O (+)= P_{j-1} V_{j-1} (V^T at v): FRESH_O issues its first O_PART columns into ot and returns;
+    // pv_rest waits for them, adds them to O in f32 and does the other parts one by one. Else the
+    // products chain into O: issued here, pv_rest waits.
+    auto pv_issue = [&](u32 v) {
+#if FRESH_O
+        issue_pv<O_PART>(ot, pf, v, 0, false);
+#else
+        issue_pv<HEAD_DIM>(o, pf, v, 0, true);
+#endif
     };
-    // P V landed: fence it and (TF32_CHUNK) add it to O in f32.
-    auto pv_landed = [&]() {
+    auto pv_rest = [&](u32 v) {
+        wgmma_wait<0>();
+#if FRESH_O
         fence_regs(ot);
-#if TF32_CHUNK
-        add_into(o, ot);
+        add_into(o, ot, 0);
+#pragma unroll
+        for (int part = 1; part < HEAD_DIM / O_PART; ++part) {
+            issue_pv<O_PART>(ot, pf, v, part * O_PART, false);
+            wgmma_wait<0>();
+            fence_regs(ot);
+            add_into(o, ot, part * O_PART / 8);
+        }
+#else
+        fence_regs(o);
 #endif
     };
 
     KeyWalk w = blk.key_walk();
-    const u32 q = opaque(smem_addr(smem.q)) + 64 * c * 128;
+    const u32 q = opaque(smem.q()) + 64 * c * 128;
     u32 prev = 0;  // the stage of the tile whose P V is pending
     bool pending = false;
     for (; w.more(); w.advance()) {
         const u32 st = stage_of(w.j);
-        mbar_wait(smem_addr(&smem.k_full[st]), phase_of(w.j));
-        issue_qk(sc, q, opaque(smem_addr(smem.k)) + st * TERMS * PART_BYTES(BLOCK_N));
+        mbar_wait(smem.k_full(st), phase_of(w.j));
+        issue_qk(s, q, opaque(smem.k()) + st * TERMS * PART_BYTES(BLOCK_N));
+        const u32 v = opaque(smem.v()) + prev * TERMS * PART_BYTES(BLOCK_N);
         if (pending) {
-            mbar_wait(smem_addr(&smem.v_full[prev]), phase_of(w.j - 1));
-            issue_pv(ot, pf, opaque(smem_addr(smem.v)) + prev * TERMS * PART_BYTES(BLOCK_N), !TF32_CHUNK);
+            mbar_wait(smem.v_full(prev), phase_of(w.j - 1));
+            pv_issue(v);
         }
         float alpha[2];
         if (pending) {
             wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
-            if (lane == 0) mbar_arrive(smem_addr(&smem.k_empty[st]));
-            s_landed();
+            if (lane == 0) mbar_arrive(smem.k_empty(st));
+            fence_regs(s);
             softmax_step(w, alpha);
-            wgmma_wait<0>();
-            pv_landed();
-            if (lane == 0) mbar_arrive(smem_addr(&smem.v_empty[prev]));
+            pv_rest(v);
+            if (lane == 0) mbar_arrive(smem.v_empty(prev));
         } else {
             wgmma_wait<0>();
-            if (lane == 0) mbar_arrive(smem_addr(&smem.k_empty[st]));
-            s_landed();
+            if (lane == 0) mbar_arrive(smem.k_empty(st));
+            fence_regs(s);
             softmax_step(w, alpha);
         }
         OnlineSoftmax::rescale_rows(o, alpha);
@@ -393,11 +419,11 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
         pending = true;
     }
     if (pending) {
-        mbar_wait(smem_addr(&smem.v_full[prev]), phase_of(w.j - 1));
-        issue_pv(ot, pf, opaque(smem_addr(smem.v)) + prev * TERMS * PART_BYTES(BLOCK_N), !TF32_CHUNK);
-        wgmma_wait<0>();
-        pv_landed();
-        if (lane == 0) mbar_arrive(smem_addr(&smem.v_empty[prev]));
+        const u32 v = opaque(smem.v()) + prev * TERMS * PART_BYTES(BLOCK_N);
+        mbar_wait(smem.v_full(prev), phase_of(w.j - 1));
+        pv_issue(v);
+        pv_rest(v);
+        if (lane == 0) mbar_arrive(smem.v_empty(prev));
     }
 
     float inv[2], lse[2];
@@ -413,17 +439,17 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_fwd_sm90(const FlashParams p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    Smem& smem = *reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+    const SmemAt smem{(smem_addr(smem_raw) + 1023) & ~1023u};
     const QueryBlock blk(p);
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
-        mbar_init(smem_addr(&smem.q_full), PRODUCER_THREADS);
+        mbar_init(smem.q_full(), PRODUCER_THREADS);
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(smem_addr(&smem.k_full[s]), PRODUCER_THREADS);
-            mbar_init(smem_addr(&smem.v_full[s]), PRODUCER_THREADS);
-            mbar_init(smem_addr(&smem.k_empty[s]), 4 * CONSUMERS);  // every consumer warp's lane 0
-            mbar_init(smem_addr(&smem.v_empty[s]), 4 * CONSUMERS);
+            mbar_init(smem.k_full(s), PRODUCER_THREADS);
+            mbar_init(smem.v_full(s), PRODUCER_THREADS);
+            mbar_init(smem.k_empty(s), 4 * CONSUMERS);  // every consumer warp's lane 0
+            mbar_init(smem.v_empty(s), 4 * CONSUMERS);
         }
         mbar_fence_init();
     }

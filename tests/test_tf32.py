@@ -118,10 +118,6 @@ class _Env:
             os.environ[self.name] = self.old
 
 
-# precision="exact" runs the Hopper f32 forward only with this set (config.rs: its chained wgmma
-# accumulation misses the f32 bound), with errors within this bound (4e-6 to 6e-5 measured on the H100).
-SM90_F32_EXACT = "FLASH_NIF_SM90_F32_EXACT"
-HOPPER_EXACT_MEASURED_BOUND = 1e-4
 
 
 # (B, Sq, Sk, H, Hkv, D): every tile class of the TF32 forward (D <= 64, <= 128, > 128), head dims
@@ -189,10 +185,8 @@ def _backward_kernel(deterministic: bool) -> str:
 
 def hopper_f32(fa, d: int, plain: bool = True, precision: str = "exact") -> bool:
     """Does the f32 forward at head dim d run the Hopper kernel (cuda/fwd_sm90_f32.cu: compute
-    capability 9.0, FLASH_NIF_SM90 not 0, D = 64 or 128, no mask or modifier, 16 keys or more;
-    "exact" only with FLASH_NIF_SM90_F32_EXACT=1)?"""
-    opted_in = precision != "exact" or os.environ.get(SM90_F32_EXACT) == "1"
-    return bool(fa.info()["cuda"].get("sm90")) and d in (64, 128) and plain and opted_in
+    capability 9.0, FLASH_NIF_SM90 not 0, D = 64 or 128, no mask or modifier, 16 keys or more)?"""
+    return bool(fa.info()["cuda"].get("sm90")) and d in (64, 128) and plain
 
 
 def exact_forward_math(d: int, hopper: bool = False) -> str:
@@ -378,13 +372,10 @@ def _hopper_forward(fa, ref, rel_err, make_inputs, shape, causal, precision="exa
 @pytest.mark.skipif(not HAVE_TORCH_GPU, reason="needs torch")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", HOPPER_SHAPES)
-def test_hopper_f32_exact_opt_in_errors(hopper, ref, rel_err, make_inputs, record_error, shape, causal):
-    """With FLASH_NIF_SM90_F32_EXACT=1, precision="exact" runs the Hopper kernel (split TF32 on
-    wgmma), within its measured errors (not the f32 bound: the reason "exact" does not run it by
-    default); the same inputs on the portable kernel (FLASH_NIF_SM90=0) printed beside.
-    FLASH_NIF_TF32_CHUNK (read per call) picks the accumulation (cuda/fwd_sm90_f32.cu's TF32_CHUNK)."""
-    with _Env("1", SM90_F32_EXACT):
-        err, ran, (o, lse) = _hopper_forward(hopper, ref, rel_err, make_inputs, shape, causal)
+def test_hopper_f32_exact_meets_the_f32_bound(hopper, ref, rel_err, make_inputs, record_error, shape, causal):
+    """precision="exact" runs the Hopper kernel (split TF32 on wgmma) within the f32 bound; the same
+    inputs on the portable kernel (FLASH_NIF_SM90=0) printed beside."""
+    err, ran, (o, lse) = _hopper_forward(hopper, ref, rel_err, make_inputs, shape, causal)
     assert ran["kernel"].startswith(f"fwd_sm90_f32_d{shape[-1]}_") and ran["math"] == "3xtf32", ran
     assert ran["not_sm90_because"] is None, ran
     with _Env("0", "FLASH_NIF_SM90"):
@@ -397,7 +388,7 @@ def test_hopper_f32_exact_opt_in_errors(hopper, ref, rel_err, make_inputs, recor
         assert np.isneginf(lse[:, :, : sq - sk]).all() and (o[:, : sq - sk] == 0).all()
     for name, e in err.items():
         record_error("f32-3xtf32-sm90", name, e)
-        assert e <= HOPPER_EXACT_MEASURED_BOUND, f"{name} {e:.3e} ({shape}, causal={causal})"
+        assert e <= EXACT_BOUNDS[name], f"{name} {e:.3e} > {EXACT_BOUNDS[name]:.1e} ({shape}, causal={causal})"
 
 
 @pytest.mark.gpu
@@ -405,11 +396,10 @@ def test_hopper_f32_exact_opt_in_errors(hopper, ref, rel_err, make_inputs, recor
 @pytest.mark.parametrize("kind", ["qkv", "bhsd", "batch-slice"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_hopper_f32_forward_on_strided_views(hopper, ref, rel_err, make_inputs, kind, d):
-    with _Env("1", SM90_F32_EXACT):
-        err, ran, _ = _hopper_forward(hopper, ref, rel_err, make_inputs, (2, 333, 333, 4, 2, d), True, views=kind)
+    err, ran, _ = _hopper_forward(hopper, ref, rel_err, make_inputs, (2, 333, 333, 4, 2, d), True, views=kind)
     assert ran["kernel"].startswith(f"fwd_sm90_f32_d{d}_"), ran
     for name, e in err.items():
-        assert e <= HOPPER_EXACT_MEASURED_BOUND, f"{name} {e:.3e} ({kind}, d={d})"
+        assert e <= EXACT_BOUNDS[name], f"{name} {e:.3e} ({kind}, d={d})"
 
 
 @pytest.mark.gpu
@@ -439,10 +429,10 @@ def test_hopper_f32_falls_back_and_says_why(hopper, make_inputs):
     ran = last(hopper)
     assert ran["math"] == "3xtf32" and ran["kernel"].startswith("fwd_f32_d96"), ran
     assert "head dim 96" in ran["not_sm90_because"], ran
-    hopper.forward(*g, causal=True)  # "exact" by default: the portable kernels (SIMT at D = 64)
+    hopper.forward(*g, causal=True)  # "exact" by default: the Hopper kernel's split TF32
     ran = last(hopper)
-    assert ran["math"] == "f32-simt" and SM90_F32_EXACT in ran["not_sm90_because"], ran
-    with _Env("0"), _Env("1", SM90_F32_EXACT):
+    assert ran["math"] == "3xtf32" and ran["kernel"].startswith("fwd_sm90_f32_d64_"), ran
+    with _Env("0"):
         hopper.forward(*g, causal=True)
     ran = last(hopper)
     assert ran["math"] == "f32-simt" and "FLASH_NIF_TF32=0" in ran["not_sm90_because"], ran

@@ -38,30 +38,6 @@ pub struct Spec {
 /// of the split-TF32 one (comparisons, benchmarks); `"tf32"` is unaffected.
 pub const TF32_ENV: &str = "FLASH_NIF_TF32";
 
-/// `FLASH_NIF_SM90_F32_EXACT=1` (read per call; measurement only) lets `precision="exact"` run the
-/// Hopper f32 forward (cuda/fwd_sm90_f32.cu). Off by default: its split products chain in the wgmma
-/// accumulators, which add truncating, and its o errors (4e-6 to 6e-5 against float64 on the H100,
-/// growing with the keys) miss the f32 bound of 1.4e-6 (bench/RESULTS.md). `"tf32"` runs it always.
-pub const SM90_F32_EXACT_ENV: &str = "FLASH_NIF_SM90_F32_EXACT";
-
-/// Whether `precision="exact"` may run the Hopper f32 forward ([`SM90_F32_EXACT_ENV`]).
-pub fn sm90_f32_exact() -> bool {
-    std::env::var(SM90_F32_EXACT_ENV).is_ok_and(|v| v.trim() == "1")
-}
-
-/// `FLASH_NIF_TF32_CHUNK=c` (read per call; measurement only) compiles the Hopper f32 forward with
-/// TF32_CHUNK = c: 0 (the default) chains every split product in the wgmma accumulators; c > 0 sums S
-/// per c k-steps and O per key tile in fresh accumulators, added in f32 (cuda/fwd_sm90_f32.cu).
-pub const TF32_CHUNK_ENV: &str = "FLASH_NIF_TF32_CHUNK";
-
-/// The TF32_CHUNK of the Hopper f32 forward at head dim `d` ([`TF32_CHUNK_ENV`]; 0 when unset or not
-/// a number; a value that does not divide the D / 8 k-steps becomes D / 8: S chained whole, O summed
-/// per key tile).
-fn tf32_chunk(d: usize) -> usize {
-    let c: usize = std::env::var(TF32_CHUNK_ENV).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0);
-    if c == 0 || (d / 8) % c == 0 { c } else { d / 8 }
-}
-
 /// Fewest keys (Sk) for which `precision="exact"` takes the split-TF32 kernels. A split product
 /// keeps ~22 significant bits, so a row that sees a single key gets o = v only to ~2 ulps, where
 /// the SIMT kernel is exact (P = 1) — and its dq, exactly 0 in the oracle, is then all error (the
@@ -84,9 +60,8 @@ pub fn tf32_terms(kernel: Kernel, dtype: DType, precision: Precision, seq_k: usi
         return 0;
     }
     match precision {
-        // The Hopper f32 forward (cuda/fwd_sm90_f32.cu) is split TF32 at every head dim it takes, under
-        // "exact" only where asked for (sm90_f32_exact: it misses the f32 bound).
-        Precision::Exact if kernel == Kernel::FwdSm90 && seq_k >= MIN_SPLIT_TF32_KEYS && split_allowed() && sm90_f32_exact() => 3,
+        // The Hopper f32 forward (cuda/fwd_sm90_f32.cu) is split TF32 at every head dim it takes.
+        Precision::Exact if kernel == Kernel::FwdSm90 && seq_k >= MIN_SPLIT_TF32_KEYS && split_allowed() => 3,
         Precision::Exact if kernel == Kernel::Fwd && seq_k >= MIN_SPLIT_TF32_KEYS && !simt_f32(head_dim) && split_allowed() => 3,
         Precision::Exact => 0,
         Precision::Tf32 => 1,
@@ -478,8 +453,7 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
             defines.push(("TF32_TERMS", tf32_terms as i64));
         }
         if kernel == Kernel::FwdSm90 && dtype == DType::F32 {
-            // How the split products are summed (cuda/fwd_sm90_f32.cu); TF32_CHUNK_ENV picks it.
-            defines.extend([("STAGES", t.d_split as i64), ("TF32_CHUNK", tf32_chunk(head_dim) as i64)]);
+            defines.push(("STAGES", t.d_split as i64));
         } else if kernel == Kernel::FwdSm90 {
             // The consumer warpgroups take turns issuing their products (cuda/fwd_sm90.cu).
             defines.extend([("STAGES", t.d_split as i64), ("PINGPONG", (t.num_warps >= 12) as i64)]);

@@ -4,8 +4,7 @@
 //! The forward runs on compute capability 9.0 for fp16 / bf16 at D = 64, 128 and 256 (the call's
 //! head dim after padding), the backward at D = 64 and 128, both with every mask but varlen batches
 //! and every score modifier, unless `FLASH_NIF_SM90=0`. The f32 forward (cuda/fwd_sm90_f32.cu: one
-//! TF32 product under `"tf32"`; split TF32 under `precision="exact"` only with
-//! `FLASH_NIF_SM90_F32_EXACT=1`, as it misses the f32 bound) runs at D = 64 and 128 on plain problems
+//! TF32 product under `"tf32"`, split TF32 under `"exact"`) runs at D = 64 and 128 on plain problems
 //! (causal or not). Anything else runs the portable kernels,
 //! which compute the same function; [`forward_choice`] and [`backward_choice`] say which and why,
 //! and `FLASH_NIF_LOG=1` prints it per call.
@@ -49,9 +48,7 @@ pub(super) fn forward_choice(dev: &Device, p: &Problem, tensors: &[MappedTensor]
         let d = &p.dims;
         if super::config::tf32_terms(Kernel::FwdSm90, p.dtype, p.precision, d.seq_k, d.head_dim) == 0 {
             let why = format!(
-                "float32 \"exact\" runs the portable exact kernels: the Hopper f32 forward misses the f32 bound \
-                 ({}=1 runs it for measurements; it also needs {} keys or more and not {}=0)",
-                super::config::SM90_F32_EXACT_ENV,
+                "float32 \"exact\" runs the Hopper f32 forward's split TF32 only with {} keys or more and not {}=0",
                 super::config::MIN_SPLIT_TF32_KEYS,
                 super::config::TF32_ENV
             );
