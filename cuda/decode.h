@@ -133,9 +133,10 @@ struct StageLayout {
     int off_v, off_ks, off_kb, off_vs, off_vb, bytes;
 };
 
-// Words that hold a row of `groups` scales from any 2-byte boundary (see copy_scales).
+// Words that hold a row of `groups` scales (see copy_scales): 16-bit scales, an even count starts
+// every row on a word (the tensor is 4-byte aligned); an odd one from any 2-byte boundary.
 __device__ __forceinline__ int scale_words(int groups) {
-    return sizeof(elem_t) == 4 ? groups : (2 * groups + 5) / 4;
+    return sizeof(elem_t) == 4 ? groups : groups % 2 == 0 ? groups / 2 : (2 * groups + 5) / 4;
 }
 
 __device__ __forceinline__ int round16(int x) { return (x + 15) & ~15; }

@@ -104,9 +104,10 @@ def test_hopper_kernel_runs_and_the_env_switches_it_off(hopper, make_inputs, mon
 
 
 def test_what_it_cannot_take_falls_back_and_says_why(hopper, make_inputs):
-    for what, d, dtype_name, why in (("varlen", 128, "bf16", "varlen"), ("D = 96", 96, "bf16", "head dim 96"),
-                                     ("float32", 128, "f32", "float32")):
-        q, k, v = (to_gpu("torch", x) for x in make_inputs(0, 1, 64, 64, 2, 2, d, DTYPES[dtype_name])[:3])
+    # float32 "exact" takes the Hopper kernel from 16 keys on (config.rs's MIN_SPLIT_TF32_KEYS).
+    for what, s, d, dtype_name, why in (("varlen", 64, 128, "bf16", "varlen"), ("D = 96", 64, 96, "bf16", "head dim 96"),
+                                        ("float32, 8 keys", 8, 128, "f32", "16 keys")):
+        q, k, v = (to_gpu("torch", x) for x in make_inputs(0, 1, s, s, 2, 2, d, DTYPES[dtype_name])[:3])
         if what == "varlen":
             cu = torch.tensor([0, 20, 64], dtype=torch.int32, device="cuda")
             o, _ = hopper.varlen.forward_with_states(q[0], k[0], v[0], cu, cu, causal=True)

@@ -23,6 +23,9 @@
 #                    a clean checkout and carried in an ignored folder such as elixir/.gpu_nif)
 #   GPU_TEST_ONLY=1  run only `mix test --only cuda`, not the whole suite afterwards
 #   GPU_BENCH=1      then run bench/exphil.exs on the GPU and on the CPU (logged to exphil.log)
+#   GPU_BENCH_ONLY=1 run only the benchmark (no tests)
+#   BENCH_DEVICES    the benchmark's devices (default "cuda cpu"); EXPHIL_ARGS: more arguments
+#                    for it (e.g. "--budget 0.5")
 set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"   # the elixir/ project
@@ -72,10 +75,14 @@ cd "$here" || exit 2
 echo "== $(elixir --version 2>&1 | tail -1) on $(erl -noshell -eval 'io:format("OTP ~s at ~s", [erlang:system_info(otp_release), code:root_dir()]), halt().')" | log gpu_test.log
 
 status=0
-echo "== mix test --only cuda" | log gpu_test.log
-mix test --only cuda 2>&1 | log gpu_test.log
-rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && status=$rc
-echo "== mix test --only cuda: exit $rc" | log gpu_test.log
+if [ "${GPU_BENCH_ONLY:-0}" = "1" ]; then
+  GPU_BENCH=1 GPU_TEST_ONLY=1
+else
+  echo "== mix test --only cuda" | log gpu_test.log
+  mix test --only cuda 2>&1 | log gpu_test.log
+  rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && status=$rc
+  echo "== mix test --only cuda: exit $rc" | log gpu_test.log
+fi
 
 if [ "${GPU_TEST_ONLY:-0}" != "1" ]; then
   echo "== mix test (the whole suite, :cuda included)" | log gpu_test.log
@@ -85,9 +92,10 @@ if [ "${GPU_TEST_ONLY:-0}" != "1" ]; then
 fi
 
 if [ "${GPU_BENCH:-0}" = "1" ]; then
-  for dev in cuda cpu; do
-    echo "== bench/exphil.exs --device $dev" | log exphil.log
-    mix run ../bench/exphil.exs --device "$dev" 2>&1 | log exphil.log
+  for dev in ${BENCH_DEVICES:-cuda cpu}; do
+    echo "== bench/exphil.exs --device $dev ${EXPHIL_ARGS:-}" | log exphil.log
+    # shellcheck disable=SC2086  # EXPHIL_ARGS: words
+    mix run ../bench/exphil.exs --device "$dev" ${EXPHIL_ARGS:-} 2>&1 | log exphil.log
   done
 fi
 

@@ -119,9 +119,15 @@ defmodule FlashNif.CudaTest do
     for {a, g} <- [{adq, dq}, {adk, dk}, {adv, dv}], do: assert(Numeric.rel_err(a, g) <= 1.0e-6)
     assert {:ok, %{backends: backends, last_kernels: last}} = FA.info()
     assert :cuda in backends
-    # f32 never runs the Hopper kernel: the portable one, and why.
-    assert last.forward.kernel =~ ~r/^fwd_f32_d64/
-    assert last.forward.not_sm90_because =~ ~r/float32|9\.0/
+    # f32 "exact" at D = 64: the Hopper kernel (split TF32 on wgmma) on compute capability 9.0,
+    # else the portable one, and why.
+    if last.forward.kernel =~ ~r/^fwd_sm90_f32_d64_/ do
+      assert last.forward.not_sm90_because == nil
+      assert last.forward.math == "3xtf32"
+    else
+      assert last.forward.kernel =~ ~r/^fwd_f32_d64/
+      assert last.forward.not_sm90_because =~ ~r/9\.0|FLASH_NIF_SM90/
+    end
   end
 
   test "deterministic: true repeats the GPU backward bit for bit; the default is within rounding" do
