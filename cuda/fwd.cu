@@ -10,6 +10,7 @@
 #include "tile.h"
 #include "block.h"
 #include "softmax.h"
+#include "fwd_store.h"
 
 #ifndef M_TILES
 #define M_TILES 1
@@ -29,7 +30,7 @@ flash_fwd(const FlashParams p) {
     Smem& smem = shared_memory<Smem>();
     const QueryBlock blk(p);
     if (blk.empty()) return;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
     const elem_t* q = p.q + blk.q_at(p.q_st);
     const elem_t* k = p.k + blk.kv_at(p.k_st);
     const elem_t* v = p.v + blk.kv_at(p.v_st);
@@ -85,16 +86,5 @@ flash_fwd(const FlashParams p) {
     }
 
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) {
-        float inv[2], lse[2];
-        sm[mt].finish(inv, lse);
-        const int r0 = row0 + 16 * mt;
-        store_tile<DPAD / 8>(p.o + blk.q_at(p.o_st), acc[mt], inv[0], inv[1], r0, blk.Sq, 0, p.o_st.seq);
-        if (lane % 4 == 0) {
-            float* out_lse = p.lse + blk.stat_base(p);
-            const int g = lane / 4;
-            if (r0 + g < blk.Sq) out_lse[r0 + g] = lse[0];
-            if (r0 + g + 8 < blk.Sq) out_lse[r0 + g + 8] = lse[1];
-        }
-    }
+    for (int mt = 0; mt < M_TILES; ++mt) store_rows<DPAD / 8>(p, blk, acc[mt], sm[mt], row0 + 16 * mt);
 }

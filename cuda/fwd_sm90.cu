@@ -30,6 +30,7 @@
 #include "tile.h"
 #include "block.h"
 #include "softmax.h"
+#include "fwd_store.h"
 
 #define CONSUMERS (NUM_WARPS / 4 - 1)
 #define COL_BLOCKS (HEAD_DIM / 64)  // 64-element (128-byte) column blocks per row
@@ -260,15 +261,7 @@ __device__ __forceinline__ int consume_tile(const FlashParams& p, const QueryBlo
         if (lane == 0) mbar_arrive(smem_addr(&smem.v_empty[prev]));
     }
 
-    float inv[2], lse[2];
-    sm.finish(inv, lse);
-    store_tile<HEAD_DIM / 8>(p.o + blk.q_at(p.o_st), o, inv[0], inv[1], row0, blk.Sq, 0, p.o_st.seq);
-    if (lane % 4 == 0) {
-        float* out_lse = p.lse + blk.stat_base(p);
-        const int g = lane / 4;
-        if (row0 + g < blk.Sq) out_lse[row0 + g] = lse[0];
-        if (row0 + g + 8 < blk.Sq) out_lse[row0 + g + 8] = lse[1];
-    }
+    store_rows<HEAD_DIM / 8>(p, blk, o, sm, row0);
     return w.j;
 }
 

@@ -48,6 +48,7 @@
 #include "tile.h"
 #include "block.h"
 #include "softmax.h"
+#include "fwd_store.h"
 
 #define CONSUMERS (NUM_WARPS / 4 - 1)
 #ifndef STAGES
@@ -426,15 +427,7 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
         if (lane == 0) mbar_arrive(smem.v_empty(prev));
     }
 
-    float inv[2], lse[2];
-    sm.finish(inv, lse);
-    store_tile<HEAD_DIM / 8>(p.o + blk.q_at(p.o_st), o, inv[0], inv[1], row0, blk.Sq, 0, p.o_st.seq);
-    if (lane % 4 == 0) {
-        float* out_lse = p.lse + blk.stat_base(p);
-        const int g = lane / 4;
-        if (row0 + g < blk.Sq) out_lse[row0 + g] = lse[0];
-        if (row0 + g + 8 < blk.Sq) out_lse[row0 + g + 8] = lse[1];
-    }
+    store_rows<HEAD_DIM / 8>(p, blk, o, sm, row0);
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_fwd_sm90(const FlashParams p) {

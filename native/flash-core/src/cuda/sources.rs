@@ -15,6 +15,7 @@ pub const FILES: &[(&str, &str)] = &[
     ("tile.h", include_str!("../../../../cuda/tile.h")),
     ("tf32.h", include_str!("../../../../cuda/tf32.h")),
     ("tile_f32.h", include_str!("../../../../cuda/tile_f32.h")),
+    ("fwd_store.h", include_str!("../../../../cuda/fwd_store.h")),
     ("simt_f32.h", include_str!("../../../../cuda/simt_f32.h")),
     ("fwd.cu", include_str!("../../../../cuda/fwd.cu")),
     ("fwd_sm90.cu", include_str!("../../../../cuda/fwd_sm90.cu")),
