@@ -84,10 +84,8 @@
 #define CONSUMER_REGS 184
 #else
 #define O_PART 32
-#ifndef PRODUCER_REGS
 #define PRODUCER_REGS 120
 #define CONSUMER_REGS 192
-#endif
 #endif
 static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (CONSUMERS + 1) * REG_CAP,
               "setmaxnreg: the consumers would wait forever for registers the producer did not give back");
