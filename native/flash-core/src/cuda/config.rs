@@ -452,11 +452,12 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
         if tf32_terms > 0 {
             defines.push(("TF32_TERMS", tf32_terms as i64));
         }
-        if kernel == Kernel::FwdSm90 && dtype == DType::F32 {
+        if kernel == Kernel::FwdSm90 {
             defines.push(("STAGES", t.d_split as i64));
-        } else if kernel == Kernel::FwdSm90 {
-            // The consumer warpgroups take turns issuing their products (cuda/fwd_sm90.cu).
-            defines.extend([("STAGES", t.d_split as i64), ("PINGPONG", (t.num_warps >= 12) as i64)]);
+            if dtype != DType::F32 {
+                // The consumer warpgroups take turns issuing their products (cuda/fwd_sm90.cu).
+                defines.push(("PINGPONG", (t.num_warps >= 12) as i64));
+            }
         }
         if kernel == Kernel::BwdSm90 {
             defines.push(("STAGES", t.d_split as i64));
