@@ -1,0 +1,190 @@
+// bwd_dq_sm90_f32.cu — dQ for Hopper (sm_90a) in f32, the products as split TF32 on warpgroup MMA
+// (sm90_f32.h: TF32_TERMS = 3 "exact", 1 "tf32"). D = 64, plain problems (causal or not, GQA); dK
+// and dV are bwd_dkdv_sm90_f32.cu's. Deterministic: each block owns its rows.
+//
+// Grid (ceil(Sq / BLOCK_M), H, B), causal heaviest first; BLOCK_M = 128 query rows, BLOCK_N = 32
+// keys a tile; NUM_WARPS = 12:
+// - warpgroup 0, the producer: Q and dO once (RowTiles: the A operands of S and dP), then per key
+//   tile K and V as RowTiles (the B operands of S = Q K^T and dP = dO V^T) and K again as a
+//   TransposedTile (K^T: the B operand of dQ += dS K, whose A is registers), STAGES deep. The next
+//   tile is loaded into registers before waiting for its stage.
+// - warpgroups 1 and 2, the consumers, own 64 query rows each (warp w: 16 rows, the mma.sync
+//   accumulator layout). Per key tile:
+//     S = Q K^T, dP = dO V^T                 (ss, from zero)
+//     P = exp2(S scale_log2 - lse_log2), dS = P (dP - delta)    (masked where the tile needs it)
+//     dQ += dS K                             (rs: dS as an AFrag)
+//   With split products each tile's dS K runs in a fresh accumulator added to dQ in f32 (see
+//   bwd_dkdv_sm90_f32.cu). dQ *= scale at the end.
+//
+// Shared memory (TERMS = 2 at TF32_TERMS = 3): Q and dO 2 x TERMS x 128 x D x 4 = 128 KiB; per stage
+//   K, V and K^T 3 x TERMS x 32 x D x 4 = 48 KiB: 224 KiB with two stages at D = 64.
+#include "sm90_f32.h"
+#include "tile.h"
+#include "block.h"
+#include "mask.h"
+
+#define CONSUMERS 2
+#ifndef STAGES
+#define STAGES 2
+#endif
+#if FLASH_DTYPE != 2 || HEAD_DIM != 64 || NUM_WARPS != 4 * (1 + CONSUMERS) || BLOCK_M != 64 * CONSUMERS || BLOCK_N != 32 || \
+    MASKED || MODS
+#error "bwd_dq_sm90_f32: f32, HEAD_DIM 64, two consumer warpgroups of 64 rows, 32 keys a tile, plain"
+#endif
+
+#define FRESH (TERMS == 2)  // each tile's dS K in a fresh accumulator
+// Registers per thread after setmaxnreg (sm90_f32.h's REG_CAP). The producer holds a tile of K, V and
+// K^T (3 x 32 x D / 128 floats); a consumer dQ, S, dP, dS's AFrag and a fresh accumulator.
+#define PRODUCER_REGS 120
+#define CONSUMER_REGS 192
+static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (CONSUMERS + 1) * REG_CAP,
+              "setmaxnreg: the consumers would wait forever for registers the producer did not give back");
+
+#define TILE_BYTES(rows) (TERMS * PART_BYTES(rows))  // a tile's parts
+#define STAGE_BYTES (3 * TILE_BYTES(BLOCK_N))        // K, V, K^T
+
+// Shared memory, from a base aligned to the swizzle's period (1024 bytes): Q, dO [TERMS][D / 32]
+// [BLOCK_M][32]; STAGES stages of K, V [TERMS][D / 32][BLOCK_N][32] and K^T [TERMS][BLOCK_N / 32]
+// [D][32]; the mbarriers qdo_full, full[STAGES], empty[STAGES].
+constexpr u32 SMEM_Q = 0;
+constexpr u32 SMEM_DO = SMEM_Q + TILE_BYTES(BLOCK_M);
+constexpr u32 SMEM_STAGES = SMEM_DO + TILE_BYTES(BLOCK_M);
+constexpr u32 SMEM_BARS = SMEM_STAGES + STAGES * STAGE_BYTES;
+constexpr u32 SMEM_END = SMEM_BARS + 8 * (1 + 2 * STAGES);
+FLASH_EXPORT_SMEM((SMEM_END + 1023) / 1024 * 1024 + 1024)  // + the round-up of the start to 1024
+
+struct SmemAt {
+    u32 base;
+    __device__ __forceinline__ u32 q() const { return base + SMEM_Q; }
+    __device__ __forceinline__ u32 dout() const { return base + SMEM_DO; }
+    __device__ __forceinline__ u32 k(u32 s) const { return base + SMEM_STAGES + s * STAGE_BYTES; }
+    __device__ __forceinline__ u32 v(u32 s) const { return k(s) + TILE_BYTES(BLOCK_N); }
+    __device__ __forceinline__ u32 kt(u32 s) const { return k(s) + 2 * TILE_BYTES(BLOCK_N); }
+    __device__ __forceinline__ u32 qdo_full() const { return base + SMEM_BARS; }
+    __device__ __forceinline__ u32 full(u32 s) const { return base + SMEM_BARS + 8 * (1 + s); }
+    __device__ __forceinline__ u32 empty(u32 s) const { return base + SMEM_BARS + 8 * (1 + STAGES + s); }
+};
+
+__device__ __forceinline__ u32 stage_of(int j) { return j % STAGES; }
+__device__ __forceinline__ u32 phase_of(int j) { return (j / STAGES) & 1; }
+
+// ---- the producer -------------------------------------------------------------------------------------
+__device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& blk, const SmemAt smem) {
+    const float* q = p.q + blk.q_at(p.q_st);
+    const float* dout = p.dout + blk.q_at(p.do_st);
+    // Q and dO, 32 rows at a time (a whole tile would hold D / 4 float4 per thread).
+#pragma unroll 1
+    for (int r = 0; r < BLOCK_M; r += 32) {
+        RowTile<32> t;
+        t.load(q, p.q_st.seq, blk.m0 + r, blk.Sq);
+        t.store<BLOCK_M>(smem.q(), r);
+        t.load(dout, p.do_st.seq, blk.m0 + r, blk.Sq);
+        t.store<BLOCK_M>(smem.dout(), r);
+    }
+    publish(smem.qdo_full());
+
+    const float* k = p.k + blk.kv_at(p.k_st);
+    const float* v = p.v + blk.kv_at(p.v_st);
+#pragma unroll 1
+    for (KeyWalk w = blk.key_walk(); w.more(); w.advance()) {
+        const int n0 = w.n0();
+        RowTile<BLOCK_N> kr, vr;
+        TransposedTile<BLOCK_N> kt;
+        kr.load(k, p.k_st.seq, n0, blk.Sk);
+        vr.load(v, p.v_st.seq, n0, blk.Sk);
+        kt.load(k, p.k_st.seq, n0, blk.Sk);
+        const u32 s = stage_of(w.j);
+        if (w.j >= STAGES) mbar_wait(smem.empty(s), phase_of(w.j) ^ 1);
+        kr.store<BLOCK_N>(smem.k(s), 0);
+        vr.store<BLOCK_N>(smem.v(s), 0);
+        kt.store(smem.kt(s));
+        publish(smem.full(s));
+    }
+}
+
+// ---- the consumers --------------------------------------------------------------------------------------
+// acc = A B^T over D (ss: A the warpgroup's 64 rows of Q or dO at a, B the stage's K or V rows).
+__device__ __forceinline__ void issue_abt(float (&acc)[BLOCK_N / 8][4], u32 a, u32 b) {
+    ss_products<BLOCK_N>(acc, a, PART_BYTES(BLOCK_M), BLOCK_M, b, PART_BYTES(BLOCK_N), BLOCK_N);
+    wgmma_commit();
+}
+
+__device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& blk, const SmemAt smem, int c) {
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int g = lane / 4;
+    const int row0 = blk.m0 + 64 * c + 16 * warp;  // this warp's 16 rows
+    const Visibility vis = blk.vis();
+    float lse2[2], dlt[2];
+    blk.row_stats(p, row0 + g, lse2[0], dlt[0]);
+    blk.row_stats(p, row0 + g + 8, lse2[1], dlt[1]);
+
+    float dq[HEAD_DIM / 8][4];
+    zero(dq);
+    const u32 q = opaque(smem.q()) + 64 * c * 128, dout = opaque(smem.dout()) + 64 * c * 128;
+    mbar_wait(smem.qdo_full(), 0);
+#pragma unroll 1
+    for (KeyWalk w = blk.key_walk(); w.more(); w.advance()) {
+        const u32 st = stage_of(w.j);
+        mbar_wait(smem.full(st), phase_of(w.j));
+        float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
+        wgmma_fence();
+        issue_abt(s, q, opaque(smem.k(st)));
+        issue_abt(dp, dout, opaque(smem.v(st)));
+        wgmma_wait<0>();
+        fence_regs(s);
+        fence_regs(dp);
+        if (blk.tile_mask(w)) mask_tile<BLOCK_N / 8>(s, row0, w.n0(), vis);
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e / 2;
+                const float pr = fast_exp2(s[i][e] * p.scale_log2 - lse2[r]);
+                s[i][e] = pr * (dp[i][e] - dlt[r]);  // dS
+            }
+        AFrag<BLOCK_N / 8> da;
+        da.set(s);
+        const u32 kt = opaque(smem.kt(st));
+#if FRESH
+        float fresh[HEAD_DIM / 8][4];
+        wgmma_fence();
+        rs_products<HEAD_DIM>(fresh, da, kt, PART_BYTES(BLOCK_N), 0, false);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(fresh);
+        add_into(dq, fresh, 0);
+#else
+        wgmma_fence();
+        rs_products<HEAD_DIM>(dq, da, kt, PART_BYTES(BLOCK_N), 0, true);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(dq);
+#endif
+        if (lane == 0) mbar_arrive(smem.empty(st));  // the stage is read
+    }
+    store_tile<HEAD_DIM / 8>(p.dq + blk.q_at(p.dq_st), dq, p.scale, p.scale, row0, blk.Sq, 0, p.dq_st.seq);
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_bwd_dq_sm90(const FlashParams p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const SmemAt smem{(smem_addr(smem_raw) + 1023) & ~1023u};
+    const QueryBlock blk(p);
+    const int wg = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        mbar_init(smem.qdo_full(), PRODUCER_THREADS);
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(smem.full(s), PRODUCER_THREADS);
+            mbar_init(smem.empty(s), 4 * CONSUMERS);  // every consumer warp's lane 0
+        }
+        mbar_fence_init();
+    }
+    __syncthreads();
+    if (wg == 0) {
+        setmaxnreg_dec<PRODUCER_REGS>();
+        produce(p, blk, smem);
+    } else {
+        setmaxnreg_inc<CONSUMER_REGS>();
+        consume(p, blk, smem, wg - 1);
+    }
+}
