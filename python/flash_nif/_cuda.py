@@ -154,7 +154,8 @@ class _Tensors:
         self.kind = kind
         self.device = devices.pop()
         self.views = tuple(views)
-        in_place = [n in self.views and _element_strides(a) is not None for n, a in zip(names, arrays)]
+        view_strides = {n: _element_strides(a) for n, a in zip(names, arrays) if n in self.views}
+        in_place = [view_strides.get(n) is not None for n in names]
         if kind == "torch":
             # Only the pointers are read: a contiguous tensor (or a view kept as it is) goes on as it
             # is; a copy is made outside autograd.
@@ -167,11 +168,17 @@ class _Tensors:
                 arrays = [a if keep else cupy.ascontiguousarray(a) for a, keep in zip(arrays, in_place)]
                 self.stream = cupy.cuda.get_current_stream().ptr
         self.named = dict(zip(names, arrays))
+        # The views' element strides, as kept (a copy's own where one was made).
+        self._view_strides = {
+            n: view_strides[n] if keep else _element_strides(a)
+            for n, a, keep in zip(names, arrays, in_place)
+            if n in self.views
+        }
 
     def strides(self, names) -> dict:
         """``strides=`` for the native call: each of `names`' element strides (None for lse and other
         packed extras); empty when every one is contiguous (the kernels' default)."""
-        st = [_element_strides(self.named[n]) if n in self.views else None for n in names]
+        st = [self._view_strides.get(n) for n in names]
         if all(s is None or self._contiguous(self.named[n]) for n, s in zip(names, st)):
             return {}
         return {"strides": st}
