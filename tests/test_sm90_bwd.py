@@ -2,11 +2,10 @@
 dispatch (marked ``gpu``).
 
 On a GPU of compute capability 9.0 the backward of fp16 / bf16 at D = 64 and 128 runs the sm90
-kernel; with masks (but varlen batches) and score modifiers at D = 64 only, deterministic without
-masks only;
-``FLASH_NIF_SM90=0`` forces the portable kernels; ``info()["cuda"]["last_kernels"]["backward"]``
-says which kernel ran and why. On other GPUs the accuracy cases still run (on the portable kernels)
-and the dispatch checks skip.
+kernel (float32's Hopper backward is tests/test_tf32.py's); with masks (but varlen batches) and
+score modifiers at D = 64 only, deterministic without masks only; ``FLASH_NIF_SM90=0`` forces the
+portable kernels; ``info()["cuda"]["last_kernels"]["backward"]`` says which kernel ran and why. On
+other GPUs the accuracy cases still run (on the portable kernels) and the dispatch checks skip.
 """
 
 from __future__ import annotations
@@ -99,11 +98,14 @@ def test_env_switches_it_off_and_the_portable_path_agrees(hopper, make_inputs, m
 
 
 def test_what_it_cannot_take_falls_back_and_says_why(hopper, make_inputs):
-    cases = (("D = 256", 256, {}, False, "head dim 256"), ("float32", 128, {}, False, "float32"),
+    # float32 has its own Hopper backward at D = 64 only (tests/test_tf32.py).
+    cases = (("D = 256", 256, {}, False, "head dim 256"),
+             ("float32", 128, {}, False, "head dim 128 is not one of [64]"),
+             ("float32 window", 64, {"window": (16, 0)}, False, "float32 with masks"),
              ("window at D = 128", 128, {"window": (16, 0)}, False, "masks at head dim 128"),
              ("deterministic window", 64, {"window": (16, 0)}, True, "deterministic with masks"))
     for what, d, opts, deterministic, why in cases:
-        dtype = DTYPES["f32" if what == "float32" else "bf16"]
+        dtype = DTYPES["f32" if what.startswith("float32") else "bf16"]
         q, k, v, do = (to_gpu("torch", x) for x in make_inputs(0, 1, 64, 64, 2, 2, d, dtype))
         _, g = grads(hopper, q, k, v, do, False, deterministic, **opts)
         assert not any(torch.isnan(x).any() for x in g)

@@ -1,5 +1,6 @@
 """float32 on tensor cores: the ``precision`` option (cuda/tf32.h; fwd.cu, bwd_dq.cu and bwd_dkdv.cu
-with TF32_TERMS).
+with TF32_TERMS; on Hopper the wgmma kernels cuda/fwd_sm90_f32.cu, bwd_dq_sm90_f32.cu and
+bwd_dkdv_sm90_f32.cu).
 
 GPU tests (marked ``gpu``): every kernel ``precision="exact"`` can pick for float32 against the
 float64 oracle — the split-TF32 forward (three TF32 products per pair) and the split-TF32 backward
@@ -11,7 +12,9 @@ GQA, causal with Sq != Sk, ragged tiles, each mask and modifier. ``FLASH_NIF_TF3
 SIMT kernels on the same inputs for the record (printed beside). ``precision="tf32"`` (one TF32
 product) within its documented bound (5e-3) for o, lse, dq, dk and dv. Outputs of the native entry
 points are poisoned with NaN first. ``info()["cuda"]["last_kernels"]`` must name the kernel each
-precision promises.
+precision promises. On a Hopper GPU the f32 forward at D = 64 and 128 and the f32 backward at D = 64
+(plain problems) run the wgmma kernels, checked the same way, on strided views too, and what they do
+not take falls back with the reason in ``info()``.
 
 CPU tests (run in CI): the option is accepted by every call, the CPU computes in float32 under
 either value (bit-identical results), and a bad value is a clear UnsupportedError.
@@ -178,8 +181,11 @@ def _run(fa, ref, rel_err, make_inputs, shape, causal, kw=None, precision="exact
     return err, ran
 
 
-def _backward_kernel(deterministic: bool) -> str:
-    """The name prefix of the backward kernel info() reports: the dK/dV one of either path."""
+def _backward_kernel(deterministic: bool, hopper: bool = False) -> str:
+    """The name prefix of the backward kernel info() reports: the dK/dV one of either path (on Hopper
+    the f32 dK/dV kernel, cuda/bwd_dkdv_sm90_f32.cu, after its own dQ kernel on both paths)."""
+    if hopper:
+        return "bwd_sm90_f32_d64_"
     return "bwd_dkdv_f32_" if deterministic else "bwd_dkdv_dq_f32_"
 
 
@@ -187,6 +193,13 @@ def hopper_f32(fa, d: int, plain: bool = True, precision: str = "exact") -> bool
     """Does the f32 forward at head dim d run the Hopper kernel (cuda/fwd_sm90_f32.cu: compute
     capability 9.0, FLASH_NIF_SM90 not 0, D = 64 or 128, no mask or modifier, 16 keys or more)?"""
     return bool(fa.info()["cuda"].get("sm90")) and d in (64, 128) and plain
+
+
+def hopper_f32_backward(fa, d: int, plain: bool = True) -> bool:
+    """Does the f32 backward at head dim d run the Hopper kernels (cuda/bwd_dq_sm90_f32.cu and
+    cuda/bwd_dkdv_sm90_f32.cu: compute capability 9.0, FLASH_NIF_SM90 not 0, D = 64, no mask or
+    modifier, 16 keys or more under "exact")?"""
+    return bool(fa.info()["cuda"].get("sm90")) and d == 64 and plain
 
 
 def exact_forward_math(d: int, hopper: bool = False) -> str:
@@ -203,16 +216,19 @@ def _check_exact(fa, ref, rel_err, make_inputs, record_error, shape, causal, kw=
     assert ran["forward"]["math"] == math and (math != "3xtf32" or "tf32_terms3" in ran["forward"]["kernel"]), ran
     assert ran["forward"]["kernel"].startswith("fwd_sm90_f32_") == hopper, ran
     bwd = ran["backward"]
-    assert bwd["math"] == "f32-simt", ran  # exact's backward: SIMT (faster than split TF32, config.rs)
-    assert bwd["kernel"].startswith(_backward_kernel(deterministic)), ran
+    # exact's portable backward: SIMT (faster than its split TF32, config.rs); on Hopper at D = 64 split TF32.
+    hopper_bwd = hopper_f32_backward(fa, shape[-1], plain=not kw)
+    bwd_math = "3xtf32" if hopper_bwd else "f32-simt"
+    assert bwd["math"] == bwd_math, ran
+    assert bwd["kernel"].startswith(_backward_kernel(deterministic, hopper_bwd)), ran
     with _Env("0"):
         simt, ran_simt = _run(fa, ref, rel_err, make_inputs, shape, causal, kw, deterministic=deterministic)
     assert ran_simt["forward"]["math"] == "f32-simt" and ran_simt["backward"]["math"] == "f32-simt", ran_simt
-    print(f"{shape} causal={causal} det={deterministic} {kw and list(kw)}: {math} "
+    print(f"{shape} causal={causal} det={deterministic} {kw and list(kw)}: {math} / {bwd_math} "
           + " ".join(f"{n} {e:.2e}" for n, e in err.items())
           + " | simt " + " ".join(f"{n} {e:.2e}" for n, e in simt.items()))
     for name, e in err.items():
-        record_error(f"f32-{math}" if name in ("o", "lse") else "f32-simt", name, e)
+        record_error(f"f32-{math}" if name in ("o", "lse") else f"f32-{bwd_math}", name, e)
         record_error("f32-simt", name, simt[name])
         assert e <= EXACT_BOUNDS[name], f"{name} {e:.3e} > {EXACT_BOUNDS[name]:.1e} ({shape}, causal={causal}, {kw})"
 
@@ -245,7 +261,7 @@ def test_tf32_within_its_documented_bound(gpu, ref, rel_err, make_inputs, record
     assert ran["forward"]["math"] == "tf32" and "tf32_terms1" in ran["forward"]["kernel"], ran
     bwd = ran["backward"]
     assert bwd["math"] == "tf32" and "tf32_terms1" in bwd["kernel"], ran
-    assert bwd["kernel"].startswith(_backward_kernel(deterministic)), ran
+    assert bwd["kernel"].startswith(_backward_kernel(deterministic, hopper_f32_backward(gpu, shape[-1]))), ran
     print(f"{shape} causal={causal} det={deterministic}: tf32 " + " ".join(f"{n} {e:.2e}" for n, e in err.items()))
     for name, e in err.items():
         record_error("f32-tf32", name, e)
@@ -282,14 +298,15 @@ def test_every_output_element_is_written(gpu, ref, rel_err, make_inputs, precisi
 @pytest.mark.skipif(not HAVE_TORCH_GPU, reason="poisoned outputs need torch")
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
 @pytest.mark.parametrize("precision", ["exact", "tf32"])
-def test_every_gradient_element_is_written(gpu, ref, rel_err, make_inputs, precision, deterministic):
+@pytest.mark.parametrize("d", [72, 64])
+def test_every_gradient_element_is_written(gpu, ref, rel_err, make_inputs, precision, deterministic, d):
     """The f32 backward through the native entry point into NaN-poisoned dq, dk, dv: a head dim
     that is not a multiple of 16 (D = 72: padded columns, D_SPLIT), ragged query and key tiles, GQA.
-    "tf32" runs the TF32 kernels; "exact" the SIMT ones (the split-TF32 backward was slower,
-    config.rs's tf32_terms)."""
+    "tf32" runs the TF32 kernels; "exact" the SIMT ones (the portable split-TF32 backward was
+    slower, config.rs's tf32_terms); on Hopper at D = 64 both run the wgmma kernels."""
     import torch
 
-    b, sq, sk, h, hkv, d = 1, 131, 77, 4, 2, 72
+    b, sq, sk, h, hkv = 1, 131, 77, 4, 2
     q, k, v, do = make_inputs(4, b, sq, sk, h, hkv, d, np.float32)
     o, lse = ref.forward_with_states(q, k, v, causal=True)
     host = [do, q, k, v, o.astype(np.float32), lse.astype(np.float32)]
@@ -301,9 +318,10 @@ def test_every_gradient_element_is_written(gpu, ref, rel_err, make_inputs, preci
                                      precision=precision, deterministic=deterministic)
     torch.cuda.synchronize()
     ran = last(gpu, "backward")
-    assert ran["math"] == {"exact": "f32-simt", "tf32": "tf32"}[precision], ran
-    if precision == "tf32":
-        assert ran["kernel"].startswith(_backward_kernel(deterministic)), ran
+    hopper_bwd = hopper_f32_backward(gpu, d)
+    assert ran["math"] == {"exact": "3xtf32" if hopper_bwd else "f32-simt", "tf32": "tf32"}[precision], ran
+    if precision == "tf32" or hopper_bwd:
+        assert ran["kernel"].startswith(_backward_kernel(deterministic, hopper_bwd)), ran
     want = ref.backward(do, q, k, v, o, lse, causal=True)
     bound = EXACT_BOUNDS["dq"] if precision == "exact" else TF32_BOUND
     for name, got, w in zip(("dq", "dk", "dv"), grads, want):
@@ -436,3 +454,145 @@ def test_hopper_f32_falls_back_and_says_why(hopper, make_inputs):
         hopper.forward(*g, causal=True)
     ran = last(hopper)
     assert ran["math"] == "f32-simt" and "FLASH_NIF_TF32=0" in ran["not_sm90_because"], ran
+
+
+# ---- GPU: the Hopper f32 backward (cuda/bwd_dq_sm90_f32.cu, then cuda/bwd_dkdv_sm90_f32.cu) ---------
+
+# (B, Sq, Sk, H, Hkv, D): D = 64 (its one head dim), GQA 4:1, ragged query and key tiles, Sq != Sk both
+# ways (causal rows that see no key: dq = 0 there), several query and key tiles, ~2048 keys.
+HOPPER_BWD_SHAPES = [
+    pytest.param((2, 1000, 1000, 4, 1, 64), id="s1000-gqa4"),
+    pytest.param((1, 128, 300, 4, 1, 64), id="sq128<sk300-gqa4"),
+    pytest.param((1, 300, 128, 4, 1, 64), id="sq300>sk128-gqa4"),
+    pytest.param((1, 2047, 2047, 4, 1, 64), id="s2047-gqa4"),
+    pytest.param((1, 70, 17, 2, 2, 64), id="s70-sk17"),
+]
+
+
+def _hopper_backward(fa, ref, rel_err, make_inputs, shape, causal, deterministic=False, precision="exact",
+                     views=None):
+    """{dq, dk, dv: error against the oracle} of the f32 backward on a GPU (fed the GPU forward's o and
+    lse, as the oracle is), the backward kernel that ran, and the gradients on the host; `views`
+    (test_strides_gpu's kinds) runs it on strided views of q, k, v, and dO as a [B, H, S, D]
+    transpose."""
+    import torch
+
+    from test_strides_gpu import views as make_views
+
+    b, sq, sk, h, hkv, d = shape
+    if views:
+        assert sq == sk
+        gen = torch.Generator(device="cuda").manual_seed(8)
+        g = list(make_views(views, b, sq, h, hkv, d, torch.float32, gen))
+        g.append(torch.randn(b, h, sq, d, device="cuda", generator=gen).transpose(1, 2))
+        q, k, v, do = (x.cpu().numpy() for x in g)
+    else:
+        q, k, v, do = make_inputs(17, b, sq, sk, h, hkv, d, np.float32)
+        g = [to_gpu("torch", x) for x in (q, k, v, do)]
+    o, lse = fa.forward_with_states(*g[:3], causal=causal, precision=precision)
+    grads = [to_host(x) for x in fa.backward(g[3], *g[:3], o, lse, causal=causal, precision=precision,
+                                             deterministic=deterministic)]
+    ran = last(fa, "backward")
+    want = ref.backward(do, q, k, v, to_host(o), to_host(lse), causal=causal)
+    return {n: rel_err(x, w) for n, x, w in zip(("dq", "dk", "dv"), grads, want)}, ran, grads
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_TORCH_GPU, reason="needs torch")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", HOPPER_BWD_SHAPES)
+def test_hopper_f32_backward_exact_meets_the_f32_bound(hopper, ref, rel_err, make_inputs, record_error, shape,
+                                                       causal, deterministic):
+    """precision="exact" runs the Hopper backward (split TF32 on wgmma; no atomics, so either value of
+    `deterministic`) within the f32 bound; the same inputs on the portable kernels (FLASH_NIF_SM90=0)
+    printed beside."""
+    args = (hopper, ref, rel_err, make_inputs, shape, causal, deterministic)
+    err, ran, (dq, dk, dv) = _hopper_backward(*args)
+    assert ran["kernel"].startswith("bwd_sm90_f32_d64_") and "tf32_terms3" in ran["kernel"], ran
+    assert ran["math"] == "3xtf32" and ran["not_sm90_because"] is None, ran
+    with _Env("0", "FLASH_NIF_SM90"):
+        simt, ran_simt, _ = _hopper_backward(*args)
+    assert ran_simt["math"] == "f32-simt" and "FLASH_NIF_SM90=0" in ran_simt["not_sm90_because"], ran_simt
+    print(f"{shape} causal={causal} det={deterministic} {ran['kernel']}: "
+          + " ".join(f"{n} {e:.2e}" for n, e in err.items())
+          + " | simt " + " ".join(f"{n} {e:.2e}" for n, e in simt.items()))
+    b, sq, sk = shape[:3]
+    if causal and sq > sk:  # rows that see no key have no gradient
+        assert (dq[:, : sq - sk] == 0).all()
+    for x in (dq, dk, dv):
+        assert np.isfinite(x).all()
+    for name, e in err.items():
+        record_error("f32-3xtf32-sm90", name, e)
+        assert e <= EXACT_BOUNDS[name], f"{name} {e:.3e} > {EXACT_BOUNDS[name]:.1e} ({shape}, causal={causal})"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_TORCH_GPU, reason="needs torch")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_f32_backward_is_bit_identical_run_to_run(hopper, make_inputs, causal):
+    import torch
+
+    q, k, v, do = (to_gpu("torch", x) for x in make_inputs(19, 2, 777, 777, 8, 2, 64, np.float32))
+    o, lse = hopper.forward_with_states(q, k, v, causal=causal)
+    first = hopper.backward(do, q, k, v, o, lse, causal=causal, deterministic=True)
+    assert last(hopper, "backward")["kernel"].startswith("bwd_sm90_f32_d64_"), last(hopper, "backward")
+    for _ in range(3):
+        again = hopper.backward(do, q, k, v, o, lse, causal=causal, deterministic=True)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_TORCH_GPU, reason="needs torch")
+@pytest.mark.parametrize("kind", ["qkv", "bhsd", "batch-slice"])
+def test_hopper_f32_backward_on_strided_views(hopper, ref, rel_err, make_inputs, kind):
+    err, ran, _ = _hopper_backward(hopper, ref, rel_err, make_inputs, (2, 333, 333, 4, 2, 64), True, views=kind)
+    assert ran["kernel"].startswith("bwd_sm90_f32_d64_") and ran["not_sm90_because"] is None, ran
+    for name, e in err.items():
+        assert e <= EXACT_BOUNDS[name], f"{name} {e:.3e} ({kind})"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_TORCH_GPU, reason="needs torch")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_tf32_backward_one_product(hopper, ref, rel_err, make_inputs, record_error, causal):
+    """precision="tf32" runs the same kernels with one TF32 product: within its bound, and measurably
+    less exact than "exact" (so it did round)."""
+    err, ran, _ = _hopper_backward(hopper, ref, rel_err, make_inputs, (1, 300, 300, 4, 1, 64), causal,
+                                   precision="tf32")
+    assert ran["kernel"].startswith("bwd_sm90_f32_d64_") and "tf32_terms1" in ran["kernel"], ran
+    assert ran["math"] == "tf32", ran
+    for name, e in err.items():
+        record_error("f32-tf32-sm90", name, e)
+        assert e <= TF32_BOUND, err
+    assert min(err.values()) > 10 * EXACT_BOUNDS["dq"], err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_TORCH_GPU, reason="needs torch")
+def test_hopper_f32_backward_falls_back_and_says_why(hopper, ref, rel_err, make_inputs):
+    """What the Hopper f32 backward does not take runs an exact portable kernel, and info() says why."""
+    def backward(shape, **kw):
+        b, sq, sk, h, hkv, d = shape
+        q, k, v, do = make_inputs(23, b, sq, sk, h, hkv, d, np.float32)
+        g = [to_gpu("torch", x) for x in (q, k, v, do)]
+        o, lse = hopper.forward_with_states(*g[:3], causal=True, **kw)
+        grads = hopper.backward(g[3], *g[:3], o, lse, causal=True, **kw)
+        want = ref.backward(do, q, k, v, to_host(o), to_host(lse), causal=True, **kw)
+        for name, x, w in zip(("dq", "dk", "dv"), grads, want):
+            assert rel_err(to_host(x), w) <= EXACT_BOUNDS[name], (name, shape, kw)
+        return last(hopper, "backward")
+
+    ran = backward((1, 100, 100, 2, 2, 128))
+    assert ran["math"] == "f32-simt" and ran["kernel"].startswith("bwd_dkdv_dq_f32_d128"), ran
+    assert "head dim 128" in ran["not_sm90_because"], ran
+    ran = backward((1, 100, 100, 2, 2, 64), window=(20, 0))
+    assert not ran["kernel"].startswith("bwd_sm90") and "masks" in ran["not_sm90_because"], ran
+    ran = backward((1, 100, 15, 2, 2, 64))  # fewer keys than MIN_SPLIT_TF32_KEYS
+    assert ran["math"] == "f32-simt" and "16 keys or more" in ran["not_sm90_because"], ran
+    with _Env("0"):
+        ran = backward((1, 100, 100, 2, 2, 64))
+    assert ran["math"] == "f32-simt" and "FLASH_NIF_TF32=0" in ran["not_sm90_because"], ran
+    ran = backward((1, 100, 100, 2, 2, 64))
+    assert ran["math"] == "3xtf32" and ran["kernel"].startswith("bwd_sm90_f32_d64_"), ran

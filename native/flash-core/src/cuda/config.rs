@@ -28,8 +28,9 @@ pub struct Spec {
     pub group: usize,
     /// Sk: EVEN_N drops the ragged-tile mask when it divides BLOCK_N.
     pub seq_k: usize,
-    /// f32 on tensor cores (fwd.cu, bwd_dq.cu and bwd_dkdv.cu with cuda/tf32.h): TF32 products per
-    /// pair, 3 (split TF32, exact) or 1 (TF32); 0: the SIMT f32 kernels, and every fp16 / bf16 kernel.
+    /// f32 on tensor cores (fwd.cu, bwd_dq.cu and bwd_dkdv.cu with cuda/tf32.h; the Hopper f32
+    /// kernels cuda/*_sm90_f32.cu): TF32 products per pair, 3 (split TF32, exact) or 1 (TF32); 0: the
+    /// SIMT f32 kernels, and every fp16 / bf16 kernel.
     /// [`tf32_terms`] chooses it for a call.
     pub tf32_terms: usize,
 }
@@ -46,31 +47,46 @@ pub const TF32_ENV: &str = "FLASH_NIF_TF32";
 pub const MIN_SPLIT_TF32_KEYS: usize = 16;
 
 /// The TF32 products per pair of a call's `kernel` with `seq_k` keys at head dim `head_dim` (see
-/// [`Spec::tf32_terms`]): for f32, the split-TF32 forward under `precision="exact"` (its errors
-/// against the oracle are within twice the SIMT kernel's: tests/test_tf32.py) from
-/// MIN_SPLIT_TF32_KEYS keys on, at the head dims where it is the faster exact forward — all but
-/// those of the SIMT kernels (64 and 128, where SIMT measured 0.98-1.05x and 1.08-1.15x split's
-/// speed on an H100, split 1.2-1.7x SIMT's at 32, 96 and 256: bench/RESULTS.md) — and the one-product forward and backward
-/// (dQ, dK/dV with or without atomic dQ) under `"tf32"`. `"exact"`'s backward stays SIMT: the split-TF32 backward (TF32_TERMS = 3, as accurate)
-/// measured slower (H100: 25-35 against 33-37 TFLOPS, bench/RESULTS.md). The elementwise backward
-/// kernels compute in f32 under either.
+/// [`Spec::tf32_terms`]); 0 for every dtype but f32, and for the elementwise kernels (which compute
+/// in f32 under either precision).
+/// - `precision="tf32"`: 1, forward and backward (the portable dQ and dK/dV kernels with or without
+///   atomic dQ; the Hopper ones).
+/// - `precision="exact"`: 3 (split TF32; its errors against the oracle are within twice the SIMT
+///   kernels': tests/test_tf32.py) from MIN_SPLIT_TF32_KEYS keys on, unless `FLASH_NIF_TF32=0`, for
+///   - the Hopper kernels (the f32 forward, dK/dV and dQ: cuda/*_sm90_f32.cu) at every head dim they
+///     take;
+///   - the portable forward at the head dims where split is the faster exact forward: all but the
+///     SIMT kernels' (64 and 128, where SIMT measured 0.98-1.05x and 1.08-1.15x split's speed on an
+///     H100, split 1.2-1.7x SIMT's at 32, 96 and 256: bench/RESULTS.md).
+///
+///   The portable backward under `"exact"` stays SIMT: its split-TF32 form (as accurate) measured
+///   slower (H100: 25-35 against 33-37 TFLOPS, bench/RESULTS.md).
 pub fn tf32_terms(kernel: Kernel, dtype: DType, precision: Precision, seq_k: usize, head_dim: usize) -> usize {
     let split_allowed = || std::env::var(TF32_ENV).map_or(true, |v| v.trim() != "0");
     if dtype != DType::F32 || !has_tf32(kernel) {
         return 0;
     }
+    let split = seq_k >= MIN_SPLIT_TF32_KEYS && split_allowed();
     match precision {
-        // The Hopper f32 forward (cuda/fwd_sm90_f32.cu) is split TF32 at every head dim it takes.
-        Precision::Exact if kernel == Kernel::FwdSm90 && seq_k >= MIN_SPLIT_TF32_KEYS && split_allowed() => 3,
-        Precision::Exact if kernel == Kernel::Fwd && seq_k >= MIN_SPLIT_TF32_KEYS && !simt_f32(head_dim) && split_allowed() => 3,
+        Precision::Exact if kernel.is_sm90() && split => 3,
+        Precision::Exact if kernel == Kernel::Fwd && !simt_f32(head_dim) && split => 3,
         Precision::Exact => 0,
         Precision::Tf32 => 1,
     }
 }
 
-/// The kernels with a tensor-core f32 form (cuda/tf32.h's GEMMs).
+/// The kernels with a tensor-core f32 form (cuda/tf32.h's mma.sync GEMMs, the Hopper ones' wgmma).
 fn has_tf32(kernel: Kernel) -> bool {
-    matches!(kernel, Kernel::Fwd | Kernel::FwdSm90 | Kernel::BwdDq | Kernel::BwdDkdv | Kernel::BwdDkdvDq)
+    matches!(
+        kernel,
+        Kernel::Fwd
+            | Kernel::FwdSm90
+            | Kernel::BwdSm90
+            | Kernel::BwdDqSm90
+            | Kernel::BwdDq
+            | Kernel::BwdDkdv
+            | Kernel::BwdDkdvDq
+    )
 }
 
 /// The variants a launch may use, in order of preference: the default tiles, then the small ones
@@ -191,6 +207,16 @@ fn attention_variants(head_dims: &[usize]) -> Vec<Variant> {
                     }
                 }
             }
+            if dtype == DType::F32 && super::sm90::F32_BWD_HEAD_DIMS.contains(&head_dim) {
+                // The Hopper f32 backward, dQ then dK/dV: plain problems only (sm90.rs), both precisions.
+                for k in [Kernel::BwdDqSm90, Kernel::BwdSm90] {
+                    for terms in [3, 1] {
+                        for causal in [false, true] {
+                            out.extend(table_candidates(&Spec { tf32_terms: terms, ..spec(k, causal, false, false) }));
+                        }
+                    }
+                }
+            }
             if dtype != DType::F32 && super::sm90::HEAD_DIMS.contains(&head_dim) {
                 for (causal, masked, mods) in [(false, false, false), (true, false, false), (false, true, false), (false, true, true)] {
                     out.extend(table_candidates(&spec(Kernel::FwdSm90, causal, masked, mods)));
@@ -233,6 +259,9 @@ fn default_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize
     // The Hopper backward: 128 keys per block (two consumer warpgroups of 64), 128 query rows per
     // step at D = 64 (64-row steps were 64 x 64 x 64 products: too short) and 64 at D = 128, Q and
     // dO STAGES = 2 deep (cuda/bwd_sm90.cu; D = 64 and 128 only).
+    if kernel == Kernel::BwdDqSm90 || (kernel == Kernel::BwdSm90 && dtype == DType::F32) {
+        return sm90_f32_bwd_tiles(kernel);
+    }
     if kernel == Kernel::BwdSm90 {
         return (if d <= 64 { 128 } else { 64 }, 128, 12, 2, 1);
     }
@@ -311,6 +340,7 @@ fn small_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, 
 fn tf32_tiles(kernel: Kernel, set: TileSet, d: usize) -> (usize, usize, usize, usize, usize) {
     match kernel {
         Kernel::FwdSm90 => sm90_f32_tiles(d),
+        Kernel::BwdSm90 | Kernel::BwdDqSm90 => sm90_f32_bwd_tiles(kernel),
         Kernel::BwdDq => tf32_dq_tiles(set, d),
         Kernel::BwdDkdv | Kernel::BwdDkdvDq => tf32_dkdv_tiles(set, d),
         _ => tf32_fwd_tiles(set, d),
@@ -326,6 +356,22 @@ fn sm90_f32_tiles(d: usize) -> (usize, usize, usize, usize, usize) {
         (128, 64, 12, 2, 1)
     } else {
         (128, 32, 12, 1, 1)
+    }
+}
+
+/// The Hopper f32 backward's (head dim 64 only: sm90::F32_BWD_HEAD_DIMS), the 4th value STAGES. Its
+/// shared memory holds two TF32 parts of each operand, and TF32 wgmma takes K-major operands only,
+/// so the transposed ones are copies of their own:
+/// - dK / dV (cuda/bwd_dkdv_sm90_f32.cu, 64 keys a block, 32 query rows a step): K and V 64 KiB,
+///   and per consumer warpgroup Q, Q^T, dO and dO^T at 32 rows 64 KiB, x 2 = 192 KiB.
+/// - dQ (cuda/bwd_dq_sm90_f32.cu, 128 query rows a block, 32 keys a step): Q and dO 128 KiB, and
+///   2 stages of K, V and K^T at 32 keys 96 KiB = 224 KiB.
+///
+/// Hopper only, so the small tiles are the same.
+fn sm90_f32_bwd_tiles(kernel: Kernel) -> (usize, usize, usize, usize, usize) {
+    match kernel {
+        Kernel::BwdDqSm90 => (128, 32, 12, 2, 1),
+        _ => (32, 64, 12, 1, 1),
     }
 }
 
@@ -391,7 +437,9 @@ fn source(kernel: Kernel, dtype: DType, d: usize, tf32_terms: usize) -> &'static
         (Kernel::Fwd, _) => "fwd.cu",
         (Kernel::FwdSm90, DType::F32) => "fwd_sm90_f32.cu",
         (Kernel::FwdSm90, _) => "fwd_sm90.cu",
+        (Kernel::BwdSm90, DType::F32) => "bwd_dkdv_sm90_f32.cu",
         (Kernel::BwdSm90, _) => "bwd_sm90.cu",
+        (Kernel::BwdDqSm90, _) => "bwd_dq_sm90_f32.cu",
         (Kernel::BwdDq, _) => "bwd_dq.cu",
         (Kernel::BwdDkdv | Kernel::BwdDkdvDq, _) => "bwd_dkdv.cu",
         (Kernel::BwdPreprocess, _) => "bwd_preprocess.cu",
@@ -459,7 +507,7 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
                 defines.push(("PINGPONG", (t.num_warps >= 12) as i64));
             }
         }
-        if kernel == Kernel::BwdSm90 {
+        if kernel == Kernel::BwdSm90 || kernel == Kernel::BwdDqSm90 {
             defines.push(("STAGES", t.d_split as i64));
         }
         defines.push(("MIN_BLOCKS", t.min_blocks as i64));
@@ -531,7 +579,12 @@ mod tests {
                 match v.kernel {
                     Kernel::Fwd => assert_eq!(t.block_m, 16 * t.num_warps * t.d_split, "{}", v.name()),
                     Kernel::FwdSm90 => assert_eq!(t.block_m, 64 * (t.num_warps / 4 - 1), "{}", v.name()),
+                    // The f32 dK / dV kernel: its 64 keys are one wgmma M; each consumer takes its own query rows.
+                    Kernel::BwdSm90 if v.dtype == DType::F32 => {
+                        assert_eq!((t.block_n, t.num_warps), (64, 12), "{}", v.name())
+                    }
                     Kernel::BwdSm90 => assert_eq!(t.block_n, 64 * (t.num_warps / 4 - 1), "{}", v.name()),
+                    Kernel::BwdDqSm90 => assert_eq!(t.block_m, 64 * (t.num_warps / 4 - 1), "{}", v.name()),
                     Kernel::BwdDq => assert_eq!(t.block_m, 16 * t.num_warps, "{}", v.name()),
                     Kernel::BwdDkdv | Kernel::BwdDkdvDq => {
                         assert_eq!(t.block_n * t.d_split, 16 * t.num_warps, "{}", v.name())
@@ -640,6 +693,52 @@ mod tests {
             let simt = variant(&spec(k, DType::F32, 64), TileSet::Default);
             assert_eq!((simt.source, simt.math()), (src, "f32-simt"));
             assert!(!simt.defines.iter().any(|(k, _)| *k == "TF32_TERMS" || *k == "D_SPLIT"), "SIMT names stay as they were");
+        }
+    }
+
+    #[test]
+    fn hopper_f32_backward_is_split_tf32_under_exact() {
+        for k in [Kernel::BwdSm90, Kernel::BwdDqSm90] {
+            assert_eq!(tf32_terms(k, DType::F32, Precision::Tf32, 1, 64), 1, "{k:?}");
+            if std::env::var(TF32_ENV).is_err() {
+                assert_eq!(tf32_terms(k, DType::F32, Precision::Exact, MIN_SPLIT_TF32_KEYS, 64), 3, "{k:?}");
+            }
+            let short = tf32_terms(k, DType::F32, Precision::Exact, MIN_SPLIT_TF32_KEYS - 1, 64);
+            assert_eq!(short, 0, "{k:?}: short keys");
+            for dt in [DType::F16, DType::BF16] {
+                assert_eq!(tf32_terms(k, dt, Precision::Tf32, 4096, 64), 0, "{k:?} {dt:?}");
+            }
+        }
+        let (dkdv, dq) = (Kernel::BwdSm90, Kernel::BwdDqSm90);
+        assert_eq!((dq.name(), dq.entry(), dq.is_sm90()), ("bwd_dq_sm90", "flash_bwd_dq_sm90", true));
+        let want = [
+            (dkdv, "bwd_dkdv_sm90_f32.cu", (32, 64, 12, 1, 1)),
+            (dq, "bwd_dq_sm90_f32.cu", (128, 32, 12, 2, 1)),
+        ];
+        for (k, src, t) in want {
+            for (terms, math) in [(3i64, "3xtf32"), (1, "tf32")] {
+                for set in [TileSet::Default, TileSet::Small] {
+                    let v = variant(&Spec { tf32_terms: terms as usize, ..spec(k, DType::F32, 64) }, set);
+                    assert_eq!((v.source, v.math(), v.tiles), (src, math, tiles(t)), "{}", v.name());
+                    let (stages, rows) = (t.3 as i64, t.0 as i64);
+                    for def in [("TF32_TERMS", terms), ("STAGES", stages), ("BLOCK_M", rows), ("IS_CAUSAL", 1)] {
+                        assert!(v.defines.contains(&def), "{}: {def:?}", v.name());
+                    }
+                    let name = format!("{}_f32_d64_num_warps12_is_causal1_gqa_group2_", k.name());
+                    assert!(v.name().starts_with(&name), "{}", v.name());
+                }
+            }
+        }
+        // The 16-bit Hopper backward keeps its file and tiles.
+        let v = variant(&spec(dkdv, DType::BF16, 64), TileSet::Default);
+        assert_eq!((v.source, v.tiles), ("bwd_sm90.cu", tiles((128, 128, 12, 2, 1))));
+        // The table lists both kernels, both precisions, causal or not, at the Hopper f32 backward's
+        // head dims only.
+        let table = attention_variants(&[64, 128]);
+        for k in [dkdv, dq] {
+            let f32s: Vec<_> = table.iter().filter(|v| v.kernel == k && v.dtype == DType::F32).collect();
+            assert_eq!(f32s.len(), 4, "{k:?}");
+            assert!(f32s.iter().all(|v| v.head_dim == 64 && !v.defines.iter().any(|(d, _)| *d == "MASKED")));
         }
     }
 

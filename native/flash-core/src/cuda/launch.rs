@@ -13,6 +13,7 @@ use super::sm90;
 use super::trace;
 use super::variant::{Kernel, Variant};
 use crate::dispatch::{self, Backend, Pass};
+use crate::dtype::DType;
 use crate::error::{FlashError, Result};
 use crate::guard::catch_panics;
 use crate::problem::Problem;
@@ -403,7 +404,7 @@ pub unsafe fn forward_device(p: &Problem, device: usize, stream: usize, ptrs: Fo
 
 /// Backward on device memory: dq, dk, dv from dO, q, k, v, o and lse. Allocates two lse-sized f32
 /// buffers of workspace (stream-ordered) for delta and the log2-domain lse, and on the atomic-dQ
-/// path (and the Hopper kernel's) a q-sized one more for the f32 dQ sums (the Hopper kernel's
+/// path (and the 16-bit Hopper kernel's) a q-sized one more for the f32 dQ sums (the Hopper kernel's
 /// deterministic mode: and an int32 per 64-row dQ tile; masked: the [B, 6] int32 batch-row table);
 /// through the padding layer ([`pad`]) the q-sized one is at the kernels' head dim, and the copies
 /// of [`pad::workspace_bytes`] come on top.
@@ -503,8 +504,9 @@ pub(super) unsafe fn backward_kernels(dev: &Device, p: &Problem, s: cu::CUstream
     (prm.q, prm.k, prm.v, prm.o, prm.lse, prm.dout) = (ptrs.q, ptrs.k, ptrs.v, ptrs.o, ptrs.lse, ptrs.d_out);
     (prm.dq, prm.dk, prm.dv, prm.dlse) = (ptrs.dq, ptrs.dk, ptrs.dv, ptrs.dlse);
     set_strides(&mut prm, p, ptrs.strides);
-    // The Hopper kernel adds dQ into dq_accum (in key-block order when deterministic); else the
-    // default adds it with atomics and the deterministic backward computes it in its own kernel.
+    // The 16-bit Hopper kernel adds dQ into dq_accum (in key-block order when deterministic), the f32
+    // Hopper backward computes it in its own kernel; else the default adds it with atomics and the
+    // deterministic backward computes it in its own kernel.
     let (sq, sk) = (d.seq_q, d.seq_k);
     let tensors = [(prm.q, prm.q_st, sq), (prm.k, prm.k_st, sk), (prm.v, prm.v_st, sk), (prm.dout, prm.do_st, sq)];
     let hopper = match sm90::backward_choice(dev, p, &tensors) {
@@ -514,18 +516,21 @@ pub(super) unsafe fn backward_kernels(dev: &Device, p: &Problem, s: cu::CUstream
             false
         }
     };
-    let atomic_dq = hopper || !p.deterministic;
+    // The Hopper f32 backward writes dQ from its own kernel: no dq_accum, no conversion.
+    let hopper_f32 = hopper && p.dtype == DType::F32;
+    let atomic_dq = !hopper_f32 && (hopper || !p.deterministic);
     let vp = kernel_variant(dev, p, Kernel::BwdPreprocess)?;
     let fp = device::function(dev, &vp)?;
-    // The Hopper kernel's dq_accum is in whole tiles (params.h's dq_tile_offset): Sq rounded up.
-    let (tile_rows, tiles) = if hopper { sm90::backward_query_tiles(dev, p)? } else { (0, 0) };
-    let dq_len = match (hopper, atomic_dq) {
+    // The 16-bit Hopper kernel's dq_accum is in whole tiles (params.h's dq_tile_offset): Sq rounded up.
+    let tiled = hopper && !hopper_f32;
+    let (tile_rows, tiles) = if tiled { sm90::backward_query_tiles(dev, p)? } else { (0, 0) };
+    let dq_len = match (tiled, atomic_dq) {
         (true, _) => d.batch * d.heads * tiles * tile_rows * d.head_dim,
         (false, true) => p.q_len(),
         (false, false) => 0,
     };
-    prm.dq_tiled = hopper as i32;
-    let sem_len = if hopper && p.deterministic { d.batch * d.heads * tiles } else { 0 };
+    prm.dq_tiled = tiled as i32;
+    let sem_len = if tiled && p.deterministic { d.batch * d.heads * tiles } else { 0 };
     // Each part on a 128-byte boundary (the Hopper kernel's bulk reductions need 16).
     let stats_pad = stats.next_multiple_of(32);
     let work = DeviceBuffer::alloc((2 * stats_pad + dq_len + sem_len) * 4, s)?;
@@ -540,7 +545,9 @@ pub(super) unsafe fn backward_kernels(dev: &Device, p: &Problem, s: cu::CUstream
     // after them and the workspace free after everything.
     unsafe {
         launch("flash_bwd_preprocess", fp, (grid_over(p.q_rows() * d.heads, vp.tiles.num_warps), 1, 1), s, &rows)?;
-        if atomic_dq {
+        if hopper_f32 {
+            sm90::backward_f32(dev, p, s, &prm)?;
+        } else if atomic_dq {
             let vc = kernel_variant(dev, p, Kernel::BwdDqConvert)?;
             let fc = device::function(dev, &vc)?;
             device::check("cuMemsetD32Async", cu::cuMemsetD32Async(prm.dq_accum, 0, dq_len + sem_len, s))?;

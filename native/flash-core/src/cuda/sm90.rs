@@ -1,13 +1,14 @@
-//! The Hopper kernels (cuda/fwd_sm90.cu, cuda/bwd_sm90.cu): when a call takes them, their tensor
+//! The Hopper kernels (cuda/fwd_sm90.cu, cuda/bwd_sm90.cu, and in f32 cuda/fwd_sm90_f32.cu,
+//! cuda/bwd_dq_sm90_f32.cu and cuda/bwd_dkdv_sm90_f32.cu): when a call takes them, their tensor
 //! maps, and their launches.
 //!
 //! The forward runs on compute capability 9.0 for fp16 / bf16 at D = 64, 128 and 256 (the call's
 //! head dim after padding), the backward at D = 64 and 128, both with every mask but varlen batches
-//! and every score modifier, unless `FLASH_NIF_SM90=0`. The f32 forward (cuda/fwd_sm90_f32.cu: one
-//! TF32 product under `"tf32"`, split TF32 under `"exact"`) runs at D = 64 and 128 on plain problems
-//! (causal or not). Anything else runs the portable kernels,
-//! which compute the same function; [`forward_choice`] and [`backward_choice`] say which and why,
-//! and `FLASH_NIF_LOG=1` prints it per call.
+//! and every score modifier, unless `FLASH_NIF_SM90=0`. In f32 (one TF32 product under `"tf32"`,
+//! split TF32 under `"exact"`) the forward runs at D = 64 and 128, the backward (a dQ kernel, then a
+//! dK/dV kernel) at D = 64, on plain problems (causal or not). Anything else runs the portable
+//! kernels, which compute the same function; [`forward_choice`] and [`backward_choice`] say which
+//! and why, and `FLASH_NIF_LOG=1` prints it per call.
 
 use cudarc::driver::sys as cu;
 
@@ -30,6 +31,9 @@ pub fn enabled() -> bool {
 pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 /// Head dims the Hopper f32 forward has kernels for.
 pub const F32_HEAD_DIMS: [usize; 2] = [64, 128];
+/// Head dims the Hopper f32 backward has kernels for (config.rs's sm90_f32_bwd_tiles: two TF32
+/// parts of every operand fill the shared memory at D = 64).
+pub const F32_BWD_HEAD_DIMS: [usize; 1] = [64];
 /// Head dims the Hopper backward has kernels for (D = 256's K, V, dK and dV do not fit one block's
 /// registers and shared memory in this design).
 pub const BWD_HEAD_DIMS: [usize; 2] = [64, 128];
@@ -42,29 +46,22 @@ pub(super) type MappedTensor = (u64, KernelStrides, usize);
 pub(super) fn forward_choice(dev: &Device, p: &Problem, tensors: &[MappedTensor]) -> std::result::Result<(), String> {
     if p.dtype == DType::F32 {
         common_choice(dev, p, tensors, &F32_HEAD_DIMS)?;
-        if !p.is_plain() {
-            return Err("float32 with masks or score modifiers runs the portable kernels".into());
-        }
-        let d = &p.dims;
-        if super::config::tf32_terms(Kernel::FwdSm90, p.dtype, p.precision, d.seq_k, d.head_dim) == 0 {
-            let why = format!(
-                "float32 \"exact\" runs the Hopper f32 forward's split TF32 only with {} keys or more and not {}=0",
-                super::config::MIN_SPLIT_TF32_KEYS,
-                super::config::TF32_ENV
-            );
-            return Err(why);
-        }
+        f32_choice(p, Kernel::FwdSm90, "forward")?;
     } else {
         common_choice(dev, p, tensors, &HEAD_DIMS)?;
     }
     fits(dev, p, Kernel::FwdSm90)
 }
 
-/// Whether `p`'s backward (head dims already the kernels') runs the Hopper kernel on `dev`
+/// Whether `p`'s backward (head dims already the kernels') runs the Hopper kernels on `dev`
 /// (`tensors`: q, k, v, dO): Ok(()) when it does, else the reason it does not.
 pub(super) fn backward_choice(dev: &Device, p: &Problem, tensors: &[MappedTensor]) -> std::result::Result<(), String> {
     if p.dtype == DType::F32 {
-        return Err("float32 runs the portable kernels".into());
+        // Both kernels write their gradients directly, no atomics: deterministic either way.
+        common_choice(dev, p, tensors, &F32_BWD_HEAD_DIMS)?;
+        f32_choice(p, Kernel::BwdSm90, "backward")?;
+        fits(dev, p, Kernel::BwdDqSm90)?;
+        return fits(dev, p, Kernel::BwdSm90);
     }
     common_choice(dev, p, tensors, &BWD_HEAD_DIMS)?;
     if !p.is_plain() && p.dims.head_dim > 64 {
@@ -76,6 +73,23 @@ pub(super) fn backward_choice(dev: &Device, p: &Problem, tensors: &[MappedTensor
         return Err("deterministic with masks runs the portable kernels".into());
     }
     fits(dev, p, Kernel::BwdSm90)
+}
+
+/// The f32 Hopper kernels' own conditions (`pass`: "forward" or "backward"): plain problems, and
+/// under `"exact"` the split TF32 that [`super::config::tf32_terms`] allows.
+fn f32_choice(p: &Problem, kernel: Kernel, pass: &str) -> std::result::Result<(), String> {
+    if !p.is_plain() {
+        return Err("float32 with masks or score modifiers runs the portable kernels".into());
+    }
+    let d = &p.dims;
+    if super::config::tf32_terms(kernel, p.dtype, p.precision, d.seq_k, d.head_dim) == 0 {
+        return Err(format!(
+            "float32 \"exact\" runs the Hopper f32 {pass}'s split TF32 only with {} keys or more and not {}=0",
+            super::config::MIN_SPLIT_TF32_KEYS,
+            super::config::TF32_ENV
+        ));
+    }
+    Ok(())
 }
 
 fn common_choice(dev: &Device, p: &Problem, tensors: &[MappedTensor], head_dims: &[usize]) -> std::result::Result<(), String> {
@@ -277,6 +291,28 @@ pub(super) unsafe fn backward(dev: &Device, p: &Problem, s: cu::CUstream, prm: &
                 device::launch("flash_bwd_sm90", f, grid, s, &params)
             }
         }
+    }
+}
+
+/// Launches the Hopper f32 backward for `p` with `prm` (pointers set, and the preprocess's delta
+/// and lse_log2): cuda/bwd_dq_sm90_f32.cu (a block per query tile, dQ), then
+/// cuda/bwd_dkdv_sm90_f32.cu (a block per key tile, dK and dV). Both read q, k, v and dO through
+/// the params' strides (no tensor maps) and write their gradients directly: no dq_accum.
+///
+/// # Safety
+/// As [`super::launch::backward_device`]; [`backward_choice`] must have accepted `p`.
+pub(super) unsafe fn backward_f32(dev: &Device, p: &Problem, s: cu::CUstream, prm: &FlashParams) -> Result<()> {
+    let d = &p.dims;
+    let vq = super::launch::kernel_variant(dev, p, Kernel::BwdDqSm90)?;
+    let vk = super::launch::kernel_variant(dev, p, Kernel::BwdSm90)?;
+    let (fq, fk) = (device::function(dev, &vq)?, device::function(dev, &vk)?);
+    let q_grid = (super::launch::grid_over(d.seq_q, vq.tiles.block_m), d.heads as u32, d.batch as u32);
+    let kv_grid = (super::launch::grid_over(d.seq_k, vk.tiles.block_n), d.kv_heads as u32, d.batch as u32);
+    super::trace::kernel("backward", &vk); // info() names the dK/dV kernel, as on the other paths
+    // SAFETY: the caller's guarantees; both kernels take FlashParams by value.
+    unsafe {
+        device::launch("flash_bwd_dq_sm90", fq, q_grid, s, prm)?;
+        device::launch("flash_bwd_sm90", fk, kv_grid, s, prm)
     }
 }
 

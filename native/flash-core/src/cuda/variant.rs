@@ -14,8 +14,11 @@ pub enum Kernel {
     Fwd,
     /// The Hopper forward (sm_90a only: wgmma, the tensor copy engine; sm90.rs decides when).
     FwdSm90,
-    /// The Hopper backward: dK, dV and dQ (bulk-reduced into dq_accum) in one kernel (sm_90a only).
+    /// The Hopper backward: dK, dV and dQ (bulk-reduced into dq_accum) in one kernel (sm_90a only);
+    /// in f32 dK and dV only (cuda/bwd_dkdv_sm90_f32.cu), dQ coming from [`Kernel::BwdDqSm90`].
     BwdSm90,
+    /// The Hopper f32 backward's dQ (cuda/bwd_dq_sm90_f32.cu, sm_90a only): a block per query tile.
+    BwdDqSm90,
     BwdPreprocess,
     BwdDq,
     BwdDkdv,
@@ -40,10 +43,11 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 16] = [
+    pub const ALL: [Kernel; 17] = [
         Kernel::Fwd,
         Kernel::FwdSm90,
         Kernel::BwdSm90,
+        Kernel::BwdDqSm90,
         Kernel::BwdPreprocess,
         Kernel::BwdDq,
         Kernel::BwdDkdv,
@@ -64,6 +68,7 @@ impl Kernel {
             Kernel::Fwd => "fwd",
             Kernel::FwdSm90 => "fwd_sm90",
             Kernel::BwdSm90 => "bwd_sm90",
+            Kernel::BwdDqSm90 => "bwd_dq_sm90",
             Kernel::BwdPreprocess => "bwd_preprocess",
             Kernel::BwdDq => "bwd_dq",
             Kernel::BwdDkdv => "bwd_dkdv",
@@ -94,6 +99,7 @@ impl Kernel {
             Kernel::Fwd => "flash_fwd",
             Kernel::FwdSm90 => "flash_fwd_sm90",
             Kernel::BwdSm90 => "flash_bwd_sm90",
+            Kernel::BwdDqSm90 => "flash_bwd_dq_sm90",
             Kernel::BwdPreprocess => "flash_bwd_preprocess",
             Kernel::BwdDq => "flash_bwd_dq",
             Kernel::BwdDkdv | Kernel::BwdDkdvDq => "flash_bwd_dkdv",
@@ -111,7 +117,7 @@ impl Kernel {
 
     /// Kernels that only sm_90a (Hopper) can run.
     pub fn is_sm90(self) -> bool {
-        matches!(self, Kernel::FwdSm90 | Kernel::BwdSm90)
+        matches!(self, Kernel::FwdSm90 | Kernel::BwdSm90 | Kernel::BwdDqSm90)
     }
 
     /// Elementwise kernels have no tiles and no shared memory.
@@ -155,7 +161,8 @@ pub struct Tiles {
     pub block_n: usize,
     pub num_warps: usize,
     /// bwd_dkdv: warps sharing a key slice (D_SPLIT); fwd: 16-row tiles per warp (M_TILES);
-    /// fwd_sm90: shared-memory stages of K and V (STAGES); bwd_sm90: of Q and dO (STAGES).
+    /// fwd_sm90: shared-memory stages of K and V (STAGES); bwd_sm90: of Q and dO (STAGES);
+    /// bwd_dq_sm90: of K and V (STAGES).
     pub d_split: usize,
     /// Blocks per SM the register allocation must allow (MIN_BLOCKS).
     pub min_blocks: usize,
