@@ -114,10 +114,11 @@ def forward_with_states(
     split-TF32 (each float32 operand the sum of two TF32 numbers, three TF32 products per pair,
     summed in float32) from 16 keys on (on Hopper at head dims 64 and 128 without masks or
     modifiers the wgmma kernel; elsewhere at head dims 64 and 128, and below 16 keys, with float32
-    FMAs, which are faster there); the backward with float32 FMAs. ``"tf32"`` (asked for by name only) takes one
-    TF32 product per pair, forward and backward: faster, with relative errors of order 1e-3 (the
-    operands rounded to 11 significant bits; bound ``5e-3`` of ||x - exact|| / ||exact|| for o, lse,
-    dq, dk, dv, checked by tests/test_tf32.py). The CPU always computes in float32 and accepts
+    FMAs, which are faster there); the backward likewise split TF32 on Hopper at head dim 64
+    without masks or modifiers (its wgmma kernels), elsewhere with float32 FMAs. ``"tf32"`` (asked
+    for by name only) takes one TF32 product per pair, forward and backward: faster, with relative
+    errors of order 1e-3 (the operands rounded to 11 significant bits; bound ``5e-3`` of
+    ||x - exact|| / ||exact|| for o, lse, dq, dk, dv, checked by tests/test_tf32.py). The CPU always computes in float32 and accepts
     either; float16 / bfloat16 inputs are unaffected.
     ``info()["cuda"]["last_kernels"]`` names the kernel that ran and its ``math``
     (``"3xtf32"``, ``"tf32"``, ``"f32-simt"``, ``"f16"``, ``"bf16"``).
