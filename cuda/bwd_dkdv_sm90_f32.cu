@@ -2,17 +2,16 @@
 // warpgroup MMA (sm90_f32.h: TF32_TERMS = 3 "exact", 1 "tf32"). D = 64, plain problems (causal or
 // not, GQA); dQ is bwd_dq_sm90_f32.cu's (no atomics: both deterministic).
 //
-// Grid (ceil(Sk / BLOCK_N), Hkv, B); BLOCK_N = 64 keys, BLOCK_M = 32 query rows per step;
+// Grid (ceil(Sk / BLOCK_N), Hkv, B); BLOCK_N = 128 keys, BLOCK_M = 32 query rows per step;
 // NUM_WARPS = 12:
 // - warpgroup 0, the producer: K and V once (RowTiles: the A operands of S^T and dP^T), then per
 //   (query head, query tile) of the block's walk (block.h's KeyBlock) Q and dO twice each, as
 //   RowTiles (the B operands of S^T = K Q^T and dP^T = V dO^T) and as TransposedTiles (Q^T and
 //   dO^T: the B operands of dK += dS^T Q and dV += P^T dO, whose A operands are registers), and the
-//   rows' lse_log2 and delta (+inf and 0 past Sq). The next tile is loaded into registers before
-//   waiting for its stage.
-// - warpgroups 1 and 2, the consumers, both own all 64 keys (warp w: keys 16 w..) and take the walk's
-//   tiles in turn (consumer c: tiles j = c, c + 2, ...), each with its own stage and its own dK and dV
-//   partial sums, added at the end (consumer 0 stores dK, consumer 1 dV). Per tile:
+//   rows' lse_log2 and delta (+inf and 0 past Sq), into the one stage. The next tile is loaded
+//   into registers before waiting for the stage.
+// - warpgroups 1 and 2, the consumers, own 64 keys each (warp w: keys 64 c + 16 w..) and both take
+//   every tile of the walk. Per tile:
 //     S^T = K Q^T, dP^T = V dO^T            (ss, from zero)
 //     P^T, dS^T                             (bwd_grads.h, the mma accumulator layout per warp)
 //     dV += P^T dO, dK += dS^T Q            (rs: P^T and dS^T as AFrags)
@@ -20,20 +19,23 @@
 //   tensor cores' truncating accumulation over a chain of every query tile would bias them, as it
 //   did the forward's O: fwd_sm90_f32.cu's Accumulation).
 //
-// Shared memory (TERMS = 2 at TF32_TERMS = 3): K and V 2 x TERMS x 64 x D x 4 = 64 KiB; per consumer
-//   a stage of Q, dO, Q^T and dO^T, 4 x TERMS x 32 x D x 4 = 64 KiB; lse / delta; the barriers:
-//   192 KiB at D = 64 (D = 128 would need 384).
-// Work per tile and consumer: 4 products of 64 x 32 x 64, 3 TF32 products each: 3.1 MFLOP, ~1500
+// Shared memory (TERMS = 2 at TF32_TERMS = 3): K and V 2 x TERMS x 128 x D x 4 = 128 KiB; a stage
+//   of Q, dO, Q^T and dO^T, 4 x TERMS x 32 x D x 4 = 64 KiB; lse / delta; the barriers: 192 KiB at
+//   D = 64 (D = 128 would need 384).
+// Work per tile: 2 consumers x 4 products of 64 x 32 x 64, 3 TF32 products each: 6.3 MFLOP, ~3000
 //   cycles at the SM's 2048 TF32 FLOP / cycle; the producer ~8 float4 + 32 scalar loads, ~200
-//   conversions and 32 16-byte stores per thread (~400 issue cycles): tensor-core bound.
+//   conversions and 32 16-byte stores per thread, ~1200 cycles with the loads' latency. (A first
+//   version, 64 keys with the consumers taking the tiles in turn, each in its own stage, did half
+//   the products per produced tile: its consumers waited for their stages ~60 % of the time, ncu.)
 #include "sm90_f32.h"
 #include "tile.h"
 #include "block.h"
 #include "bwd_grads.h"
 
 #define CONSUMERS 2
-#if FLASH_DTYPE != 2 || HEAD_DIM != 64 || NUM_WARPS != 4 * (1 + CONSUMERS) || BLOCK_N != 64 || BLOCK_M != 32 || MASKED || MODS
-#error "bwd_dkdv_sm90_f32: f32, HEAD_DIM 64, two consumer warpgroups over 64 keys, 32 query rows a step, plain"
+#if FLASH_DTYPE != 2 || HEAD_DIM != 64 || NUM_WARPS != 4 * (1 + CONSUMERS) || BLOCK_N != 64 * CONSUMERS || BLOCK_M != 32 || \
+    MASKED || MODS
+#error "bwd_dkdv_sm90_f32: f32, HEAD_DIM 64, two consumer warpgroups of 64 keys, 32 query rows a step, plain"
 #endif
 
 #define FRESH (TERMS == 2)  // each tile's dK / dV sums in a fresh accumulator (see above)
@@ -49,43 +51,36 @@ static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (CONSUMERS + 1) * REG
 #define STAGE_BYTES (4 * TILE_BYTES(BLOCK_M))        // Q, dO, Q^T, dO^T
 
 // Shared memory, from a base aligned to the swizzle's period (1024 bytes): K, V [TERMS][D / 32]
-// [BLOCK_N][32]; per consumer a stage: Q, dO [TERMS][D / 32][BLOCK_M][32], Q^T, dO^T [TERMS]
-// [BLOCK_M / 32][D][32]; lse_log2 and delta [CONSUMERS][BLOCK_M]; the mbarriers kv_full,
-// full[CONSUMERS], empty[CONSUMERS]. 32-bit offsets from one base (as fwd_sm90_f32.cu).
+// [BLOCK_N][32]; the stage: Q, dO [TERMS][D / 32][BLOCK_M][32], Q^T, dO^T [TERMS][BLOCK_M / 32][D]
+// [32]; lse_log2 and delta [BLOCK_M]; the mbarriers kv_full, full, empty. 32-bit offsets from one
+// base (as fwd_sm90_f32.cu).
 constexpr u32 SMEM_K = 0;
 constexpr u32 SMEM_V = SMEM_K + TILE_BYTES(BLOCK_N);
-constexpr u32 SMEM_STAGES = SMEM_V + TILE_BYTES(BLOCK_N);
-constexpr u32 SMEM_LSE = SMEM_STAGES + CONSUMERS * STAGE_BYTES;
-constexpr u32 SMEM_DELTA = SMEM_LSE + CONSUMERS * BLOCK_M * 4;
-constexpr u32 SMEM_BARS = SMEM_DELTA + CONSUMERS * BLOCK_M * 4;
-constexpr u32 SMEM_END = SMEM_BARS + 8 * (1 + 2 * CONSUMERS);
+constexpr u32 SMEM_STAGE = SMEM_V + TILE_BYTES(BLOCK_N);
+constexpr u32 SMEM_LSE = SMEM_STAGE + STAGE_BYTES;
+constexpr u32 SMEM_DELTA = SMEM_LSE + BLOCK_M * 4;
+constexpr u32 SMEM_BARS = SMEM_DELTA + BLOCK_M * 4;
+constexpr u32 SMEM_END = SMEM_BARS + 8 * 3;
 FLASH_EXPORT_SMEM((SMEM_END + 1023) / 1024 * 1024 + 1024)  // + the round-up of the start to 1024
-static_assert(HEAD_DIM * 128 * 4 <= STAGE_BYTES, "a consumer's stage holds a partial dK or dV at the end");
 
 struct SmemAt {
     u32 base;
     __device__ __forceinline__ u32 k() const { return base + SMEM_K; }
     __device__ __forceinline__ u32 v() const { return base + SMEM_V; }
-    __device__ __forceinline__ u32 stage(int c) const { return base + SMEM_STAGES + c * STAGE_BYTES; }
     // The stage's tiles: Q, dO (RowTiles), Q^T, dO^T (TransposedTiles).
-    __device__ __forceinline__ u32 q(int c) const { return stage(c); }
-    __device__ __forceinline__ u32 dout(int c) const { return stage(c) + TILE_BYTES(BLOCK_M); }
-    __device__ __forceinline__ u32 qt(int c) const { return stage(c) + 2 * TILE_BYTES(BLOCK_M); }
-    __device__ __forceinline__ u32 dot(int c) const { return stage(c) + 3 * TILE_BYTES(BLOCK_M); }
-    __device__ __forceinline__ u32 lse(int c) const { return base + SMEM_LSE + c * BLOCK_M * 4; }
-    __device__ __forceinline__ u32 delta(int c) const { return base + SMEM_DELTA + c * BLOCK_M * 4; }
+    __device__ __forceinline__ u32 q() const { return base + SMEM_STAGE; }
+    __device__ __forceinline__ u32 dout() const { return q() + TILE_BYTES(BLOCK_M); }
+    __device__ __forceinline__ u32 qt() const { return q() + 2 * TILE_BYTES(BLOCK_M); }
+    __device__ __forceinline__ u32 dot() const { return q() + 3 * TILE_BYTES(BLOCK_M); }
+    __device__ __forceinline__ u32 lse() const { return base + SMEM_LSE; }
+    __device__ __forceinline__ u32 delta() const { return base + SMEM_DELTA; }
     __device__ __forceinline__ u32 kv_full() const { return base + SMEM_BARS; }
-    __device__ __forceinline__ u32 full(int c) const { return base + SMEM_BARS + 8 * (1 + c); }
-    __device__ __forceinline__ u32 empty(int c) const { return base + SMEM_BARS + 8 * (1 + CONSUMERS + c); }
+    __device__ __forceinline__ u32 full() const { return base + SMEM_BARS + 8; }
+    __device__ __forceinline__ u32 empty() const { return base + SMEM_BARS + 16; }
 };
 
 __device__ __forceinline__ void st_shared_f32(u32 addr, float x) {
     asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(x) : "memory");
-}
-__device__ __forceinline__ float ld_shared_f32(u32 addr) {
-    float x;
-    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(x) : "r"(addr) : "memory");
-    return x;
 }
 
 // ---- the producer -------------------------------------------------------------------------------------
@@ -95,17 +90,21 @@ __device__ __forceinline__ void produce(const FlashParams& p, const KeyBlock& bl
     {
         const float* k = p.k + blk.kv_at(p.k_st);
         const float* v = p.v + blk.kv_at(p.v_st);
-        RowTile<BLOCK_N> t;
-        t.load(k, p.k_st.seq, blk.n0, blk.Sk);
-        t.store<BLOCK_N>(smem.k(), 0);
-        t.load(v, p.v_st.seq, blk.n0, blk.Sk);
-        t.store<BLOCK_N>(smem.v(), 0);
+        // 32 rows at a time (a whole tile would hold BLOCK_N * D / 512 float4 per thread).
+#pragma unroll 1
+        for (int r = 0; r < BLOCK_N; r += 32) {
+            RowTile<32> t;
+            t.load(k, p.k_st.seq, blk.n0 + r, blk.Sk);
+            t.store<BLOCK_N>(smem.k(), r);
+            t.load(v, p.v_st.seq, blk.n0 + r, blk.Sk);
+            t.store<BLOCK_N>(smem.v(), r);
+        }
         publish(smem.kv_full());
     }
     const int tid = threadIdx.x % PRODUCER_THREADS;
 #pragma unroll 1
     for (QueryWalk w = w0; w.more(); w.advance()) {
-        const int j = w.it(), c = j % CONSUMERS;
+        const int j = w.it();
         const int h = blk.head(j), m0 = blk.query_row(j);
         const float* q = p.q + blk.q_at(p.q_st, h);
         const float* dout = p.dout + blk.q_at(p.do_st, h);
@@ -121,21 +120,22 @@ __device__ __forceinline__ void produce(const FlashParams& p, const KeyBlock& bl
             lse2 = p.lse_log2[at];
             dlt = p.delta[at];
         }
-        if (j >= CONSUMERS) mbar_wait(smem.empty(c), ((j / CONSUMERS) & 1) ^ 1);
-        qr.store<BLOCK_M>(smem.q(c), 0);
-        dr.store<BLOCK_M>(smem.dout(c), 0);
-        qt.store(smem.qt(c));
-        dt.store(smem.dot(c));
+        if (j > 0) mbar_wait(smem.empty(), (j & 1) ^ 1);
+        qr.store<BLOCK_M>(smem.q(), 0);
+        dr.store<BLOCK_M>(smem.dout(), 0);
+        qt.store(smem.qt());
+        dt.store(smem.dot());
         if (tid < BLOCK_M) {
-            st_shared_f32(smem.lse(c) + 4 * tid, lse2);
-            st_shared_f32(smem.delta(c) + 4 * tid, dlt);
+            st_shared_f32(smem.lse() + 4 * tid, lse2);
+            st_shared_f32(smem.delta() + 4 * tid, dlt);
         }
-        publish(smem.full(c));
+        publish(smem.full());
     }
 }
 
 // ---- the consumers --------------------------------------------------------------------------------------
-// acc = A B^T over D (ss: A the block's K or V rows, B the stage's Q or dO rows); issued, not waited for.
+// acc = A B^T over D (ss: A the warpgroup's 64 rows of K or V at a, B the stage's Q or dO rows);
+// issued, not waited for.
 __device__ __forceinline__ void issue_abt(float (&acc)[BLOCK_M / 8][4], u32 a, u32 b) {
     ss_products<BLOCK_M>(acc, a, PART_BYTES(BLOCK_N), BLOCK_N, b, PART_BYTES(BLOCK_M), BLOCK_M);
     wgmma_commit();
@@ -160,75 +160,45 @@ __device__ __forceinline__ void add_product(float (&d)[HEAD_DIM / 8][4], const A
 #endif
 }
 
-// One consumer's partial sum (its threads' accumulator registers) through shared memory at `at`:
-// element (i, e) of thread x at ((4 i + e) 128 + x) floats (consecutive threads, consecutive banks).
-__device__ __forceinline__ void put_partial(u32 at, const float (&x)[HEAD_DIM / 8][4]) {
-    const int x0 = threadIdx.x % 128;
-#pragma unroll
-    for (int i = 0; i < HEAD_DIM / 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st_shared_f32(at + ((4 * i + e) * 128 + x0) * 4, x[i][e]);
-}
-__device__ __forceinline__ void add_partial(float (&x)[HEAD_DIM / 8][4], u32 at) {
-    const int x0 = threadIdx.x % 128;
-#pragma unroll
-    for (int i = 0; i < HEAD_DIM / 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) x[i][e] += ld_shared_f32(at + ((4 * i + e) * 128 + x0) * 4);
-}
-
 __device__ __forceinline__ void consume(const FlashParams& p, const KeyBlock& blk, const SmemAt smem, int c) {
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-    const int key0 = blk.n0 + 16 * warp;  // this warp's 16 keys
-    const u32 k = opaque(smem.k()), v = opaque(smem.v());
+    const int key0 = blk.n0 + 64 * c + 16 * warp;  // this warp's 16 keys
+    const u32 k_rows = smem.k() + 64 * c * 128, v_rows = smem.v() + 64 * c * 128;  // the warpgroup's keys
     float dk[HEAD_DIM / 8][4], dv[HEAD_DIM / 8][4];
     zero(dk);
     zero(dv);
     const QueryWalk w0 = blk.query_walk();
-    if (w0.n_iter > c) mbar_wait(smem.kv_full(), 0);
+    if (w0.more()) mbar_wait(smem.kv_full(), 0);
 #pragma unroll 1
-    for (int j = c; j < w0.n_iter; j += CONSUMERS) {
+    for (int j = 0; j < w0.n_iter; ++j) {
         const int h = blk.head(j), m0 = blk.query_row(j);
-        mbar_wait(smem.full(c), (j / CONSUMERS) & 1);
+        mbar_wait(smem.full(), j & 1);
         float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];
         wgmma_fence();
-        issue_abt(s, k, smem.q(c));
-        issue_abt(dp, v, smem.dout(c));
+        // (opaque per iteration: descriptors hoisted out of the loop would take the products' registers)
+        issue_abt(s, opaque(k_rows), opaque(smem.q()));
+        issue_abt(dp, opaque(v_rows), opaque(smem.dout()));
         wgmma_wait<0>();
         fence_regs(s);
         fence_regs(dp);
-        const float* lse2 = reinterpret_cast<const float*>(__cvta_shared_to_generic(smem.lse(c)));
-        const float* dlt = reinterpret_cast<const float*>(__cvta_shared_to_generic(smem.delta(c)));
+        const float* lse2 = reinterpret_cast<const float*>(__cvta_shared_to_generic(smem.lse()));
+        const float* dlt = reinterpret_cast<const float*>(__cvta_shared_to_generic(smem.delta()));
         const bool masked = key_slice_needs_mask(key0, m0, blk.Sq, blk.Sk);
         grads_t<BLOCK_M / 8>(s, dp, p.scale_log2, masked, key0, m0, blk.vis(h), lse2, dlt);
         AFrag<BLOCK_M / 8> pa, da;
         pa.set(s);
         da.set(dp);
-        add_product(dv, pa, smem.dot(c));
-        add_product(dk, da, smem.qt(c));
+        add_product(dv, pa, opaque(smem.dot()));
+        add_product(dk, da, opaque(smem.qt()));
 #if !FRESH
         wgmma_wait<0>();
         fence_regs(dk);
         fence_regs(dv);
 #endif
-        if (lane == 0) mbar_arrive(smem.empty(c));  // the stage is read
+        if (lane == 0) mbar_arrive(smem.empty());  // the stage is read
     }
-    // The consumers' partial sums: consumer 1 leaves dK in its stage, consumer 0 dV in its own (no
-    // tile comes to either stage any more, and their products have completed); each adds the
-    // other's and stores one.
-    if (c == 0) {
-        put_partial(smem.stage(0), dv);
-    } else {
-        put_partial(smem.stage(1), dk);
-    }
-    named_sync(1, 128 * CONSUMERS);
-    if (c == 0) {
-        add_partial(dk, smem.stage(1));
-        store_tile<HEAD_DIM / 8>(p.dk + blk.kv_at(p.dk_st), dk, p.scale, p.scale, key0, blk.Sk, 0, p.dk_st.seq);
-    } else {
-        add_partial(dv, smem.stage(0));
-        store_tile<HEAD_DIM / 8>(p.dv + blk.kv_at(p.dv_st), dv, 1.f, 1.f, key0, blk.Sk, 0, p.dv_st.seq);
-    }
+    store_tile<HEAD_DIM / 8>(p.dk + blk.kv_at(p.dk_st), dk, p.scale, p.scale, key0, blk.Sk, 0, p.dk_st.seq);
+    store_tile<HEAD_DIM / 8>(p.dv + blk.kv_at(p.dv_st), dv, 1.f, 1.f, key0, blk.Sk, 0, p.dv_st.seq);
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_bwd_sm90(const FlashParams p) {
@@ -238,11 +208,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_bwd_sm90(cons
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         mbar_init(smem.kv_full(), PRODUCER_THREADS);
-#pragma unroll
-        for (int c = 0; c < CONSUMERS; ++c) {
-            mbar_init(smem.full(c), PRODUCER_THREADS);
-            mbar_init(smem.empty(c), 4);  // the consumer's warps' lane 0
-        }
+        mbar_init(smem.full(), PRODUCER_THREADS);
+        mbar_init(smem.empty(), 4 * CONSUMERS);  // every consumer warp's lane 0
         mbar_fence_init();
     }
     __syncthreads();
