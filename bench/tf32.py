@@ -3,9 +3,9 @@
 Method (bench/gpu.py's): B*S = 16384 tokens, H*D = 2048, forward FLOPs = 4*B*H*S^2*D (halved when
 causal), backward = 2.5 x forward, backward time = (forward+backward) - forward, median of --reps
 after --warmup runs, CUDA events, the same random tensors for everyone.
-Forward rows: ours precision="exact" (the faster exact kernel: split TF32, "3xtf32", but SIMT at
-D = 64 and 128; the kernel lines name it), ours with FLASH_NIF_TF32=0 (the SIMT
-f32 kernels, what "exact" ran before), ours precision="tf32", torch SDPA's efficient backend (f32).
+Forward rows: ours precision="exact" (the faster exact kernel, split TF32 "3xtf32" or SIMT; the
+kernel lines name it: on Hopper the wgmma kernels at D = 64 and 128, backward at 64), ours with
+FLASH_NIF_TF32=0 (the SIMT f32 kernels), ours precision="tf32", torch SDPA's efficient backend (f32).
 Backward rows: the same four, ours in the default mode (dQ by f32 atomics) and "exact" also with
 deterministic=True. Errors: ||x - float64|| / ||float64|| on the first batch row and head pair
 (torch in float64): o for the forward, the worst of dq, dk, dv for the backward.
