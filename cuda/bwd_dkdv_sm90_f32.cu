@@ -39,13 +39,11 @@
 #endif
 
 #define FRESH (TERMS == 2)  // each tile's dK / dV sums in a fresh accumulator (see above)
-// Registers per thread after setmaxnreg (sm90_f32.h's REG_CAP). The producer holds a tile of Q, dO,
+// Registers per thread after setmaxnreg (sm90_f32.h's run_roles checks the split). The producer holds a tile of Q, dO,
 // Q^T and dO^T (4 x 32 x D / 128 floats) and their addresses; a consumer dK, dV, S^T, dP^T, the
 // AFrags of P^T and dS^T and a fresh accumulator.
 #define PRODUCER_REGS 120
 #define CONSUMER_REGS 192
-static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (CONSUMERS + 1) * REG_CAP,
-              "setmaxnreg: the consumers would wait forever for registers the producer did not give back");
 
 #define TILE_BYTES(rows) (TERMS * PART_BYTES(rows))  // a tile's parts
 #define STAGE_BYTES (4 * TILE_BYTES(BLOCK_M))        // Q, dO, Q^T, dO^T
@@ -90,15 +88,8 @@ __device__ __forceinline__ void produce(const FlashParams& p, const KeyBlock& bl
     {
         const float* k = p.k + blk.kv_at(p.k_st);
         const float* v = p.v + blk.kv_at(p.v_st);
-        // 32 rows at a time (a whole tile would hold BLOCK_N * D / 512 float4 per thread).
-#pragma unroll 1
-        for (int r = 0; r < BLOCK_N; r += 32) {
-            RowTile<32> t;
-            t.load(k, p.k_st.seq, blk.n0 + r, blk.Sk);
-            t.store<BLOCK_N>(smem.k(), r);
-            t.load(v, p.v_st.seq, blk.n0 + r, blk.Sk);
-            t.store<BLOCK_N>(smem.v(), r);
-        }
+        store_row_tile<BLOCK_N>(smem.k(), k, p.k_st.seq, blk.n0, blk.Sk);
+        store_row_tile<BLOCK_N>(smem.v(), v, p.v_st.seq, blk.n0, blk.Sk);
         publish(smem.kv_full());
     }
     const int tid = threadIdx.x % PRODUCER_THREADS;
@@ -205,7 +196,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_bwd_sm90(cons
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const SmemAt smem{(smem_addr(smem_raw) + 1023) & ~1023u};
     const KeyBlock blk(p);
-    const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         mbar_init(smem.kv_full(), PRODUCER_THREADS);
         mbar_init(smem.full(), PRODUCER_THREADS);
@@ -213,11 +203,5 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_bwd_sm90(cons
         mbar_fence_init();
     }
     __syncthreads();
-    if (wg == 0) {
-        setmaxnreg_dec<PRODUCER_REGS>();
-        produce(p, blk, smem);
-    } else {
-        setmaxnreg_inc<CONSUMER_REGS>();
-        consume(p, blk, smem, wg - 1);
-    }
+    run_roles<PRODUCER_REGS, CONSUMER_REGS>([&] { produce(p, blk, smem); }, [&](int c) { consume(p, blk, smem, c); });
 }

@@ -33,12 +33,10 @@
 #endif
 
 #define FRESH (TERMS == 2)  // each tile's dS K in a fresh accumulator
-// Registers per thread after setmaxnreg (sm90_f32.h's REG_CAP). The producer holds a tile of K, V and
+// Registers per thread after setmaxnreg (sm90_f32.h's run_roles checks the split). The producer holds a tile of K, V and
 // K^T (3 x 32 x D / 128 floats); a consumer dQ, S, dP, dS's AFrag and a fresh accumulator.
 #define PRODUCER_REGS 120
 #define CONSUMER_REGS 192
-static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (CONSUMERS + 1) * REG_CAP,
-              "setmaxnreg: the consumers would wait forever for registers the producer did not give back");
 
 #define TILE_BYTES(rows) (TERMS * PART_BYTES(rows))  // a tile's parts
 #define STAGE_BYTES (3 * TILE_BYTES(BLOCK_N))        // K, V, K^T
@@ -72,15 +70,8 @@ __device__ __forceinline__ u32 phase_of(int j) { return (j / STAGES) & 1; }
 __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& blk, const SmemAt smem) {
     const float* q = p.q + blk.q_at(p.q_st);
     const float* dout = p.dout + blk.q_at(p.do_st);
-    // Q and dO, 32 rows at a time (a whole tile would hold D / 4 float4 per thread).
-#pragma unroll 1
-    for (int r = 0; r < BLOCK_M; r += 32) {
-        RowTile<32> t;
-        t.load(q, p.q_st.seq, blk.m0 + r, blk.Sq);
-        t.store<BLOCK_M>(smem.q(), r);
-        t.load(dout, p.do_st.seq, blk.m0 + r, blk.Sq);
-        t.store<BLOCK_M>(smem.dout(), r);
-    }
+    store_row_tile<BLOCK_M>(smem.q(), q, p.q_st.seq, blk.m0, blk.Sq);
+    store_row_tile<BLOCK_M>(smem.dout(), dout, p.do_st.seq, blk.m0, blk.Sq);
     publish(smem.qdo_full());
 
     const float* k = p.k + blk.kv_at(p.k_st);
@@ -169,7 +160,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_bwd_dq_sm90(c
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const SmemAt smem{(smem_addr(smem_raw) + 1023) & ~1023u};
     const QueryBlock blk(p);
-    const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         mbar_init(smem.qdo_full(), PRODUCER_THREADS);
 #pragma unroll
@@ -180,11 +170,5 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_bwd_dq_sm90(c
         mbar_fence_init();
     }
     __syncthreads();
-    if (wg == 0) {
-        setmaxnreg_dec<PRODUCER_REGS>();
-        produce(p, blk, smem);
-    } else {
-        setmaxnreg_inc<CONSUMER_REGS>();
-        consume(p, blk, smem, wg - 1);
-    }
+    run_roles<PRODUCER_REGS, CONSUMER_REGS>([&] { produce(p, blk, smem); }, [&](int c) { consume(p, blk, smem, c); });
 }

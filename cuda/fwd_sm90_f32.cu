@@ -51,10 +51,7 @@
 #endif
 
 #define FRESH_O (TERMS == 2)  // O per key tile in a fresh accumulator (see Accumulation)
-// Registers per thread. The block starts with REG_CAP each (__launch_bounds__(NUM_THREADS, 1)); the
-// producer gives some back (setmaxnreg.dec) and the consumers take them (setmaxnreg.inc), which
-// waits until the pool holds them: PRODUCER_REGS + CONSUMERS * CONSUMER_REGS > (CONSUMERS + 1) *
-// REG_CAP would hang, not fail. The producer holds a K and a V tile (2 x BLOCK_N x D / 128 floats)
+// Registers per thread after setmaxnreg (sm90_f32.h's run_roles checks the split). The producer holds a K and a V tile (2 x BLOCK_N x D / 128 floats)
 // and their addresses: it spills below 128 at D = 64, below 120 at D = 128 (NVRTC 13.5). A consumer
 // holds O, S and P's parts (no spill at 176, D = 64 and 128) and with FRESH_O an O_PART-column
 // slice of one key tile's P V besides: O_PART = 32 needs 184 at D = 64 and 192 at D = 128 (the
@@ -71,8 +68,6 @@
 #define PRODUCER_REGS 120
 #define CONSUMER_REGS 192
 #endif
-static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (CONSUMERS + 1) * REG_CAP,
-              "setmaxnreg: the consumers would wait forever for registers the producer did not give back");
 
 #define KV_ELEMS (BLOCK_N * HEAD_DIM)
 
@@ -107,13 +102,7 @@ __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& 
     const float* q = p.q + blk.q_at(p.q_st);
     const float* k = p.k + blk.kv_at(p.k_st);
     const float* v = p.v + blk.kv_at(p.v_st);
-    // Q, 32 rows at a time (a whole tile would hold D / 4 float4 per thread).
-#pragma unroll 1
-    for (int r = 0; r < BLOCK_M; r += 32) {
-        RowTile<32> t;
-        t.load(q, p.q_st.seq, blk.m0 + r, blk.Sq);
-        t.store<BLOCK_M>(smem.q(), r);
-    }
+    store_row_tile<BLOCK_M>(smem.q(), q, p.q_st.seq, blk.m0, blk.Sq);
     publish(smem.q_full());
 
     const u32 k_base = smem.k(), v_base = smem.v();
@@ -258,7 +247,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_fwd_sm90(cons
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const SmemAt smem{(smem_addr(smem_raw) + 1023) & ~1023u};
     const QueryBlock blk(p);
-    const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         mbar_init(smem.q_full(), PRODUCER_THREADS);
 #pragma unroll
@@ -271,11 +259,5 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_fwd_sm90(cons
         mbar_fence_init();
     }
     __syncthreads();
-    if (wg == 0) {
-        setmaxnreg_dec<PRODUCER_REGS>();
-        produce(p, blk, smem);
-    } else {
-        setmaxnreg_inc<CONSUMER_REGS>();
-        consume(p, blk, smem, wg - 1);
-    }
+    run_roles<PRODUCER_REGS, CONSUMER_REGS>([&] { produce(p, blk, smem); }, [&](int c) { consume(p, blk, smem, c); });
 }

@@ -128,6 +128,18 @@ struct TransposedTile {
     }
 };
 
+// Rows r0.. of src (row stride `stride`, rows >= nrows as zeros) into the parts at `base` of a
+// [ROWS][D] tile, 32 rows at a time (a whole tile would hold ROWS * D / 512 float4 per thread).
+template <int ROWS>
+__device__ __forceinline__ void store_row_tile(u32 base, const float* src, i64 stride, int r0, int nrows) {
+#pragma unroll 1
+    for (int r = 0; r < ROWS; r += 32) {
+        RowTile<32> t;
+        t.load(src, stride, r0 + r, nrows);
+        t.store<ROWS>(base, r);
+    }
+}
+
 // This thread's stores are done: make them visible to the tensor cores (the async proxy), then arrive.
 __device__ __forceinline__ void publish(u32 full) {
     fence_async_smem();
@@ -214,7 +226,22 @@ __device__ __forceinline__ void add_into(float (&d)[R][C], const float (&x)[RX][
         for (int j = 0; j < C; ++j) d[i0 + i][j] += x[i][j];
 }
 
-// Registers per thread at launch (__launch_bounds__(NUM_THREADS, 1)): the pool that setmaxnreg
-// shares out. Consumers' setmaxnreg.inc waits until the producer's .dec has given back enough, so
-// PRODUCER_REGS + CONSUMERS * CONSUMER_REGS > (CONSUMERS + 1) * REG_CAP hangs, not fails.
+// The block's roles: warpgroup 0 runs produce(), warpgroups 1.. consume(c) (c = 0, 1, ...), once
+// setmaxnreg has moved registers from the producer to the consumers. Every thread starts with
+// REG_CAP (__launch_bounds__(NUM_THREADS, 1)), and the consumers' setmaxnreg.inc waits until the
+// producer's .dec has given back enough: a split above the pool would hang, not fail.
 #define REG_CAP ((65536 / NUM_THREADS) & ~7)
+template <int PRODUCER_REGS_, int CONSUMER_REGS_, typename Produce, typename Consume>
+__device__ __forceinline__ void run_roles(Produce&& produce, Consume&& consume) {
+    constexpr int consumers = NUM_THREADS / 128 - 1;
+    static_assert(PRODUCER_REGS_ + consumers * CONSUMER_REGS_ <= (consumers + 1) * REG_CAP,
+                  "setmaxnreg: the consumers would wait forever for registers the producer did not give back");
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        setmaxnreg_dec<PRODUCER_REGS_>();
+        produce();
+    } else {
+        setmaxnreg_inc<CONSUMER_REGS_>();
+        consume(wg - 1);
+    }
+}
