@@ -19,9 +19,10 @@
 //   tensor cores' truncating accumulation over a chain of every query tile would bias them, as it
 //   did the forward's O: fwd_sm90_f32.cu's Accumulation).
 //
-// Shared memory (TERMS = 2 at TF32_TERMS = 3): K and V 2 x TERMS x 128 x D x 4 = 128 KiB; a stage
-//   of Q, dO, Q^T and dO^T, 4 x TERMS x 32 x D x 4 = 64 KiB; lse / delta; the barriers: 192 KiB at
-//   D = 64 (D = 128 would need 384).
+// Shared memory (TERMS = 2 at TF32_TERMS = 3): K and V 2 x TERMS x 128 x D x 4 = 128 KiB; STAGES
+//   stages of Q, dO, Q^T and dO^T, 4 x TERMS x 32 x D x 4 = 64 KiB each, and of lse / delta; the
+//   barriers: 192 KiB at D = 64 with one stage (D = 128 would need 384). "tf32" (TERMS = 1) takes
+//   two stages in 128 KiB.
 // Work per tile: 2 consumers x 4 products of 64 x 32 x 64, 3 TF32 products each: 6.3 MFLOP, ~3000
 //   cycles at the SM's 2048 TF32 FLOP / cycle; the producer ~8 float4 + 32 scalar loads, ~200
 //   conversions and 32 16-byte stores per thread, ~1200 cycles with the loads' latency. (A first
@@ -33,6 +34,9 @@
 #include "bwd_grads.h"
 
 #define CONSUMERS 2
+#ifndef STAGES
+#define STAGES 1
+#endif
 #if FLASH_DTYPE != 2 || HEAD_DIM != 64 || NUM_WARPS != 4 * (1 + CONSUMERS) || BLOCK_N != 64 * CONSUMERS || BLOCK_M != 32 || \
     MASKED || MODS
 #error "bwd_dkdv_sm90_f32: f32, HEAD_DIM 64, two consumer warpgroups of 64 keys, 32 query rows a step, plain"
@@ -49,33 +53,36 @@
 #define STAGE_BYTES (4 * TILE_BYTES(BLOCK_M))        // Q, dO, Q^T, dO^T
 
 // Shared memory, from a base aligned to the swizzle's period (1024 bytes): K, V [TERMS][D / 32]
-// [BLOCK_N][32]; the stage: Q, dO [TERMS][D / 32][BLOCK_M][32], Q^T, dO^T [TERMS][BLOCK_M / 32][D]
-// [32]; lse_log2 and delta [BLOCK_M]; the mbarriers kv_full, full, empty. 32-bit offsets from one
-// base (as fwd_sm90_f32.cu).
+// [BLOCK_N][32]; STAGES stages of Q, dO [TERMS][D / 32][BLOCK_M][32], Q^T, dO^T [TERMS][BLOCK_M / 32]
+// [D][32] (each stage 1024-byte aligned); STAGES of lse_log2 and delta [BLOCK_M]; the mbarriers
+// kv_full, full[STAGES], empty[STAGES]. 32-bit offsets from one base (as fwd_sm90_f32.cu).
 constexpr u32 SMEM_K = 0;
 constexpr u32 SMEM_V = SMEM_K + TILE_BYTES(BLOCK_N);
 constexpr u32 SMEM_STAGE = SMEM_V + TILE_BYTES(BLOCK_N);
-constexpr u32 SMEM_LSE = SMEM_STAGE + STAGE_BYTES;
-constexpr u32 SMEM_DELTA = SMEM_LSE + BLOCK_M * 4;
-constexpr u32 SMEM_BARS = SMEM_DELTA + BLOCK_M * 4;
-constexpr u32 SMEM_END = SMEM_BARS + 8 * 3;
+constexpr u32 SMEM_STATS = SMEM_STAGE + STAGES * STAGE_BYTES;
+constexpr u32 SMEM_BARS = SMEM_STATS + STAGES * 2 * BLOCK_M * 4;
+constexpr u32 SMEM_END = SMEM_BARS + 8 * (1 + 2 * STAGES);
 FLASH_EXPORT_SMEM((SMEM_END + 1023) / 1024 * 1024 + 1024)  // + the round-up of the start to 1024
 
 struct SmemAt {
     u32 base;
     __device__ __forceinline__ u32 k() const { return base + SMEM_K; }
     __device__ __forceinline__ u32 v() const { return base + SMEM_V; }
-    // The stage's tiles: Q, dO (RowTiles), Q^T, dO^T (TransposedTiles).
-    __device__ __forceinline__ u32 q() const { return base + SMEM_STAGE; }
-    __device__ __forceinline__ u32 dout() const { return q() + TILE_BYTES(BLOCK_M); }
-    __device__ __forceinline__ u32 qt() const { return q() + 2 * TILE_BYTES(BLOCK_M); }
-    __device__ __forceinline__ u32 dot() const { return q() + 3 * TILE_BYTES(BLOCK_M); }
-    __device__ __forceinline__ u32 lse() const { return base + SMEM_LSE; }
-    __device__ __forceinline__ u32 delta() const { return base + SMEM_DELTA; }
+    // Stage st's tiles: Q, dO (RowTiles), Q^T, dO^T (TransposedTiles), lse_log2, delta.
+    __device__ __forceinline__ u32 q(u32 st) const { return base + SMEM_STAGE + st * STAGE_BYTES; }
+    __device__ __forceinline__ u32 dout(u32 st) const { return q(st) + TILE_BYTES(BLOCK_M); }
+    __device__ __forceinline__ u32 qt(u32 st) const { return q(st) + 2 * TILE_BYTES(BLOCK_M); }
+    __device__ __forceinline__ u32 dot(u32 st) const { return q(st) + 3 * TILE_BYTES(BLOCK_M); }
+    __device__ __forceinline__ u32 lse(u32 st) const { return base + SMEM_STATS + st * 2 * BLOCK_M * 4; }
+    __device__ __forceinline__ u32 delta(u32 st) const { return lse(st) + BLOCK_M * 4; }
     __device__ __forceinline__ u32 kv_full() const { return base + SMEM_BARS; }
-    __device__ __forceinline__ u32 full() const { return base + SMEM_BARS + 8; }
-    __device__ __forceinline__ u32 empty() const { return base + SMEM_BARS + 16; }
+    __device__ __forceinline__ u32 full(u32 st) const { return base + SMEM_BARS + 8 * (1 + st); }
+    __device__ __forceinline__ u32 empty(u32 st) const { return base + SMEM_BARS + 8 * (1 + STAGES + st); }
 };
+
+// Iteration j's stage, and the parity of its use of it.
+__device__ __forceinline__ u32 stage_of(int j) { return j % STAGES; }
+__device__ __forceinline__ u32 phase_of(int j) { return (j / STAGES) & 1; }
 
 __device__ __forceinline__ void st_shared_f32(u32 addr, float x) {
     asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(x) : "memory");
@@ -111,16 +118,17 @@ __device__ __forceinline__ void produce(const FlashParams& p, const KeyBlock& bl
             lse2 = p.lse_log2[at];
             dlt = p.delta[at];
         }
-        if (j > 0) mbar_wait(smem.empty(), (j & 1) ^ 1);
-        qr.store<BLOCK_M>(smem.q(), 0);
-        dr.store<BLOCK_M>(smem.dout(), 0);
-        qt.store(smem.qt());
-        dt.store(smem.dot());
+        const u32 st = stage_of(j);
+        if (j >= STAGES) mbar_wait(smem.empty(st), phase_of(j) ^ 1);
+        qr.store<BLOCK_M>(smem.q(st), 0);
+        dr.store<BLOCK_M>(smem.dout(st), 0);
+        qt.store(smem.qt(st));
+        dt.store(smem.dot(st));
         if (tid < BLOCK_M) {
-            st_shared_f32(smem.lse() + 4 * tid, lse2);
-            st_shared_f32(smem.delta() + 4 * tid, dlt);
+            st_shared_f32(smem.lse(st) + 4 * tid, lse2);
+            st_shared_f32(smem.delta(st) + 4 * tid, dlt);
         }
-        publish(smem.full());
+        publish(smem.full(st));
     }
 }
 
@@ -163,30 +171,31 @@ __device__ __forceinline__ void consume(const FlashParams& p, const KeyBlock& bl
 #pragma unroll 1
     for (int j = 0; j < w0.n_iter; ++j) {
         const int h = blk.head(j), m0 = blk.query_row(j);
-        mbar_wait(smem.full(), j & 1);
+        const u32 st = stage_of(j);
+        mbar_wait(smem.full(st), phase_of(j));
         float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];
         wgmma_fence();
         // (opaque per iteration: descriptors hoisted out of the loop would take the products' registers)
-        issue_abt(s, opaque(k_rows), opaque(smem.q()));
-        issue_abt(dp, opaque(v_rows), opaque(smem.dout()));
+        issue_abt(s, opaque(k_rows), opaque(smem.q(st)));
+        issue_abt(dp, opaque(v_rows), opaque(smem.dout(st)));
         wgmma_wait<0>();
         fence_regs(s);
         fence_regs(dp);
-        const float* lse2 = reinterpret_cast<const float*>(__cvta_shared_to_generic(smem.lse()));
-        const float* dlt = reinterpret_cast<const float*>(__cvta_shared_to_generic(smem.delta()));
+        const float* lse2 = reinterpret_cast<const float*>(__cvta_shared_to_generic(smem.lse(st)));
+        const float* dlt = reinterpret_cast<const float*>(__cvta_shared_to_generic(smem.delta(st)));
         const bool masked = key_slice_needs_mask(key0, m0, blk.Sq, blk.Sk);
         grads_t<BLOCK_M / 8>(s, dp, p.scale_log2, masked, key0, m0, blk.vis(h), lse2, dlt);
         AFrag<BLOCK_M / 8> pa, da;
         pa.set(s);
         da.set(dp);
-        add_product(dv, pa, opaque(smem.dot()));
-        add_product(dk, da, opaque(smem.qt()));
+        add_product(dv, pa, opaque(smem.dot(st)));
+        add_product(dk, da, opaque(smem.qt(st)));
 #if !FRESH
         wgmma_wait<0>();
         fence_regs(dk);
         fence_regs(dv);
 #endif
-        if (lane == 0) mbar_arrive(smem.empty());  // the stage is read
+        if (lane == 0) mbar_arrive(smem.empty(st));  // the stage is read
     }
     store_tile<HEAD_DIM / 8>(p.dk + blk.kv_at(p.dk_st), dk, p.scale, p.scale, key0, blk.Sk, 0, p.dk_st.seq);
     store_tile<HEAD_DIM / 8>(p.dv + blk.kv_at(p.dv_st), dv, 1.f, 1.f, key0, blk.Sk, 0, p.dv_st.seq);
@@ -198,8 +207,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_bwd_sm90(cons
     const KeyBlock blk(p);
     if (threadIdx.x == 0) {
         mbar_init(smem.kv_full(), PRODUCER_THREADS);
-        mbar_init(smem.full(), PRODUCER_THREADS);
-        mbar_init(smem.empty(), 4 * CONSUMERS);  // every consumer warp's lane 0
+#pragma unroll
+        for (int st = 0; st < STAGES; ++st) {
+            mbar_init(smem.full(st), PRODUCER_THREADS);
+            mbar_init(smem.empty(st), 4 * CONSUMERS);  // every consumer warp's lane 0
+        }
         mbar_fence_init();
     }
     __syncthreads();

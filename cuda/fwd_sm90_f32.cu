@@ -42,8 +42,12 @@
 #include "fwd_store.h"
 
 #define CONSUMERS (NUM_WARPS / 4 - 1)
+// STAGES: the depth of the V^T ring; K_STAGES: of the K ring (both set by config.rs).
 #ifndef STAGES
 #define STAGES 1
+#endif
+#ifndef K_STAGES
+#define K_STAGES STAGES
 #endif
 #if FLASH_DTYPE != 2 || (HEAD_DIM != 64 && HEAD_DIM != 128) || CONSUMERS != 2 || BLOCK_M != 64 * CONSUMERS || \
     (BLOCK_N != 32 && BLOCK_N != 64) || MASKED
@@ -72,15 +76,15 @@
 #define KV_ELEMS (BLOCK_N * HEAD_DIM)
 
 // Shared memory, from a base aligned to the swizzle's period (1024 bytes): Q [TERMS][D / 32][BLOCK_M][32];
-// K [STAGES][TERMS][D / 32][BLOCK_N][32]; V^T [STAGES][TERMS][BLOCK_N / 32][D][32] (keys permuted
-// within groups of 8); the mbarriers q_full, k_full[STAGES], v_full[STAGES], k_empty[STAGES],
+// K [K_STAGES][TERMS][D / 32][BLOCK_N][32]; V^T [STAGES][TERMS][BLOCK_N / 32][D][32] (keys permuted
+// within groups of 8); the mbarriers q_full, k_full[K_STAGES], v_full[STAGES], k_empty[K_STAGES],
 // v_empty[STAGES]. Addressed as 32-bit offsets from one base (a generic Smem& kept a 64-bit pointer
 // live through both roles, and spilled it).
 constexpr u32 SMEM_Q = 0;
 constexpr u32 SMEM_K = SMEM_Q + TERMS * BLOCK_M * HEAD_DIM * 4;
-constexpr u32 SMEM_V = SMEM_K + STAGES * TERMS * KV_ELEMS * 4;
+constexpr u32 SMEM_V = SMEM_K + K_STAGES * TERMS * KV_ELEMS * 4;
 constexpr u32 SMEM_BARS = SMEM_V + STAGES * TERMS * KV_ELEMS * 4;
-constexpr u32 SMEM_END = SMEM_BARS + 8 * (1 + 4 * STAGES);
+constexpr u32 SMEM_END = SMEM_BARS + 8 * (1 + 2 * K_STAGES + 2 * STAGES);
 FLASH_EXPORT_SMEM((SMEM_END + 1023) / 1024 * 1024 + 1024)  // + the round-up of the start to 1024
 
 struct SmemAt {
@@ -90,13 +94,19 @@ struct SmemAt {
     __device__ __forceinline__ u32 v() const { return base + SMEM_V; }
     __device__ __forceinline__ u32 q_full() const { return base + SMEM_BARS; }
     __device__ __forceinline__ u32 k_full(u32 s) const { return base + SMEM_BARS + 8 * (1 + s); }
-    __device__ __forceinline__ u32 v_full(u32 s) const { return base + SMEM_BARS + 8 * (1 + STAGES + s); }
-    __device__ __forceinline__ u32 k_empty(u32 s) const { return base + SMEM_BARS + 8 * (1 + 2 * STAGES + s); }
-    __device__ __forceinline__ u32 v_empty(u32 s) const { return base + SMEM_BARS + 8 * (1 + 3 * STAGES + s); }
+    __device__ __forceinline__ u32 k_empty(u32 s) const { return base + SMEM_BARS + 8 * (1 + K_STAGES + s); }
+    __device__ __forceinline__ u32 v_full(u32 s) const { return base + SMEM_BARS + 8 * (1 + 2 * K_STAGES + s); }
+    __device__ __forceinline__ u32 v_empty(u32 s) const { return base + SMEM_BARS + 8 * (1 + 2 * K_STAGES + STAGES + s); }
 };
 
-__device__ __forceinline__ u32 stage_of(int j) { return j % STAGES; }
-__device__ __forceinline__ u32 phase_of(int j) { return (j / STAGES) & 1; }
+// Tile j's slot in a ring of DEPTH stages, and the parity of its use of that slot.
+template <int DEPTH>
+struct Ring {
+    static __device__ __forceinline__ u32 stage(int j) { return j % DEPTH; }
+    static __device__ __forceinline__ u32 phase(int j) { return (j / DEPTH) & 1; }
+};
+using KRing = Ring<K_STAGES>;
+using VRing = Ring<STAGES>;
 
 __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& blk, const SmemAt smem) {
     const float* q = p.q + blk.q_at(p.q_st);
@@ -107,14 +117,14 @@ __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& 
 
     const u32 k_base = smem.k(), v_base = smem.v();
     auto store_k = [&](const RowTile<BLOCK_N>& t, int j) {
-        const u32 s = stage_of(j);
-        if (j >= STAGES) mbar_wait(smem.k_empty(s), phase_of(j) ^ 1);
+        const u32 s = KRing::stage(j);
+        if (j >= K_STAGES) mbar_wait(smem.k_empty(s), KRing::phase(j) ^ 1);
         t.store<BLOCK_N>(k_base + s * TERMS * PART_BYTES(BLOCK_N), 0);
         publish(smem.k_full(s));
     };
     auto store_v = [&](const TransposedTile<BLOCK_N>& t, int j) {
-        const u32 s = stage_of(j);
-        if (j >= STAGES) mbar_wait(smem.v_empty(s), phase_of(j) ^ 1);
+        const u32 s = VRing::stage(j);
+        if (j >= STAGES) mbar_wait(smem.v_empty(s), VRing::phase(j) ^ 1);
         t.store(v_base + s * TERMS * PART_BYTES(BLOCK_N));
         publish(smem.v_full(s));
     };
@@ -202,15 +212,16 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
 
     KeyWalk w = blk.key_walk();
     const u32 q = opaque(smem.q()) + 64 * c * 128;
-    u32 prev = 0;  // the stage of the tile whose P V is pending
-    bool pending = false;
+    // P_{j-1} V_{j-1} is pending from tile 1 on; V^T_{j-1} at v_at(j - 1).
+    auto v_at = [&](int j) { return opaque(smem.v()) + VRing::stage(j) * TERMS * PART_BYTES(BLOCK_N); };
     for (; w.more(); w.advance()) {
-        const u32 st = stage_of(w.j);
-        mbar_wait(smem.k_full(st), phase_of(w.j));
+        const u32 st = KRing::stage(w.j);
+        const bool pending = w.j > 0;
+        mbar_wait(smem.k_full(st), KRing::phase(w.j));
         issue_qk(s, q, opaque(smem.k()) + st * TERMS * PART_BYTES(BLOCK_N));
-        const u32 v = opaque(smem.v()) + prev * TERMS * PART_BYTES(BLOCK_N);
+        const u32 v = v_at(w.j - 1);
         if (pending) {
-            mbar_wait(smem.v_full(prev), phase_of(w.j - 1));
+            mbar_wait(smem.v_full(VRing::stage(w.j - 1)), VRing::phase(w.j - 1));
             pv_issue(v);
         }
         float alpha[2];
@@ -220,7 +231,7 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
             fence_regs(s);
             softmax_step(w, alpha);
             pv_rest(v);
-            if (lane == 0) mbar_arrive(smem.v_empty(prev));
+            if (lane == 0) mbar_arrive(smem.v_empty(VRing::stage(w.j - 1)));
         } else {
             wgmma_wait<0>();
             if (lane == 0) mbar_arrive(smem.k_empty(st));
@@ -229,15 +240,13 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
         }
         OnlineSoftmax::rescale_rows(o, alpha);
         pf.set(s);
-        prev = st;
-        pending = true;
     }
-    if (pending) {
-        const u32 v = opaque(smem.v()) + prev * TERMS * PART_BYTES(BLOCK_N);
-        mbar_wait(smem.v_full(prev), phase_of(w.j - 1));
+    if (w.j > 0) {
+        const u32 v = v_at(w.j - 1);
+        mbar_wait(smem.v_full(VRing::stage(w.j - 1)), VRing::phase(w.j - 1));
         pv_issue(v);
         pv_rest(v);
-        if (lane == 0) mbar_arrive(smem.v_empty(prev));
+        if (lane == 0) mbar_arrive(smem.v_empty(VRing::stage(w.j - 1)));
     }
 
     store_rows<HEAD_DIM / 8>(p, blk, o, sm, row0);
@@ -250,10 +259,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_fwd_sm90(cons
     if (threadIdx.x == 0) {
         mbar_init(smem.q_full(), PRODUCER_THREADS);
 #pragma unroll
-        for (int s = 0; s < STAGES; ++s) {
+        for (int s = 0; s < K_STAGES; ++s) {
             mbar_init(smem.k_full(s), PRODUCER_THREADS);
-            mbar_init(smem.v_full(s), PRODUCER_THREADS);
             mbar_init(smem.k_empty(s), 4 * CONSUMERS);  // every consumer warp's lane 0
+        }
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(smem.v_full(s), PRODUCER_THREADS);
             mbar_init(smem.v_empty(s), 4 * CONSUMERS);
         }
         mbar_fence_init();

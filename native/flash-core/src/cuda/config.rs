@@ -112,7 +112,7 @@ fn table_candidates(spec: &Spec) -> Vec<Variant> {
 pub fn variant(spec: &Spec, set: TileSet) -> Variant {
     let (k, dt, d) = (spec.kernel, spec.dtype, spec.head_dim);
     if spec.tf32_terms > 0 && set != TileSet::Override {
-        return make_variant(spec, tiles(tf32_tiles(k, set, d)), set);
+        return make_variant(spec, tiles(tf32_tiles(k, set, d, spec.tf32_terms)), set);
     }
     let t = match set {
         TileSet::Default => tiles(default_tiles(k, dt, d)),
@@ -260,7 +260,7 @@ fn default_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize
     // step at D = 64 (64-row steps were 64 x 64 x 64 products: too short) and 64 at D = 128, Q and
     // dO STAGES = 2 deep (cuda/bwd_sm90.cu; D = 64 and 128 only).
     if kernel == Kernel::BwdDqSm90 || (kernel == Kernel::BwdSm90 && dtype == DType::F32) {
-        return sm90_f32_bwd_tiles(kernel);
+        return sm90_f32_bwd_tiles(kernel, 3);
     }
     if kernel == Kernel::BwdSm90 {
         return (if d <= 64 { 128 } else { 64 }, 128, 12, 2, 1);
@@ -337,10 +337,10 @@ fn small_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, 
 /// The f32 tensor-core kernels' tiles (cuda/tf32.h under fwd.cu, bwd_dq.cu, bwd_dkdv.cu), masked
 /// or not. f32 rows take twice the shared memory of 16-bit ones; the small tiles need at most
 /// 101376 bytes. Not swept on a GPU yet (bench/RESULTS.md).
-fn tf32_tiles(kernel: Kernel, set: TileSet, d: usize) -> (usize, usize, usize, usize, usize) {
+fn tf32_tiles(kernel: Kernel, set: TileSet, d: usize, terms: usize) -> (usize, usize, usize, usize, usize) {
     match kernel {
         Kernel::FwdSm90 => sm90_f32_tiles(d),
-        Kernel::BwdSm90 | Kernel::BwdDqSm90 => sm90_f32_bwd_tiles(kernel),
+        Kernel::BwdSm90 | Kernel::BwdDqSm90 => sm90_f32_bwd_tiles(kernel, terms),
         Kernel::BwdDq => tf32_dq_tiles(set, d),
         Kernel::BwdDkdv | Kernel::BwdDkdvDq => tf32_dkdv_tiles(set, d),
         _ => tf32_fwd_tiles(set, d),
@@ -348,14 +348,26 @@ fn tf32_tiles(kernel: Kernel, set: TileSet, d: usize) -> (usize, usize, usize, u
 }
 
 /// The Hopper f32 forward's (cuda/fwd_sm90_f32.cu: a producer warpgroup and two consumer warpgroups
-/// of 64 query rows; the 4th value is STAGES, the depth of the K and V rings). Q, K and V^T are held
-/// as two TF32 parts each: 192 KiB of shared memory at both head dims (D = 128 takes 32 keys a
-/// tile and one stage; two would need 256 KiB). Hopper only, so the small tiles are the same.
+/// of 64 query rows; the 4th value is STAGES, the depth of the V^T ring, sm90_f32_k_stages the K
+/// ring's). Q, K and V^T are held as two TF32 parts each: D = 64 takes 64 keys a tile, two stages of
+/// each (64 + 64 + 64 KiB); D = 128 32 keys, one K stage and two V^T stages (128 + 32 + 64 = 224 KiB
+/// of the 227: two of each would need 256). V^T is the deeper ring because its stage is released
+/// last in a consumer's iteration (after P V), K's early (after S). Hopper only, so the small
+/// tiles are the same.
 fn sm90_f32_tiles(d: usize) -> (usize, usize, usize, usize, usize) {
     if d <= 64 {
         (128, 64, 12, 2, 1)
     } else {
-        (128, 32, 12, 1, 1)
+        (128, 32, 12, 2, 1)
+    }
+}
+
+/// The depth of the Hopper f32 forward's K ring (see sm90_f32_tiles).
+fn sm90_f32_k_stages(d: usize) -> usize {
+    if d <= 64 {
+        2
+    } else {
+        1
     }
 }
 
@@ -363,14 +375,16 @@ fn sm90_f32_tiles(d: usize) -> (usize, usize, usize, usize, usize) {
 /// shared memory holds two TF32 parts of each operand, and TF32 wgmma takes K-major operands only,
 /// so the transposed ones are copies of their own:
 /// - dK / dV (cuda/bwd_dkdv_sm90_f32.cu, 128 keys a block: two consumer warpgroups of 64, 32 query
-///   rows a step): K and V 128 KiB, and one stage of Q, Q^T, dO and dO^T at 32 rows 64 KiB = 192 KiB.
+///   rows a step): K and V 128 KiB, and one stage of Q, Q^T, dO and dO^T at 32 rows 64 KiB = 192 KiB
+///   under "exact" (3 TF32 terms); "tf32" (one term, one part of each) takes two stages in 128 KiB.
 /// - dQ (cuda/bwd_dq_sm90_f32.cu, 128 query rows a block, 32 keys a step): Q and dO 128 KiB, and
 ///   2 stages of K, V and K^T at 32 keys 96 KiB = 224 KiB.
 ///
 /// Hopper only, so the small tiles are the same.
-fn sm90_f32_bwd_tiles(kernel: Kernel) -> (usize, usize, usize, usize, usize) {
+fn sm90_f32_bwd_tiles(kernel: Kernel, terms: usize) -> (usize, usize, usize, usize, usize) {
     match kernel {
         Kernel::BwdDqSm90 => (128, 32, 12, 2, 1),
+        _ if terms == 1 => (32, 128, 12, 2, 1),
         _ => (32, 128, 12, 1, 1),
     }
 }
@@ -502,6 +516,9 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
         }
         if kernel == Kernel::FwdSm90 {
             defines.push(("STAGES", t.d_split as i64));
+            if dtype == DType::F32 {
+                defines.push(("K_STAGES", sm90_f32_k_stages(head_dim) as i64));
+            }
             if dtype != DType::F32 {
                 // The consumer warpgroups take turns issuing their products (cuda/fwd_sm90.cu).
                 defines.push(("PINGPONG", (t.num_warps >= 12) as i64));
@@ -707,12 +724,13 @@ mod tests {
         }
         let (dkdv, dq) = (Kernel::BwdSm90, Kernel::BwdDqSm90);
         assert_eq!((dq.name(), dq.entry(), dq.is_sm90()), ("bwd_dq_sm90", "flash_bwd_dq_sm90", true));
+        // (kernel, source, tiles under "exact", under "tf32")
         let want = [
-            (dkdv, "bwd_dkdv_sm90_f32.cu", (32, 128, 12, 1, 1)),
-            (dq, "bwd_dq_sm90_f32.cu", (128, 32, 12, 2, 1)),
+            (dkdv, "bwd_dkdv_sm90_f32.cu", (32, 128, 12, 1, 1), (32, 128, 12, 2, 1)),
+            (dq, "bwd_dq_sm90_f32.cu", (128, 32, 12, 2, 1), (128, 32, 12, 2, 1)),
         ];
-        for (k, src, t) in want {
-            for (terms, math) in [(3i64, "3xtf32"), (1, "tf32")] {
+        for (k, src, exact_tiles, tf32_tiles) in want {
+            for (terms, math, t) in [(3i64, "3xtf32", exact_tiles), (1, "tf32", tf32_tiles)] {
                 for set in [TileSet::Default, TileSet::Small] {
                     let v = variant(&Spec { tf32_terms: terms as usize, ..spec(k, DType::F32, 64) }, set);
                     assert_eq!((v.source, v.math(), v.tiles), (src, math, tiles(t)), "{}", v.name());
