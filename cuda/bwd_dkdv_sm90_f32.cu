@@ -43,6 +43,7 @@
 #endif
 
 #define FRESH (TERMS == 2)  // each tile's dK / dV sums in a fresh accumulator (see above)
+#define PAIRED_B (TERMS == 2)  // the stage's Q and dO rows as ss_products_paired's B operands (sm90_f32.h)
 // Registers per thread after setmaxnreg (sm90_f32.h's run_roles checks the split). The producer holds a tile of Q, dO,
 // Q^T and dO^T (4 x 32 x D / 128 floats) and their addresses; a consumer dK, dV, S^T, dP^T, the
 // AFrags of P^T and dS^T and a fresh accumulator.
@@ -120,8 +121,8 @@ __device__ __forceinline__ void produce(const FlashParams& p, const KeyBlock& bl
         }
         const u32 st = stage_of(j);
         if (j >= STAGES) mbar_wait(smem.empty(st), phase_of(j) ^ 1);
-        qr.store<BLOCK_M>(smem.q(st), 0);
-        dr.store<BLOCK_M>(smem.dout(st), 0);
+        qr.store<BLOCK_M, PAIRED_B>(smem.q(st), 0);
+        dr.store<BLOCK_M, PAIRED_B>(smem.dout(st), 0);
         qt.store(smem.qt(st));
         dt.store(smem.dot(st));
         if (tid < BLOCK_M) {
@@ -133,12 +134,35 @@ __device__ __forceinline__ void produce(const FlashParams& p, const KeyBlock& bl
 }
 
 // ---- the consumers --------------------------------------------------------------------------------------
-// acc = A B^T over D (ss: A the warpgroup's 64 rows of K or V at a, B the stage's Q or dO rows);
-// issued, not waited for.
-__device__ __forceinline__ void issue_abt(float (&acc)[BLOCK_M / 8][4], u32 a, u32 b) {
-    ss_products<BLOCK_M>(acc, a, PART_BYTES(BLOCK_N), BLOCK_N, b, PART_BYTES(BLOCK_M), BLOCK_M);
+// S^T = K Q^T and dP^T = V dO^T for the warpgroup's keys (ss: K and V rows at k and v, the stage's
+// Q and dO rows at q and dout, their parts PAIRED under split products), waited for. (Descriptors
+// opaque per iteration: hoisted out of the loop they would take the products' registers.)
+__device__ __forceinline__ void scores_t(float (&s)[BLOCK_M / 8][4], float (&dp)[BLOCK_M / 8][4], u32 k, u32 v, u32 q,
+                                         u32 dout) {
+#if PAIRED_B
+    float s2[2 * BLOCK_M / 8][4], s1[BLOCK_M / 8][4], dp2[2 * BLOCK_M / 8][4], dp1[BLOCK_M / 8][4];
+    wgmma_fence();
+    ss_products_paired<BLOCK_M>(s2, s1, opaque(k), PART_BYTES(BLOCK_N), BLOCK_N, opaque(q), BLOCK_M);
+    ss_products_paired<BLOCK_M>(dp2, dp1, opaque(v), PART_BYTES(BLOCK_N), BLOCK_N, opaque(dout), BLOCK_M);
     wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s2);
+    fence_regs(s1);
+    fence_regs(dp2);
+    fence_regs(dp1);
+    sum_paired(s, s2, s1);
+    sum_paired(dp, dp2, dp1);
+#else
+    wgmma_fence();
+    ss_products<BLOCK_M>(s, opaque(k), PART_BYTES(BLOCK_N), BLOCK_N, opaque(q), PART_BYTES(BLOCK_M), BLOCK_M);
+    ss_products<BLOCK_M>(dp, opaque(v), PART_BYTES(BLOCK_N), BLOCK_N, opaque(dout), PART_BYTES(BLOCK_M), BLOCK_M);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+    fence_regs(dp);
+#endif
 }
+
 
 // d (+)= A B over the tile's query rows (rs: A an AFrag of P^T or dS^T, B the stage's dO^T or Q^T).
 // FRESH: summed in a fresh accumulator, waited for and added to d in f32; else chained into d,
@@ -174,13 +198,7 @@ __device__ __forceinline__ void consume(const FlashParams& p, const KeyBlock& bl
         const u32 st = stage_of(j);
         mbar_wait(smem.full(st), phase_of(j));
         float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];
-        wgmma_fence();
-        // (opaque per iteration: descriptors hoisted out of the loop would take the products' registers)
-        issue_abt(s, opaque(k_rows), opaque(smem.q(st)));
-        issue_abt(dp, opaque(v_rows), opaque(smem.dout(st)));
-        wgmma_wait<0>();
-        fence_regs(s);
-        fence_regs(dp);
+        scores_t(s, dp, k_rows, v_rows, smem.q(st), smem.dout(st));
         const float* lse2 = reinterpret_cast<const float*>(__cvta_shared_to_generic(smem.lse(st)));
         const float* dlt = reinterpret_cast<const float*>(__cvta_shared_to_generic(smem.delta(st)));
         const bool masked = key_slice_needs_mask(key0, m0, blk.Sq, blk.Sk);

@@ -33,6 +33,7 @@
 #endif
 
 #define FRESH (TERMS == 2)  // each tile's dS K in a fresh accumulator
+#define PAIRED_B (TERMS == 2)  // the stage's K and V rows as ss_products_paired's B operands (sm90_f32.h)
 // Registers per thread after setmaxnreg (sm90_f32.h's run_roles checks the split). The producer holds a tile of K, V and
 // K^T (3 x 32 x D / 128 floats); a consumer dQ, S, dP, dS's AFrag and a fresh accumulator.
 #define PRODUCER_REGS 120
@@ -86,18 +87,40 @@ __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& 
         kt.load(k, p.k_st.seq, n0, blk.Sk);
         const u32 s = stage_of(w.j);
         if (w.j >= STAGES) mbar_wait(smem.empty(s), phase_of(w.j) ^ 1);
-        kr.store<BLOCK_N>(smem.k(s), 0);
-        vr.store<BLOCK_N>(smem.v(s), 0);
+        kr.store<BLOCK_N, PAIRED_B>(smem.k(s), 0);
+        vr.store<BLOCK_N, PAIRED_B>(smem.v(s), 0);
         kt.store(smem.kt(s));
         publish(smem.full(s));
     }
 }
 
 // ---- the consumers --------------------------------------------------------------------------------------
-// acc = A B^T over D (ss: A the warpgroup's 64 rows of Q or dO at a, B the stage's K or V rows).
-__device__ __forceinline__ void issue_abt(float (&acc)[BLOCK_N / 8][4], u32 a, u32 b) {
-    ss_products<BLOCK_N>(acc, a, PART_BYTES(BLOCK_M), BLOCK_M, b, PART_BYTES(BLOCK_N), BLOCK_N);
+// S = Q K^T and dP = dO V^T for the warpgroup's rows (ss: Q and dO rows at q and dout, the
+// stage's K and V rows at k and v, their parts PAIRED under split products), waited for.
+__device__ __forceinline__ void scores(float (&s)[BLOCK_N / 8][4], float (&dp)[BLOCK_N / 8][4], u32 q, u32 dout, u32 k,
+                                       u32 v) {
+#if PAIRED_B
+    float s2[2 * BLOCK_N / 8][4], s1[BLOCK_N / 8][4], dp2[2 * BLOCK_N / 8][4], dp1[BLOCK_N / 8][4];
+    wgmma_fence();
+    ss_products_paired<BLOCK_N>(s2, s1, q, PART_BYTES(BLOCK_M), BLOCK_M, k, BLOCK_N);
+    ss_products_paired<BLOCK_N>(dp2, dp1, dout, PART_BYTES(BLOCK_M), BLOCK_M, v, BLOCK_N);
     wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s2);
+    fence_regs(s1);
+    fence_regs(dp2);
+    fence_regs(dp1);
+    sum_paired(s, s2, s1);
+    sum_paired(dp, dp2, dp1);
+#else
+    wgmma_fence();
+    ss_products<BLOCK_N>(s, q, PART_BYTES(BLOCK_M), BLOCK_M, k, PART_BYTES(BLOCK_N), BLOCK_N);
+    ss_products<BLOCK_N>(dp, dout, PART_BYTES(BLOCK_M), BLOCK_M, v, PART_BYTES(BLOCK_N), BLOCK_N);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+    fence_regs(dp);
+#endif
 }
 
 __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& blk, const SmemAt smem, int c) {
@@ -118,12 +141,7 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
         const u32 st = stage_of(w.j);
         mbar_wait(smem.full(st), phase_of(w.j));
         float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
-        wgmma_fence();
-        issue_abt(s, q, opaque(smem.k(st)));
-        issue_abt(dp, dout, opaque(smem.v(st)));
-        wgmma_wait<0>();
-        fence_regs(s);
-        fence_regs(dp);
+        scores(s, dp, q, dout, opaque(smem.k(st)), opaque(smem.v(st)));
         if (blk.tile_mask(w)) mask_tile<BLOCK_N / 8>(s, row0, w.n0(), vis);
 #pragma unroll
         for (int i = 0; i < BLOCK_N / 8; ++i)

@@ -11,7 +11,9 @@
 // their parts into shared memory as 128-byte-swizzled [rows][32 f32] column blocks, K-major (TF32
 // wgmma takes no transposed operand):
 // - RowTile<R>: R rows of D elements as they come (D contiguous): an A or B operand whose
-//   contraction runs over D.
+//   contraction runs over D. Its parts are whole [TERMS][D / 32][R][32] tiles, or (PAIRED, a B
+//   operand of ss_products_paired) [D / 32][TERMS][R][32]: each column block's big rows followed by
+//   its small rows, one B operand of 2R rows.
 // - TransposedTile<R>: R rows stored transposed, [R / 32][D][32] (the R rows contiguous), within
 //   each group of 8 rows in the order 0, 2, 4, 6, 1, 3, 5, 7: the B operand of a product whose A is
 //   an accumulator held in registers (AFrag) and whose contraction runs over the R rows.
@@ -82,14 +84,17 @@ struct RowTile {
                                   : make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
-    // Into the parts at `base` of a [ROWS][D] tile, as rows row_off..; K-major, swizzled.
-    template <int ROWS>
+    // Into the parts at `base` of a [ROWS][D] tile, as rows row_off..; K-major, swizzled; PAIRED:
+    // the parts of each column block side by side (see above).
+    template <int ROWS, bool PAIRED = false>
     __device__ __forceinline__ void store(u32 base, int row_off) const {
         const int tid = threadIdx.x % PRODUCER_THREADS;
+        constexpr u32 part = PAIRED ? CB_BYTES(ROWS) : PART_BYTES(ROWS);
+        constexpr u32 block = PAIRED ? TERMS * CB_BYTES(ROWS) : CB_BYTES(ROWS);
 #pragma unroll
         for (int i = 0; i < CHUNKS; ++i) {
             const int c = tid + PRODUCER_THREADS * i, r = row_off + c / (HEAD_DIM / 4), c4 = c % (HEAD_DIM / 4);
-            store_parts(base, PART_BYTES(ROWS), (c4 / 8) * CB_BYTES(ROWS) + sw128(r, c4 % 8), x[i]);
+            store_parts(base, part, (c4 / 8) * block + sw128(r, c4 % 8), x[i]);
         }
     }
 };
@@ -173,6 +178,33 @@ __device__ __forceinline__ void ss_products(float (&d)[N / 8][4], u32 a, u32 a_p
     for (int kk = 0; kk < KS; ++kk) WgmmaTf32<N>::ss(d, kdesc(a, a_rows, kk), kdesc(b, b_rows, kk), kk > 0);
 #endif
 }
+
+// d = A B^T as ss_products, over fewer reads of A: B's parts PAIRED (RowTile), so that big_a
+// [big_b | small_b] is one product of 2N columns and A's big part is read once, not twice (the split
+// products read A's parts 2 + 1 times and B's 1 + 2: the 64-row A dominates the shared-memory
+// traffic at N = 32). The sums land in two accumulators: d2 = [big_a big_b | big_a small_b] and
+// d1 = small_a big_b (apart: wgmma chains into one accumulator register block, not into half of
+// another's); `sum_paired` adds them up. TERMS = 2 only. Not fenced, committed or waited for.
+#if TERMS == 2
+template <int N>
+__device__ __forceinline__ void ss_products_paired(float (&d2)[2 * N / 8][4], float (&d1)[N / 8][4], u32 a, u32 a_part,
+                                                   int a_rows, u32 b, int b_rows) {
+    constexpr int KS = HEAD_DIM / 8;
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) WgmmaTf32<N>::ss(d1, kdesc(a + a_part, a_rows, kk), kdesc(b, 2 * b_rows, kk), kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) WgmmaTf32<2 * N>::ss(d2, kdesc(a, a_rows, kk), kdesc(b, 2 * b_rows, kk), kk > 0);
+}
+
+// x = a paired product's sum in f32: the corrections first, then big x big.
+template <int NT>
+__device__ __forceinline__ void sum_paired(float (&x)[NT][4], const float (&d2)[2 * NT][4], const float (&d1)[NT][4]) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[i][e] = (d1[i][e] + d2[NT + i][e]) + d2[i][e];
+}
+#endif
 
 // An accumulator tile [64 x 8 KT] as KT A fragments (8 columns each): big and (TERMS = 2) small parts.
 template <int KT>
