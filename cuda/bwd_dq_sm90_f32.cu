@@ -36,8 +36,17 @@
 #define PAIRED_B (TERMS == 2)  // the stage's K and V rows as ss_products_paired's B operands (sm90_f32.h)
 // Registers per thread after setmaxnreg (sm90_f32.h's run_roles checks the split). The producer holds a tile of K, V and
 // K^T (3 x 32 x D / 128 floats); a consumer dQ, S, dP, dS's AFrag and a fresh accumulator.
+// "tf32" (one part, no fresh sums): a consumer needs far fewer, and the producer holds the next
+// tile besides (PREFETCH).
+#if TERMS == 2
 #define PRODUCER_REGS 120
 #define CONSUMER_REGS 192
+#define PREFETCH 0
+#else
+#define PRODUCER_REGS 168
+#define CONSUMER_REGS 168
+#define PREFETCH 1
+#endif
 
 #define TILE_BYTES(rows) (TERMS * PART_BYTES(rows))  // a tile's parts
 #define STAGE_BYTES (3 * TILE_BYTES(BLOCK_N))        // K, V, K^T
@@ -77,21 +86,45 @@ __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& 
 
     const float* k = p.k + blk.kv_at(p.k_st);
     const float* v = p.v + blk.kv_at(p.v_st);
-#pragma unroll 1
-    for (KeyWalk w = blk.key_walk(); w.more(); w.advance()) {
-        const int n0 = w.n0();
+    // Key tile j in registers: K and V as RowTiles, K as a TransposedTile.
+    struct KeyTileRegs {
         RowTile<BLOCK_N> kr, vr;
         TransposedTile<BLOCK_N> kt;
-        kr.load(k, p.k_st.seq, n0, blk.Sk);
-        vr.load(v, p.v_st.seq, n0, blk.Sk);
-        kt.load(k, p.k_st.seq, n0, blk.Sk);
-        const u32 s = stage_of(w.j);
-        if (w.j >= STAGES) mbar_wait(smem.empty(s), phase_of(w.j) ^ 1);
-        kr.store<BLOCK_N, PAIRED_B>(smem.k(s), 0);
-        vr.store<BLOCK_N, PAIRED_B>(smem.v(s), 0);
-        kt.store(smem.kt(s));
+    };
+    auto load = [&](KeyTileRegs& t, int n0) {
+        t.kr.load(k, p.k_st.seq, n0, blk.Sk);
+        t.vr.load(v, p.v_st.seq, n0, blk.Sk);
+        t.kt.load(k, p.k_st.seq, n0, blk.Sk);
+    };
+    auto store = [&](const KeyTileRegs& t, int j) {
+        const u32 s = stage_of(j);
+        if (j >= STAGES) mbar_wait(smem.empty(s), phase_of(j) ^ 1);
+        t.kr.store<BLOCK_N, PAIRED_B>(smem.k(s), 0);
+        t.vr.store<BLOCK_N, PAIRED_B>(smem.v(s), 0);
+        t.kt.store(smem.kt(s));
         publish(smem.full(s));
+    };
+#if PREFETCH
+    // Tile j + 1's loads are in flight while tile j is stored.
+    KeyWalk w = blk.key_walk();
+    if (!w.more()) return;
+    KeyTileRegs cur;
+    load(cur, w.n0());
+#pragma unroll 1
+    for (; w.more(); w.advance()) {
+        KeyTileRegs nxt;
+        if (w.has_next()) load(nxt, w.next_n0());
+        store(cur, w.j);
+        cur = nxt;
     }
+#else
+#pragma unroll 1
+    for (KeyWalk w = blk.key_walk(); w.more(); w.advance()) {
+        KeyTileRegs t;
+        load(t, w.n0());
+        store(t, w.j);
+    }
+#endif
 }
 
 // ---- the consumers --------------------------------------------------------------------------------------
