@@ -8,8 +8,8 @@
 //   (query head, query tile) of the block's walk (block.h's KeyBlock) Q and dO twice each, as
 //   RowTiles (the B operands of S^T = K Q^T and dP^T = V dO^T) and as TransposedTiles (Q^T and
 //   dO^T: the B operands of dK += dS^T Q and dV += P^T dO, whose A operands are registers), and the
-//   rows' lse_log2 and delta (+inf and 0 past Sq), into the one stage. The next tile is loaded
-//   into registers before waiting for the stage.
+//   rows' lse_log2 and delta (+inf and 0 past Sq), into a stage (STAGES: one under "exact", two
+//   under "tf32"). The next tile is loaded into registers before waiting for the stage.
 // - warpgroups 1 and 2, the consumers, own 64 keys each (warp w: keys 64 c + 16 w..) and both take
 //   every tile of the walk. Per tile:
 //     S^T = K Q^T, dP^T = V dO^T            (ss, from zero)
@@ -134,36 +134,6 @@ __device__ __forceinline__ void produce(const FlashParams& p, const KeyBlock& bl
 }
 
 // ---- the consumers --------------------------------------------------------------------------------------
-// S^T = K Q^T and dP^T = V dO^T for the warpgroup's keys (ss: K and V rows at k and v, the stage's
-// Q and dO rows at q and dout, their parts PAIRED under split products), waited for. (Descriptors
-// opaque per iteration: hoisted out of the loop they would take the products' registers.)
-__device__ __forceinline__ void scores_t(float (&s)[BLOCK_M / 8][4], float (&dp)[BLOCK_M / 8][4], u32 k, u32 v, u32 q,
-                                         u32 dout) {
-#if PAIRED_B
-    float s2[2 * BLOCK_M / 8][4], s1[BLOCK_M / 8][4], dp2[2 * BLOCK_M / 8][4], dp1[BLOCK_M / 8][4];
-    wgmma_fence();
-    ss_products_paired<BLOCK_M>(s2, s1, opaque(k), PART_BYTES(BLOCK_N), BLOCK_N, opaque(q), BLOCK_M);
-    ss_products_paired<BLOCK_M>(dp2, dp1, opaque(v), PART_BYTES(BLOCK_N), BLOCK_N, opaque(dout), BLOCK_M);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(s2);
-    fence_regs(s1);
-    fence_regs(dp2);
-    fence_regs(dp1);
-    sum_paired(s, s2, s1);
-    sum_paired(dp, dp2, dp1);
-#else
-    wgmma_fence();
-    ss_products<BLOCK_M>(s, opaque(k), PART_BYTES(BLOCK_N), BLOCK_N, opaque(q), PART_BYTES(BLOCK_M), BLOCK_M);
-    ss_products<BLOCK_M>(dp, opaque(v), PART_BYTES(BLOCK_N), BLOCK_N, opaque(dout), PART_BYTES(BLOCK_M), BLOCK_M);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(s);
-    fence_regs(dp);
-#endif
-}
-
-
 // d (+)= A B over the tile's query rows (rs: A an AFrag of P^T or dS^T, B the stage's dO^T or Q^T).
 // FRESH: summed in a fresh accumulator, waited for and added to d in f32; else chained into d,
 // issued and not waited for.
@@ -198,7 +168,10 @@ __device__ __forceinline__ void consume(const FlashParams& p, const KeyBlock& bl
         const u32 st = stage_of(j);
         mbar_wait(smem.full(st), phase_of(j));
         float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];
-        scores_t(s, dp, k_rows, v_rows, smem.q(st), smem.dout(st));
+        // S^T = K Q^T, dP^T = V dO^T (descriptors opaque per iteration: hoisted out of the loop they
+        // would take the products' registers)
+        abt_pair<BLOCK_M>(s, dp, opaque(k_rows), opaque(v_rows), PART_BYTES(BLOCK_N), BLOCK_N, opaque(smem.q(st)),
+                          opaque(smem.dout(st)), BLOCK_M);
         const float* lse2 = reinterpret_cast<const float*>(__cvta_shared_to_generic(smem.lse(st)));
         const float* dlt = reinterpret_cast<const float*>(__cvta_shared_to_generic(smem.delta(st)));
         const bool masked = key_slice_needs_mask(key0, m0, blk.Sq, blk.Sk);

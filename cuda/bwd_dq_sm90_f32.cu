@@ -128,34 +128,6 @@ __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& 
 }
 
 // ---- the consumers --------------------------------------------------------------------------------------
-// S = Q K^T and dP = dO V^T for the warpgroup's rows (ss: Q and dO rows at q and dout, the
-// stage's K and V rows at k and v, their parts PAIRED under split products), waited for.
-__device__ __forceinline__ void scores(float (&s)[BLOCK_N / 8][4], float (&dp)[BLOCK_N / 8][4], u32 q, u32 dout, u32 k,
-                                       u32 v) {
-#if PAIRED_B
-    float s2[2 * BLOCK_N / 8][4], s1[BLOCK_N / 8][4], dp2[2 * BLOCK_N / 8][4], dp1[BLOCK_N / 8][4];
-    wgmma_fence();
-    ss_products_paired<BLOCK_N>(s2, s1, q, PART_BYTES(BLOCK_M), BLOCK_M, k, BLOCK_N);
-    ss_products_paired<BLOCK_N>(dp2, dp1, dout, PART_BYTES(BLOCK_M), BLOCK_M, v, BLOCK_N);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(s2);
-    fence_regs(s1);
-    fence_regs(dp2);
-    fence_regs(dp1);
-    sum_paired(s, s2, s1);
-    sum_paired(dp, dp2, dp1);
-#else
-    wgmma_fence();
-    ss_products<BLOCK_N>(s, q, PART_BYTES(BLOCK_M), BLOCK_M, k, PART_BYTES(BLOCK_N), BLOCK_N);
-    ss_products<BLOCK_N>(dp, dout, PART_BYTES(BLOCK_M), BLOCK_M, v, PART_BYTES(BLOCK_N), BLOCK_N);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(s);
-    fence_regs(dp);
-#endif
-}
-
 __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& blk, const SmemAt smem, int c) {
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4;
@@ -174,7 +146,7 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
         const u32 st = stage_of(w.j);
         mbar_wait(smem.full(st), phase_of(w.j));
         float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
-        scores(s, dp, q, dout, opaque(smem.k(st)), opaque(smem.v(st)));
+        abt_pair<BLOCK_N>(s, dp, q, dout, PART_BYTES(BLOCK_M), BLOCK_M, opaque(smem.k(st)), opaque(smem.v(st)), BLOCK_N);  // S, dP
         if (blk.tile_mask(w)) mask_tile<BLOCK_N / 8>(s, row0, w.n0(), vis);
 #pragma unroll
         for (int i = 0; i < BLOCK_N / 8; ++i)

@@ -26,9 +26,10 @@
 //   (TERMS = 1) chains O: TF32's own error dwarfs the truncation.
 //
 // Shared memory per block (f32, TERMS = 2 parts for TF32_TERMS = 3):
-//   Q  TERMS * BLOCK_M * D * 4, K and V^T each STAGES * TERMS * BLOCK_N * D * 4.
-//   D = 64:  BLOCK_M 128, BLOCK_N 64, STAGES 2: 64 + 64 + 64 KiB = 192 KiB.
-//   D = 128: BLOCK_M 128, BLOCK_N 32, STAGES 1: 128 + 32 + 32 KiB = 192 KiB (two stages: 256).
+//   Q  TERMS * BLOCK_M * D * 4, K K_STAGES * TERMS * BLOCK_N * D * 4, V^T STAGES * the same.
+//   D = 64:  BLOCK_M 128, BLOCK_N 64, two K and two V^T stages: 64 + 64 + 64 KiB = 192 KiB.
+//   D = 128: BLOCK_M 128, BLOCK_N 32, one K and two V^T stages: 128 + 32 + 64 KiB = 224 KiB (V^T's
+//   stage is released last in an iteration, after P V; two of each would need 256).
 // Work per key tile (D = 128, BLOCK_N = 32, both consumers): tensor cores 2 x 2 x 64 x 32 x 128 x 2
 //   x 3 = 6.3 MFLOP of TF32 = 3072 cycles at the SM's 2048 TF32 FLOP / cycle; the producer ~8
 //   float4 + 32 scalar loads, 3 x 8192 / 128 = 192 conversions and 32 16-byte stores per thread

@@ -206,6 +206,36 @@ __device__ __forceinline__ void sum_paired(float (&x)[NT][4], const float (&d2)[
 }
 #endif
 
+// x = A1 B1^T and y = A2 B2^T over D (ss; A's of a_rows rows with parts a_part apart, B's of b_rows
+// rows, PAIRED under split products (ss_products_paired), else parts PART_BYTES(b_rows) apart),
+// waited for: a kernel's two score products (S and dP, or S^T and dP^T).
+template <int N>
+__device__ __forceinline__ void abt_pair(float (&x)[N / 8][4], float (&y)[N / 8][4], u32 a1, u32 a2, u32 a_part, int a_rows,
+                                         u32 b1, u32 b2, int b_rows) {
+#if TERMS == 2
+    float x2[2 * N / 8][4], x1[N / 8][4], y2[2 * N / 8][4], y1[N / 8][4];
+    wgmma_fence();
+    ss_products_paired<N>(x2, x1, a1, a_part, a_rows, b1, b_rows);
+    ss_products_paired<N>(y2, y1, a2, a_part, a_rows, b2, b_rows);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(x2);
+    fence_regs(x1);
+    fence_regs(y2);
+    fence_regs(y1);
+    sum_paired(x, x2, x1);
+    sum_paired(y, y2, y1);
+#else
+    wgmma_fence();
+    ss_products<N>(x, a1, a_part, a_rows, b1, PART_BYTES(b_rows), b_rows);
+    ss_products<N>(y, a2, a_part, a_rows, b2, PART_BYTES(b_rows), b_rows);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(x);
+    fence_regs(y);
+#endif
+}
+
 // An accumulator tile [64 x 8 KT] as KT A fragments (8 columns each): big and (TERMS = 2) small parts.
 template <int KT>
 struct AFrag {
