@@ -518,8 +518,7 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
             defines.push(("STAGES", t.d_split as i64));
             if dtype == DType::F32 {
                 defines.push(("K_STAGES", sm90_f32_k_stages(head_dim) as i64));
-            }
-            if dtype != DType::F32 {
+            } else {
                 // The consumer warpgroups take turns issuing their products (cuda/fwd_sm90.cu).
                 defines.push(("PINGPONG", (t.num_warps >= 12) as i64));
             }
