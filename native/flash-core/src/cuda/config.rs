@@ -339,7 +339,7 @@ fn small_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, 
 /// 101376 bytes. Not swept on a GPU yet (bench/RESULTS.md).
 fn tf32_tiles(kernel: Kernel, set: TileSet, d: usize, terms: usize) -> (usize, usize, usize, usize, usize) {
     match kernel {
-        Kernel::FwdSm90 => sm90_f32_tiles(d),
+        Kernel::FwdSm90 => sm90_f32_tiles(d, terms),
         Kernel::BwdSm90 | Kernel::BwdDqSm90 => sm90_f32_bwd_tiles(kernel, terms),
         Kernel::BwdDq => tf32_dq_tiles(set, d),
         Kernel::BwdDkdv | Kernel::BwdDkdvDq => tf32_dkdv_tiles(set, d),
@@ -352,22 +352,24 @@ fn tf32_tiles(kernel: Kernel, set: TileSet, d: usize, terms: usize) -> (usize, u
 /// ring's). Q, K and V^T are held as two TF32 parts each: D = 64 takes 64 keys a tile, two stages of
 /// each (64 + 64 + 64 KiB); D = 128 32 keys, one K stage and two V^T stages (128 + 32 + 64 = 224 KiB
 /// of the 227: two of each would need 256). V^T is the deeper ring because its stage is released
-/// last in a consumer's iteration (after P V), K's early (after S). Hopper only, so the small
-/// tiles are the same.
-fn sm90_f32_tiles(d: usize) -> (usize, usize, usize, usize, usize) {
-    if d <= 64 {
-        (128, 64, 12, 2, 1)
-    } else {
-        (128, 32, 12, 2, 1)
+/// last in a consumer's iteration (after P V), K's early (after S). "tf32" (`terms` = 1) holds one
+/// part of each: at D = 64 three stages of both (32 + 48 + 48 KiB; +4-5 % at 8192 keys on an H100,
+/// the same at 2048); at 128 the exact kernel's rings (two K and three V^T measured 2-6 % slower).
+/// Hopper only, so the small tiles are the same.
+fn sm90_f32_tiles(d: usize, terms: usize) -> (usize, usize, usize, usize, usize) {
+    match (d <= 64, terms == 1) {
+        (true, false) => (128, 64, 12, 2, 1),
+        (true, true) => (128, 64, 12, 3, 1),
+        (false, _) => (128, 32, 12, 2, 1),
     }
 }
 
 /// The depth of the Hopper f32 forward's K ring (see sm90_f32_tiles).
-fn sm90_f32_k_stages(d: usize) -> usize {
-    if d <= 64 {
-        2
-    } else {
-        1
+fn sm90_f32_k_stages(d: usize, terms: usize) -> usize {
+    match (d <= 64, terms == 1) {
+        (true, false) => 2,
+        (true, true) => 3,
+        (false, _) => 1,
     }
 }
 
@@ -517,7 +519,7 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
         if kernel == Kernel::FwdSm90 {
             defines.push(("STAGES", t.d_split as i64));
             if dtype == DType::F32 {
-                defines.push(("K_STAGES", sm90_f32_k_stages(head_dim) as i64));
+                defines.push(("K_STAGES", sm90_f32_k_stages(head_dim, tf32_terms) as i64));
             } else {
                 // The consumer warpgroups take turns issuing their products (cuda/fwd_sm90.cu).
                 defines.push(("PINGPONG", (t.num_warps >= 12) as i64));
