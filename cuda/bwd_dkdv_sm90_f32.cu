@@ -81,9 +81,7 @@ struct SmemAt {
     __device__ __forceinline__ u32 empty(u32 st) const { return base + SMEM_BARS + 8 * (1 + STAGES + st); }
 };
 
-// Iteration j's stage, and the parity of its use of it.
-__device__ __forceinline__ u32 stage_of(int j) { return j % STAGES; }
-__device__ __forceinline__ u32 phase_of(int j) { return (j / STAGES) & 1; }
+using StageRing = Ring<STAGES>;  // hopper.h
 
 __device__ __forceinline__ void st_shared_f32(u32 addr, float x) {
     asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(x) : "memory");
@@ -119,8 +117,8 @@ __device__ __forceinline__ void produce(const FlashParams& p, const KeyBlock& bl
             lse2 = p.lse_log2[at];
             dlt = p.delta[at];
         }
-        const u32 st = stage_of(j);
-        if (j >= STAGES) mbar_wait(smem.empty(st), phase_of(j) ^ 1);
+        const u32 st = StageRing::stage(j);
+        if (j >= STAGES) mbar_wait(smem.empty(st), StageRing::phase(j) ^ 1);
         qr.store<BLOCK_M, PAIRED_B>(smem.q(st), 0);
         dr.store<BLOCK_M, PAIRED_B>(smem.dout(st), 0);
         qt.store(smem.qt(st));
@@ -165,8 +163,8 @@ __device__ __forceinline__ void consume(const FlashParams& p, const KeyBlock& bl
 #pragma unroll 1
     for (int j = 0; j < w0.n_iter; ++j) {
         const int h = blk.head(j), m0 = blk.query_row(j);
-        const u32 st = stage_of(j);
-        mbar_wait(smem.full(st), phase_of(j));
+        const u32 st = StageRing::stage(j);
+        mbar_wait(smem.full(st), StageRing::phase(j));
         float s[BLOCK_M / 8][4], dp[BLOCK_M / 8][4];
         // S^T = K Q^T, dP^T = V dO^T (descriptors opaque per iteration: hoisted out of the loop they
         // would take the products' registers)

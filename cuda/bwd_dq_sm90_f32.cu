@@ -73,8 +73,7 @@ struct SmemAt {
     __device__ __forceinline__ u32 empty(u32 s) const { return base + SMEM_BARS + 8 * (1 + STAGES + s); }
 };
 
-__device__ __forceinline__ u32 stage_of(int j) { return j % STAGES; }
-__device__ __forceinline__ u32 phase_of(int j) { return (j / STAGES) & 1; }
+using StageRing = Ring<STAGES>;  // hopper.h
 
 // ---- the producer -------------------------------------------------------------------------------------
 __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& blk, const SmemAt smem) {
@@ -97,8 +96,8 @@ __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& 
         t.kt.load(k, p.k_st.seq, n0, blk.Sk);
     };
     auto store = [&](const KeyTileRegs& t, int j) {
-        const u32 s = stage_of(j);
-        if (j >= STAGES) mbar_wait(smem.empty(s), phase_of(j) ^ 1);
+        const u32 s = StageRing::stage(j);
+        if (j >= STAGES) mbar_wait(smem.empty(s), StageRing::phase(j) ^ 1);
         t.kr.store<BLOCK_N, PAIRED_B>(smem.k(s), 0);
         t.vr.store<BLOCK_N, PAIRED_B>(smem.v(s), 0);
         t.kt.store(smem.kt(s));
@@ -143,8 +142,8 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
     mbar_wait(smem.qdo_full(), 0);
 #pragma unroll 1
     for (KeyWalk w = blk.key_walk(); w.more(); w.advance()) {
-        const u32 st = stage_of(w.j);
-        mbar_wait(smem.full(st), phase_of(w.j));
+        const u32 st = StageRing::stage(w.j);
+        mbar_wait(smem.full(st), StageRing::phase(w.j));
         float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
         abt_pair<BLOCK_N>(s, dp, q, dout, PART_BYTES(BLOCK_M), BLOCK_M, opaque(smem.k(st)), opaque(smem.v(st)), BLOCK_N);  // S, dP
         if (blk.tile_mask(w)) mask_tile<BLOCK_N / 8>(s, row0, w.n0(), vis);

@@ -89,8 +89,7 @@ struct Sm90BwdParams {
     FlashParams p;
 };
 
-__device__ __forceinline__ u32 stage_of(int j) { return j % STAGES; }
-__device__ __forceinline__ u32 phase_of(int j) { return (j / STAGES) & 1; }
+using StageRing = Ring<STAGES>;  // hopper.h
 
 // ---- the block's key block and its turn at each dQ tile --------------------------------------------
 // Deterministic (dq_sem) dQ tiles take their key blocks' reductions in a fixed order in which a block
@@ -159,8 +158,8 @@ __device__ __forceinline__ void produce(const Sm90BwdParams& P, Smem& smem) {
     }
     for (int j = 0; w.more(); w.advance(), ++j) {
         blk.look_ahead(w);
-        const u32 st = stage_of(j);
-        if (j >= STAGES) mbar_wait(smem_addr(&smem.qdo_empty[st]), phase_of(j) ^ 1);
+        const u32 st = StageRing::stage(j);
+        if (j >= STAGES) mbar_wait(smem_addr(&smem.qdo_empty[st]), StageRing::phase(j) ^ 1);
         const int h = blk.head(w.it()), m0 = blk.query_row(w.it());
         const i64 so = blk.stat_base(p, h);
         for (int i = lane; i < BLOCK_M; i += 32) {
@@ -329,7 +328,7 @@ __device__ __forceinline__ void consume(const Sm90BwdParams& P, Smem& smem, int 
     if (w.more()) mbar_wait(smem_addr(&smem.kv_full), 0);
     for (int j = 0; w.more(); w.advance(), ++j) {
         blk.look_ahead(w);
-        const u32 st = stage_of(j), ph = phase_of(j);
+        const u32 st = StageRing::stage(j), ph = StageRing::phase(j);
         const int h = blk.head(w.it()), m0 = blk.query_row(w.it());
         const u32 q_tile = smem_addr(smem.q) + st * TILE_BYTES(BLOCK_M);
         const u32 do_tile = smem_addr(smem.dout) + st * TILE_BYTES(BLOCK_M);

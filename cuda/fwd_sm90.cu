@@ -76,8 +76,7 @@ struct Sm90Params {
 #define TILE_BYTES(rows) (CB_BYTES(rows) * COL_BLOCKS)
 #define PINGPONG_BARRIER 1  // named barriers 1 .. CONSUMERS: consumer c waits on 1 + c for its turn
 
-__device__ __forceinline__ u32 stage_of(int j) { return j % STAGES; }
-__device__ __forceinline__ u32 phase_of(int j) { return (j / STAGES) & 1; }
+using StageRing = Ring<STAGES>;  // hopper.h
 
 // The producer: Q, then the K and V tiles in the order the consumers use them
 // (K_0, K_1, V_0, K_2, V_1, ...: P_{j-1} V_{j-1} is issued after S_j = Q K_j^T). A stage's K and V
@@ -87,8 +86,8 @@ __device__ __forceinline__ u32 phase_of(int j) { return (j / STAGES) & 1; }
 __device__ __forceinline__ bool producer_leader() { return threadIdx.x % 32 == 0; }
 
 __device__ __forceinline__ void load_kv(const TensorMap* map, u32 tiles, u32 full, u32 empty, int j, int n0, const QueryBlock& blk) {
-    const u32 s = stage_of(j);
-    if (j >= STAGES) mbar_wait(empty + 8 * s, phase_of(j) ^ 1);
+    const u32 s = StageRing::stage(j);
+    if (j >= STAGES) mbar_wait(empty + 8 * s, StageRing::phase(j) ^ 1);
     if (!producer_leader()) return;
     mbar_expect_tx(full + 8 * s, TILE_BYTES(BLOCK_N));
 #pragma unroll
@@ -219,12 +218,12 @@ __device__ __forceinline__ int consume_tile(const FlashParams& p, const QueryBlo
     bool pending = false;
     for (; w.more(); w.advance()) {
         blk.look_ahead(w);
-        const u32 st = stage_of(done + w.j);
-        mbar_wait(smem_addr(&smem.k_full[st]), phase_of(done + w.j));
+        const u32 st = StageRing::stage(done + w.j);
+        mbar_wait(smem_addr(&smem.k_full[st]), StageRing::phase(done + w.j));
         take_turn(c);
         issue_qk(s, q_rows, k_base + st * TILE_BYTES(BLOCK_N));
         if (pending) {
-            mbar_wait(smem_addr(&smem.v_full[prev]), phase_of(done + w.j - 1));
+            mbar_wait(smem_addr(&smem.v_full[prev]), StageRing::phase(done + w.j - 1));
             issue_pv(o, pa, v_base + prev * TILE_BYTES(BLOCK_N));
         }
         float alpha[2];
@@ -253,7 +252,7 @@ __device__ __forceinline__ int consume_tile(const FlashParams& p, const QueryBlo
     if (lane == 0) mbar_arrive(smem_addr(&smem.q_empty));  // every S of the tile has landed
     if (pending) {
         take_turn(c);
-        mbar_wait(smem_addr(&smem.v_full[prev]), phase_of(done + w.j - 1));
+        mbar_wait(smem_addr(&smem.v_full[prev]), StageRing::phase(done + w.j - 1));
         issue_pv(o, pa, v_base + prev * TILE_BYTES(BLOCK_N));
         wgmma_wait<0>();
         fence_regs(o);

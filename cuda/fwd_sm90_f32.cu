@@ -100,12 +100,6 @@ struct SmemAt {
     __device__ __forceinline__ u32 v_empty(u32 s) const { return base + SMEM_BARS + 8 * (1 + 2 * K_STAGES + STAGES + s); }
 };
 
-// Tile j's slot in a ring of DEPTH stages, and the parity of its use of that slot.
-template <int DEPTH>
-struct Ring {
-    static __device__ __forceinline__ u32 stage(int j) { return j % DEPTH; }
-    static __device__ __forceinline__ u32 phase(int j) { return (j / DEPTH) & 1; }
-};
 using KRing = Ring<K_STAGES>;
 using VRing = Ring<STAGES>;
 

@@ -84,6 +84,15 @@ __device__ __forceinline__ u32 opaque(u32 x) {
     return x;
 }
 
+// ---- rings of stages -----------------------------------------------------------------------------
+// Tile j's slot in a ring of DEPTH shared-memory stages, and the parity of its use of that slot (the
+// mbarrier phase its full / empty barriers are waited on with).
+template <int DEPTH>
+struct Ring {
+    static __device__ __forceinline__ u32 stage(int j) { return j % DEPTH; }
+    static __device__ __forceinline__ u32 phase(int j) { return (j / DEPTH) & 1; }
+};
+
 // ---- registers and named barriers ---------------------------------------------------------------
 template <int N>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
