@@ -63,7 +63,7 @@ constexpr u32 SMEM_STAGE = SMEM_V + TILE_BYTES(BLOCK_N);
 constexpr u32 SMEM_STATS = SMEM_STAGE + STAGES * STAGE_BYTES;
 constexpr u32 SMEM_BARS = SMEM_STATS + STAGES * 2 * BLOCK_M * 4;
 constexpr u32 SMEM_END = SMEM_BARS + 8 * (1 + 2 * STAGES);
-FLASH_EXPORT_SMEM((SMEM_END + 1023) / 1024 * 1024 + 1024)  // + the round-up of the start to 1024
+FLASH_EXPORT_SMEM(SWIZZLED_SMEM_BYTES(SMEM_END))
 
 struct SmemAt {
     u32 base;
@@ -192,7 +192,7 @@ __device__ __forceinline__ void consume(const FlashParams& p, const KeyBlock& bl
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_bwd_sm90(const FlashParams p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const SmemAt smem{(smem_addr(smem_raw) + 1023) & ~1023u};
+    const SmemAt smem{swizzled_base(smem_raw)};
     const KeyBlock blk(p);
     if (threadIdx.x == 0) {
         mbar_init(smem.kv_full(), PRODUCER_THREADS);

@@ -59,7 +59,7 @@ constexpr u32 SMEM_DO = SMEM_Q + TILE_BYTES(BLOCK_M);
 constexpr u32 SMEM_STAGES = SMEM_DO + TILE_BYTES(BLOCK_M);
 constexpr u32 SMEM_BARS = SMEM_STAGES + STAGES * STAGE_BYTES;
 constexpr u32 SMEM_END = SMEM_BARS + 8 * (1 + 2 * STAGES);
-FLASH_EXPORT_SMEM((SMEM_END + 1023) / 1024 * 1024 + 1024)  // + the round-up of the start to 1024
+FLASH_EXPORT_SMEM(SWIZZLED_SMEM_BYTES(SMEM_END))
 
 struct SmemAt {
     u32 base;
@@ -180,7 +180,7 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_bwd_dq_sm90(const FlashParams p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const SmemAt smem{(smem_addr(smem_raw) + 1023) & ~1023u};
+    const SmemAt smem{swizzled_base(smem_raw)};
     const QueryBlock blk(p);
     if (threadIdx.x == 0) {
         mbar_init(smem.qdo_full(), PRODUCER_THREADS);

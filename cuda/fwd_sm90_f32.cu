@@ -86,7 +86,7 @@ constexpr u32 SMEM_K = SMEM_Q + TERMS * BLOCK_M * HEAD_DIM * 4;
 constexpr u32 SMEM_V = SMEM_K + K_STAGES * TERMS * KV_ELEMS * 4;
 constexpr u32 SMEM_BARS = SMEM_V + STAGES * TERMS * KV_ELEMS * 4;
 constexpr u32 SMEM_END = SMEM_BARS + 8 * (1 + 2 * K_STAGES + 2 * STAGES);
-FLASH_EXPORT_SMEM((SMEM_END + 1023) / 1024 * 1024 + 1024)  // + the round-up of the start to 1024
+FLASH_EXPORT_SMEM(SWIZZLED_SMEM_BYTES(SMEM_END))
 
 struct SmemAt {
     u32 base;
@@ -249,7 +249,7 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_fwd_sm90(const FlashParams p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const SmemAt smem{(smem_addr(smem_raw) + 1023) & ~1023u};
+    const SmemAt smem{swizzled_base(smem_raw)};
     const QueryBlock blk(p);
     if (threadIdx.x == 0) {
         mbar_init(smem.q_full(), PRODUCER_THREADS);

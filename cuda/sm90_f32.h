@@ -39,6 +39,12 @@
 #endif
 
 #define PRODUCER_THREADS 128
+
+// A kernel's shared memory starts at a base rounded up to the 128-byte swizzle's period (1024
+// bytes; the dynamic allocation's own alignment is not promised): a layout ending at `end` bytes
+// from that base asks for SWIZZLED_SMEM_BYTES(end), the round-up taking up to 1024 more.
+#define SWIZZLED_SMEM_BYTES(end) (((end) + 1023) / 1024 * 1024 + 1024)
+__device__ __forceinline__ u32 swizzled_base(const unsigned char* raw) { return (smem_addr(raw) + 1023) & ~1023u; }
 #define CB_BYTES(rows) ((rows) * 128)             // one [rows][32] f32 column block
 #define PART_BYTES(rows) ((rows) * HEAD_DIM * 4)  // one part of a [rows][D] (or [D][rows]) tile
 
