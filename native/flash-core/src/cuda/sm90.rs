@@ -215,8 +215,8 @@ pub(super) unsafe fn forward(dev: &Device, p: &Problem, s: cu::CUstream, prm: &F
     // SAFETY: the caller's guarantees; each struct mirrors its kernel's parameter.
     unsafe {
         match mask {
-            None => device::launch("flash_fwd_sm90", f, grid, s, &Sm90Params { tq, tk, tv, p: *prm }),
-            Some(m) => device::launch("flash_fwd_sm90", f, grid, s, &Sm90Params { tq, tk, tv, p: MaskedParams { base: *prm, mask: *m } }),
+            None => device::launch(v.kernel.entry(), f, grid, s, &Sm90Params { tq, tk, tv, p: *prm }),
+            Some(m) => device::launch(v.kernel.entry(), f, grid, s, &Sm90Params { tq, tk, tv, p: MaskedParams { base: *prm, mask: *m } }),
         }
     }
 }
@@ -234,7 +234,7 @@ unsafe fn forward_f32(dev: &Device, p: &Problem, s: cu::CUstream, prm: &FlashPar
     let grid = (super::launch::grid_over(d.seq_q, v.tiles.block_m), d.heads as u32, d.batch as u32);
     super::trace::kernel("forward", &v);
     // SAFETY: the caller's guarantees; the kernel takes FlashParams by value.
-    unsafe { device::launch("flash_fwd_sm90", f, grid, s, prm) }
+    unsafe { device::launch(v.kernel.entry(), f, grid, s, prm) }
 }
 
 /// The kernel parameter of cuda/bwd_sm90.cu: the tensor maps of q, k, v, dO, the deterministic
@@ -284,11 +284,11 @@ pub(super) unsafe fn backward(dev: &Device, p: &Problem, s: cu::CUstream, prm: &
     // SAFETY: the caller's guarantees; each struct mirrors the kernel's parameter.
     unsafe {
         match mask {
-            None => device::launch("flash_bwd_sm90", f, grid, s, &params(*prm)),
+            None => device::launch(v.kernel.entry(), f, grid, s, &params(*prm)),
             Some(m) => {
                 let prm = MaskedParams { base: *prm, mask: *m };
                 let params = Sm90BwdParams { tq, tk, tv, tdo, dq_sem, m_blocks, _pad: 0, p: prm };
-                device::launch("flash_bwd_sm90", f, grid, s, &params)
+                device::launch(v.kernel.entry(), f, grid, s, &params)
             }
         }
     }
@@ -311,8 +311,8 @@ pub(super) unsafe fn backward_f32(dev: &Device, p: &Problem, s: cu::CUstream, pr
     super::trace::kernel("backward", &vk); // info() names the dK/dV kernel, as on the other paths
     // SAFETY: the caller's guarantees; both kernels take FlashParams by value.
     unsafe {
-        device::launch("flash_bwd_dq_sm90", fq, q_grid, s, prm)?;
-        device::launch("flash_bwd_sm90", fk, kv_grid, s, prm)
+        device::launch(vq.kernel.entry(), fq, q_grid, s, prm)?;
+        device::launch(vk.kernel.entry(), fk, kv_grid, s, prm)
     }
 }
 
