@@ -31,6 +31,9 @@
 #if HEAD_DIM != 64 && HEAD_DIM != 128 && HEAD_DIM != 256
 #error "decode.cu takes HEAD_DIM 64, 128 or 256 (decode_simt.cu any other)"
 #endif
+#if CACHE_BITS != 0 && CACHE_BITS != 4 && CACHE_BITS != 8
+#error "decode.cu takes CACHE_BITS 0 (plain caches), 4 or 8: one kernel per cache format"
+#endif
 #if STATE_TILE != 8
 #error "decode.cu's warp tile is 8 query states (the mma's n)"
 #endif
@@ -375,38 +378,17 @@ __device__ __forceinline__ void store_partial_o(float* dst, const float (&o)[HEA
     }
 }
 
-// p.bits as a compile-time value: f(Bits<N>()) reads it as decltype(arg)::value (one copy of the
-// pipeline and the epilogue serves every format).
-template <int N>
-struct Bits {
-    enum : int { value = N };
-};
-template <typename F>
-__device__ __forceinline__ void with_bits(int bits, F&& f) {
-    if (bits == 4) {
-        f(Bits<4>());
-    } else if (bits == 8) {
-        f(Bits<8>());
-    } else {
-        f(Bits<0>());
-    }
-}
-#define BITS_OF(arg) decltype(arg)::value
-
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) flash_decode(const DecodeParams p) {
     unsigned char* smem = &shared_memory<unsigned char>();
     const DecodeWork w(p);
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-    StageLayout L;
-    with_bits(p.bits, [&](auto bits) {
-        using G = Geom<BITS_OF(bits)>;
-        L = stage_layout(p, G::SROW_K, G::SROW_V, STAGE_BYTES, KEY_BLOCK * NUM_WARPS);
-    });
+    using G = Geom<CACHE_BITS>;
+    const StageLayout L = stage_layout(p, G::SROW_K, G::SROW_V, STAGE_BYTES, KEY_BLOCK * NUM_WARPS);
     const bool active = w.state0 < p.states;
     const int wk_n = NUM_WARPS / p.warp_states;
 
     u32 qa[Q_REGS];
-    with_bits(p.bits, [&](auto bits) { load_q<BITS_OF(bits)>(qa, p, w); });
+    load_q<CACHE_BITS>(qa, p, w);
     // This lane's columns of S^T and O^T: states 2t and 2t + 1.
     const int2 vis[2] = {visible_keys(p, w, w.row_of(p, w.state0 + 2 * t)), visible_keys(p, w, w.row_of(p, w.state0 + 2 * t + 1))};
     float o[HEAD_DIM / 16][4];
@@ -415,15 +397,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) flash_deco
     // States 2t, 2t + 1: running max (log2 domain) and this lane's part of the sum.
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
 
-    const ScaleOffset k_off(p, w, p.bits ? HEAD_DIM / p.k_group_size : 0), v_off(p, w, p.bits ? HEAD_DIM / p.v_group_size : 0);
+    const ScaleOffset k_off(p, w, CACHE_BITS ? HEAD_DIM / p.k_group_size : 0), v_off(p, w, CACHE_BITS ? HEAD_DIM / p.v_group_size : 0);
 
     pipeline(smem, L, p, w, [&](const unsigned char* stage, int key0, int nkeys) {
         if (!active) return;
-        with_bits(p.bits, [&](auto bits) {
-            for (int r0 = w.wk * KEY_BLOCK; r0 < nkeys; r0 += wk_n * KEY_BLOCK) {
-                block_step<BITS_OF(bits)>(o, m, l, qa, stage, L, p, key0, nkeys, r0, vis, k_off, v_off);
-            }
-        });
+        for (int r0 = w.wk * KEY_BLOCK; r0 < nkeys; r0 += wk_n * KEY_BLOCK) {
+            block_step<CACHE_BITS>(o, m, l, qa, stage, L, p, key0, nkeys, r0, vis, k_off, v_off);
+        }
     });
 
     // Partials: m, l and o of states 2t, 2t + 1 (lanes g = 0 write m and l; o undoes the V pairs).
@@ -435,7 +415,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) flash_deco
         part.m[row + 2 * t] = m[0], part.l[row + 2 * t] = l[0];
         part.m[row + 2 * t + 1] = m[1], part.l[row + 2 * t + 1] = l[1];
     }
-    with_bits(p.bits, [&](auto bits) { store_partial_o<BITS_OF(bits)>(part.o + row * HEAD_DIM, o); });
+    store_partial_o<CACHE_BITS>(part.o + row * HEAD_DIM, o);
     __syncthreads();
     store_states(p, w, part);
 }

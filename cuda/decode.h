@@ -19,8 +19,9 @@
 // a block loads each key once for the STATE_TILE * warp_states states of its chunk.
 //
 // Defines: FLASH_DTYPE, HEAD_DIM (decode.cu: the head dim; decode_simt.cu: 256, the bound of its
-// run-time D), NUM_WARPS, STATE_TILE (query states per warp), STAGES (pipeline depth), MIN_BLOCKS
-// (blocks per SM the registers must allow; params.h's default 1).
+// run-time D), CACHE_BITS (decode.cu only: the caches' bits, 0, 4 or 8), NUM_WARPS, STATE_TILE
+// (query states per warp), STAGES (pipeline depth), MIN_BLOCKS (blocks per SM the registers must
+// allow; params.h's default 1).
 #pragma once
 #include "ptx.h"
 
@@ -29,6 +30,14 @@
 #endif
 #ifndef STAGES
 #define STAGES 3
+#endif
+
+// The caches' bits (0: plain): fixed per kernel where CACHE_BITS is defined (decode.cu: one kernel
+// per cache format, which the host picks by p.bits), else read from the params (decode_simt.cu).
+#ifdef CACHE_BITS
+#define KV_BITS(p) CACHE_BITS
+#else
+#define KV_BITS(p) ((p).bits)
 #endif
 
 // The host caps unbounded window sides here (and the cache below it), so that index sums fit an int.
@@ -147,11 +156,11 @@ __device__ __forceinline__ StageLayout stage_layout(const DecodeParams& p, int s
     StageLayout L;
     L.srow_k = srow_k;
     L.srow_v = srow_v;
-    L.sw_k = p.bits ? scale_words(p.head_dim / p.k_group_size) : 0;
-    L.sw_v = p.bits ? scale_words(p.head_dim / p.v_group_size) : 0;
+    L.sw_k = KV_BITS(p) ? scale_words(p.head_dim / p.k_group_size) : 0;
+    L.sw_v = KV_BITS(p) ? scale_words(p.head_dim / p.v_group_size) : 0;
     // Per key, with 16 bytes of slack per scale array for the rounding of its offset.
     const int per_key = srow_k + srow_v + 8 * (L.sw_k + L.sw_v);
-    const int slack = p.bits ? 4 * 16 : 0;
+    const int slack = KV_BITS(p) ? 4 * 16 : 0;
     L.tile_keys = max((budget - slack) / per_key / key_round, 1) * key_round;
     const int n = L.tile_keys;
     L.off_v = n * srow_k;
@@ -172,6 +181,14 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid
 __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
     int n = valid ? 4 : 0;
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(n));
+}
+
+// The same at u32 shared addresses (16 bytes bypass L1, as ptx.h's cp_async16).
+__device__ __forceinline__ void cp_async16_u32(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4_u32(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
 }
 
 // Copies `unit` bytes (16, 8 or 4: cp.async; 2: a plain load and store, for rows whose size or
@@ -278,13 +295,75 @@ struct StageCopy {
         : unit(unit_), rows(p.row_bytes, unit_), scales_k(4 * max(L.sw_k, 1), 4), scales_v(4 * max(L.sw_v, 1), 4) {}
 };
 
+// The common case in few instructions per copy: rows of whole 16-byte chunks, scale rows that start
+// on a word, and a batch row's cache within 4 GiB. Sources are block-uniform 64-bit addresses of key
+// 0 of (b, kv head) plus u32 byte offsets per key; a thread copies chunk c of rows r, r + step, ...
+// of K and V (one offset for both), and word c of the scale rows of its rows (one offset for a
+// scale and its bias). Everything but `ok` is derived per stage from the params (no registers held
+// across the block loop).
+struct FastCopy {
+    bool ok;
+
+    __device__ __forceinline__ FastCopy(const DecodeParams& p) {
+        const int gk = groups_k(p), gv = groups_v(p);
+        const bool words = sizeof(elem_t) == 4 || (gk % 2 == 0 && gv % 2 == 0);
+        ok = copy_unit_bytes(p) == 16 && words && (i64)p.s_cache * p.kv_heads * p.row_bytes <= 0xffffffffll;
+    }
+    __device__ __forceinline__ static int groups_k(const DecodeParams& p) { return KV_BITS(p) ? p.head_dim / p.k_group_size : 0; }
+    __device__ __forceinline__ static int groups_v(const DecodeParams& p) { return KV_BITS(p) ? p.head_dim / p.v_group_size : 0; }
+
+    // This thread's first row, row step and unit of rows of `units` units.
+    __device__ __forceinline__ static int3 share(int units) {
+        const int tpr = min(units, NUM_THREADS), step = NUM_THREADS / tpr;
+        return make_int3(threadIdx.x / tpr < step ? threadIdx.x / tpr : 1 << 30, step, threadIdx.x % tpr);
+    }
+
+    // Scale and bias rows (sw words each, `groups` elements) of the stage.
+    __device__ __forceinline__ static void scales(u32 ds, u32 db, const elem_t* s, const elem_t* b, int groups, int sw,
+                                                  const DecodeParams& p, const DecodeWork& w, int key0, int key_end, int n) {
+        const int3 t = share(sw);
+        const i64 first = w.row0 * groups * (i64)sizeof(elem_t);
+        const unsigned char* s0 = reinterpret_cast<const unsigned char*>(s) + first;
+        const unsigned char* b0 = reinterpret_cast<const unsigned char*>(b) + first;
+        const u32 stride = (u32)(p.kv_heads * groups * (int)sizeof(elem_t));
+        for (int r = t.x; r < n; r += t.y) {
+            const bool valid = key0 + r < key_end;
+            const u32 at = valid ? (u32)(key0 + r) * stride + 4 * t.z : 0u;
+            const u32 d = 4 * (r * sw + t.z);
+            cp_async4_u32(ds + d, s0 + at, valid);
+            cp_async4_u32(db + d, b0 + at, valid);
+        }
+    }
+
+    // The stage at shared address `stage` holding keys [key0, key0 + tile_keys); keys >= key_end
+    // are zero-filled (their source: key 0's row, never read).
+    __device__ __forceinline__ static void load(u32 stage, const StageLayout& L, const DecodeParams& p, const DecodeWork& w,
+                                                int key0, int key_end) {
+        const int n = L.tile_keys;
+        const int3 t = share(p.row_bytes / 16);
+        const unsigned char* k0 = p.k + w.row0 * p.row_bytes;
+        const unsigned char* v0 = p.v + w.row0 * p.row_bytes;
+        const u32 stride = (u32)(p.kv_heads * p.row_bytes);
+        for (int r = t.x; r < n; r += t.y) {
+            const bool valid = key0 + r < key_end;
+            const u32 at = valid ? (u32)(key0 + r) * stride + 16 * t.z : 0u;
+            cp_async16_u32(stage + r * L.srow_k + 16 * t.z, k0 + at, valid);
+            cp_async16_u32(stage + L.off_v + r * L.srow_v + 16 * t.z, v0 + at, valid);
+        }
+        if (KV_BITS(p)) {
+            scales(stage + L.off_ks, stage + L.off_kb, p.k_scale, p.k_bias, groups_k(p), L.sw_k, p, w, key0, key_end, n);
+            scales(stage + L.off_vs, stage + L.off_vb, p.v_scale, p.v_bias, groups_v(p), L.sw_v, p, w, key0, key_end, n);
+        }
+    }
+};
+
 // Issues the copies of the stage holding keys [key0, key0 + tile_keys).
 __device__ __forceinline__ void load_stage(unsigned char* stage, const StageLayout& L, const DecodeParams& p,
                                            const DecodeWork& w, int key0, const StageCopy& c) {
     const int n = L.tile_keys;
     copy_rows(stage, L.srow_k, p.k, p, w, key0, w.k1, n, c.rows, c.unit);
     copy_rows(stage + L.off_v, L.srow_v, p.v, p, w, key0, w.k1, n, c.rows, c.unit);
-    if (p.bits) {
+    if (KV_BITS(p)) {
         const int gk = p.head_dim / p.k_group_size, gv = p.head_dim / p.v_group_size;
         copy_scales(reinterpret_cast<u32*>(stage + L.off_ks), L.sw_k, p.k_scale, gk, p, w, key0, w.k1, n, c.scales_k);
         copy_scales(reinterpret_cast<u32*>(stage + L.off_kb), L.sw_k, p.k_bias, gk, p, w, key0, w.k1, n, c.scales_k);
@@ -301,6 +380,8 @@ template <typename Compute>
 __device__ __forceinline__ void pipeline(unsigned char* smem, const StageLayout& L, const DecodeParams& p,
                                          const DecodeWork& w, Compute&& compute) {
     const StageCopy copy(p, L, copy_unit_bytes(p));
+    const FastCopy fast(p);
+    const u32 smem_u32 = smem_addr(smem);
     const int tiles = (w.k1 - w.k0 + L.tile_keys - 1) / L.tile_keys;
 #pragma unroll 1
     for (int t = 1 - STAGES; t < tiles; ++t) {
@@ -309,7 +390,14 @@ __device__ __forceinline__ void pipeline(unsigned char* smem, const StageLayout&
             __syncthreads();  // tile t landed for every thread; every thread is done with tile t - 1
         }
         const int next = t + STAGES - 1;
-        if (next < tiles) load_stage(smem + (next % STAGES) * L.bytes, L, p, w, w.k0 + next * L.tile_keys, copy);
+        if (next < tiles) {
+            const int stage = next % STAGES, key0 = w.k0 + next * L.tile_keys;
+            if (fast.ok) {
+                FastCopy::load(smem_u32 + stage * L.bytes, L, p, w, key0, w.k1);
+            } else {
+                load_stage(smem + stage * L.bytes, L, p, w, key0, copy);
+            }
+        }
         cp_async_commit();
         if (t >= 0) {
             const int key0 = w.k0 + t * L.tile_keys;

@@ -250,7 +250,7 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
     if p.batch == 0 {
         return Ok(());
     }
-    let v = device::choose(dev, &decode_candidates(p.dtype, p.head_dim))?;
+    let v = device::choose(dev, &decode_candidates(p.dtype, p.head_dim, bits))?;
     let f = device::function(dev, &v)?;
     let group = p.heads / p.kv_heads;
     let (warp_states, chunks) = partition(group * p.seq_q, v.tiles.block_m, v.tiles.num_warps);

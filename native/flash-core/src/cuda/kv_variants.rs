@@ -12,21 +12,28 @@ use crate::dtype::DType;
 pub const DECODE_MMA_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
 /// Warps of a decode block, each a tile of query states (cuda/decode.h), and the depth of its cp.async
-/// pipeline (STAGES), for the tensor-core kernel at head dim `d` (0: the SIMT kernel). A tensor-core
+/// pipeline (STAGES), for the tensor-core kernel at head dim `d` and cache bits `bits` (the SIMT
+/// kernel: `d` = ANY_HEAD_DIM). A tensor-core
 /// stage holds 16 plain keys per warp (a D = 128 bf16 stage: 37 KiB); two stages keep one in flight
 /// while one is read, and leave room for three blocks or more per H100 SM (43 KiB at D = 64, 74 KiB
 /// at D = 128; D = 256 takes 2 warps, 69 KiB), quantized caches filling the same stages with more
 /// keys. Every variant fits a 99 KiB sm_86 / sm_89. The SIMT kernel: 3 stages of 32 KiB. The third
-/// value is MIN_BLOCKS: at D = 128 three blocks need at most 168 registers (ptxas used 167 with
-/// NVRTC 13.5); elsewhere shared memory bounds the blocks first.
-fn decode_shape(d: usize) -> (usize, usize, usize) {
-    match d {
-        256 => (2, 2, 1),
-        128 => (4, 2, 3),
-        64 => (4, 2, 1),
+/// value is MIN_BLOCKS: at D = 128 three blocks need at most 168 registers (ptxas used 130 / 165
+/// plain / 4-bit with NVRTC 13.5); 8-bit codes spill under that cap and compile with 2 (ptxas then
+/// used 167-168, which still leaves three blocks); elsewhere shared memory bounds the blocks first.
+fn decode_shape(d: usize, bits: usize) -> (usize, usize, usize) {
+    match (d, bits) {
+        (256, _) => (2, 2, 1),
+        (128, 8) => (4, 2, 2),
+        (128, _) => (4, 2, 3),
+        (64, _) => (4, 2, 1),
         _ => (4, 3, 1),
     }
 }
+
+/// The cache formats the tensor-core kernel is compiled for (CACHE_BITS: 0 plain, 4 or 8 bits), one
+/// kernel each; the SIMT kernel takes the bits at run time.
+pub const DECODE_MMA_BITS: [usize; 3] = [0, 4, 8];
 
 /// Warps of the merge and conversion kernels (grid-stride; no shared memory).
 const ELEMENTWISE_WARPS: usize = 8;
@@ -57,20 +64,21 @@ pub fn decode_uses_mma(dtype: DType, head_dim: usize) -> bool {
     dtype != DType::F32 && DECODE_MMA_HEAD_DIMS.contains(&head_dim)
 }
 
-/// The decode kernels a call may use, in order of preference (device.rs's `choose` takes the first
-/// whose shared memory fits the GPU): one, which fits every GPU the library runs on.
-pub fn decode_candidates(dtype: DType, head_dim: usize) -> Vec<Variant> {
-    vec![decode_variant(dtype, head_dim)]
+/// The decode kernels a call over caches of `bits` (0: plain) may use, in order of preference
+/// (device.rs's `choose` takes the first whose shared memory fits the GPU): one, which fits every
+/// GPU the library runs on.
+pub fn decode_candidates(dtype: DType, head_dim: usize, bits: usize) -> Vec<Variant> {
+    vec![decode_variant(dtype, head_dim, bits)]
 }
 
-fn decode_variant(dtype: DType, head_dim: usize) -> Variant {
+fn decode_variant(dtype: DType, head_dim: usize, bits: usize) -> Variant {
     let mma = decode_uses_mma(dtype, head_dim);
     let kernel = if mma { Kernel::Decode } else { Kernel::DecodeSimt };
-    let (warps, stages, min_blocks) = decode_shape(if mma { head_dim } else { ANY_HEAD_DIM });
+    let (warps, stages, min_blocks) = if mma { decode_shape(head_dim, bits) } else { decode_shape(ANY_HEAD_DIM, 0) };
     let st = state_tile(kernel);
     let mut defines = vec![("FLASH_DTYPE", dtype_code(dtype))];
     if mma {
-        defines.push(("HEAD_DIM", head_dim as i64));
+        defines.extend([("HEAD_DIM", head_dim as i64), ("CACHE_BITS", bits as i64)]);
     }
     defines.extend([("NUM_WARPS", warps as i64), ("STATE_TILE", st as i64), ("STAGES", stages as i64), ("MIN_BLOCKS", min_blocks as i64)]);
     // block_m: query states per warp; block_n: keys per softmax step.
@@ -86,17 +94,20 @@ pub fn elementwise_variant(kernel: Kernel, dtype: DType) -> Variant {
     Variant { kernel, dtype, head_dim: ANY_HEAD_DIM, source: source(kernel), tiles, tile_set: TileSet::Default, defines }
 }
 
-/// Every KV-cache variant: the tensor-core decode kernels of `head_dims` (those it takes); then per dtype the SIMT decode kernel, the merge and the
-/// conversions (which take any head dim).
+/// Every KV-cache variant: the tensor-core decode kernels of `head_dims` (those it takes), one per
+/// cache format; then per dtype the SIMT decode kernel, the merge and the conversions (which take
+/// any head dim).
 pub fn all(head_dims: &[usize]) -> Vec<Variant> {
     let mut out = Vec::new();
     for dtype in [DType::F16, DType::BF16] {
         for &d in head_dims.iter().filter(|d| DECODE_MMA_HEAD_DIMS.contains(d)) {
-            out.extend(decode_candidates(dtype, d));
+            for bits in DECODE_MMA_BITS {
+                out.extend(decode_candidates(dtype, d, bits));
+            }
         }
     }
     for dtype in [DType::F16, DType::BF16, DType::F32] {
-        out.extend(decode_candidates(dtype, ANY_HEAD_DIM));
+        out.extend(decode_candidates(dtype, ANY_HEAD_DIM, 0));
         for kernel in [Kernel::MergeStates, Kernel::QuantizeKv, Kernel::DequantizeKv] {
             out.push(elementwise_variant(kernel, dtype));
         }
@@ -110,12 +121,12 @@ mod tests {
 
     #[test]
     fn decode_takes_tensor_cores_at_its_head_dims_only() {
-        let v = decode_candidates(DType::BF16, 128);
+        let v = decode_candidates(DType::BF16, 128, 0);
         assert_eq!((v[0].kernel, v[0].head_dim, v.len()), (Kernel::Decode, 128, 1));
-        assert_eq!(v[0].name(), "decode_bf16_d128_num_warps4_state_tile8_stages2_min_blocks3");
-        assert_eq!(decode_candidates(DType::F16, 256)[0].name(), "decode_f16_d256_num_warps2_state_tile8_stages2_min_blocks1");
+        assert_eq!(v[0].name(), "decode_bf16_d128_cache_bits0_num_warps4_state_tile8_stages2_min_blocks3");
+        assert_eq!(decode_candidates(DType::F16, 256, 4)[0].name(), "decode_f16_d256_cache_bits4_num_warps2_state_tile8_stages2_min_blocks1");
         for (dtype, d) in [(DType::F32, 128), (DType::BF16, 96), (DType::F16, 40)] {
-            let v = decode_candidates(dtype, d);
+            let v = decode_candidates(dtype, d, 4);
             assert_eq!((v.len(), v[0].kernel, v[0].head_dim), (1, Kernel::DecodeSimt, ANY_HEAD_DIM));
             assert!(!v[0].defines.iter().any(|(k, _)| *k == "HEAD_DIM"));
         }
@@ -129,8 +140,8 @@ mod tests {
         names.sort();
         names.dedup();
         assert_eq!(names.len(), n);
-        // 2 dtypes x 3 head dims of mma; 3 dtypes x (simt, merge, quantize, dequantize).
-        assert_eq!(n, 2 * 3 + 3 * 4);
+        // 2 dtypes x 3 head dims x 3 cache formats of mma; 3 dtypes x (simt, merge, quantize, dequantize).
+        assert_eq!(n, 2 * 3 * 3 + 3 * 4);
         assert!(all.iter().all(|v| v.tiles.block_m == state_tile(v.kernel) || !v.kernel.is_decode()));
     }
 }
