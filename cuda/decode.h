@@ -231,18 +231,6 @@ __device__ __forceinline__ int copy_unit_bytes(const DecodeParams& p) {
 __device__ __forceinline__ void copy_rows(unsigned char* dst, int srow, const unsigned char* cache, const DecodeParams& p,
                                           const DecodeWork& w, int key0, int key_end, int nrows, const CopyMap& m,
                                           int unit) {
-    if (unit == 16 && m.cstep == m.chunks) {
-        // The common case in few instructions per copy: one 16-byte chunk of each of this thread's
-        // rows, shared addresses as u32.
-        const u32 d = smem_addr(dst) + 16 * m.c0;
-        for (int r = m.r0; r < nrows; r += m.rstep) {
-            const bool valid = key0 + r < key_end;
-            const i64 at = (w.row0 + (i64)(key0 + r) * p.kv_heads) * p.row_bytes + 16 * m.c0;
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d + r * srow), "l"(cache + (valid ? at : 0)),
-                         "r"(valid ? 16 : 0));
-        }
-        return;
-    }
     for (int r = m.r0; r < nrows; r += m.rstep) {
         const bool valid = key0 + r < key_end;
         const unsigned char* src = valid ? cache + (w.row0 + (i64)(key0 + r) * p.kv_heads) * p.row_bytes : cache;
@@ -295,37 +283,47 @@ struct StageCopy {
         : unit(unit_), rows(p.row_bytes, unit_), scales_k(4 * max(L.sw_k, 1), 4), scales_v(4 * max(L.sw_v, 1), 4) {}
 };
 
-// The common case in few instructions per copy: rows of whole 16-byte chunks, scale rows that start
-// on a word, and a batch row's cache within 4 GiB. Sources are block-uniform 64-bit addresses of key
-// 0 of (b, kv head) plus u32 byte offsets per key; a thread copies chunk c of rows r, r + step, ...
-// of K and V (one offset for both), and word c of the scale rows of its rows (one offset for a
-// scale and its bias). Everything but `ok` is derived per stage from the params (no registers held
-// across the block loop).
+// The common case in few instructions per copy: rows of whole 16-byte chunks, scale rows at one
+// offset within their first word (copy_scales' words), power-of-2 counts of chunks and of scale
+// words per row, and a batch row's cache within 4 GiB. Sources are block-uniform 64-bit addresses
+// of key 0 of (b, kv head) plus u32 byte offsets per key; a thread copies chunk c of rows r,
+// r + step, ... of K and V (one offset for both), and word c of the scale rows of its rows (one
+// offset for a scale and its bias). Everything but `ok` is derived per stage from the params (no
+// registers held across the block loop). Other calls take load_stage's general copies.
+static_assert((NUM_THREADS & (NUM_THREADS - 1)) == 0, "FastCopy shares rows by shifts");
 struct FastCopy {
     bool ok;
 
     __device__ __forceinline__ FastCopy(const DecodeParams& p) {
         const int gk = groups_k(p), gv = groups_v(p);
-        const bool words = sizeof(elem_t) == 4 || (gk % 2 == 0 && gv % 2 == 0);
-        ok = copy_unit_bytes(p) == 16 && words && (i64)p.s_cache * p.kv_heads * p.row_bytes <= 0xffffffffll;
+        // Every key's scale row starts at the same offset within a word (ScaleOffset's parity fixed).
+        const bool words = sizeof(elem_t) == 4 || (gk % 2 == 0 && gv % 2 == 0) || p.kv_heads % 2 == 0;
+        const int sw_k = scale_words(max(gk, 1)), sw_v = scale_words(max(gv, 1));
+        const bool pow2 = is_pow2(p.row_bytes / 16) && is_pow2(sw_k) && is_pow2(sw_v);
+        ok = copy_unit_bytes(p) == 16 && words && pow2 && (i64)p.s_cache * p.kv_heads * p.row_bytes <= 0xffffffffll;
     }
+    __device__ __forceinline__ static bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
     __device__ __forceinline__ static int groups_k(const DecodeParams& p) { return KV_BITS(p) ? p.head_dim / p.k_group_size : 0; }
     __device__ __forceinline__ static int groups_v(const DecodeParams& p) { return KV_BITS(p) ? p.head_dim / p.v_group_size : 0; }
 
-    // This thread's first row, row step and unit of rows of `units` units.
+    // This thread's first row, row step and unit of rows of `units` units (a power of 2, as is
+    // NUM_THREADS: shifts, no divisions, and every thread has a row).
     __device__ __forceinline__ static int3 share(int units) {
-        const int tpr = min(units, NUM_THREADS), step = NUM_THREADS / tpr;
-        return make_int3(threadIdx.x / tpr < step ? threadIdx.x / tpr : 1 << 30, step, threadIdx.x % tpr);
+        const int lg = __ffs(min(units, NUM_THREADS)) - 1;  // log2 of the threads per row
+        return make_int3(threadIdx.x >> lg, NUM_THREADS >> lg, threadIdx.x & ((1 << lg) - 1));
     }
 
     // Scale and bias rows (sw words each, `groups` elements) of the stage.
     __device__ __forceinline__ static void scales(u32 ds, u32 db, const elem_t* s, const elem_t* b, int groups, int sw,
                                                   const DecodeParams& p, const DecodeWork& w, int key0, int key_end, int n) {
         const int3 t = share(sw);
-        const i64 first = w.row0 * groups * (i64)sizeof(elem_t);
+        const i64 first = (w.row0 * groups * (i64)sizeof(elem_t)) & ~(i64)3;  // key 0's first scale's word
         const unsigned char* s0 = reinterpret_cast<const unsigned char*>(s) + first;
         const unsigned char* b0 = reinterpret_cast<const unsigned char*>(b) + first;
         const u32 stride = (u32)(p.kv_heads * groups * (int)sizeof(elem_t));
+        // Unrolled: a copy's address registers are read after it issues, so a loop that reuses
+        // them waits on each copy (long-scoreboard stalls at the loop's branch, ncu).
+#pragma unroll 4
         for (int r = t.x; r < n; r += t.y) {
             const bool valid = key0 + r < key_end;
             const u32 at = valid ? (u32)(key0 + r) * stride + 4 * t.z : 0u;
@@ -344,6 +342,7 @@ struct FastCopy {
         const unsigned char* k0 = p.k + w.row0 * p.row_bytes;
         const unsigned char* v0 = p.v + w.row0 * p.row_bytes;
         const u32 stride = (u32)(p.kv_heads * p.row_bytes);
+#pragma unroll 4  // as scales'
         for (int r = t.x; r < n; r += t.y) {
             const bool valid = key0 + r < key_end;
             const u32 at = valid ? (u32)(key0 + r) * stride + 16 * t.z : 0u;

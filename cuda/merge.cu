@@ -8,7 +8,8 @@
 //
 // Parts whose lse is -inf weigh nothing (their o is not read); a state no part saw gives o = 0,
 // lse = -inf. One warp per state (b, i, h), grid-stride: its lanes find the max and the sum over
-// the parts, then the columns. Arithmetic is f32 (expf / logf, not the approximations).
+// the parts, then the columns, COLS per lane at a time with the parts' weights broadcast from the
+// lanes that computed them. Arithmetic is f32 (expf / logf, not the approximations).
 #include "types.h"
 #include "warp_reduce.h"
 
@@ -28,6 +29,15 @@ struct MergeParams {
     int parts, batch, seq_q, heads, dv, parts_f32;
 };
 static_assert(sizeof(MergeParams) == 4 * 8 + 6 * 4, "kv.rs mirrors this layout");
+
+// Columns a lane accumulates at once (per chunk of 32 * COLS columns): independent loads in flight.
+#define COLS 8
+
+// Part q's value at column c of state s.
+__device__ __forceinline__ float part_value(const MergeParams& p, int q, i64 part_stride, i64 s, int c) {
+    const i64 at = q * part_stride + s * p.dv + c;
+    return p.parts_f32 ? reinterpret_cast<const float*>(p.o_parts)[at] : to_float(reinterpret_cast<const elem_t*>(p.o_parts)[at]);
+}
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_merge_states(const MergeParams p) {
     const int lane = threadIdx.x % 32;
@@ -51,20 +61,30 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_merge_states(
             total = warp_sum(total);
         }
         const bool seen = total > 0.f;
-        for (int c = lane; c < p.dv; c += 32) {
-            float acc = 0.f;
-            if (seen) {
-                for (int q = 0; q < p.parts; ++q) {
-                    const float wq = expf(p.lse_parts[q * stat_stride + stat] - mx);
-                    if (wq == 0.f) continue;
-                    const i64 at = q * part_stride + s * p.dv + c;
-                    const float x = p.parts_f32 ? reinterpret_cast<const float*>(p.o_parts)[at]
-                                                : to_float(reinterpret_cast<const elem_t*>(p.o_parts)[at]);
-                    acc += wq * x;
+        for (int c0 = 0; c0 < p.dv; c0 += 32 * COLS) {
+            float acc[COLS];
+#pragma unroll
+            for (int j = 0; j < COLS; ++j) acc[j] = 0.f;
+            // Parts 32 at a time: lane q holds part q0 + q's weight, broadcast to the others.
+            for (int q0 = 0; seen && q0 < p.parts; q0 += 32) {
+                const float mine = q0 + lane < p.parts ? expf(p.lse_parts[(q0 + lane) * stat_stride + stat] - mx) : 0.f;
+                const int n = min(32, p.parts - q0);
+#pragma unroll 2
+                for (int q = 0; q < n; ++q) {
+                    const float wq = __shfl_sync(0xffffffffu, mine, q);
+#pragma unroll
+                    for (int j = 0; j < COLS; ++j) {
+                        const int c = c0 + lane + 32 * j;
+                        // A part of weight 0 adds nothing, whatever its o holds (not even NaN).
+                        if (c < p.dv && wq != 0.f) acc[j] += wq * part_value(p, q0 + q, part_stride, s, c);
+                    }
                 }
-                acc /= total;
             }
-            p.o[s * p.dv + c] = from_float(acc);
+#pragma unroll
+            for (int j = 0; j < COLS; ++j) {
+                const int c = c0 + lane + 32 * j;
+                if (c < p.dv) p.o[s * p.dv + c] = from_float(seen ? acc[j] / total : 0.f);
+            }
         }
         if (lane == 0) p.lse[stat] = seen ? mx + logf(total) : neg_inf;
     }
