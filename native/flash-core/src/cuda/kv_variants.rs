@@ -11,23 +11,27 @@ use crate::dtype::DType;
 /// Head dims of the tensor-core decode kernel; fp32 and every other head dim run the SIMT one.
 pub const DECODE_MMA_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
-/// Warps of a decode block, each a tile of query states (cuda/decode.h), and the depth of its cp.async
-/// pipeline (STAGES), for the tensor-core kernel at head dim `d` and cache bits `bits` (the SIMT
-/// kernel: `d` = ANY_HEAD_DIM). A tensor-core
-/// stage holds 16 plain keys per warp (a D = 128 bf16 stage: 37 KiB); two stages keep one in flight
-/// while one is read, and leave room for three blocks or more per H100 SM (43 KiB at D = 64, 74 KiB
-/// at D = 128; D = 256 takes 2 warps, 69 KiB), quantized caches filling the same stages with more
-/// keys. Every variant fits a 99 KiB sm_86 / sm_89. The SIMT kernel: 3 stages of 32 KiB. The third
-/// value is MIN_BLOCKS: at D = 128 three blocks need at most 168 registers (ptxas used 130 / 165
-/// plain / 4-bit with NVRTC 13.5); 8-bit codes spill under that cap and compile with 2 (ptxas then
-/// used 167-168, which still leaves three blocks); elsewhere shared memory bounds the blocks first.
-fn decode_shape(d: usize, bits: usize) -> (usize, usize, usize) {
+/// The shapes a decode kernel may take, in order of preference: warps of a block, each a tile of
+/// query states (cuda/decode.h), the depth of its cp.async pipeline (STAGES) and MIN_BLOCKS, for
+/// the tensor-core kernel at head dim `d` and cache bits `bits` (the SIMT kernel: `d` =
+/// ANY_HEAD_DIM). A tensor-core stage holds 16 plain keys per warp (a D = 128 bf16 stage: 37 KiB);
+/// two stages keep one in flight while one is read, and leave room for three blocks or more per
+/// H100 SM (43 KiB at D = 64, 74 KiB at D = 128; D = 256 takes 2 warps, 69 KiB), quantized caches
+/// filling the same stages with more keys. The plain cache at D = 128 prefers three stages (111 KiB,
+/// two blocks per SM: more bytes in flight; 1-3 % faster on the H100, RESULTS), which an sm_86 /
+/// sm_89 (99 KiB) cannot hold: the next shape, which fits every GPU, serves there. The SIMT kernel:
+/// 3 stages of 32 KiB. MIN_BLOCKS: at D = 128 three blocks need at most 168 registers (ptxas used
+/// 130 / 165 plain / 4-bit with NVRTC 13.5); 8-bit codes spill under that cap and compile with 2
+/// (ptxas then used 167-168, which still leaves three blocks); elsewhere shared memory bounds the
+/// blocks first.
+fn decode_shapes(d: usize, bits: usize) -> Vec<(usize, usize, usize)> {
     match (d, bits) {
-        (256, _) => (2, 2, 1),
-        (128, 8) => (4, 2, 2),
-        (128, _) => (4, 2, 3),
-        (64, _) => (4, 2, 1),
-        _ => (4, 3, 1),
+        (256, _) => vec![(2, 2, 1)],
+        (128, 0) => vec![(4, 3, 2), (4, 2, 3)],
+        (128, 8) => vec![(4, 2, 2)],
+        (128, _) => vec![(4, 2, 3)],
+        (64, _) => vec![(4, 2, 1)],
+        _ => vec![(4, 3, 1)],
     }
 }
 
@@ -65,16 +69,21 @@ pub fn decode_uses_mma(dtype: DType, head_dim: usize) -> bool {
 }
 
 /// The decode kernels a call over caches of `bits` (0: plain) may use, in order of preference
-/// (device.rs's `choose` takes the first whose shared memory fits the GPU): one, which fits every
+/// (device.rs's `choose` takes the first whose shared memory fits the GPU); the last fits every
 /// GPU the library runs on.
 pub fn decode_candidates(dtype: DType, head_dim: usize, bits: usize) -> Vec<Variant> {
-    vec![decode_variant(dtype, head_dim, bits)]
+    let mma = decode_uses_mma(dtype, head_dim);
+    let shapes = if mma { decode_shapes(head_dim, bits) } else { decode_shapes(ANY_HEAD_DIM, 0) };
+    let last = shapes.len() - 1;
+    // The fallback that fits every GPU is the small tile set (compiled and checked where small
+    // tiles launch; kernels.py).
+    let set = |i: usize| if i == last && last > 0 { TileSet::Small } else { TileSet::Default };
+    shapes.into_iter().enumerate().map(|(i, shape)| decode_variant(dtype, head_dim, bits, shape, set(i))).collect()
 }
 
-fn decode_variant(dtype: DType, head_dim: usize, bits: usize) -> Variant {
+fn decode_variant(dtype: DType, head_dim: usize, bits: usize, (warps, stages, min_blocks): (usize, usize, usize), tile_set: TileSet) -> Variant {
     let mma = decode_uses_mma(dtype, head_dim);
     let kernel = if mma { Kernel::Decode } else { Kernel::DecodeSimt };
-    let (warps, stages, min_blocks) = if mma { decode_shape(head_dim, bits) } else { decode_shape(ANY_HEAD_DIM, 0) };
     let st = state_tile(kernel);
     let mut defines = vec![("FLASH_DTYPE", dtype_code(dtype))];
     if mma {
@@ -84,7 +93,7 @@ fn decode_variant(dtype: DType, head_dim: usize, bits: usize) -> Variant {
     // block_m: query states per warp; block_n: keys per softmax step.
     let tiles = Tiles { block_m: st, block_n: if mma { 16 } else { 4 }, num_warps: warps, d_split: 1, min_blocks };
     let head_dim = if mma { head_dim } else { ANY_HEAD_DIM };
-    Variant { kernel, dtype, head_dim, source: source(kernel), tiles, tile_set: TileSet::Default, defines }
+    Variant { kernel, dtype, head_dim, source: source(kernel), tiles, tile_set, defines }
 }
 
 /// The merge or conversion kernel for `dtype`.
@@ -121,9 +130,14 @@ mod tests {
 
     #[test]
     fn decode_takes_tensor_cores_at_its_head_dims_only() {
-        let v = decode_candidates(DType::BF16, 128, 0);
+        let v = decode_candidates(DType::BF16, 128, 4);
         assert_eq!((v[0].kernel, v[0].head_dim, v.len()), (Kernel::Decode, 128, 1));
-        assert_eq!(v[0].name(), "decode_bf16_d128_cache_bits0_num_warps4_state_tile8_stages2_min_blocks3");
+        assert_eq!(v[0].name(), "decode_bf16_d128_cache_bits4_num_warps4_state_tile8_stages2_min_blocks3");
+        // The plain cache prefers three stages; two fit every GPU.
+        let names: Vec<String> = decode_candidates(DType::BF16, 128, 0).iter().map(Variant::name).collect();
+        assert_eq!(names, ["decode_bf16_d128_cache_bits0_num_warps4_state_tile8_stages3_min_blocks2", "decode_bf16_d128_cache_bits0_num_warps4_state_tile8_stages2_min_blocks3"]);
+        let sets: Vec<TileSet> = decode_candidates(DType::BF16, 128, 0).iter().map(|v| v.tile_set).collect();
+        assert_eq!(sets, [TileSet::Default, TileSet::Small]);
         assert_eq!(decode_candidates(DType::F16, 256, 4)[0].name(), "decode_f16_d256_cache_bits4_num_warps2_state_tile8_stages2_min_blocks1");
         for (dtype, d) in [(DType::F32, 128), (DType::BF16, 96), (DType::F16, 40)] {
             let v = decode_candidates(dtype, d, 4);
@@ -140,8 +154,9 @@ mod tests {
         names.sort();
         names.dedup();
         assert_eq!(names.len(), n);
-        // 2 dtypes x 3 head dims x 3 cache formats of mma; 3 dtypes x (simt, merge, quantize, dequantize).
-        assert_eq!(n, 2 * 3 * 3 + 3 * 4);
+        // 2 dtypes x (3 head dims x 3 cache formats of mma, + the plain D = 128 fallback); 3 dtypes x
+        // (simt, merge, quantize, dequantize).
+        assert_eq!(n, 2 * (3 * 3 + 1) + 3 * 4);
         assert!(all.iter().all(|v| v.tiles.block_m == state_tile(v.kernel) || !v.kernel.is_decode()));
     }
 }
