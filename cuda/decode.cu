@@ -397,7 +397,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) flash_deco
     // States 2t, 2t + 1: running max (log2 domain) and this lane's part of the sum.
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
 
-    const ScaleOffset k_off(p, w, CACHE_BITS ? HEAD_DIM / p.k_group_size : 0), v_off(p, w, CACHE_BITS ? HEAD_DIM / p.v_group_size : 0);
+    const ScaleOffset k_off(p, w, groups_k(p)), v_off(p, w, groups_v(p));
 
     pipeline(smem, L, p, w, [&](const unsigned char* stage, int key0, int nkeys) {
         if (!active) return;

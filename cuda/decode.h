@@ -82,6 +82,10 @@ struct DecodeParams {
 };
 static_assert(sizeof(DecodeParams) == 13 * 8 + 20 * 4, "decode.rs mirrors this layout");
 
+// Scale groups per row of k and of v (0: plain caches).
+__device__ __forceinline__ int groups_k(const DecodeParams& p) { return KV_BITS(p) ? p.head_dim / p.k_group_size : 0; }
+__device__ __forceinline__ int groups_v(const DecodeParams& p) { return KV_BITS(p) ? p.head_dim / p.v_group_size : 0; }
+
 // ---- a block's work ------------------------------------------------------------------------------
 // blockIdx.x = kvh + Hkv * (chunk + chunks * split) (the kv heads of one split side by side: they
 // share the scale rows' sectors in L2), blockIdx.y = b.
@@ -156,8 +160,8 @@ __device__ __forceinline__ StageLayout stage_layout(const DecodeParams& p, int s
     StageLayout L;
     L.srow_k = srow_k;
     L.srow_v = srow_v;
-    L.sw_k = KV_BITS(p) ? scale_words(p.head_dim / p.k_group_size) : 0;
-    L.sw_v = KV_BITS(p) ? scale_words(p.head_dim / p.v_group_size) : 0;
+    L.sw_k = scale_words(groups_k(p));  // 0 for a plain cache
+    L.sw_v = scale_words(groups_v(p));
     // Per key, with 16 bytes of slack per scale array for the rounding of its offset.
     const int per_key = srow_k + srow_v + 8 * (L.sw_k + L.sw_v);
     const int slack = KV_BITS(p) ? 4 * 16 : 0;
@@ -178,18 +182,10 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid
     int n = valid ? 8 : 0;
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(n));
 }
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
-    int n = valid ? 4 : 0;
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(n));
-}
-
-// The same at u32 shared addresses (16 bytes bypass L1, as ptx.h's cp_async16).
-__device__ __forceinline__ void cp_async16_u32(u32 dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
 __device__ __forceinline__ void cp_async4_u32(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
 }
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) { cp_async4_u32(smem_addr(dst), src, valid); }
 
 // Copies `unit` bytes (16, 8 or 4: cp.async; 2: a plain load and store, for rows whose size or
 // address allows nothing wider).
@@ -294,17 +290,13 @@ static_assert((NUM_THREADS & (NUM_THREADS - 1)) == 0, "FastCopy shares rows by s
 struct FastCopy {
     bool ok;
 
-    __device__ __forceinline__ FastCopy(const DecodeParams& p) {
-        const int gk = groups_k(p), gv = groups_v(p);
+    __device__ __forceinline__ FastCopy(const DecodeParams& p, const StageLayout& L) {
         // Every key's scale row starts at the same offset within a word (ScaleOffset's parity fixed).
-        const bool words = sizeof(elem_t) == 4 || (gk % 2 == 0 && gv % 2 == 0) || p.kv_heads % 2 == 0;
-        const int sw_k = scale_words(max(gk, 1)), sw_v = scale_words(max(gv, 1));
-        const bool pow2 = is_pow2(p.row_bytes / 16) && is_pow2(sw_k) && is_pow2(sw_v);
+        const bool words = sizeof(elem_t) == 4 || (groups_k(p) % 2 == 0 && groups_v(p) % 2 == 0) || p.kv_heads % 2 == 0;
+        const bool pow2 = is_pow2(p.row_bytes / 16) && is_pow2(max(L.sw_k, 1)) && is_pow2(max(L.sw_v, 1));
         ok = copy_unit_bytes(p) == 16 && words && pow2 && (i64)p.s_cache * p.kv_heads * p.row_bytes <= 0xffffffffll;
     }
     __device__ __forceinline__ static bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
-    __device__ __forceinline__ static int groups_k(const DecodeParams& p) { return KV_BITS(p) ? p.head_dim / p.k_group_size : 0; }
-    __device__ __forceinline__ static int groups_v(const DecodeParams& p) { return KV_BITS(p) ? p.head_dim / p.v_group_size : 0; }
 
     // This thread's first row, row step and unit of rows of `units` units (a power of 2, as is
     // NUM_THREADS: shifts, no divisions, and every thread has a row).
@@ -363,7 +355,7 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, const StageLayo
     copy_rows(stage, L.srow_k, p.k, p, w, key0, w.k1, n, c.rows, c.unit);
     copy_rows(stage + L.off_v, L.srow_v, p.v, p, w, key0, w.k1, n, c.rows, c.unit);
     if (KV_BITS(p)) {
-        const int gk = p.head_dim / p.k_group_size, gv = p.head_dim / p.v_group_size;
+        const int gk = groups_k(p), gv = groups_v(p);
         copy_scales(reinterpret_cast<u32*>(stage + L.off_ks), L.sw_k, p.k_scale, gk, p, w, key0, w.k1, n, c.scales_k);
         copy_scales(reinterpret_cast<u32*>(stage + L.off_kb), L.sw_k, p.k_bias, gk, p, w, key0, w.k1, n, c.scales_k);
         copy_scales(reinterpret_cast<u32*>(stage + L.off_vs), L.sw_v, p.v_scale, gv, p, w, key0, w.k1, n, c.scales_v);
@@ -379,7 +371,7 @@ template <typename Compute>
 __device__ __forceinline__ void pipeline(unsigned char* smem, const StageLayout& L, const DecodeParams& p,
                                          const DecodeWork& w, Compute&& compute) {
     const StageCopy copy(p, L, copy_unit_bytes(p));
-    const FastCopy fast(p);
+    const FastCopy fast(p, L);
     const u32 smem_u32 = smem_addr(smem);
     const int tiles = (w.k1 - w.k0 + L.tile_keys - 1) / L.tile_keys;
 #pragma unroll 1

@@ -94,7 +94,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) flash_deco
     const bool active = w.state0 < p.states;
     const int wk_n = NUM_WARPS / p.warp_states;
     const int gk_shift = p.k_group_size == 64 ? 6 : 5, gv_shift = p.v_group_size == 64 ? 6 : 5;
-    const ScaleOffset k_off(p, w, p.bits ? d / p.k_group_size : 0), v_off(p, w, p.bits ? d / p.v_group_size : 0);
+    const ScaleOffset k_off(p, w, groups_k(p)), v_off(p, w, groups_v(p));
 
     float q[STATE_TILE][NI], o[STATE_TILE][NI], m[STATE_TILE], l[STATE_TILE];
     int2 vis[STATE_TILE];

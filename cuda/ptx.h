@@ -11,11 +11,12 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     return r;
 }
 
-// 16-byte global -> shared copy; when !valid the 16 bytes are zero-filled and src is not read.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(n));
+// 16-byte global -> shared copy (bypassing L1) to a shared address; when !valid the 16 bytes are
+// zero-filled and src is not read.
+__device__ __forceinline__ void cp_async16_u32(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) { cp_async16_u32(smem_addr(dst), src, valid); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }

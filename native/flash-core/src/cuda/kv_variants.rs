@@ -18,7 +18,7 @@ pub const DECODE_MMA_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 /// two stages keep one in flight while one is read, and leave room for three blocks or more per
 /// H100 SM (43 KiB at D = 64, 74 KiB at D = 128; D = 256 takes 2 warps, 69 KiB), quantized caches
 /// filling the same stages with more keys. The plain cache at D = 128 prefers three stages (111 KiB,
-/// two blocks per SM: more bytes in flight; 1-3 % faster on the H100, RESULTS), which an sm_86 /
+/// two blocks per SM: more bytes in flight; 1-4 % faster on the H100, RESULTS), which an sm_86 /
 /// sm_89 (99 KiB) cannot hold: the next shape, which fits every GPU, serves there. The SIMT kernel:
 /// 3 stages of 32 KiB. MIN_BLOCKS: at D = 128 three blocks need at most 168 registers (ptxas used
 /// 130 / 165 plain / 4-bit with NVRTC 13.5); 8-bit codes spill under that cap and compile with 2
