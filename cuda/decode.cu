@@ -5,8 +5,8 @@
 // A warp takes STATE_TILE = 8 query states and the 16-key blocks wk, wk + WK, ... of each stage.
 // Per block:
 //   S^T [16 x 8] = K Q^T         per 16 head dims one m16n8k16: A = the block's 16 K rows,
-//                                dequantized in registers right after their shared-memory load;
-//                                B = Q^T (kept in registers for the whole call)
+//                                dequantized (8-bit) in registers right after their shared-memory
+//                                load; B = Q^T (kept in registers for the whole call)
 //   online softmax               per state, in the exp2 domain (reduced over the lanes of a column)
 //   O^T [D x 8] += V^T P^T       per 16 head dims one m16n8k16: A = V^T, dequantized likewise;
 //                                B = P^T, S^T's accumulators packed and transposed (movmatrix)
@@ -21,8 +21,8 @@
 //      fragment takes the same elements of state g.
 //   V: lane g owns units g, g + 8, ... of each V row (UV bytes, EV elements); pair k of its unit j
 //      is m-block mb = j * EV / 2 + k, the pair's two elements O^T rows g and g + 8 of that block.
-// Pairs of a u32 word: plain rows, its two elements; 8-bit codes, (0, 1) and (2, 3); 4-bit codes,
-// (k, k + 4) for k < 4 (one shift and mask reach both).
+// Pairs of a u32 word: plain rows, its two elements; 8-bit codes, (0, 1) and (2, 3). 4-bit caches
+// take their own block step (decode_q4.h): codes into the mma undequantized, their own layouts.
 #include "decode.h"
 
 #if FLASH_DTYPE == 2
@@ -33,6 +33,9 @@
 #endif
 #if CACHE_BITS != 0 && CACHE_BITS != 4 && CACHE_BITS != 8
 #error "decode.cu takes CACHE_BITS 0 (plain caches), 4 or 8: one kernel per cache format"
+#endif
+#if CACHE_BITS == 4 && !((K_GROUP == 32 || K_GROUP == 64) && (V_GROUP == 32 || V_GROUP == 64))
+#error "4-bit caches: one kernel per pair of group sizes, K_GROUP and V_GROUP 32 or 64"
 #endif
 #if STATE_TILE != 8
 #error "decode.cu's warp tile is 8 query states (the mma's n)"
@@ -56,9 +59,10 @@ struct Geom {
         PPW = EPW / 2,                       // pairs per word
         // Row strides in shared memory that keep the reads above free of bank conflicts: the two K
         // rows of a quarter warp (LDS.128) 64 bytes apart mod 128; the four V rows 2t (t = 0..3) of
-        // a warp phase 32 bytes apart.
-        SROW_K = ROW % 128 == 0 ? ROW + 64 : ROW,
-        SROW_V = ROW + 16,
+        // a warp phase 32 bytes apart. 4-bit caches (decode_q4.h): K rows an odd number of 16-byte
+        // units apart (ldmatrix), V rows 2t with 2 SROW_V = 32 mod 128 (words of one lane group).
+        SROW_K = BITS == 4 ? ROW + 16 : ROW % 128 == 0 ? ROW + 64 : ROW,
+        SROW_V = BITS == 4 ? ROW + 16 + (64 - ROW % 64) % 64 : ROW + 16,
     };
 };
 
@@ -70,9 +74,9 @@ FLASH_EXPORT_SMEM(STAGES * STAGE_BYTES)
 
 // Elements (within its u32 word) of pair k of the word.
 template <int BITS>
-__device__ __forceinline__ constexpr int pair_lo(int k) { return BITS == 4 ? k : 2 * k; }
+__device__ __forceinline__ constexpr int pair_lo(int k) { return 2 * k; }
 template <int BITS>
-__device__ __forceinline__ constexpr int pair_hi(int k) { return BITS == 4 ? k + 4 : 2 * k + 1; }
+__device__ __forceinline__ constexpr int pair_hi(int k) { return 2 * k + 1; }
 
 // Element (within its unit) of the low (hi = 0) or high member of pair P of the unit.
 template <int BITS>
@@ -81,11 +85,11 @@ __device__ __forceinline__ constexpr int pair_elem(int P, int hi) {
     return (P / G::PPW) * G::EPW + (hi ? pair_hi<BITS>(P % G::PPW) : pair_lo<BITS>(P % G::PPW));
 }
 
-// Dequantization, right after a unit's shared-memory load: scale * code + bias, rounded once to
-// elem_t. Two 16-bit lanes at a time where the code is exact in elem_t after a magic offset (the
-// code under the high byte of 2^k gives 2^k + code; subtracting 2^k is exact): 4-bit codes in fp16
-// and bf16, 8-bit codes in fp16 (2^10 + c needs 11 significant bits, bf16 has 8). 8-bit codes in
-// bf16 go through f32 (2^23 + c), then one pack.
+// Dequantization (8-bit codes), right after a unit's shared-memory load: scale * code + bias,
+// rounded once to elem_t. In fp16 two 16-bit lanes at a time, the code exact after a magic offset
+// (the code under the high byte of 2^10 gives 2^10 + code; subtracting 2^10 is exact; bf16's 8
+// significant bits hold no 2^k + c for 8-bit c): in bf16 through f32 (2^23 + c), then one pack.
+// MAGIC_BYTES also serves decode_q4.h's 4-bit codes (2^7 + c in bf16, 2^10 + c in fp16).
 #if FLASH_DTYPE == 1
 #define MAGIC_BYTES 0x43434343u  // bf16 2^7 = 0x4300: its high byte in every byte
 #define ONE2 0x3f803f80u         // bf16 1.0, both lanes
@@ -120,15 +124,6 @@ template <int BITS>
 __device__ __forceinline__ void word_pairs(u32 w, u32 sc, u32 bi, u32 (&out)[Geom<BITS>::PPW]) {
     if constexpr (BITS == 0) {
         out[0] = w;
-    } else if constexpr (BITS == 4) {
-        const u32 s2 = sc | (sc << 16), b2 = bi | (bi << 16);
-        // Code c_i is the low nibble of byte i / 2 of lo (i even) or hi (i odd); pair k = (c_k,
-        // c_k+4) is two bytes of one of them under the magic's high byte.
-        const u32 lo = w & 0x0f0f0f0fu, hi = (w >> 4) & 0x0f0f0f0fu;
-        out[0] = deq2(__byte_perm(lo, MAGIC_BYTES, 0x5240), s2, b2);  // c0, c4
-        out[1] = deq2(__byte_perm(hi, MAGIC_BYTES, 0x5240), s2, b2);  // c1, c5
-        out[2] = deq2(__byte_perm(lo, MAGIC_BYTES, 0x5341), s2, b2);  // c2, c6
-        out[3] = deq2(__byte_perm(hi, MAGIC_BYTES, 0x5341), s2, b2);  // c3, c7
     } else if constexpr (FLASH_DTYPE == 0) {
         const u32 s2 = sc | (sc << 16), b2 = bi | (bi << 16);
         // Bytes 2k and 2k + 1 of w under fp16 2^10's high byte.
@@ -301,6 +296,56 @@ __device__ __forceinline__ float column_sum(float x) {
     return x;
 }
 
+// The softmax step of a 16-key block in S^T's layout (x: keys g, g + 8 of states 2t, 2t + 1;
+// keys key_base + g ..; the stage's keys end at key_end): masks, updates m and l of the lane's
+// states and leaves P in x and the factors the accumulators take in alpha. Returns whether any
+// lane's alpha is not 1 (warp-uniform).
+__device__ __forceinline__ bool softmax_step(float (&x)[4], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                             const DecodeParams& p, int key_base, int key_end, const int2 (&vis)[2]) {
+    const int g = (threadIdx.x % 32) / 4;
+    float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int key = key_base + g + (e >> 1) * 8, c = e & 1;
+        const bool ok = key < key_end && key >= vis[c].x && key <= vis[c].y;
+        x[e] = ok ? score_log2(p, x[e]) : NEG_INF;
+        mx[c] = fmaxf(mx[c], x[e]);
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        const float m_new = fmaxf(m[c], column_max(mx[c]));
+        const float m_use = m_new == NEG_INF ? 0.f : m_new;  // no -inf - -inf
+        alpha[c] = fast_exp2(m[c] - m_use);
+        x[c] = fast_exp2(x[c] - m_use);
+        x[c + 2] = fast_exp2(x[c + 2] - m_use);
+        l[c] = l[c] * alpha[c] + x[c] + x[c + 2];
+        m[c] = m_new;
+    }
+    // Once the maxima settle most blocks change none: the callers skip the multiplies.
+    return __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f);
+}
+
+// Accumulators in O^T's layout (columns states 2t, 2t + 1) times the step's factors.
+template <int N>
+__device__ __forceinline__ void rescale(float (&acc)[N][4], const float (&alpha)[2]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc[i][0] *= alpha[0], acc[i][1] *= alpha[1], acc[i][2] *= alpha[0], acc[i][3] *= alpha[1];
+}
+
+// Per-lane sums of states 2t, 2t + 1 times the step's factors.
+template <int N>
+__device__ __forceinline__ void rescale_pairs(float (&acc)[N][2], const float (&alpha)[2]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc[i][0] *= alpha[0], acc[i][1] *= alpha[1];
+}
+
+// P^T's B fragment: lane (g, t) needs P[state g][keys 2t, 2t+1 | 2t+8, 2t+9]; S^T gave it
+// P[states 2t, 2t+1][key g | g+8], the transposed 8 x 8 blocks.
+__device__ __forceinline__ void p_fragment(const float (&x)[4], u32& bp0, u32& bp1) {
+    bp0 = transpose8x8(pack2(x[0], x[1]));
+    bp1 = transpose8x8(pack2(x[2], x[3]));
+}
+
 // One 16-key block of a stage (rows r0 .. r0 + 15, keys key0 + r0 ..): S^T, the softmax step of
 // states 2t and 2t + 1 (m, l: theirs; vis: their visible keys), O^T.
 template <int BITS>
@@ -309,7 +354,7 @@ __device__ __forceinline__ void block_step(float (&o)[HEAD_DIM / 16][4], float (
                                            int key0, int nkeys, int r0, const int2 (&vis)[2], const ScaleOffset& k_off,
                                            const ScaleOffset& v_off) {
     using G = Geom<BITS>;
-    const int t = threadIdx.x % 4, g = (threadIdx.x % 32) / 4;
+    const int g = (threadIdx.x % 32) / 4;
     const int key_base = key0 + r0;
     // S^T: rows keys g and g + 8, columns states 2t and 2t + 1.
     float x[4] = {0.f, 0.f, 0.f, 0.f};
@@ -321,42 +366,47 @@ __device__ __forceinline__ void block_step(float (&o)[HEAD_DIM / 16][4], float (
         qk_block<BITS>(x, qa, stage + r * G::SROW_K, stage + r8 * G::SROW_K, sc + r * 4 * L.sw_k, bi + r * 4 * L.sw_k,
                        sc + r8 * 4 * L.sw_k, bi + r8 * 4 * L.sw_k, half, half8, p.k_group_size == 64 ? 6 : 5);
     }
-    float mx[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        const int key = key_base + g + (e >> 1) * 8, c = e & 1;
-        const bool ok = key - key0 < nkeys && key >= vis[c].x && key <= vis[c].y;
-        x[e] = ok ? score_log2(p, x[e]) : NEG_INF;
-        mx[c] = fmaxf(mx[c], x[e]);
-    }
     float alpha[2];
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-        const float m_new = fmaxf(m[c], column_max(mx[c]));
-        const float m_use = m_new == NEG_INF ? 0.f : m_new;  // no -inf - -inf
-        alpha[c] = fast_exp2(m[c] - m_use);
-        x[c] = fast_exp2(x[c] - m_use);
-        x[c + 2] = fast_exp2(x[c + 2] - m_use);
-        l[c] = l[c] * alpha[c] + x[c] + x[c + 2];
-        m[c] = m_new;
-    }
-    // Once the maxima settle most blocks change none: skip the D / 4 multiplies (warp-uniform).
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-        for (int mb = 0; mb < HEAD_DIM / 16; ++mb) {
-            o[mb][0] *= alpha[0], o[mb][1] *= alpha[1], o[mb][2] *= alpha[0], o[mb][3] *= alpha[1];
-        }
-    }
+    if (softmax_step(x, m, l, alpha, p, key_base, key0 + nkeys, vis)) rescale(o, alpha);
     int half[4] = {0, 0, 0, 0};
     if constexpr (BITS != 0) {
 #pragma unroll
         for (int n = 0; n < 4; ++n) half[n] = v_off(key_base + v_row(n));
     }
-    // P^T's B fragment: lane (g, t) needs P[state g][keys 2t, 2t+1 | 2t+8, 2t+9]; S^T gave it
-    // P[states 2t, 2t+1][key g | g+8], the transposed 8 x 8 blocks.
-    const u32 bp0 = transpose8x8(pack2(x[0], x[1])), bp1 = transpose8x8(pack2(x[2], x[3]));
+    u32 bp0, bp1;
+    p_fragment(x, bp0, bp1);
     pv_block<BITS>(o, stage + L.off_v + r0 * G::SROW_V, stage + L.off_vs + r0 * 4 * L.sw_v, stage + L.off_vb + r0 * 4 * L.sw_v,
                    L.sw_v, half, p.v_group_size == 64 ? 6 : 5, bp0, bp1);
+}
+
+#include "decode_q4.h"
+
+// block_step for a 4-bit cache (decode_q4.h), K groups of GK and V groups of GV elements; cv: the
+// V groups' correction accumulators.
+template <int GK, int GV>
+__device__ __forceinline__ void block_step_q4(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], float (&m)[2],
+                                              float (&l)[2], const u32 (&qa)[Q_REGS], const float (&qs)[HEAD_DIM / GK][2],
+                                              const unsigned char* stage, const StageLayout& L, const DecodeParams& p,
+                                              int key0, int nkeys, int r0, const int2 (&vis)[2], const ScaleOffset& k_off,
+                                              const ScaleOffset& v_off) {
+    const int g = (threadIdx.x % 32) / 4;
+    const int key_base = key0 + r0, r = r0 + g, r8 = r + 8;
+    float x[4] = {0.f, 0.f, 0.f, 0.f};
+    {
+        const unsigned char* sc = stage + L.off_ks;
+        const unsigned char* bi = stage + L.off_kb;
+        q4_qk<GK>(x, qa, qs, smem_addr(stage + r0 * Q4::SROW_K), sc + r * 4 * L.sw_k, bi + r * 4 * L.sw_k, sc + r8 * 4 * L.sw_k,
+                  bi + r8 * 4 * L.sw_k, k_off(key0 + r), k_off(key0 + r8));
+    }
+    float alpha[2];
+    if (softmax_step(x, m, l, alpha, p, key_base, key0 + nkeys, vis)) {
+        rescale(o, alpha);
+        rescale_pairs(cv, alpha);
+    }
+    const unsigned char* vs = stage + L.off_vs;
+    const unsigned char* vb = stage + L.off_vb;
+    q4_pv<GV>(o, cv, x, stage + L.off_v + r0 * Q4::SROW_V, vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v, vs + r8 * 4 * L.sw_v,
+              vb + r8 * 4 * L.sw_v, v_off(key0 + r), v_off(key0 + r8));
 }
 
 // The warp's partial o into shared memory: states 2t, 2t + 1 at the head dims of its V pairs.
@@ -378,7 +428,9 @@ __device__ __forceinline__ void store_partial_o(float* dst, const float (&o)[HEA
     }
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) flash_decode(const DecodeParams p) {
+// The kernel's work for K and V groups of GK and GV elements (4-bit caches; 0 for the others).
+template <int GK, int GV>
+__device__ __forceinline__ void decode_block(const DecodeParams& p) {
     unsigned char* smem = &shared_memory<unsigned char>();
     const DecodeWork w(p);
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
@@ -386,14 +438,23 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) flash_deco
     const StageLayout L = stage_layout(p, G::SROW_K, G::SROW_V, STAGE_BYTES, KEY_BLOCK * NUM_WARPS);
     const bool active = w.state0 < p.states;
     const int wk_n = NUM_WARPS / p.warp_states;
+    constexpr bool q4 = GK != 0;
+    constexpr int NGK = q4 ? HEAD_DIM / GK : 1, NGV = q4 ? HEAD_DIM / GV : 1;
 
     u32 qa[Q_REGS];
-    load_q<CACHE_BITS>(qa, p, w);
+    float qs[NGK][2];
+    if constexpr (q4) {
+        q4_load_q<GK>(qa, qs, p, w);
+    } else {
+        load_q<CACHE_BITS>(qa, p, w);
+    }
     // This lane's columns of S^T and O^T: states 2t and 2t + 1.
     const int2 vis[2] = {visible_keys(p, w, w.row_of(p, w.state0 + 2 * t)), visible_keys(p, w, w.row_of(p, w.state0 + 2 * t + 1))};
-    float o[HEAD_DIM / 16][4];
+    float o[HEAD_DIM / 16][4], cv[NGV][2];
 #pragma unroll
     for (int mb = 0; mb < HEAD_DIM / 16; ++mb) o[mb][0] = o[mb][1] = o[mb][2] = o[mb][3] = 0.f;
+#pragma unroll
+    for (int i = 0; i < NGV; ++i) cv[i][0] = cv[i][1] = 0.f;
     // States 2t, 2t + 1: running max (log2 domain) and this lane's part of the sum.
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
 
@@ -402,7 +463,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) flash_deco
     pipeline(smem, L, p, w, [&](const unsigned char* stage, int key0, int nkeys) {
         if (!active) return;
         for (int r0 = w.wk * KEY_BLOCK; r0 < nkeys; r0 += wk_n * KEY_BLOCK) {
-            block_step<CACHE_BITS>(o, m, l, qa, stage, L, p, key0, nkeys, r0, vis, k_off, v_off);
+            if constexpr (q4) {
+                block_step_q4<GK, GV>(o, cv, m, l, qa, qs, stage, L, p, key0, nkeys, r0, vis, k_off, v_off);
+            } else {
+                block_step<CACHE_BITS>(o, m, l, qa, stage, L, p, key0, nkeys, r0, vis, k_off, v_off);
+            }
         }
     });
 
@@ -415,7 +480,19 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) flash_deco
         part.m[row + 2 * t] = m[0], part.l[row + 2 * t] = l[0];
         part.m[row + 2 * t + 1] = m[1], part.l[row + 2 * t + 1] = l[1];
     }
-    store_partial_o<CACHE_BITS>(part.o + row * HEAD_DIM, o);
+    if constexpr (q4) {
+        q4_store_partial_o<GV>(part.o + row * HEAD_DIM, o, cv);
+    } else {
+        store_partial_o<CACHE_BITS>(part.o + row * HEAD_DIM, o);
+    }
     __syncthreads();
     store_states(p, w, part);
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) flash_decode(const DecodeParams p) {
+#if CACHE_BITS == 4
+    decode_block<K_GROUP, V_GROUP>(p);  // the host picks the kernel by the caches' group sizes
+#else
+    decode_block<0, 0>(p);
+#endif
 }

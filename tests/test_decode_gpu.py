@@ -3,9 +3,11 @@ CuPy arrays, torch CUDA tensors, or NumPy with device="cuda"): every test is mar
 without one (torch's, CuPy's, each where installed).
 
 The oracle is reference.py's float64 ``decode`` over the cache as :func:`flash_nif.dequantize_kv`
-gives it back (rounded to the dtype: the GPU's tensor-core path rounds dequantized values to the
-dtype before its products, as it rounds P), with conftest's tolerances: float32 1e-5, float16 /
-bfloat16 at most twice the error of the oracle's own output rounded to the dtype; lse 1e-5. The
+gives it back (rounded to the dtype: the GPU's 8-bit tensor-core path rounds dequantized values to
+the dtype before its products, as it rounds P), or over the exact dequantized values for the 4-bit
+tensor-core kernel, which never rounds them (``oracle_cache``), with conftest's tolerances: float32
+1e-5, float16 / bfloat16 at most twice the error of the oracle's own output rounded to the dtype;
+lse 1e-5. The
 cache format is checked bit for bit against the CPU (itself bit for bit the oracle's).
 
 Covers the tensor-core kernel (fp16 / bf16 at D = 64, 128, 256) and the CUDA-core one (fp32, other
@@ -60,26 +62,42 @@ def put_cache(fa, env, x, quant):
     return fa.quantize_kv(env.put(x), bits=bits, group_size=gs)
 
 
-def oracle_cache(fa, x, quant):
-    """The cache the oracle reads: x, or its quantized form dequantized (CPU, in x's dtype)."""
+def oracle_cache(fa, ref, x, quant, exact):
+    """The cache the oracle reads: x, or its quantized form dequantized on the CPU, in x's dtype as
+    the kernels that dequantize before their products round it, or (`exact`) float64: the 4-bit
+    tensor-core kernel's products take the codes as they are and the scales and biases in f32
+    (cuda/decode_q4.h), so its values are scale * code + bias unrounded."""
     if quant is None:
         return x
-    return fa.dequantize_kv(fa.quantize_kv(x, bits=quant[0], group_size=quant[1]))
+    c = fa.quantize_kv(x, bits=quant[0], group_size=quant[1])
+    if exact:
+        return ref.dequantize_kv(ref.QuantizedKV(*(np.asarray(a) for a in (c.values, c.scales, c.biases)), *quant))
+    return fa.dequantize_kv(c)
+
+
+def takes_exact_codes(dtype_name, d, quant):
+    """Whether decode runs the 4-bit tensor-core kernel (fp16 / bf16 at D = 64, 128, 256)."""
+    return quant is not None and quant[0] == 4 and dtype_name != "f32" and d in (64, 128, 256)
 
 
 def run_decode(fa, ref, env, assert_close_to_oracle, *, dtype_name, d, sq, group, quant, b=3, s_cache=300, hkv=2,
-               seqlens=(300, 123, 0), leftpad=(10, 0, 0), seed=0, **opts):
+               seqlens=(300, 123, 0), leftpad=(10, 0, 0), seed=0, v_quant="same", offset=0.0, **opts):
+    """quant: the k cache's (bits, group_size) or None; v_quant: the v cache's (default the same);
+    offset: added to every cached value (large biases against small scales)."""
     dtype = DTYPES[dtype_name]
+    v_quant = quant if v_quant == "same" else v_quant
     q = rand(seed, (b, sq, hkv * group, d), dtype)
-    k, v = rand(seed + 1, (b, s_cache, hkv, d), dtype), rand(seed + 2, (b, s_cache, hkv, d), dtype)
+    k = (rand(seed + 1, (b, s_cache, hkv, d), np.float32) + offset).astype(dtype)
+    v = (rand(seed + 2, (b, s_cache, hkv, d), np.float32) - offset).astype(dtype)
     rows = {}
     if seqlens is not None:
         rows["cache_seqlens"] = np.array(seqlens, np.int32)
     if leftpad is not None:
         rows["leftpad_k"] = np.array(leftpad, np.int32)
-    kc, vc = put_cache(fa, env, k, quant), put_cache(fa, env, v, quant)
+    kc, vc = put_cache(fa, env, k, quant), put_cache(fa, env, v, v_quant)
     o, lse = fa.decode(env.put(q), kc, vc, **{n: env.put(x) for n, x in rows.items()}, **opts, **env.kw)
-    want_o, want_lse = ref.decode(q, oracle_cache(fa, k, quant), oracle_cache(fa, v, quant), **rows,
+    exact = takes_exact_codes(dtype_name, d, quant)
+    want_o, want_lse = ref.decode(q, oracle_cache(fa, ref, k, quant, exact), oracle_cache(fa, ref, v, v_quant, exact), **rows,
                                   **{n: x for n, x in opts.items() if n != "num_splits"})
     ho, hlse = env.get(o), env.get(lse)
     ctx = f"{dtype_name} d={d} sq={sq} group={group} quant={quant} {opts} where={env.where}"
@@ -158,6 +176,24 @@ def test_scales_ending_mid_word(fa, ref, lib, assert_close_to_oracle):
     the tensor's end (read by a plain load, never past it)."""
     run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name="f16", d=64, sq=1, group=2, quant=(4, 64), b=1,
                s_cache=37, hkv=1, seqlens=None, leftpad=None)
+
+
+@pytest.mark.parametrize("dtype_name", ["bf16", "f16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("quant, v_quant", [((4, 64), (4, 32)), ((4, 32), (4, 64)), ((8, 64), (8, 32))], ids=str)
+def test_k_and_v_group_sizes_differ(fa, ref, lib, assert_close_to_oracle, dtype_name, d, quant, v_quant):
+    """The k and v caches quantized in groups of different sizes (each kernel takes them apart)."""
+    run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name=dtype_name, d=d, sq=2, group=4, quant=quant,
+               v_quant=v_quant, seed=d)
+
+
+@pytest.mark.parametrize("dtype_name", ["bf16", "f16"])
+@pytest.mark.parametrize("quant", [(4, 64), (4, 32), (8, 64)], ids=str)
+def test_large_offsets_against_small_scales(fa, ref, lib, assert_close_to_oracle, dtype_name, quant):
+    """Cached values near +-30 with unit spread: biases ~250 scales in size. The 4-bit kernel keeps
+    the scale and bias terms apart until f32 (decode_q4.h), which must not lose them."""
+    run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name=dtype_name, d=128, sq=1, group=4, quant=quant,
+               offset=30.0, s_cache=1000, seqlens=(1000, 555, 1), leftpad=(0, 7, 0))
 
 
 @pytest.mark.parametrize("where", GPU_LIBS)

@@ -93,7 +93,7 @@ def fit_errors(rows) -> list[str]:
         if r["tile_set"] == "default" and r["smem_bytes"] > MAX_SMEM_DEFAULT:
             errors.append(f"{r['name']} ({r.get('arch', '')}) needs {r['smem_bytes']} bytes > {MAX_SMEM_DEFAULT}")
         key = (r["kernel"], r["dtype"], r["head_dim"], r["defines"].get("IS_CAUSAL"), r["defines"].get("MASKED"),
-               r["defines"].get("CACHE_BITS"), r.get("arch"))
+               r["defines"].get("CACHE_BITS"), r["defines"].get("K_GROUP"), r["defines"].get("V_GROUP"), r.get("arch"))
         if "small" not in launched_tile_sets(r.get("arch", "")) or r["kernel"] in SM90_KERNELS:
             continue
         if key not in last or r["tile_set"] == "small":

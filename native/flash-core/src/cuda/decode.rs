@@ -250,7 +250,8 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
     if p.batch == 0 {
         return Ok(());
     }
-    let v = device::choose(dev, &decode_candidates(p.dtype, p.head_dim, bits))?;
+    let gs = |f: Option<&QuantFormat>| f.map_or(0, |f| f.group_size);
+    let v = device::choose(dev, &decode_candidates(p.dtype, p.head_dim, bits, (gs(formats[0]), gs(formats[1]))))?;
     let f = device::function(dev, &v)?;
     let group = p.heads / p.kv_heads;
     let (warp_states, chunks) = partition(group * p.seq_q, v.tiles.block_m, v.tiles.num_warps);
@@ -263,7 +264,6 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
         FlashError::Unsupported(format!("decode: {splits} splits of {blocks} blocks exceed the CUDA grid; ask for fewer num_splits"))
     })?;
     let plan = Plan { warp_states, chunks, splits };
-    let gs = |f: Option<&QuantFormat>| f.map_or(0, |f| f.group_size);
     // With splits, each split's state lands in the workspace and the merge writes o and lse.
     let states = p.batch * p.seq_q * p.heads;
     let work = if splits > 1 {

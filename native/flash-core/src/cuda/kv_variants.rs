@@ -21,9 +21,9 @@ pub const DECODE_MMA_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 /// two blocks per SM: more bytes in flight; 1-4 % faster on the H100, RESULTS), which an sm_86 /
 /// sm_89 (99 KiB) cannot hold: the next shape, which fits every GPU, serves there. The SIMT kernel:
 /// 3 stages of 32 KiB. MIN_BLOCKS: at D = 128 three blocks need at most 168 registers (ptxas used
-/// 130 / 165 plain / 4-bit with NVRTC 13.5); 8-bit codes spill under that cap and compile with 2
-/// (ptxas then used 167-168, which still leaves three blocks); elsewhere shared memory bounds the
-/// blocks first.
+/// 132 plain and 149-165 4-bit, by group sizes, with NVRTC 13.5; four blocks at 128 were no
+/// faster, RESULTS); 8-bit codes spill under that cap and compile with 2 (ptxas then used 167-168,
+/// which still leaves three blocks); elsewhere shared memory bounds the blocks first.
 fn decode_shapes(d: usize, bits: usize) -> Vec<(usize, usize, usize)> {
     match (d, bits) {
         (256, _) => vec![(2, 2, 1)],
@@ -68,26 +68,35 @@ pub fn decode_uses_mma(dtype: DType, head_dim: usize) -> bool {
     dtype != DType::F32 && DECODE_MMA_HEAD_DIMS.contains(&head_dim)
 }
 
-/// The decode kernels a call over caches of `bits` (0: plain) may use, in order of preference
-/// (device.rs's `choose` takes the first whose shared memory fits the GPU); the last fits every
-/// GPU the library runs on.
-pub fn decode_candidates(dtype: DType, head_dim: usize, bits: usize) -> Vec<Variant> {
+/// The group sizes (k, v) the 4-bit tensor-core kernel is compiled for, one kernel each: its
+/// products take the codes as they are and each group's scale and bias afterwards
+/// (cuda/decode_q4.h), so the groups' layout is fixed in the kernel.
+pub const DECODE_Q4_GROUPS: [(usize, usize); 4] = [(64, 64), (32, 32), (64, 32), (32, 64)];
+
+/// The decode kernels a call over caches of `bits` (0: plain) in groups of `groups` = (k, v)
+/// elements (quantized caches) may use, in order of preference (device.rs's `choose` takes the
+/// first whose shared memory fits the GPU); the last fits every GPU the library runs on.
+pub fn decode_candidates(dtype: DType, head_dim: usize, bits: usize, groups: (usize, usize)) -> Vec<Variant> {
     let mma = decode_uses_mma(dtype, head_dim);
     let shapes = if mma { decode_shapes(head_dim, bits) } else { decode_shapes(ANY_HEAD_DIM, 0) };
     let last = shapes.len() - 1;
     // The fallback that fits every GPU is the small tile set (compiled and checked where small
     // tiles launch; kernels.py).
     let set = |i: usize| if i == last && last > 0 { TileSet::Small } else { TileSet::Default };
-    shapes.into_iter().enumerate().map(|(i, shape)| decode_variant(dtype, head_dim, bits, shape, set(i))).collect()
+    shapes.into_iter().enumerate().map(|(i, shape)| decode_variant(dtype, head_dim, bits, groups, shape, set(i))).collect()
 }
 
-fn decode_variant(dtype: DType, head_dim: usize, bits: usize, (warps, stages, min_blocks): (usize, usize, usize), tile_set: TileSet) -> Variant {
+fn decode_variant(dtype: DType, head_dim: usize, bits: usize, (k_group, v_group): (usize, usize),
+                  (warps, stages, min_blocks): (usize, usize, usize), tile_set: TileSet) -> Variant {
     let mma = decode_uses_mma(dtype, head_dim);
     let kernel = if mma { Kernel::Decode } else { Kernel::DecodeSimt };
     let st = state_tile(kernel);
     let mut defines = vec![("FLASH_DTYPE", dtype_code(dtype))];
     if mma {
         defines.extend([("HEAD_DIM", head_dim as i64), ("CACHE_BITS", bits as i64)]);
+        if bits == 4 {
+            defines.extend([("K_GROUP", k_group as i64), ("V_GROUP", v_group as i64)]);
+        }
     }
     defines.extend([("NUM_WARPS", warps as i64), ("STATE_TILE", st as i64), ("STAGES", stages as i64), ("MIN_BLOCKS", min_blocks as i64)]);
     // block_m: query states per warp; block_n: keys per softmax step.
@@ -111,12 +120,18 @@ pub fn all(head_dims: &[usize]) -> Vec<Variant> {
     for dtype in [DType::F16, DType::BF16] {
         for &d in head_dims.iter().filter(|d| DECODE_MMA_HEAD_DIMS.contains(d)) {
             for bits in DECODE_MMA_BITS {
-                out.extend(decode_candidates(dtype, d, bits));
+                if bits == 4 {
+                    for groups in DECODE_Q4_GROUPS {
+                        out.extend(decode_candidates(dtype, d, bits, groups));
+                    }
+                } else {
+                    out.extend(decode_candidates(dtype, d, bits, (0, 0)));
+                }
             }
         }
     }
     for dtype in [DType::F16, DType::BF16, DType::F32] {
-        out.extend(decode_candidates(dtype, ANY_HEAD_DIM, 0));
+        out.extend(decode_candidates(dtype, ANY_HEAD_DIM, 0, (0, 0)));
         for kernel in [Kernel::MergeStates, Kernel::QuantizeKv, Kernel::DequantizeKv] {
             out.push(elementwise_variant(kernel, dtype));
         }
@@ -130,17 +145,17 @@ mod tests {
 
     #[test]
     fn decode_takes_tensor_cores_at_its_head_dims_only() {
-        let v = decode_candidates(DType::BF16, 128, 4);
+        let v = decode_candidates(DType::BF16, 128, 4, (64, 32));
         assert_eq!((v[0].kernel, v[0].head_dim, v.len()), (Kernel::Decode, 128, 1));
-        assert_eq!(v[0].name(), "decode_bf16_d128_cache_bits4_num_warps4_state_tile8_stages2_min_blocks3");
+        assert_eq!(v[0].name(), "decode_bf16_d128_cache_bits4_k_group64_v_group32_num_warps4_state_tile8_stages2_min_blocks3");
         // The plain cache prefers three stages; two fit every GPU.
-        let names: Vec<String> = decode_candidates(DType::BF16, 128, 0).iter().map(Variant::name).collect();
+        let names: Vec<String> = decode_candidates(DType::BF16, 128, 0, (0, 0)).iter().map(Variant::name).collect();
         assert_eq!(names, ["decode_bf16_d128_cache_bits0_num_warps4_state_tile8_stages3_min_blocks2", "decode_bf16_d128_cache_bits0_num_warps4_state_tile8_stages2_min_blocks3"]);
-        let sets: Vec<TileSet> = decode_candidates(DType::BF16, 128, 0).iter().map(|v| v.tile_set).collect();
+        let sets: Vec<TileSet> = decode_candidates(DType::BF16, 128, 0, (0, 0)).iter().map(|v| v.tile_set).collect();
         assert_eq!(sets, [TileSet::Default, TileSet::Small]);
-        assert_eq!(decode_candidates(DType::F16, 256, 4)[0].name(), "decode_f16_d256_cache_bits4_num_warps2_state_tile8_stages2_min_blocks1");
+        assert_eq!(decode_candidates(DType::F16, 256, 4, (32, 32))[0].name(), "decode_f16_d256_cache_bits4_k_group32_v_group32_num_warps2_state_tile8_stages2_min_blocks1");
         for (dtype, d) in [(DType::F32, 128), (DType::BF16, 96), (DType::F16, 40)] {
-            let v = decode_candidates(dtype, d, 4);
+            let v = decode_candidates(dtype, d, 4, (32, 32));
             assert_eq!((v.len(), v[0].kernel, v[0].head_dim), (1, Kernel::DecodeSimt, ANY_HEAD_DIM));
             assert!(!v[0].defines.iter().any(|(k, _)| *k == "HEAD_DIM"));
         }
@@ -154,9 +169,9 @@ mod tests {
         names.sort();
         names.dedup();
         assert_eq!(names.len(), n);
-        // 2 dtypes x (3 head dims x 3 cache formats of mma, + the plain D = 128 fallback); 3 dtypes x
-        // (simt, merge, quantize, dequantize).
-        assert_eq!(n, 2 * (3 * 3 + 1) + 3 * 4);
+        // 2 dtypes x 3 head dims x (plain, 8-bit, 4 group pairs of 4-bit), + the plain D = 128
+        // fallback; 3 dtypes x (simt, merge, quantize, dequantize).
+        assert_eq!(n, 2 * (3 * 6 + 1) + 3 * 4);
         assert!(all.iter().all(|v| v.tiles.block_m == state_tile(v.kernel) || !v.kernel.is_decode()));
     }
 }

@@ -1,0 +1,216 @@
+// decode_q4.h — decode.cu's block step for 4-bit caches: the codes go into the mma as they are and
+// the scales and biases enter per group afterwards, so that no element is dequantized. decode.cu
+// includes it after its helpers (mma16816, transpose8x8, column_sum, scale_bits, v_row) and before
+// its kernel, which runs this path at CACHE_BITS 4 with the groups' sizes GK (K) and GV (V) as
+// template arguments (32 or 64, picked per call).
+//
+// Magic codes. A 4-bit code c under the high byte of M (bf16 2^7, fp16 2^10) reads as M + c, exact;
+// one PRMT per pair of codes builds them. With x = s c + b per group G of the head dim:
+//   K:  S^T[key, st] = sum_G  s[key,G] * A_G[key, st] + (b[key,G] - M s[key,G]) * qs_G[st],
+//       A_G = sum_{d in G} (M + c[key,d]) q[st,d] (an mma over G's dims, f32 accumulators),
+//       qs_G = sum_{d in G} q[st,d] (f32, once per call).
+//   V:  O^T[d, st] = sum_k (M + c[k,d]) P'_G[k,st] - (M + 8) sum_k P'_G[k,st] + sum_k (b + 8 s)[k,G] P[k,st],
+//       P'_G = P * s[.,G] rounded once to elem_t (as P alone would be), G the group of d. Each
+//       m-block takes the first two terms as two mmas into its accumulators, the codes' and one
+//       whose A is -(M + 8): the magic terms cancel within each block, and what P'_G's rounding
+//       multiplies is s (c - 8), centred as the values are. (Cancelling M once at the end, or
+//       leaving c uncentred so that P'_G's rounding multiplies s c, all positive: both failed the
+//       GPU tests' bound, bench/RESULTS.md.) The third term is summed in f32 from the unrounded P
+//       per lane, and over the lanes at the end.
+// The mma accumulates the magic terms in f32 and they cancel there: about log2(M) bits of f32's 24
+// are lost, far below elem_t's rounding of the dequantized values this replaces.
+//
+// Layouts (g = lane / 4, t = lane % 4; a 16-key block's K rows at stride Q4::SROW_K, V rows at
+// Q4::SROW_V):
+//   K: one ldmatrix.x4 gives lane (g, t) word t of 16-byte chunks c, c + 1 of rows g and g + 8.
+//      Chunk c (dims 32c .. 32c + 31, one group or half of one) feeds k steps 2c, 2c + 1: word
+//      W = 4c + t's codes (c0 .. c7) pair as (c0, c4), (c1, c5) -> step 2c's k (2t, 2t+1) and
+//      (2t+8, 2t+9); (c2, c6), (c3, c7) -> step 2c + 1's. Q's B fragment takes the same dims.
+//   V: lane (g, t) takes keys 2t, 2t + 1, 2t + 8, 2t + 9 (v_row) and per unit u four dims of one
+//      word W: GV 64: W = g + 8 (u / 2), dims 4 (u % 2) .. + 3; GV 32: W = 4u + g / 2, dims
+//      4 (g % 2) .. + 3. Keys 2t and 2t + 1's words interleave by one PRMT; then (x >> 4k) & 0xf
+//      of both under M is the pair of dim k. Unit u gives m-blocks 2u (dims 0, 1: rows g, g + 8)
+//      and 2u + 1 (dims 2, 3), all of group GV 64: u / 2, GV 32: u.
+#pragma once
+
+#if FLASH_DTYPE == 1
+#define Q4_M 128.f
+#define Q4_M2 0x43004300u      // bf16 M in both lanes
+#define Q4_NEG_M8 0xc308c308u  // -(M + 8): bf16 -136
+#else
+#define Q4_M 1024.f
+#define Q4_M2 0x64006400u
+#define Q4_NEG_M8 0xe408e408u  // fp16 -1032
+#endif
+
+struct Q4 {
+    enum : int {
+        CHUNKS = HEAD_DIM / 32,  // 16-byte chunks of a row
+        UNITS = HEAD_DIM / 32,   // V units per lane (four dims of a word each)
+        SROW_K = Geom<4>::SROW_K,
+        SROW_V = Geom<4>::SROW_V,
+    };
+};
+
+// The code pairs of a K word: (c0, c4), (c1, c5), (c2, c6), (c3, c7) under M.
+__device__ __forceinline__ void q4_pairs(u32 w, u32 (&out)[4]) {
+    const u32 lo = w & 0x0f0f0f0fu, hi = (w >> 4) & 0x0f0f0f0fu;
+    out[0] = __byte_perm(lo, MAGIC_BYTES, 0x5240);
+    out[1] = __byte_perm(hi, MAGIC_BYTES, 0x5240);
+    out[2] = __byte_perm(lo, MAGIC_BYTES, 0x5341);
+    out[3] = __byte_perm(hi, MAGIC_BYTES, 0x5341);
+}
+
+// (x >> 4k) & 0xf in both 16-bit lanes under M: dim k of two keys' interleaved half-words.
+template <int K>
+__device__ __forceinline__ u32 q4_dim(u32 x) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(x >> (4 * K)), "r"(0x000f000fu), "r"(Q4_M2));  // (a & b) | c
+    return d;
+}
+
+// Q^T's B fragments for chunk c, k step h: qa[4c + 2h + f] = dims (8W + 2h + f, 8W + 2h + f + 4) of
+// state g, W = 4c + t (zero past the last state); qs[G][j]: the sum of group G of states 2t + j.
+template <int GK>
+__device__ __forceinline__ void q4_load_q(u32 (&qa)[HEAD_DIM / 8], float (&qs)[HEAD_DIM / GK][2], const DecodeParams& p,
+                                          const DecodeWork& w) {
+    constexpr int CPG = GK / 32;  // chunks per group
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int st = w.state0 + g;
+    const bool ok = st < p.states;
+    const int i = w.row_of(p, st), h = w.kvh * p.group + (ok ? st % p.group : 0);
+    const u16* q = reinterpret_cast<const u16*>(p.q) + (((i64)w.b * p.seq_q + i) * p.heads + h) * HEAD_DIM;
+    float part[HEAD_DIM / GK];
+#pragma unroll
+    for (int G = 0; G < HEAD_DIM / GK; ++G) part[G] = 0.f;
+#pragma unroll
+    for (int c = 0; c < Q4::CHUNKS; ++c) {
+        const int base = 8 * (4 * c + t);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {  // k = 2h + f
+            const u16 lo = ok ? q[base + k] : (u16)0, hi = ok ? q[base + k + 4] : (u16)0;
+            qa[4 * c + k] = lo | ((u32)hi << 16);
+            part[c / CPG] += to_float(lo) + to_float(hi);
+        }
+    }
+#pragma unroll
+    for (int G = 0; G < HEAD_DIM / GK; ++G) {
+        float s = part[G];
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);  // state g's sum, in every lane of g
+        qs[G][0] = __shfl_sync(0xffffffffu, s, 8 * t);
+        qs[G][1] = __shfl_sync(0xffffffffu, s, 8 * t + 4);
+    }
+}
+
+// x += S^T of a 16-key block whose K rows start at shared address `rows`: rows g, g + 8 (keys),
+// columns states 2t, 2t + 1. sc / bi (sc8 / bi8): the scale rows of key g (g + 8), at ScaleOffset
+// half (half8).
+template <int GK>
+__device__ __forceinline__ void q4_qk(float (&x)[4], const u32 (&qa)[HEAD_DIM / 8], const float (&qs)[HEAD_DIM / GK][2], u32 rows,
+                                      const unsigned char* sc, const unsigned char* bi, const unsigned char* sc8,
+                                      const unsigned char* bi8, int half, int half8) {
+    constexpr int NG = HEAD_DIM / GK, CPG = GK / 32;
+    const int lane = threadIdx.x % 32;
+    // ldmatrix.x4: lanes 8j .. 8j + 7 address matrix j = rows 8 (j % 2) .. + 7 of chunk c + j / 2.
+    const u32 addr = rows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * Q4::SROW_K + 16 * (lane >> 4);
+    float acc[NG][4];
+#pragma unroll
+    for (int G = 0; G < NG; ++G) acc[G][0] = acc[G][1] = acc[G][2] = acc[G][3] = 0.f;
+#pragma unroll
+    for (int c = 0; c < Q4::CHUNKS; c += 2) {
+        u32 r[4];  // rows g, g + 8 of chunk c; rows g, g + 8 of chunk c + 1
+        ldmatrix_x4(r, addr + 16 * c);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int ch = c + e;
+            u32 pg[4], pg8[4];
+            q4_pairs(r[2 * e], pg);
+            q4_pairs(r[2 * e + 1], pg8);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const u32 a[4] = {pg[2 * h], pg8[2 * h], pg[2 * h + 1], pg8[2 * h + 1]};
+                mma16816(acc[ch / CPG], a, qa[4 * ch + 2 * h], qa[4 * ch + 2 * h + 1]);
+            }
+        }
+    }
+#pragma unroll
+    for (int G = 0; G < NG; ++G) {
+        const float s = to_float((u16)scale_bits(sc, half + G)), s8 = to_float((u16)scale_bits(sc8, half8 + G));
+        const float b = fmaf(-Q4_M, s, to_float((u16)scale_bits(bi, half + G)));
+        const float b8 = fmaf(-Q4_M, s8, to_float((u16)scale_bits(bi8, half8 + G)));
+        x[0] += fmaf(s, acc[G][0], b * qs[G][0]);
+        x[1] += fmaf(s, acc[G][1], b * qs[G][1]);
+        x[2] += fmaf(s8, acc[G][2], b8 * qs[G][0]);
+        x[3] += fmaf(s8, acc[G][3], b8 * qs[G][1]);
+    }
+}
+
+// The group of m-block mb, and the dim of its row g (row g + 8: the next one).
+template <int GV>
+__device__ __forceinline__ int q4_group(int mb) { return GV == 64 ? mb / 4 : mb / 2; }
+template <int GV>
+__device__ __forceinline__ int q4_dim_of(int mb, int g) {
+    const int u = mb / 2, p = mb % 2;
+    const int word = GV == 64 ? g + 8 * (u / 2) : 4 * u + g / 2;
+    const int quarter = GV == 64 ? u % 2 : g % 2;
+    return 8 * word + 4 * quarter + 2 * p;
+}
+
+// o += V^T P^T for a 16-key block whose V rows start at `rows` (stride Q4::SROW_V), and cv[G] += the
+// block's bias sums of group G (b + 8 s: the codes' share is centred). x: P of keys g, g + 8 (rows) and states 2t, 2t + 1 in S^T's
+// layout, f32; sc / bi (sc8 / bi8): the v scale and bias rows of key g (g + 8) at ScaleOffset half
+// (half8). cv[G][j]: sum over this lane's keys of b P for state 2t + j (summed over the lanes at
+// the end). P'_G = P s goes into B fragments as p_fragment transposes P.
+template <int GV>
+__device__ __forceinline__ void q4_pv(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], const float (&x)[4],
+                                      const unsigned char* rows, const unsigned char* sc, const unsigned char* bi,
+                                      const unsigned char* sc8, const unsigned char* bi8, int half, int half8) {
+    constexpr int NG = HEAD_DIM / GV, UPG = Q4::UNITS / NG;  // units per group
+    const int g = (threadIdx.x % 32) / 4;
+    const u32 neg_m8[4] = {Q4_NEG_M8, Q4_NEG_M8, Q4_NEG_M8, Q4_NEG_M8};
+#pragma unroll
+    for (int G = 0; G < NG; ++G) {
+        const float s = to_float((u16)scale_bits(sc, half + G)), s8 = to_float((u16)scale_bits(sc8, half8 + G));
+        const float b = fmaf(8.f, s, to_float((u16)scale_bits(bi, half + G)));
+        const float b8 = fmaf(8.f, s8, to_float((u16)scale_bits(bi8, half8 + G)));
+        cv[G][0] = fmaf(b, x[0], fmaf(b8, x[2], cv[G][0]));
+        cv[G][1] = fmaf(b, x[1], fmaf(b8, x[3], cv[G][1]));
+        const u32 bq0 = transpose8x8(pack2(x[0] * s, x[1] * s)), bq1 = transpose8x8(pack2(x[2] * s8, x[3] * s8));
+#pragma unroll
+        for (int u = G * UPG; u < (G + 1) * UPG; ++u) {
+            const int word = GV == 64 ? g + 8 * (u / 2) : 4 * u + g / 2;
+            const int quarter = GV == 64 ? u % 2 : g % 2;
+            u32 wd[4];
+#pragma unroll
+            for (int n = 0; n < 4; ++n) wd[n] = *reinterpret_cast<const u32*>(rows + v_row(n) * Q4::SROW_V + 4 * word);
+            // Keys 2t, 2t + 1 (and 2t + 8, 2t + 9): half-word `quarter` of each, side by side.
+            const u32 sel = quarter ? 0x7632u : 0x5410u;
+            const u32 x01 = __byte_perm(wd[0], wd[1], sel), x89 = __byte_perm(wd[2], wd[3], sel);
+            const u32 a0[4] = {q4_dim<0>(x01), q4_dim<1>(x01), q4_dim<0>(x89), q4_dim<1>(x89)};
+            mma16816(o[2 * u], a0, bq0, bq1);
+            mma16816(o[2 * u], neg_m8, bq0, bq1);
+            const u32 a1[4] = {q4_dim<2>(x01), q4_dim<3>(x01), q4_dim<2>(x89), q4_dim<3>(x89)};
+            mma16816(o[2 * u + 1], a1, bq0, bq1);
+            mma16816(o[2 * u + 1], neg_m8, bq0, bq1);
+        }
+    }
+}
+
+// The warp's o after its last block, plus each group's bias sums (over the lanes of a column),
+// into shared memory as store_partial_o does.
+template <int GV>
+__device__ __forceinline__ void q4_store_partial_o(float* dst, const float (&o)[HEAD_DIM / 16][4], const float (&cv)[HEAD_DIM / GV][2]) {
+    const int t = threadIdx.x % 4, g = (threadIdx.x % 32) / 4;
+    float bias[HEAD_DIM / GV][2];
+#pragma unroll
+    for (int G = 0; G < HEAD_DIM / GV; ++G) bias[G][0] = column_sum(cv[G][0]), bias[G][1] = column_sum(cv[G][1]);
+#pragma unroll
+    for (int mb = 0; mb < HEAD_DIM / 16; ++mb) {
+        const int G = q4_group<GV>(mb), d = q4_dim_of<GV>(mb, g);
+        dst[2 * t * HEAD_DIM + d] = o[mb][0] + bias[G][0];
+        dst[(2 * t + 1) * HEAD_DIM + d] = o[mb][1] + bias[G][1];
+        dst[2 * t * HEAD_DIM + d + 1] = o[mb][2] + bias[G][0];
+        dst[(2 * t + 1) * HEAD_DIM + d + 1] = o[mb][3] + bias[G][1];
+    }
+}
