@@ -1,0 +1,48 @@
+#!/bin/bash
+# device_ab.sh — one call on the lent GPU machine that A/B-tests wheels (development tool).
+#
+# Here:   build each version's wheel into its own folder under dist/, e.g.
+#           git stash; maturin build --release -q -o dist/base; git stash pop
+#           maturin build --release -q -o dist/new
+# There:  run this from the repository root with `carry: ["dist"]`; logs land in $OUT:
+#           TEST=new BENCH="base new base new" bash tools/device_ab.sh
+#
+# Every wheel dist/NAME/*.whl is installed into /tmp/site_NAME. Then, each step only when its
+# variable is set:
+#   TEST=NAME      pytest -m gpu on ${TEST_FILES:-tests/test_decode_gpu.py} (TESTK: a -k filter)
+#   BENCH="a b .." bench/decode.py --device cuda once per name in that order (alternate them: the
+#                  device has intermittent slowdowns); SHAPES passed through
+#   NCU=NAME:FMT   ncu of bench/profile_decode.py 8x8192 FMT: speed of light, occupancy, scheduler
+#                  and warp-state statistics (stall reasons) with their details
+set -u
+: "${OUT:?run on the device machine, where OUT is set}"
+export FLASH_NIF_CACHE_DIR=/tmp/flash_nif_cache
+for w in dist/*/; do
+    n=$(basename "$w")
+    rm -rf "/tmp/site_$n"
+    python3 -m pip install -q --no-deps --no-index --target "/tmp/site_$n" "$w"/*.whl
+done
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt"
+
+if [ -n "${TEST:-}" ]; then
+    PYTHONPATH="/tmp/site_$TEST" timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+        ${TEST_FILES:-tests/test_decode_gpu.py} ${TESTK:+-k "$TESTK"} > "$OUT/test_$TEST.log" 2>&1
+    echo "rc $?" >> "$OUT/test_$TEST.log"
+    echo "== test $TEST"; tail -4 "$OUT/test_$TEST.log"
+fi
+
+i=0
+for b in ${BENCH:-}; do
+    i=$((i + 1))
+    (cd bench && PYTHONPATH="/tmp/site_$b" timeout 240 python3 decode.py --device cuda \
+        --shapes "${SHAPES:-8x8192,64x1024,1x131072}" > "$OUT/bench_${i}_$b.log" 2>&1)
+    echo "== bench $i $b"; grep -E "^\| [0-9]" "$OUT/bench_${i}_$b.log"
+done
+
+if [ -n "${NCU:-}" ]; then
+    w=${NCU%%:*} f=${NCU##*:}
+    (cd bench && PYTHONPATH="/tmp/site_$w" timeout 300 ncu --kernel-name regex:flash_decode --launch-skip 2 \
+        --launch-count 1 --section SpeedOfLight --section Occupancy --section SchedulerStats \
+        --section WarpStateStats --print-details all python3 profile_decode.py 8x8192 "$f" > "$OUT/ncu_$w.txt" 2>&1)
+    echo "== ncu $w $f"; grep -E "Duration|DRAM Throughput|Issued Warp|Eligible Warps|Active Warps Per|Stall|Registers Per" "$OUT/ncu_$w.txt"
+fi
