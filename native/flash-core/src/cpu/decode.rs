@@ -7,6 +7,8 @@
 
 use std::f32::consts::{LN_2, LOG2_E};
 
+#[cfg(target_arch = "x86_64")]
+use super::decode_bf16;
 use super::decode_rows::{position, Plain, Quant, Reader, Rows, KEY_BLOCK};
 use super::simd::{self, isa, Isa};
 #[cfg(target_arch = "x86_64")]
@@ -38,10 +40,12 @@ pub(crate) fn task(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut
     unsafe {
         match isa() {
             #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 if decode_bf16::usable(p, k) => avx512_bf16(p, q, k, v, t, po, pl),
+            #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => avx512(p, q, k, v, t, po, pl),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => avx2(p, q, k, v, t, po, pl),
-            _ => run::<Scalar>(p, q, k, v, t, po, pl),
+            _ => run::<Scalar, false>(p, q, k, v, t, po, pl),
         }
     }
 }
@@ -49,21 +53,29 @@ pub(crate) fn task(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma,f16c")]
 unsafe fn avx512(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
-    run::<x86::Avx512>(p, q, k, v, t, po, pl)
+    run::<x86::Avx512, false>(p, q, k, v, t, po, pl)
+}
+
+/// AVX-512 with the scores by bf16 dot products (decode_bf16.rs; `usable` has checked the call).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma,f16c,avx512bf16")]
+unsafe fn avx512_bf16(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
+    run::<x86::Avx512, true>(p, q, k, v, t, po, pl)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn avx2(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
-    run::<x86::Avx2>(p, q, k, v, t, po, pl)
+    run::<x86::Avx2, false>(p, q, k, v, t, po, pl)
 }
 
 /// The task's keys go block by block, and within a block kv head by kv head: a block's rows (all
 /// heads of KEY_BLOCK consecutive keys) are one contiguous stretch of the cache, read while the
 /// next block's is prefetched, so memory is read as one stream (a kv head's rows alone are
-/// strided by the other heads', which measured ~3x slower to read).
+/// strided by the other heads', which measured ~3x slower to read). DOT: the scores by bf16 dot
+/// products (decode_bf16.rs; x86 AVX-512 only).
 #[inline(always)]
-unsafe fn run<V: Vector>(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
+unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
     let (sq, h, hkv, d) = (p.seq_q, p.heads, p.kv_heads, p.head_dim);
     let group = h / hkv;
     let states = group * sq; // per kv head
@@ -83,6 +95,17 @@ unsafe fn run<V: Vector>(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po
                 for (e, &x) in row[..d].iter().enumerate() {
                     dst[at(g * sq + i, position(k, V::LANES, e))] = x * p.scale * LOG2_E;
                 }
+            }
+        }
+    }
+    // DOT: q as raw bf16 [Hkv, D / 32, states, 32] in K's order (the cache's), unscaled.
+    let ops = if DOT { d / 32 } else { 0 };
+    let mut qb = vec![0u16; hkv * states * ops * 32];
+    for kv in 0..hkv * (DOT as usize) {
+        for (g, i) in (0..group).flat_map(|g| (0..sq).map(move |i| (g, i))) {
+            let src = &q[((t.b * sq + i) * h + kv * group + g) * d * 2..][..d * 2];
+            for (e, x) in src.chunks_exact(2).enumerate() {
+                qb[((kv * ops + e / 32) * states + g * sq + i) * 32 + e % 32] = u16::from_le_bytes([x[0], x[1]]);
             }
         }
     }
@@ -111,7 +134,11 @@ unsafe fn run<V: Vector>(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po
             let (qs, acc) = (&qs[kv * states * dp..][..states * dp], &mut acc[kv * states * dp..][..states * dp]);
             let (m, l) = (&mut m[kv * states..][..states], &mut l[kv * states..][..states]);
             kr.head(kv);
-            scores::<V>(&kr, qs, states, nvec, nk, &mut s);
+            match &kr {
+                #[cfg(target_arch = "x86_64")]
+                Reader::Bf16(r) if DOT => decode_bf16::scores(r, &qb[kv * states * ops * 32..][..states * ops * 32], states, ops, nk, p.scale * LOG2_E, &mut s),
+                _ => scores::<V>(&kr, qs, states, nvec, nk, &mut s),
+            }
             for st in 0..states {
                 let row = &mut s[st * KEY_BLOCK..][..nk];
                 if let Some(c2) = softcap2 {
@@ -331,8 +358,9 @@ mod tests {
     }
 
     /// One task on every instruction set this machine has (and the scalar one) gives the same
-    /// states: plain f16 and bf16 rows with D = 40 (a partial vector), 4- and 8-bit rows, K and V
-    /// in different formats, 1 and 3 query rows (groups of 8, 4, 2 and 1 states).
+    /// states: plain f16 and bf16 rows with D = 40 (a partial vector), bf16 rows at D = 64 / 96 (the
+    /// bf16 dot products), 4- and 8-bit rows, K and V in different formats, 1 and 3 query rows
+    /// (groups of 8, 4, 2 and 1 states).
     #[test]
     fn every_instruction_set_agrees() {
         use crate::dtype::DType;
@@ -349,7 +377,17 @@ mod tests {
                 .collect()
         };
         let (b, s, hkv, group) = (1usize, 70usize, 2usize, 5usize);
-        for (dtype, d, quant) in [(DType::F16, 40, None), (DType::BF16, 40, None), (DType::BF16, 64, Some((4, 32))), (DType::F32, 128, Some((8, 64)))] {
+        // bf16 at D = 64 and 96 with a plain K: the bf16 dot products where the CPU has them
+        // (decode_bf16.rs; 2 and 3 operands per row).
+        let cases = [
+            (DType::F16, 40, None),
+            (DType::BF16, 40, None),
+            (DType::BF16, 64, None),
+            (DType::BF16, 96, None),
+            (DType::BF16, 64, Some((4, 32))),
+            (DType::F32, 128, Some((8, 64))),
+        ];
+        for (dtype, d, quant) in cases {
             for sq in [1, 3] {
                 let bytes = |x: &[f32]| {
                     let mut out = vec![0u8; x.len() * dtype.size_bytes()];
@@ -383,7 +421,7 @@ mod tests {
                     (po, pl)
                 };
                 // SAFETY: each set runs only where isa() reports it.
-                let want = go(&|po, pl| unsafe { run::<Scalar>(&p, &q, &k, &v, t, po, pl) });
+                let want = go(&|po, pl| unsafe { run::<Scalar, false>(&p, &q, &k, &v, t, po, pl) });
                 let mut got = vec![go(&|po, pl| task(&p, &q, &k, &v, t, po, pl))];
                 #[cfg(target_arch = "x86_64")]
                 if matches!(isa(), Isa::Avx512 | Isa::Avx2) {

@@ -95,6 +95,15 @@ impl<'a, const KIND: u8> Plain<'a, KIND> {
     }
 }
 
+impl<const KIND: u8> Plain<'_, KIND> {
+    /// Key x's row of the current head (x < the block's keys): D elements, or the padded staging
+    /// copy's.
+    #[inline(always)]
+    pub(crate) unsafe fn row(&self, x: usize) -> *const u8 {
+        self.first.add(x * self.stride)
+    }
+}
+
 impl<const KIND: u8> Rows for Plain<'_, KIND> {
     #[inline(always)]
     unsafe fn vector<V: Vector>(&self, x: usize, i: usize) -> V {

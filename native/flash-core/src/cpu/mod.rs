@@ -7,6 +7,8 @@
 mod backward;
 mod batch;
 pub(crate) mod decode;
+#[cfg(target_arch = "x86_64")]
+mod decode_bf16;
 mod decode_rows;
 mod forward;
 mod layout;

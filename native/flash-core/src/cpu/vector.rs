@@ -166,6 +166,18 @@ pub mod x86 {
     #[derive(Clone, Copy)]
     pub struct Avx2(__m256);
 
+    impl Avx512 {
+        /// self + the products of the 32 bf16 values at `a` and at `b` in pairs: lane i adds
+        /// a[2i] b[2i] + a[2i + 1] b[2i + 1] (AVX512-BF16 `vdpbf16ps`: exact products, f32 sums,
+        /// subnormal inputs and results flushed to zero).
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bf16")]
+        pub unsafe fn dot_bf16(self, a: *const u8, b: *const u8) -> Self {
+            let (a, b) = (_mm512_loadu_si512(a as *const __m512i), _mm512_loadu_si512(b as *const __m512i));
+            Avx512(_mm512_dpbf16_ps(self.0, std::mem::transmute::<__m512i, __m512bh>(a), std::mem::transmute::<__m512i, __m512bh>(b)))
+        }
+    }
+
     impl Vector for Avx512 {
         const LANES: usize = 16;
         #[inline(always)]
