@@ -101,12 +101,15 @@ def test_merge_states_errors(fa):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("sq, group", [(1, 4), (4, 1), (16, 8)])
 @pytest.mark.parametrize("quant", [None, (8, 32), (4, 64)])
-def test_decode_against_the_oracle(fa, ref, assert_close_to_oracle, d, sq, group, quant):
-    """Ragged cache lengths (one 0), left padding, GQA, split keys, plain and quantized caches."""
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["f32", "bf16"])
+def test_decode_against_the_oracle(fa, ref, assert_close_to_oracle, d, sq, group, quant, dtype):
+    """Ragged cache lengths (one 0), left padding, GQA, split keys, plain and quantized caches; bf16
+    over a plain cache takes the bf16 dot products where the CPU has AVX512-BF16 (P rounded to
+    bf16 there, as on the GPU: o within the dtype's bound)."""
     b, s_cache, hkv = 3, 300, 2
     rng = np.random.default_rng(d + sq)
-    q = rng.standard_normal((b, sq, hkv * group, d)).astype(np.float32)
-    k, v = (rng.standard_normal((b, s_cache, hkv, d)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((b, sq, hkv * group, d)).astype(dtype)
+    k, v = (rng.standard_normal((b, s_cache, hkv, d)).astype(dtype) for _ in range(2))
     seqlens, leftpad = np.array([300, 123, 0], np.int32), np.array([10, 0, 0], np.int32)
     kc, vc = (k, v) if quant is None else (fa.quantize_kv(x, bits=quant[0], group_size=quant[1]) for x in (k, v))
     rk, rv = (k, v) if quant is None else (ref.dequantize_kv(ref.quantize_kv(x, bits=quant[0], group_size=quant[1])) for x in (k, v))
@@ -114,9 +117,9 @@ def test_decode_against_the_oracle(fa, ref, assert_close_to_oracle, d, sq, group
     for splits in (None, 1, 5):
         o, lse = fa.decode(q, kc, vc, cache_seqlens=seqlens, leftpad_k=leftpad, num_splits=splits)
         ctx = f"d={d} sq={sq} group={group} quant={quant} splits={splits}"
-        assert_close_to_oracle("o", o, want[0], np.float32, ctx)
+        assert_close_to_oracle("o", o, want[0], dtype, ctx)
         assert_close_to_oracle("lse", lse, want[1], np.float32, ctx)
-        assert np.all(o[2] == 0) and np.isneginf(lse[2]).all()
+        assert np.all(o[2].astype(np.float32) == 0) and np.isneginf(lse[2]).all()
 
 
 def test_decode_options_against_the_oracle(fa, ref, assert_close_to_oracle):

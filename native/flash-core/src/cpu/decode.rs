@@ -40,7 +40,7 @@ pub(crate) fn task(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut
     unsafe {
         match isa() {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 if decode_bf16::usable(p, k) => avx512_bf16(p, q, k, v, t, po, pl),
+            Isa::Avx512 if decode_bf16::usable(p, k, v) => avx512_bf16(p, q, k, v, t, po, pl),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => avx512(p, q, k, v, t, po, pl),
             #[cfg(target_arch = "x86_64")]
@@ -56,9 +56,9 @@ unsafe fn avx512(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [
     run::<x86::Avx512, false>(p, q, k, v, t, po, pl)
 }
 
-/// AVX-512 with the scores by bf16 dot products (decode_bf16.rs; `usable` has checked the call).
+/// AVX-512 with both products by bf16 dot products (decode_bf16.rs; `usable` has checked the call).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma,f16c,avx512bf16")]
+#[target_feature(enable = "avx512f,avx512dq,avx512vl,avx512bw,avx2,fma,f16c,avx512bf16")]
 unsafe fn avx512_bf16(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
     run::<x86::Avx512, true>(p, q, k, v, t, po, pl)
 }
@@ -72,7 +72,7 @@ unsafe fn avx2(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f3
 /// The task's keys go block by block, and within a block kv head by kv head: a block's rows (all
 /// heads of KEY_BLOCK consecutive keys) are one contiguous stretch of the cache, read while the
 /// next block's is prefetched, so memory is read as one stream (a kv head's rows alone are
-/// strided by the other heads', which measured ~3x slower to read). DOT: the scores by bf16 dot
+/// strided by the other heads', which measured ~3x slower to read). DOT: both products by bf16 dot
 /// products (decode_bf16.rs; x86 AVX-512 only).
 #[inline(always)]
 unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
@@ -110,6 +110,7 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
         }
     }
     let mut acc = vec![0f32; hkv * states * dp]; // as qs, V's order, unnormalised
+    let mut pw = vec![0u32; if DOT { states * KEY_BLOCK / 2 } else { 0 }]; // DOT: P as bf16 pairs
     let mut s = vec![0f32; states * KEY_BLOCK]; // scores, then probabilities [states, KEY_BLOCK]
     let (mut m, mut l) = (vec![f32::NEG_INFINITY; hkv * states], vec![0f32; hkv * states]);
     let mut alpha = vec![0f32; states];
@@ -154,7 +155,11 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
             }
             simd::online_softmax(&mut s, nk, KEY_BLOCK, m, l, &mut alpha);
             vr.head(kv);
-            accumulate::<V>(&vr, &s, &alpha, states, nvec, nk, acc);
+            match &vr {
+                #[cfg(target_arch = "x86_64")]
+                Reader::Bf16(r) if DOT => decode_bf16::accumulate(r, &s, &alpha, states, ops, nk, acc, &mut pw),
+                _ => accumulate::<V>(&vr, &s, &alpha, states, nvec, nk, acc),
+            }
         }
         j0 += nk;
     }
@@ -163,7 +168,7 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
         if l[st] > 0.0 {
             let (a, inv) = (&acc[st / states * states * dp..][..states * dp], 1.0 / l[st]);
             for (e, o) in out.iter_mut().enumerate() {
-                *o = a[at(st % states, position(v, V::LANES, e))] * inv;
+                *o = a[at(st % states, v_position::<DOT>(v, V::LANES, e))] * inv;
             }
             pl[st] = (m[st] + l[st].log2()) * LN_2;
         } else {
@@ -171,6 +176,15 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
             pl[st] = f32::NEG_INFINITY;
         }
     }
+}
+
+/// Where V's head-dim element e sits in the accumulators (DOT: decode_bf16.rs's order).
+fn v_position<const DOT: bool>(v: &Cache, lanes: usize, e: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if DOT {
+        return decode_bf16::v_position(e);
+    }
+    position(v, lanes, e)
 }
 
 /// Calls `$f::<V, Format, N>` for the reader's format over the states in groups of N = 8, 4, 2, 1
@@ -359,8 +373,8 @@ mod tests {
 
     /// One task on every instruction set this machine has (and the scalar one) gives the same
     /// states: plain f16 and bf16 rows with D = 40 (a partial vector), bf16 rows at D = 64 / 96 (the
-    /// bf16 dot products), 4- and 8-bit rows, K and V in different formats, 1 and 3 query rows
-    /// (groups of 8, 4, 2 and 1 states).
+    /// bf16 dot products where the CPU has them, which round P to bf16: o to that rounding), 4- and
+    /// 8-bit rows, K and V in different formats, 1 and 3 query rows (groups of 8, 4, 2 and 1 states).
     #[test]
     fn every_instruction_set_agrees() {
         use crate::dtype::DType;
@@ -427,7 +441,22 @@ mod tests {
                 if matches!(isa(), Isa::Avx512 | Isa::Avx2) {
                     got.push(go(&|po, pl| unsafe { avx2(&p, &q, &k, &v, t, po, pl) }));
                 }
-                for (po, pl) in got {
+                // The bf16 dot products round P to bf16 (decode_bf16.rs): task()'s states then agree
+                // to that rounding (norm-wise; a misplaced element would be off by O(1)).
+                #[cfg(target_arch = "x86_64")]
+                let dot = matches!(isa(), Isa::Avx512) && super::decode_bf16::usable(&p, &k, &v);
+                #[cfg(not(target_arch = "x86_64"))]
+                let dot = false;
+                for (j, (po, pl)) in got.into_iter().enumerate() {
+                    if dot && j == 0 {
+                        let err = po.iter().zip(&want.0).map(|(a, w)| (a - w) * (a - w)).sum::<f32>().sqrt();
+                        let norm = want.0.iter().map(|w| w * w).sum::<f32>().sqrt();
+                        assert!(err <= 4e-3 * norm, "{dtype:?} d={d} sq={sq} (bf16 dot products): o's relative error {}", err / norm);
+                        for (a, w) in pl.iter().zip(&want.1) {
+                            assert!((a - w).abs() <= 1e-5 * (1.0 + w.abs()), "{dtype:?} d={d} sq={sq}: lse {a} vs {w}");
+                        }
+                        continue;
+                    }
                     for (i, (a, w)) in po.iter().zip(&want.0).chain(pl.iter().zip(&want.1)).enumerate() {
                         assert!((a - w).abs() <= 1e-5 * (1.0 + w.abs()), "{dtype:?} d={d} {quant:?} sq={sq}: [{i}] {a} vs {w}");
                     }

@@ -176,6 +176,32 @@ pub mod x86 {
             let (a, b) = (_mm512_loadu_si512(a as *const __m512i), _mm512_loadu_si512(b as *const __m512i));
             Avx512(_mm512_dpbf16_ps(self.0, std::mem::transmute::<__m512i, __m512bh>(a), std::mem::transmute::<__m512i, __m512bh>(b)))
         }
+
+        /// self + in lane i, for the 32 bf16 `a` (as 16 pairs) and one pair `w` (two bf16 in a
+        /// u32): a[2i] w.lo + a[2i + 1] w.hi (`vdpbf16ps` against `w` broadcast).
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bf16")]
+        pub unsafe fn dot_bf16_pair(self, a: __m512i, w: u32) -> Self {
+            let w = _mm512_set1_epi32(w as i32);
+            Avx512(_mm512_dpbf16_ps(self.0, std::mem::transmute::<__m512i, __m512bh>(a), std::mem::transmute::<__m512i, __m512bh>(w)))
+        }
+    }
+
+    /// The 32 bf16 at `a` and the 32 at `b` interleaved: (lo, hi), where per 128-bit block j lo
+    /// holds pairs (a[8j + m], b[8j + m]) and hi (a[8j + 4 + m], b[8j + 4 + m]), m < 4.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn interleave_bf16(a: *const u8, b: *const u8) -> (__m512i, __m512i) {
+        let (a, b) = (_mm512_loadu_si512(a as *const __m512i), _mm512_loadu_si512(b as *const __m512i));
+        (_mm512_unpacklo_epi16(a, b), _mm512_unpackhi_epi16(a, b))
+    }
+
+    /// 32 f32 (lo, hi: 16 each) to 32 bf16, rounded to nearest even, lo's first: element pairs
+    /// (x[2i], x[2i + 1]) as the u32 words of `out`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn to_bf16_pairs(lo: Avx512, hi: Avx512, out: *mut u32) {
+        _mm512_storeu_si512(out as *mut __m512i, std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi.0, lo.0)));
     }
 
     impl Vector for Avx512 {
