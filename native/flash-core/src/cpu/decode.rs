@@ -3,7 +3,8 @@
 //! KEY_BLOCK keys, each K and V row is read once from the cache into SIMD registers (decode_rows:
 //! widened or dequantized there), scored against all states (dot products finished LANES at a
 //! time by `Vector::sum_each`) and folded into the states by simd's online softmax; states go
-//! through the block in register-held groups of up to 8.
+//! through the block in register-held groups of up to 8. bf16 queries over plain bf16 caches take
+//! both products as AVX512-BF16 dot products where the CPU has them (decode_bf16.rs).
 
 use std::f32::consts::{LN_2, LOG2_E};
 
