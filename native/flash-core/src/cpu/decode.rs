@@ -41,7 +41,7 @@ pub(crate) fn task(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut
     unsafe {
         match isa() {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 if decode_bf16::usable(p, k, v) => avx512_bf16(p, q, k, v, t, po, pl),
+            Isa::Avx512 if decode_bf16::paths(p, k, v).any() => avx512_bf16(p, q, k, v, t, po, pl),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => avx512(p, q, k, v, t, po, pl),
             #[cfg(target_arch = "x86_64")]
@@ -68,6 +68,21 @@ unsafe fn avx512_bf16(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn avx2(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
     run::<x86::Avx2, false>(p, q, k, v, t, po, pl)
+}
+
+/// Which products take decode_bf16.rs's bf16 dot products (x86 with AVX512-BF16, bf16 q; see
+/// its `paths`): q . k over a plain or a 4-bit K, P V over a plain V.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct DotPaths {
+    pub k_plain: bool,
+    pub k_q4: bool,
+    pub v_plain: bool,
+}
+
+impl DotPaths {
+    pub(crate) fn any(self) -> bool {
+        self.k_plain || self.k_q4 || self.v_plain
+    }
 }
 
 /// The task's keys go block by block, and within a block kv head by kv head: a block's rows (all
@@ -99,19 +114,51 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
             }
         }
     }
-    // DOT: q as raw bf16 [Hkv, D / 32, states, 32] in K's order (the cache's), unscaled.
-    let ops = if DOT { d / 32 } else { 0 };
+    #[cfg(target_arch = "x86_64")]
+    let dot = if DOT { decode_bf16::paths(p, k, v) } else { DotPaths::default() };
+    #[cfg(not(target_arch = "x86_64"))]
+    let dot = DotPaths::default();
+    // Dot products over K: q as raw bf16 [Hkv, operands, states, 32] in the operands' order,
+    // unscaled (plain: the cache's, D / 32 operands; 4-bit: q4_dim's, 4 per 128 dims, 0 past D),
+    // and for 4-bit each group's sum of q [Hkv, states, groups].
+    let ops = if dot.k_plain { d / 32 } else if dot.k_q4 { 4 * d.div_ceil(128) } else { 0 };
+    let (k_gs, k_groups) = match k {
+        Cache::Quant { fmt, .. } => (fmt.group_size, fmt.groups()),
+        Cache::Plain(_) => (d, 1),
+    };
     let mut qb = vec![0u16; hkv * states * ops * 32];
-    for kv in 0..hkv * (DOT as usize) {
-        for (g, i) in (0..group).flat_map(|g| (0..sq).map(move |i| (g, i))) {
-            let src = &q[((t.b * sq + i) * h + kv * group + g) * d * 2..][..d * 2];
-            for (e, x) in src.chunks_exact(2).enumerate() {
-                qb[((kv * ops + e / 32) * states + g * sq + i) * 32 + e % 32] = u16::from_le_bytes([x[0], x[1]]);
+    let mut qsum = vec![0f32; if dot.k_q4 { hkv * states * k_groups } else { 0 }];
+    if ops > 0 {
+        // The slot of dim e among an operand set's words: (operand, word).
+        let mut slot = vec![(0usize, 0usize); d];
+        for o in 0..ops {
+            for w in 0..32 {
+                #[cfg(target_arch = "x86_64")]
+                let e = if dot.k_q4 { decode_bf16::q4_dim(o / 4, o % 4, w) } else { o * 32 + w };
+                #[cfg(not(target_arch = "x86_64"))]
+                let e = o * 32 + w;
+                if e < d {
+                    slot[e] = (o, w);
+                }
+            }
+        }
+        for kv in 0..hkv {
+            for (g, i) in (0..group).flat_map(|g| (0..sq).map(move |i| (g, i))) {
+                let st = g * sq + i;
+                let src = &q[((t.b * sq + i) * h + kv * group + g) * d * 2..][..d * 2];
+                for (e, x) in src.chunks_exact(2).enumerate() {
+                    let (o, w) = slot[e];
+                    let bits = u16::from_le_bytes([x[0], x[1]]);
+                    qb[((kv * ops + o) * states + st) * 32 + w] = bits;
+                    if dot.k_q4 {
+                        qsum[(kv * states + st) * k_groups + e / k_gs] += f32::from_bits((bits as u32) << 16);
+                    }
+                }
             }
         }
     }
     let mut acc = vec![0f32; hkv * states * dp]; // as qs, V's order, unnormalised
-    let mut pw = vec![0u32; if DOT { states * KEY_BLOCK / 2 } else { 0 }]; // DOT: P as bf16 pairs
+    let mut pw = vec![0u32; if dot.v_plain { states * KEY_BLOCK / 2 } else { 0 }]; // P as bf16 pairs
     let mut s = vec![0f32; states * KEY_BLOCK]; // scores, then probabilities [states, KEY_BLOCK]
     let (mut m, mut l) = (vec![f32::NEG_INFINITY; hkv * states], vec![0f32; hkv * states]);
     let mut alpha = vec![0f32; states];
@@ -136,9 +183,15 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
             let (qs, acc) = (&qs[kv * states * dp..][..states * dp], &mut acc[kv * states * dp..][..states * dp]);
             let (m, l) = (&mut m[kv * states..][..states], &mut l[kv * states..][..states]);
             kr.head(kv);
+            let qb = &qb[kv * states * ops * 32..][..states * ops * 32];
             match &kr {
                 #[cfg(target_arch = "x86_64")]
-                Reader::Bf16(r) if DOT => decode_bf16::scores(r, &qb[kv * states * ops * 32..][..states * ops * 32], states, ops, nk, p.scale * LOG2_E, &mut s),
+                Reader::Bf16(r) if dot.k_plain => decode_bf16::scores(r, qb, states, ops, nk, p.scale * LOG2_E, &mut s),
+                #[cfg(target_arch = "x86_64")]
+                Reader::Q4(r) if dot.k_q4 => {
+                    let qsum = &qsum[kv * states * k_groups..][..states * k_groups];
+                    decode_bf16::scores_q4(r, qb, qsum, k_gs, d, states, nk, p.scale * LOG2_E, &mut s)
+                }
                 _ => scores::<V>(&kr, qs, states, nvec, nk, &mut s),
             }
             for st in 0..states {
@@ -158,7 +211,7 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
             vr.head(kv);
             match &vr {
                 #[cfg(target_arch = "x86_64")]
-                Reader::Bf16(r) if DOT => decode_bf16::accumulate(r, &s, &alpha, states, ops, nk, acc, &mut pw),
+                Reader::Bf16(r) if dot.v_plain => decode_bf16::accumulate(r, &s, &alpha, states, d / 32, nk, acc, &mut pw),
                 _ => accumulate::<V>(&vr, &s, &alpha, states, nvec, nk, acc),
             }
         }
@@ -169,7 +222,7 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
         if l[st] > 0.0 {
             let (a, inv) = (&acc[st / states * states * dp..][..states * dp], 1.0 / l[st]);
             for (e, o) in out.iter_mut().enumerate() {
-                *o = a[at(st % states, v_position::<DOT>(v, V::LANES, e))] * inv;
+                *o = a[at(st % states, v_position(dot, v, V::LANES, e))] * inv;
             }
             pl[st] = (m[st] + l[st].log2()) * LN_2;
         } else {
@@ -179,12 +232,13 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
     }
 }
 
-/// Where V's head-dim element e sits in the accumulators (DOT: decode_bf16.rs's order).
-fn v_position<const DOT: bool>(v: &Cache, lanes: usize, e: usize) -> usize {
+/// Where V's head-dim element e sits in the accumulators (decode_bf16.rs's orders for its paths).
+fn v_position(dot: DotPaths, v: &Cache, lanes: usize, e: usize) -> usize {
     #[cfg(target_arch = "x86_64")]
-    if DOT {
+    if dot.v_plain {
         return decode_bf16::v_position(e);
     }
+    let _ = dot;
     position(v, lanes, e)
 }
 
@@ -374,8 +428,10 @@ mod tests {
 
     /// One task on every instruction set this machine has (and the scalar one) gives the same
     /// states: plain f16 and bf16 rows with D = 40 (a partial vector), bf16 rows at D = 64 / 96 (the
-    /// bf16 dot products where the CPU has them, which round P to bf16: o to that rounding), 4- and
-    /// 8-bit rows, K and V in different formats, 1 and 3 query rows (groups of 8, 4, 2 and 1 states).
+    /// bf16 dot products where the CPU has them, which round P to bf16: o to that rounding), 4-bit
+    /// K at D = 64 / 128 / 192 (its codes into the dot products: half a 128-dim chunk, odd group
+    /// counts; V 4-bit too at D = 128), 8-bit rows, K and V in different formats, 1 and 3 query
+    /// rows (groups of 8, 4, 2 and 1 states).
     #[test]
     fn every_instruction_set_agrees() {
         use crate::dtype::DType;
@@ -400,6 +456,9 @@ mod tests {
             (DType::BF16, 64, None),
             (DType::BF16, 96, None),
             (DType::BF16, 64, Some((4, 32))),
+            (DType::BF16, 192, Some((4, 64))),
+            (DType::BF16, 128, Some((4, 32))),
+            (DType::BF16, 128, Some((4, 64))),
             (DType::F32, 128, Some((8, 64))),
         ];
         for (dtype, d, quant) in cases {
@@ -423,7 +482,19 @@ mod tests {
                     Some((fmt, v, sc, bi)) => Cache::Quant { fmt: *fmt, values: v, scales: sc, biases: bi },
                     None => Cache::Plain(&kx),
                 };
-                let v = Cache::Plain(&vx); // V plain: K and V in different formats when K is quantized
+                // V plain (K and V in different formats when K is quantized), or 4-bit as K at D = 128.
+                let vq = quant.filter(|&(bits, _)| bits == 4 && d == 128).map(|(bits, gs)| {
+                    let fmt = QuantFormat::new(bits, gs, d).unwrap();
+                    let rows = b * s * hkv;
+                    let mut vv = vec![0u32; rows * fmt.words()];
+                    let (mut sc, mut bi) = (vec![0u8; rows * fmt.groups() * dtype.size_bytes()], vec![0u8; rows * fmt.groups() * dtype.size_bytes()]);
+                    quantize(dtype, &fmt, &vx, &mut vv, &mut sc, &mut bi).unwrap();
+                    (fmt, vv, sc, bi)
+                });
+                let v = match &vq {
+                    Some((fmt, vv, sc, bi)) => Cache::Quant { fmt: *fmt, values: vv, scales: sc, biases: bi },
+                    None => Cache::Plain(&vx),
+                };
                 let p = Decode {
                     dtype, batch: b, seq_q: sq, s_cache: s, heads: hkv * group, kv_heads: hkv, head_dim: d, causal: true, scale: 0.3,
                     left: Some(50), right: None, softcap: None, num_splits: None,
@@ -442,12 +513,14 @@ mod tests {
                 if matches!(isa(), Isa::Avx512 | Isa::Avx2) {
                     got.push(go(&|po, pl| unsafe { avx2(&p, &q, &k, &v, t, po, pl) }));
                 }
-                // The bf16 dot products round P to bf16 (decode_bf16.rs): task()'s states then agree
-                // to that rounding (norm-wise; a misplaced element would be off by O(1)).
+                // The bf16 dot products (decode_bf16.rs) round P to bf16 over a plain V: task()'s
+                // states then agree to that rounding (norm-wise; a misplaced element would be off by
+                // O(1)). Over a 4-bit K the magic offset cancels in f32 (~7 bits of 24): 1e-4.
                 #[cfg(target_arch = "x86_64")]
-                let dot = matches!(isa(), Isa::Avx512) && super::decode_bf16::usable(&p, &k, &v);
+                let paths = if matches!(isa(), Isa::Avx512) { super::decode_bf16::paths(&p, &k, &v) } else { DotPaths::default() };
                 #[cfg(not(target_arch = "x86_64"))]
-                let dot = false;
+                let paths = DotPaths::default();
+                let (dot, tol) = (paths.v_plain, if paths.k_q4 { 1e-4 } else { 1e-5 });
                 for (j, (po, pl)) in got.into_iter().enumerate() {
                     if dot && j == 0 {
                         let err = po.iter().zip(&want.0).map(|(a, w)| (a - w) * (a - w)).sum::<f32>().sqrt();
@@ -458,8 +531,9 @@ mod tests {
                         }
                         continue;
                     }
+                    let tol = if j == 0 { tol } else { 1e-5 };
                     for (i, (a, w)) in po.iter().zip(&want.0).chain(pl.iter().zip(&want.1)).enumerate() {
-                        assert!((a - w).abs() <= 1e-5 * (1.0 + w.abs()), "{dtype:?} d={d} {quant:?} sq={sq}: [{i}] {a} vs {w}");
+                        assert!((a - w).abs() <= tol * (1.0 + w.abs()), "{dtype:?} d={d} {quant:?} sq={sq}: [{i}] {a} vs {w}");
                     }
                 }
             }

@@ -9,7 +9,10 @@
 //!   probabilities rounded to bf16 — as the GPU's tensor cores round P; the sums, and l, stay f32.
 //!   The output's element order within each 32 is [`v_position`]'s.
 
-use super::decode_rows::{Plain, KEY_BLOCK};
+use std::arch::x86_64::*;
+
+use super::decode::DotPaths;
+use super::decode_rows::{Plain, Quant, KEY_BLOCK};
 use super::vector::x86::{interleave_bf16, to_bf16_pairs, Avx512};
 use super::vector::Vector;
 use crate::decode::{Cache, Decode};
@@ -18,14 +21,16 @@ use crate::dtype::DType;
 /// bf16 elements per `vdpbf16ps` operand.
 pub(crate) const PAIR_LANES: usize = 32;
 
-/// Whether a call takes this path: bf16 q over plain K and V caches whose rows are whole operands,
-/// on a CPU with AVX512-BF16 (the caller has checked the AVX-512 set decode.rs's kernel uses).
-pub(crate) fn usable(p: &Decode, k: &Cache, v: &Cache) -> bool {
-    p.dtype == DType::BF16
-        && matches!((k, v), (Cache::Plain(_), Cache::Plain(_)))
-        && p.head_dim.is_multiple_of(PAIR_LANES)
-        && std::is_x86_feature_detected!("avx512bf16")
-        && std::is_x86_feature_detected!("avx512bw")
+/// Which of a call's products take this file's paths: bf16 q on a CPU with AVX512-BF16 and
+/// AVX512-BW (the caller has checked the AVX-512 set decode.rs's kernel uses); plain caches whose
+/// rows are whole operands; a 4-bit K cache with D a multiple of 64. (A 4-bit V by the same means,
+/// key pairs interleaved against P s per group, measured no faster than the general path: not
+/// kept, bench/RESULTS.md.)
+pub(crate) fn paths(p: &Decode, k: &Cache, v: &Cache) -> DotPaths {
+    let cpu = p.dtype == DType::BF16 && std::is_x86_feature_detected!("avx512bf16") && std::is_x86_feature_detected!("avx512bw");
+    let plain = |c: &Cache| cpu && matches!(c, Cache::Plain(_)) && p.head_dim.is_multiple_of(PAIR_LANES);
+    let q4 = cpu && matches!(k, Cache::Quant { fmt, .. } if fmt.bits == 4) && p.head_dim.is_multiple_of(64);
+    DotPaths { k_plain: plain(k), k_q4: q4, v_plain: plain(v) }
 }
 
 /// Where head-dim element e of V sits in the accumulators (vector e' / 16, lane e' % 16, as
@@ -161,5 +166,141 @@ unsafe fn accumulate_group<const N: usize>(rows: &Plain<'_, 2>, st0: usize, pw: 
             a0[n].store(a_at(2 * c, n));
             a1[n].store(a_at(2 * c + 1, n));
         }
+    }
+}
+
+// ---- 4-bit K: the codes into the dot products ------------------------------------------------------
+// q . k = sum_G s_G A_G + (b_G - M s_G) qs_G with A_G = sum_{d in G} (M + c_d) q_d: a code c under
+// the high byte of bf16 M = 2^7 reads as M + c (exact), so one unpack against a register of magic
+// bytes makes 32 of them; the products and sums are as exact as the general path's (which
+// dequantizes in f32), the magic cancelling in f32. qs_G: the group's sum of q (f32).
+
+const Q4_M: f32 = 128.0;
+
+/// The dim of word w (< 32) of code operand r (< 4) of 128-dim chunk t, in unpack's order:
+/// operands 0 / 1 hold the low nibbles (even dims) of each 16-byte lane's first / last 8 bytes, 2 /
+/// 3 the high nibbles (odd dims).
+pub(crate) fn q4_dim(t: usize, r: usize, w: usize) -> usize {
+    128 * t + 32 * (w / 8) + 16 * (r & 1) + 2 * (w % 8) + (r >> 1)
+}
+
+/// s[st, x] = scale2 · q[st] · k[x] for a 4-bit K (groups of gs, D = d); qb `[chunks, 4, states,
+/// 32]` raw bf16 in [`q4_dim`]'s order (0 past D), qsum `[states, groups]`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn scores_q4(rows: &Quant<'_, 4>, qb: &[u16], qsum: &[f32], gs: usize, d: usize, states: usize, nk: usize, scale2: f32, s: &mut [f32]) {
+    let (chunks, groups) = (d.div_ceil(128), d / gs);
+    assert!(qb.len() == chunks * 4 * states * PAIR_LANES && qsum.len() == states * groups && s.len() == states * KEY_BLOCK && nk <= KEY_BLOCK);
+    assert!(d.is_multiple_of(64) && groups <= 16 && chunks <= 2);
+    let (q, qsum, s) = (qb.as_ptr(), qsum.as_ptr(), s.as_mut_ptr());
+    let mut st = 0;
+    while states - st >= 4 {
+        score_group_q4::<4>(rows, st, q, qsum, gs, d, states, nk, scale2, s);
+        st += 4;
+    }
+    if states - st >= 2 {
+        score_group_q4::<2>(rows, st, q, qsum, gs, d, states, nk, scale2, s);
+        st += 2;
+    }
+    if states - st >= 1 {
+        score_group_q4::<1>(rows, st, q, qsum, gs, d, states, nk, scale2, s);
+    }
+}
+
+/// States st0 .. st0 + N of [`scores_q4`]: per key and chunk, the four code operands' dot products
+/// times each lane's group scale; every 16 keys, the partial sums reduced together and the bias
+/// terms added.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn score_group_q4<const N: usize>(rows: &Quant<'_, 4>, st0: usize, qb: *const u16, qsum: *const f32, gs: usize, d: usize, states: usize, nk: usize, scale2: f32, s: *mut f32) {
+    const LANES: usize = 16;
+    let (chunks, groups) = (d.div_ceil(128), d / gs);
+    let q = |t: usize, r: usize, n: usize| _mm512_loadu_si512(qb.add(((t * 4 + r) * states + st0 + n) * PAIR_LANES) as *const __m512i);
+    let (low, magic) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x43));
+    // Lane i of chunk t's products covers dims 128 t + 32 (i / 4) ..: its group.
+    let group_of = |t: usize| _mm512_set_epi32(
+        ((128 * t + 96) / gs) as i32, ((128 * t + 96) / gs) as i32, ((128 * t + 96) / gs) as i32, ((128 * t + 96) / gs) as i32,
+        ((128 * t + 64) / gs) as i32, ((128 * t + 64) / gs) as i32, ((128 * t + 64) / gs) as i32, ((128 * t + 64) / gs) as i32,
+        ((128 * t + 32) / gs) as i32, ((128 * t + 32) / gs) as i32, ((128 * t + 32) / gs) as i32, ((128 * t + 32) / gs) as i32,
+        ((128 * t) / gs) as i32, ((128 * t) / gs) as i32, ((128 * t) / gs) as i32, ((128 * t) / gs) as i32,
+    );
+    let idx = [group_of(0), group_of(1)];
+    let gmask: __mmask16 = ((1u32 << groups) - 1) as __mmask16;
+    let stride = rows.scale_stride() as i32;
+    let key_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(stride));
+    let mut part = [[Avx512::zero(); LANES]; N];
+    let mut x0 = 0;
+    while x0 < nk {
+        for x in x0..(x0 + LANES).min(nk) {
+            let row = rows.row(x);
+            let (sc, _) = rows.scales(x);
+            let scales = _mm512_maskz_loadu_ps(gmask, sc);
+            let mut acc = [_mm512_setzero_ps(); N];
+            for t in 0..chunks {
+                let bytes = if 128 * (t + 1) <= d {
+                    _mm512_loadu_si512(row.add(64 * t) as *const __m512i)
+                } else {
+                    _mm512_maskz_loadu_epi8(0xffff_ffff, row.add(64 * t) as *const i8)
+                };
+                let lo = _mm512_and_si512(bytes, low);
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), low);
+                let w = [_mm512_unpacklo_epi8(lo, magic), _mm512_unpackhi_epi8(lo, magic), _mm512_unpacklo_epi8(hi, magic), _mm512_unpackhi_epi8(hi, magic)];
+                let svec = _mm512_permutexvar_ps(idx[t], scales);
+                for n in 0..N {
+                    let mut a = _mm512_setzero_ps();
+                    for (r, w) in w.iter().enumerate() {
+                        a = _mm512_dpbf16_ps(a, std::mem::transmute::<__m512i, __m512bh>(q(t, r, n)), std::mem::transmute::<__m512i, __m512bh>(*w));
+                    }
+                    acc[n] = _mm512_fmadd_ps(a, svec, acc[n]);
+                }
+            }
+            for n in 0..N {
+                part[n][x - x0] = Avx512::from_raw(acc[n]);
+            }
+        }
+        // The bias terms of these 16 keys: sum_G (b - M s)[x, G] qs[st, G] (rows past the block's
+        // keys are read but never stored: the arrays hold KEY_BLOCK keys).
+        let (sc0, bi0) = rows.scales(x0);
+        let mut bt = [_mm512_setzero_ps(); N];
+        for g in 0..groups {
+            let sg = _mm512_i32gather_ps::<4>(key_at, sc0.add(g) as *const f32);
+            let bg = _mm512_i32gather_ps::<4>(key_at, bi0.add(g) as *const f32);
+            let c = _mm512_fmadd_ps(_mm512_set1_ps(-Q4_M), sg, bg);
+            for (n, bt) in bt.iter_mut().enumerate() {
+                *bt = _mm512_fmadd_ps(c, _mm512_set1_ps(*qsum.add((st0 + n) * groups + g)), *bt);
+            }
+        }
+        let scale = _mm512_set1_ps(scale2);
+        for (n, part) in part.iter().enumerate() {
+            let sum = _mm512_add_ps(Avx512::sum_each(part).raw(), bt[n]);
+            _mm512_storeu_ps(s.add((st0 + n) * KEY_BLOCK + x0), _mm512_mul_ps(sum, scale));
+        }
+        x0 += LANES;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The operand orders are permutations of the head dim.
+    #[test]
+    fn orders_are_permutations() {
+        for d in [128, 256] {
+            let mut seen = vec![false; d];
+            for t in 0..d / 128 {
+                for r in 0..4 {
+                    for w in 0..32 {
+                        seen[q4_dim(t, r, w)] = true;
+                    }
+                }
+            }
+            assert!(seen.iter().all(|&s| s), "d={d}");
+        }
+        let mut seen = [false; 64];
+        for e in 0..64 {
+            seen[v_position(e)] = true;
+        }
+        assert!(seen.iter().all(|&s| s));
     }
 }

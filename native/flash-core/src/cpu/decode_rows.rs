@@ -170,6 +170,24 @@ impl<'a, const BITS: usize> Quant<'a, BITS> {
     }
 }
 
+impl<const BITS: usize> Quant<'_, BITS> {
+    /// Key x's row of codes of the current head (x < the block's keys).
+    #[inline(always)]
+    pub(crate) unsafe fn row(&self, x: usize) -> *const u8 {
+        self.first.add(x * self.stride)
+    }
+    /// Key x's scales and biases (f32, `groups` each) of the current head.
+    #[inline(always)]
+    pub(crate) unsafe fn scales(&self, x: usize) -> (*const f32, *const f32) {
+        let at = x * self.heads * self.groups + self.head;
+        (self.scale.as_ptr().add(at), self.bias.as_ptr().add(at))
+    }
+    /// Floats from one key's scales to the next's.
+    pub(crate) fn scale_stride(&self) -> usize {
+        self.heads * self.groups
+    }
+}
+
 impl<const BITS: usize> Rows for Quant<'_, BITS> {
     #[inline(always)]
     unsafe fn vector<V: Vector>(&self, x: usize, i: usize) -> V {

@@ -167,6 +167,16 @@ pub mod x86 {
     pub struct Avx2(__m256);
 
     impl Avx512 {
+        /// The register as it is, and back (for code that needs intrinsics this type lacks).
+        #[inline(always)]
+        pub fn from_raw(x: __m512) -> Self {
+            Avx512(x)
+        }
+        #[inline(always)]
+        pub fn raw(self) -> __m512 {
+            self.0
+        }
+
         /// self + the products of the 32 bf16 values at `a` and at `b` in pairs: lane i adds
         /// a[2i] b[2i] + a[2i + 1] b[2i + 1] (AVX512-BF16 `vdpbf16ps`: exact products, f32 sums,
         /// subnormal inputs and results flushed to zero).
