@@ -1,6 +1,6 @@
-//! Decode's products for bf16 queries against plain bf16 caches on CPUs with AVX512-BF16, by
-//! `vdpbf16ps` (32 products per instruction) straight from the cache's bytes, where decode.rs's
-//! general path widens each row to f32 and takes 16 per FMA:
+//! Decode's products for bf16 queries on CPUs with AVX512-BF16, by `vdpbf16ps` (32 products per
+//! instruction) straight from the cache's bytes, where decode.rs's general path widens (or
+//! dequantizes) each row to f32 and takes 16 per FMA (`paths` says which products of a call):
 //! - scores: q . k, products of two bf16 exact in f32 and f32 sums, so the general path's up to
 //!   summation order (and subnormals, which `vdpbf16ps` flushes to zero). q is kept as raw bf16
 //!   `[D / 32, states, 32]` per kv head in the cache's element order, unscaled: the scale ·
@@ -8,6 +8,8 @@
 //! - P V: two keys' rows interleaved (one unpack per 32 elements of the pair) against their two
 //!   probabilities rounded to bf16 — as the GPU's tensor cores round P; the sums, and l, stay f32.
 //!   The output's element order within each 32 is [`v_position`]'s.
+//! - scores over a 4-bit K: the codes as bf16 `M + c`, each group's scale and bias after the
+//!   product (`scores_q4`).
 
 use std::arch::x86_64::*;
 
