@@ -470,27 +470,21 @@ mod tests {
                 };
                 let q = bytes(&rand(b * sq * hkv * group * d, 3));
                 let (kx, vx) = (bytes(&rand(b * s * hkv * d, 5)), bytes(&rand(b * s * hkv * d, 7)));
-                let quantized = quant.map(|(bits, gs)| {
+                let quantize_rows = |x: &[u8], (bits, gs): (usize, usize)| {
                     let fmt = QuantFormat::new(bits, gs, d).unwrap();
                     let rows = b * s * hkv;
                     let mut v = vec![0u32; rows * fmt.words()];
                     let (mut sc, mut bi) = (vec![0u8; rows * fmt.groups() * dtype.size_bytes()], vec![0u8; rows * fmt.groups() * dtype.size_bytes()]);
-                    quantize(dtype, &fmt, &kx, &mut v, &mut sc, &mut bi).unwrap();
+                    quantize(dtype, &fmt, x, &mut v, &mut sc, &mut bi).unwrap();
                     (fmt, v, sc, bi)
-                });
+                };
+                let quantized = quant.map(|qf| quantize_rows(&kx, qf));
                 let k = match &quantized {
                     Some((fmt, v, sc, bi)) => Cache::Quant { fmt: *fmt, values: v, scales: sc, biases: bi },
                     None => Cache::Plain(&kx),
                 };
                 // V plain (K and V in different formats when K is quantized), or 4-bit as K at D = 128.
-                let vq = quant.filter(|&(bits, _)| bits == 4 && d == 128).map(|(bits, gs)| {
-                    let fmt = QuantFormat::new(bits, gs, d).unwrap();
-                    let rows = b * s * hkv;
-                    let mut vv = vec![0u32; rows * fmt.words()];
-                    let (mut sc, mut bi) = (vec![0u8; rows * fmt.groups() * dtype.size_bytes()], vec![0u8; rows * fmt.groups() * dtype.size_bytes()]);
-                    quantize(dtype, &fmt, &vx, &mut vv, &mut sc, &mut bi).unwrap();
-                    (fmt, vv, sc, bi)
-                });
+                let vq = quant.filter(|&(bits, _)| bits == 4 && d == 128).map(|qf| quantize_rows(&vx, qf));
                 let v = match &vq {
                     Some((fmt, vv, sc, bi)) => Cache::Quant { fmt: *fmt, values: vv, scales: sc, biases: bi },
                     None => Cache::Plain(&vx),

@@ -20,6 +20,40 @@ use super::vector::Vector;
 use crate::decode::{Cache, Decode};
 use crate::dtype::DType;
 
+/// Calls `$f::<N>($first, st, $args..)` for the states in groups of N = $max (8 or 4), then 4, 2, 1
+/// (each group's states held in registers: one pass over the block's rows per group).
+macro_rules! in_groups {
+    (8, $f:ident, $states:expr, $first:expr; $($arg:expr),*) => {{
+        let mut st = 0;
+        while $states - st >= 8 {
+            $f::<8>($first, st, $($arg),*);
+            st += 8;
+        }
+        in_groups!(@rest st, $f, $states, $first; $($arg),*);
+    }};
+    (4, $f:ident, $states:expr, $first:expr; $($arg:expr),*) => {{
+        let mut st = 0;
+        while $states - st >= 4 {
+            $f::<4>($first, st, $($arg),*);
+            st += 4;
+        }
+        in_groups!(@rest st, $f, $states, $first; $($arg),*);
+    }};
+    (@rest $st:ident, $f:ident, $states:expr, $first:expr; $($arg:expr),*) => {{
+        if $states - $st >= 4 {
+            $f::<4>($first, $st, $($arg),*);
+            $st += 4;
+        }
+        if $states - $st >= 2 {
+            $f::<2>($first, $st, $($arg),*);
+            $st += 2;
+        }
+        if $states - $st >= 1 {
+            $f::<1>($first, $st, $($arg),*);
+        }
+    }};
+}
+
 /// bf16 elements per `vdpbf16ps` operand.
 pub(crate) const PAIR_LANES: usize = 32;
 
@@ -50,22 +84,7 @@ pub(crate) fn v_position(e: usize) -> usize {
 pub(crate) unsafe fn scores(rows: &Plain<'_, 2>, qb: &[u16], states: usize, ops: usize, nk: usize, scale2: f32, s: &mut [f32]) {
     assert!(qb.len() == ops * states * PAIR_LANES && s.len() == states * KEY_BLOCK && nk <= KEY_BLOCK);
     let (q, s) = (qb.as_ptr(), s.as_mut_ptr());
-    let mut st = 0;
-    while states - st >= 8 {
-        score_group::<8>(rows, st, q, states, ops, nk, scale2, s);
-        st += 8;
-    }
-    if states - st >= 4 {
-        score_group::<4>(rows, st, q, states, ops, nk, scale2, s);
-        st += 4;
-    }
-    if states - st >= 2 {
-        score_group::<2>(rows, st, q, states, ops, nk, scale2, s);
-        st += 2;
-    }
-    if states - st >= 1 {
-        score_group::<1>(rows, st, q, states, ops, nk, scale2, s);
-    }
+    in_groups!(8, score_group, states, rows; q, states, ops, nk, scale2, s);
 }
 
 /// States st0 .. st0 + N of [`scores`]: per key, N dot products in registers (two chains each);
@@ -121,22 +140,7 @@ pub(crate) unsafe fn accumulate(rows: &Plain<'_, 2>, p: &[f32], alpha: &[f32], s
         to_bf16_pairs(Avx512::load(row.as_ptr()), Avx512::load(row.as_ptr().add(16)), pw.as_mut_ptr().add(st * KEY_BLOCK / 2));
     }
     let (acc, pw, alpha) = (acc.as_mut_ptr(), pw.as_ptr(), alpha.as_ptr());
-    let mut st = 0;
-    while states - st >= 8 {
-        accumulate_group::<8>(rows, st, pw, alpha, states, ops, nk, acc);
-        st += 8;
-    }
-    if states - st >= 4 {
-        accumulate_group::<4>(rows, st, pw, alpha, states, ops, nk, acc);
-        st += 4;
-    }
-    if states - st >= 2 {
-        accumulate_group::<2>(rows, st, pw, alpha, states, ops, nk, acc);
-        st += 2;
-    }
-    if states - st >= 1 {
-        accumulate_group::<1>(rows, st, pw, alpha, states, ops, nk, acc);
-    }
+    in_groups!(8, accumulate_group, states, rows; pw, alpha, states, ops, nk, acc);
 }
 
 /// States st0 .. st0 + N of [`accumulate`], the two accumulator vectors of one 32-element operand
@@ -195,18 +199,7 @@ pub(crate) unsafe fn scores_q4(rows: &Quant<'_, 4>, qb: &[u16], qsum: &[f32], gs
     assert!(qb.len() == chunks * 4 * states * PAIR_LANES && qsum.len() == states * groups && s.len() == states * KEY_BLOCK && nk <= KEY_BLOCK);
     assert!(d.is_multiple_of(64) && groups <= 16 && chunks <= 2);
     let (q, qsum, s) = (qb.as_ptr(), qsum.as_ptr(), s.as_mut_ptr());
-    let mut st = 0;
-    while states - st >= 4 {
-        score_group_q4::<4>(rows, st, q, qsum, gs, d, states, nk, scale2, s);
-        st += 4;
-    }
-    if states - st >= 2 {
-        score_group_q4::<2>(rows, st, q, qsum, gs, d, states, nk, scale2, s);
-        st += 2;
-    }
-    if states - st >= 1 {
-        score_group_q4::<1>(rows, st, q, qsum, gs, d, states, nk, scale2, s);
-    }
+    in_groups!(4, score_group_q4, states, rows; q, qsum, gs, d, states, nk, scale2, s);
 }
 
 /// States st0 .. st0 + N of [`scores_q4`]: per key and chunk, the four code operands' dot products
