@@ -42,6 +42,18 @@
 #endif
 
 #define KEY_BLOCK 16
+// 16-key blocks a warp takes per softmax step: quantized caches take two (two independent product
+// chains per step, one max and one rescale for both; 8-4 % faster on the H200, bench/RESULTS.md)
+// where the registers hold them without spilling (4-bit: D = 128 with V groups of 32 and D = 256
+// with K groups of 32 spill) and, for 8-bit rows, on Hopper only: their stages grow to 128 keys
+// (2 x 46 KiB at D = 128), which would leave an A100 one block per SM. A stage holds a multiple of
+// STEP_BLOCKS blocks per warp.
+#if (CACHE_BITS == 8 && __CUDA_ARCH__ >= 900) || \
+    (CACHE_BITS == 4 && (HEAD_DIM == 64 || (V_GROUP == 64 && !(HEAD_DIM == 256 && K_GROUP == 32))))
+#define STEP_BLOCKS 2
+#else
+#define STEP_BLOCKS 1
+#endif
 
 // Geometry of a cache whose elements take BITS bits (0: plain elem_t rows).
 template <int BITS>
@@ -67,7 +79,13 @@ struct Geom {
 };
 
 // A stage holds 16 keys per warp of a plain cache; quantized rows are smaller and fill it with more.
-#define STAGE_BYTES (KEY_BLOCK * NUM_WARPS * (Geom<0>::SROW_K + Geom<0>::SROW_V))
+// The stage budget: 16 plain keys per warp, or a step's keys per warp of this format if more (scale
+// rows: at most 4 of groups of 32 per key, or one word each, plus stage_layout's 64 bytes of slack).
+#define SCALE_KEY_BYTES (CACHE_BITS == 0 ? 0 : HEAD_DIM / 4 > 16 ? HEAD_DIM / 4 : 16)
+#define PLAIN_STAGE_BYTES (KEY_BLOCK * NUM_WARPS * (Geom<0>::SROW_K + Geom<0>::SROW_V))
+#define STEP_STAGE_BYTES \
+    (KEY_BLOCK * STEP_BLOCKS * NUM_WARPS * (Geom<CACHE_BITS>::SROW_K + Geom<CACHE_BITS>::SROW_V + SCALE_KEY_BYTES) + (CACHE_BITS ? 64 : 0))
+#define STAGE_BYTES (PLAIN_STAGE_BYTES > STEP_STAGE_BYTES ? PLAIN_STAGE_BYTES : STEP_STAGE_BYTES)
 static_assert(PARTIALS_BYTES(HEAD_DIM) <= STAGES * STAGE_BYTES, "the epilogue reuses the stages");
 
 FLASH_EXPORT_SMEM(STAGES * STAGE_BYTES)
@@ -296,29 +314,40 @@ __device__ __forceinline__ float column_sum(float x) {
     return x;
 }
 
-// The softmax step of a 16-key block in S^T's layout (x: keys g, g + 8 of states 2t, 2t + 1;
-// keys key_base + g ..; the stage's keys end at key_end): masks, updates m and l of the lane's
-// states and leaves P in x and the factors the accumulators take in alpha. Returns whether any
-// lane's alpha is not 1 (warp-uniform).
-__device__ __forceinline__ bool softmax_step(float (&x)[4], float (&m)[2], float (&l)[2], float (&alpha)[2],
-                                             const DecodeParams& p, int key_base, int key_end, const int2 (&vis)[2]) {
+// The softmax step of NB 16-key blocks in S^T's layout (x[b]: keys g, g + 8 of states 2t, 2t + 1;
+// block b's keys key_base[b] + g ..; the stage's keys end at key_end), one max and one rescale for
+// all of them: masks, updates m and l of the lane's states and leaves P in x and the factors the
+// accumulators take in alpha. Returns whether any lane's alpha is not 1 (warp-uniform).
+template <int NB>
+__device__ __forceinline__ bool softmax_step(float (&x)[NB][4], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                             const DecodeParams& p, const int (&key_base)[NB], int key_end,
+                                             const int2 (&vis)[2]) {
     const int g = (threadIdx.x % 32) / 4;
+    scores_log2(p, reinterpret_cast<float(&)[NB * 4]>(x));
     float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        const int key = key_base + g + (e >> 1) * 8, c = e & 1;
-        const bool ok = key < key_end && key >= vis[c].x && key <= vis[c].y;
-        x[e] = ok ? score_log2(p, x[e]) : NEG_INF;
-        mx[c] = fmaxf(mx[c], x[e]);
+    for (int b = 0; b < NB; ++b) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = key_base[b] + g + (e >> 1) * 8, c = e & 1;
+            const bool ok = key < key_end && key >= vis[c].x && key <= vis[c].y;
+            x[b][e] = ok ? x[b][e] : NEG_INF;
+            mx[c] = fmaxf(mx[c], x[b][e]);
+        }
     }
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
         const float m_new = fmaxf(m[c], column_max(mx[c]));
         const float m_use = m_new == NEG_INF ? 0.f : m_new;  // no -inf - -inf
         alpha[c] = fast_exp2(m[c] - m_use);
-        x[c] = fast_exp2(x[c] - m_use);
-        x[c + 2] = fast_exp2(x[c + 2] - m_use);
-        l[c] = l[c] * alpha[c] + x[c] + x[c + 2];
+        float sum = 0.f;
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            x[b][c] = fast_exp2(x[b][c] - m_use);
+            x[b][c + 2] = fast_exp2(x[b][c + 2] - m_use);
+            sum += x[b][c] + x[b][c + 2];
+        }
+        l[c] = l[c] * alpha[c] + sum;
         m[c] = m_new;
     }
     // Once the maxima settle most blocks change none: the callers skip the multiplies.
@@ -346,67 +375,83 @@ __device__ __forceinline__ void p_fragment(const float (&x)[4], u32& bp0, u32& b
     bp1 = transpose8x8(pack2(x[2], x[3]));
 }
 
-// One 16-key block of a stage (rows r0 .. r0 + 15, keys key0 + r0 ..): S^T, the softmax step of
-// states 2t and 2t + 1 (m, l: theirs; vis: their visible keys), O^T.
-template <int BITS>
+// NB 16-key blocks of a stage (block b: rows r0[b] .. r0[b] + 15, keys key0 + r0[b] ..): their S^T,
+// one softmax step of states 2t and 2t + 1 for all (m, l: theirs; vis: their visible keys), their O^T.
+template <int BITS, int NB>
 __device__ __forceinline__ void block_step(float (&o)[HEAD_DIM / 16][4], float (&m)[2], float (&l)[2], const u32 (&qa)[Q_REGS],
                                            const unsigned char* stage, const StageLayout& L, const DecodeParams& p,
-                                           int key0, int nkeys, int r0, const int2 (&vis)[2], const ScaleOffset& k_off,
-                                           const ScaleOffset& v_off) {
+                                           int key0, int nkeys, const int (&r0)[NB], const int2 (&vis)[2],
+                                           const ScaleOffset& k_off, const ScaleOffset& v_off) {
     using G = Geom<BITS>;
     const int g = (threadIdx.x % 32) / 4;
-    const int key_base = key0 + r0;
+    const unsigned char* ks = stage + L.off_ks;
+    const unsigned char* kb = stage + L.off_kb;
     // S^T: rows keys g and g + 8, columns states 2t and 2t + 1.
-    float x[4] = {0.f, 0.f, 0.f, 0.f};
-    {
-        const int r = r0 + g, r8 = r + 8;
+    float x[NB][4];
+    int key_base[NB];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+        const int r = r0[b] + g, r8 = r + 8;
         const int half = BITS ? k_off(key0 + r) : 0, half8 = BITS ? k_off(key0 + r8) : 0;
-        const unsigned char* sc = stage + L.off_ks;
-        const unsigned char* bi = stage + L.off_kb;
-        qk_block<BITS>(x, qa, stage + r * G::SROW_K, stage + r8 * G::SROW_K, sc + r * 4 * L.sw_k, bi + r * 4 * L.sw_k,
-                       sc + r8 * 4 * L.sw_k, bi + r8 * 4 * L.sw_k, half, half8, p.k_group_size == 64 ? 6 : 5);
+        key_base[b] = key0 + r0[b];
+        x[b][0] = x[b][1] = x[b][2] = x[b][3] = 0.f;
+        qk_block<BITS>(x[b], qa, stage + r * G::SROW_K, stage + r8 * G::SROW_K, ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k,
+                       ks + r8 * 4 * L.sw_k, kb + r8 * 4 * L.sw_k, half, half8, p.k_group_size == 64 ? 6 : 5);
     }
     float alpha[2];
-    if (softmax_step(x, m, l, alpha, p, key_base, key0 + nkeys, vis)) rescale(o, alpha);
-    int half[4] = {0, 0, 0, 0};
-    if constexpr (BITS != 0) {
+    if (softmax_step<NB>(x, m, l, alpha, p, key_base, key0 + nkeys, vis)) rescale(o, alpha);
 #pragma unroll
-        for (int n = 0; n < 4; ++n) half[n] = v_off(key_base + v_row(n));
+    for (int b = 0; b < NB; ++b) {
+        int half[4] = {0, 0, 0, 0};
+        if constexpr (BITS != 0) {
+#pragma unroll
+            for (int n = 0; n < 4; ++n) half[n] = v_off(key_base[b] + v_row(n));
+        }
+        u32 bp0, bp1;
+        p_fragment(x[b], bp0, bp1);
+        pv_block<BITS>(o, stage + L.off_v + r0[b] * G::SROW_V, stage + L.off_vs + r0[b] * 4 * L.sw_v,
+                       stage + L.off_vb + r0[b] * 4 * L.sw_v, L.sw_v, half, p.v_group_size == 64 ? 6 : 5, bp0, bp1);
     }
-    u32 bp0, bp1;
-    p_fragment(x, bp0, bp1);
-    pv_block<BITS>(o, stage + L.off_v + r0 * G::SROW_V, stage + L.off_vs + r0 * 4 * L.sw_v, stage + L.off_vb + r0 * 4 * L.sw_v,
-                   L.sw_v, half, p.v_group_size == 64 ? 6 : 5, bp0, bp1);
 }
 
 #include "decode_q4.h"
 
-// block_step for a 4-bit cache (decode_q4.h), K groups of GK and V groups of GV elements; cv: the
-// V groups' correction accumulators.
-template <int GK, int GV>
+// block_step for a 4-bit cache (decode_q4.h), K groups of GK and V groups of GV elements, over the
+// NB blocks whose first rows are r0[0 ..]: their S^T products, one softmax step for all, then their
+// O^T products (independent chains until the softmax joins them); cv: the V groups' correction
+// accumulators.
+template <int GK, int GV, int NB>
 __device__ __forceinline__ void block_step_q4(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], float (&m)[2],
                                               float (&l)[2], const u32 (&qa)[Q_REGS], const float (&qs)[HEAD_DIM / GK][2],
                                               const unsigned char* stage, const StageLayout& L, const DecodeParams& p,
-                                              int key0, int nkeys, int r0, const int2 (&vis)[2], const ScaleOffset& k_off,
-                                              const ScaleOffset& v_off) {
+                                              int key0, int nkeys, const int (&r0)[NB], const int2 (&vis)[2],
+                                              const ScaleOffset& k_off, const ScaleOffset& v_off) {
     const int g = (threadIdx.x % 32) / 4;
-    const int key_base = key0 + r0, r = r0 + g, r8 = r + 8;
-    float x[4] = {0.f, 0.f, 0.f, 0.f};
-    {
-        const unsigned char* sc = stage + L.off_ks;
-        const unsigned char* bi = stage + L.off_kb;
-        q4_qk<GK>(x, qa, qs, smem_addr(stage + r0 * Q4::SROW_K), sc + r * 4 * L.sw_k, bi + r * 4 * L.sw_k, sc + r8 * 4 * L.sw_k,
-                  bi + r8 * 4 * L.sw_k, k_off(key0 + r), k_off(key0 + r8));
+    const unsigned char* ks = stage + L.off_ks;
+    const unsigned char* kb = stage + L.off_kb;
+    float x[NB][4];
+    int key_base[NB];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+        const int r = r0[b] + g, r8 = r + 8;
+        key_base[b] = key0 + r0[b];
+        x[b][0] = x[b][1] = x[b][2] = x[b][3] = 0.f;
+        q4_qk<GK>(x[b], qa, qs, smem_addr(stage + r0[b] * Q4::SROW_K), ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k,
+                  ks + r8 * 4 * L.sw_k, kb + r8 * 4 * L.sw_k, k_off(key0 + r), k_off(key0 + r8));
     }
     float alpha[2];
-    if (softmax_step(x, m, l, alpha, p, key_base, key0 + nkeys, vis)) {
+    if (softmax_step<NB>(x, m, l, alpha, p, key_base, key0 + nkeys, vis)) {
         rescale(o, alpha);
         rescale_pairs(cv, alpha);
     }
     const unsigned char* vs = stage + L.off_vs;
     const unsigned char* vb = stage + L.off_vb;
-    q4_pv<GV>(o, cv, x, stage + L.off_v + r0 * Q4::SROW_V, vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v, vs + r8 * 4 * L.sw_v,
-              vb + r8 * 4 * L.sw_v, v_off(key0 + r), v_off(key0 + r8));
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+        const int r = r0[b] + g, r8 = r + 8;
+        q4_pv<GV>(o, cv, x[b], stage + L.off_v + r0[b] * Q4::SROW_V, vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v,
+                  vs + r8 * 4 * L.sw_v, vb + r8 * 4 * L.sw_v, v_off(key0 + r), v_off(key0 + r8));
+    }
 }
 
 // The warp's partial o into shared memory: states 2t, 2t + 1 at the head dims of its V pairs.
@@ -435,7 +480,7 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
     const DecodeWork w(p);
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
     using G = Geom<CACHE_BITS>;
-    const StageLayout L = stage_layout(p, G::SROW_K, G::SROW_V, STAGE_BYTES, KEY_BLOCK * NUM_WARPS);
+    const StageLayout L = stage_layout(p, G::SROW_K, G::SROW_V, STAGE_BYTES, KEY_BLOCK * STEP_BLOCKS * NUM_WARPS);
     const bool active = w.state0 < p.states;
     const int wk_n = NUM_WARPS / p.warp_states;
     constexpr bool q4 = GK != 0;
@@ -462,11 +507,20 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
 
     pipeline(smem, L, p, w, [&](const unsigned char* stage, int key0, int nkeys) {
         if (!active) return;
-        for (int r0 = w.wk * KEY_BLOCK; r0 < nkeys; r0 += wk_n * KEY_BLOCK) {
+        // A warp's blocks: wk, wk + wk_n, ... of the stage; a step takes STEP_BLOCKS of them (the
+        // last may lie past nkeys: zero-filled rows, masked).
+        for (int r0 = w.wk * KEY_BLOCK; r0 < nkeys; r0 += STEP_BLOCKS * wk_n * KEY_BLOCK) {
             if constexpr (q4) {
-                block_step_q4<GK, GV>(o, cv, m, l, qa, qs, stage, L, p, key0, nkeys, r0, vis, k_off, v_off);
+                if constexpr (STEP_BLOCKS == 2) {
+                    block_step_q4<GK, GV, 2>(o, cv, m, l, qa, qs, stage, L, p, key0, nkeys, {r0, r0 + wk_n * KEY_BLOCK},
+                                             vis, k_off, v_off);
+                } else {
+                    block_step_q4<GK, GV, 1>(o, cv, m, l, qa, qs, stage, L, p, key0, nkeys, {r0}, vis, k_off, v_off);
+                }
+            } else if constexpr (STEP_BLOCKS == 2) {
+                block_step<CACHE_BITS, 2>(o, m, l, qa, stage, L, p, key0, nkeys, {r0, r0 + wk_n * KEY_BLOCK}, vis, k_off, v_off);
             } else {
-                block_step<CACHE_BITS>(o, m, l, qa, stage, L, p, key0, nkeys, r0, vis, k_off, v_off);
+                block_step<CACHE_BITS, 1>(o, m, l, qa, stage, L, p, key0, nkeys, {r0}, vis, k_off, v_off);
             }
         }
     });

@@ -24,6 +24,7 @@
 // allow; params.h's default 1).
 #pragma once
 #include "ptx.h"
+#include "grid_dep.h"
 
 #ifndef STATE_TILE
 #error "STATE_TILE must be defined"
@@ -130,8 +131,20 @@ __device__ __forceinline__ int2 visible_keys(const DecodeParams& p, const Decode
 }
 
 // The score of q.k in the exp2 domain: scale, then the softcap c * tanh(s / c).
+__device__ __forceinline__ float capped_log2(const DecodeParams& p, float qk) { return p.cap_out * tanhf(qk * p.cap_in); }
 __device__ __forceinline__ float score_log2(const DecodeParams& p, float qk) {
-    return p.cap_in > 0.f ? p.cap_out * tanhf(qk * p.cap_in) : qk * p.scale_log2;
+    return p.cap_in > 0.f ? capped_log2(p, qk) : qk * p.scale_log2;
+}
+// score_log2 of N scores in place, the softcap test taken once (one uniform branch, not one per score).
+template <int N>
+__device__ __forceinline__ void scores_log2(const DecodeParams& p, float (&x)[N]) {
+    if (p.cap_in > 0.f) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) x[i] = capped_log2(p, x[i]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) x[i] *= p.scale_log2;
+    }
 }
 
 // ---- the shared-memory pipeline ------------------------------------------------------------------
@@ -366,7 +379,7 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, const StageLayo
 // Runs compute(stage, key0, nkeys) over the split's tiles, each brought in by a STAGES-deep cp.async
 // pipeline: one group committed per tile slot (empty ones too, so the wait counts stay fixed), and
 // one load site (the first STAGES - 1 turns only load). Returns with every copy landed and every
-// thread past its last compute: the shared memory is free for reuse.
+// thread past its last compute (the shared memory is free for reuse), the dependent grid released.
 template <typename Compute>
 __device__ __forceinline__ void pipeline(unsigned char* smem, const StageLayout& L, const DecodeParams& p,
                                          const DecodeWork& w, Compute&& compute) {
@@ -397,6 +410,9 @@ __device__ __forceinline__ void pipeline(unsigned char* smem, const StageLayout&
     }
     cp_async_wait<0>();
     __syncthreads();
+    // Only the epilogue is left: the splits' merge (launched dependent on this kernel) may be
+    // scheduled now and wait there for this grid's end instead of being launched after it.
+    release_dependent_grid();
 }
 
 // ---- the epilogue --------------------------------------------------------------------------------

@@ -9,9 +9,11 @@
 // Parts whose lse is -inf weigh nothing (their o is not read); a state no part saw gives o = 0,
 // lse = -inf. One warp per state (b, i, h), grid-stride: its lanes find the max and the sum over
 // the parts, then the columns, COLS per lane at a time with the parts' weights broadcast from the
-// lanes that computed them. Arithmetic is f32 (expf / logf, not the approximations).
+// lanes that computed them (decode's f32 parts: merge_state_f32x4, fewer rounds of loads).
+// Arithmetic is f32 (expf / logf, not the approximations).
 #include "types.h"
 #include "warp_reduce.h"
+#include "grid_dep.h"
 
 #ifndef NUM_WARPS
 #error "NUM_WARPS must be defined"
@@ -39,7 +41,48 @@ __device__ __forceinline__ float part_value(const MergeParams& p, int q, i64 par
     return p.parts_f32 ? reinterpret_cast<const float*>(p.o_parts)[at] : to_float(reinterpret_cast<const elem_t*>(p.o_parts)[at]);
 }
 
+// Decode's splits (f32 parts, Dv a multiple of 4), in few dependent rounds of loads: lane q reads the
+// lse of parts q, q + 32, ... once for the max and the sum, then each lane takes four columns of
+// every part (16-byte loads, 8 parts in flight), the weights of 32 parts at a time broadcast from
+// the lanes that computed them.
+__device__ __forceinline__ void merge_state_f32x4(const MergeParams& p, i64 s, i64 stat, i64 part_stride, i64 stat_stride) {
+    const int lane = threadIdx.x % 32;
+    const float neg_inf = __int_as_float(0xff800000);
+    float mx = neg_inf;
+    for (int q = lane; q < p.parts; q += 32) mx = fmaxf(mx, p.lse_parts[q * stat_stride + stat]);
+    mx = warp_max(mx);
+    float total = 0.f;
+    if (mx != neg_inf) {
+        for (int q = lane; q < p.parts; q += 32) total += expf(p.lse_parts[q * stat_stride + stat] - mx);
+        total = warp_sum(total);
+    }
+    const bool seen = total > 0.f;
+    const float* parts = reinterpret_cast<const float*>(p.o_parts) + s * p.dv;
+    for (int c = 4 * lane; c < p.dv; c += 128) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int q0 = 0; seen && q0 < p.parts; q0 += 32) {
+            const float w = q0 + lane < p.parts ? expf(p.lse_parts[(q0 + lane) * stat_stride + stat] - mx) : 0.f;
+            const int n = min(32, p.parts - q0);
+#pragma unroll 8
+            for (int q = 0; q < n; ++q) {
+                const float wq = __shfl_sync(0xffffffffu, w, q);
+                if (wq != 0.f) {  // a part of weight 0 adds nothing, whatever its o holds (not even NaN)
+                    const float4 x = *reinterpret_cast<const float4*>(parts + (q0 + q) * part_stride + c);
+                    acc.x += wq * x.x, acc.y += wq * x.y, acc.z += wq * x.z, acc.w += wq * x.w;
+                }
+            }
+        }
+        elem_t* out = p.o + s * p.dv + c;
+        out[0] = from_float(seen ? acc.x / total : 0.f);
+        out[1] = from_float(seen ? acc.y / total : 0.f);
+        out[2] = from_float(seen ? acc.z / total : 0.f);
+        out[3] = from_float(seen ? acc.w / total : 0.f);
+    }
+    if (lane == 0) p.lse[stat] = seen ? mx + logf(total) : neg_inf;
+}
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_merge_states(const MergeParams p) {
+    wait_for_prior_grid();  // launched dependent on the kernel that wrote the parts (kv.rs)
     const int lane = threadIdx.x % 32;
     const float neg_inf = __int_as_float(0xff800000);
     const i64 states = (i64)p.batch * p.seq_q * p.heads;  // (b, i, h) in o's order
@@ -52,6 +95,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_merge_states(
         const i64 b = bi / p.seq_q;
         const i64 stat = (b * p.heads + h) * p.seq_q + i;  // [B, H, Sq] index
         const i64 stat_stride = states;                    // between parts of lse_parts
+        if (p.parts_f32 && p.dv % 4 == 0) {
+            merge_state_f32x4(p, s, stat, part_stride, stat_stride);
+            continue;
+        }
         float mx = neg_inf;
         for (int q = lane; q < p.parts; q += 32) mx = fmaxf(mx, p.lse_parts[q * stat_stride + stat]);
         mx = warp_max(mx);

@@ -226,6 +226,34 @@ def test_runs_on_the_callers_torch_stream(fa, ref, gpu, assert_close_to_oracle):
     assert_close_to_oracle("o", env.get(o), want[0], ml_dtypes.bfloat16, "side stream")
 
 
+@pytest.mark.skipif(not HAVE_TORCH_GPU, reason="torch without CUDA")
+@pytest.mark.parametrize("quant", [None, (4, 64), (8, 32)], ids=str)
+def test_the_torch_fast_path_is_the_general_one(fa, gpu, monkeypatch, quant):
+    """Contiguous torch tensors take kv._decode_torch (few Python steps); the general path
+    (_Tensors) gives the same bits, row bounds and all, and takes what the fast one declines."""
+    from flash_nif import kv
+
+    env = Env("torch")
+    q = env.put(rand(6, (3, 2, 8, 128), ml_dtypes.bfloat16))
+    k, v = (put_cache(fa, env, rand(7 + i, (3, 96, 2, 128), ml_dtypes.bfloat16), quant) for i in range(2))
+    seqlens = torch.tensor([96, 40, 0], dtype=torch.int32, device="cuda")
+    leftpad = torch.tensor([0, 5, 0], dtype=torch.int32, device="cuda")
+    calls = []
+    real = kv._decode_torch
+    monkeypatch.setattr(kv, "_decode_torch", lambda *a: calls.append(1) or real(*a))
+    fast = fa.decode(q, k, v, cache_seqlens=seqlens, leftpad_k=leftpad)
+    assert calls  # it was taken
+    monkeypatch.setattr(kv, "_decode_torch", lambda *a: None)
+    general = fa.decode(q, k, v, cache_seqlens=seqlens, leftpad_k=leftpad)
+    for a, b in zip(fast, general):
+        assert torch.equal(a, b)
+    # int64 bounds and a strided q: declined by the fast path, converted by the general one.
+    monkeypatch.setattr(kv, "_decode_torch", real)
+    q2 = torch.cat([q, q], dim=-1)[..., :128]
+    o2, lse2 = fa.decode(q2, k, v, cache_seqlens=seqlens.long(), leftpad_k=leftpad)
+    assert torch.equal(o2, general[0]) and torch.equal(lse2, general[1])
+
+
 # --- the cache format and merge_states on the GPU ---------------------------------------------------
 
 @pytest.mark.parametrize("where", GPU_LIBS)

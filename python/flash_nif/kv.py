@@ -210,6 +210,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, leftpad_k=None, causal: b
             caches[name] = ([c.values, c.scales, c.biases], (_int("bits", c.bits), _int("group_size", c.group_size)))
         else:
             caches[name] = ([c], None)
+    fast = _decode_torch(q, k_cache, v_cache, (cache_seqlens, leftpad_k), opts, device)
+    if fast is not None:
+        return fast
     rows = {n: x for n, x in (("cache_seqlens", cache_seqlens), ("leftpad_k", leftpad_k)) if x is not None}
     if _cuda.any_gpu(q, *caches["k_cache"][0], *caches["v_cache"][0], *rows.values()):
         return _decode_gpu(q, caches, rows, opts, device)
@@ -228,6 +231,54 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, leftpad_k=None, causal: b
     _native.decode_host(q, arrays["k_cache"], arrays["v_cache"], seqlens, leftpad, o, lse, k_quant=caches["k_cache"][1],
                         v_quant=caches["v_cache"][1], device=_host_device(device), **opts)
     return o, lse
+
+
+def _decode_torch(q, k_cache, v_cache, rows, opts, device):
+    """decode's common torch call in few Python steps (its host time is on the critical path of a
+    decode loop: a few tens of microseconds of kernel per token): q and every cache part contiguous
+    CUDA tensors of q's device, the row bounds absent or int32 tensors there too, bits and group
+    sizes ints. Anything else returns None, and the general path (_decode_gpu) converts or raises;
+    both make the same native call."""
+    if _cuda._kind(q) != "torch" or q.ndim != 4 or device not in (None, "cuda", "auto"):
+        return None
+    dev, tensor = q.get_device(), type(q)
+    names = _cuda._TORCH_DTYPE_NAMES
+    caches = []
+    for c in (k_cache, v_cache):
+        if type(c) is QuantizedKV:
+            if type(c.bits) is not int or type(c.group_size) is not int:
+                return None
+            caches.append(((c.values, c.scales, c.biases), (c.bits, c.group_size)))
+        else:
+            caches.append(((c,), None))
+    descs = []
+    for a in (q, *caches[0][0], *caches[1][0]):
+        if type(a) is not tensor or not a.is_cuda or a.get_device() != dev or not a.is_contiguous():
+            return None
+        name = names.get(a.dtype) or _cuda._dtype_name(a, "torch")
+        descs.append((a.data_ptr(), a.shape, name))
+    bounds = []
+    for r in rows:
+        if r is None:
+            bounds.append(None)
+            continue
+        if (type(r) is not tensor or not r.is_cuda or r.get_device() != dev or names.get(r.dtype) != "int32"
+                or not r.is_contiguous()):
+            return None
+        bounds.append((r.data_ptr(), np.ascontiguousarray(r.cpu().numpy())))  # the kernel's, the checks' copy
+    b, sq, h, _ = q.shape
+    o = q.new_empty(q.shape)
+    lse = q.new_empty((b, h, sq), dtype=_torch_float32())
+    n = len(caches[0][0])
+    _native.cuda_decode_device(descs[0], descs[1:1 + n], descs[1 + n:], tuple(bounds), [o.data_ptr(), lse.data_ptr()], dev,
+                               _cuda._torch_stream(dev), k_quant=caches[0][1], v_quant=caches[1][1], **opts)
+    return o, lse
+
+
+def _torch_float32():
+    import torch
+
+    return torch.float32
 
 
 def _decode_gpu(q, caches, rows, opts, device):

@@ -11,7 +11,7 @@
 
 use cudarc::driver::sys as cu;
 
-use super::device::{self, launch, ContextGuard, Device, DeviceBuffer, Function};
+use super::device::{self, launch, ContextGuard, Device, DeviceBuffer};
 use super::host::{download, upload, Stream};
 use super::kv::{self, bytes_of, bytes_of_mut, MergePtrs};
 use super::kv_variants::decode_candidates;
@@ -170,16 +170,6 @@ fn choose_splits(blocks: usize, slots: usize, max_keys: usize) -> usize {
     (1..=max_splits).find(|&s| efficiency(s) >= 0.85 * best).unwrap_or(1)
 }
 
-/// Blocks of `f` an SM holds at once (registers, shared memory, threads).
-fn blocks_per_sm(f: &Function) -> Result<usize> {
-    let mut n = 0;
-    // SAFETY: out-pointer; a loaded function of the current context.
-    device::check("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
-        cu::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, f.func, f.threads as i32, f.smem as usize)
-    })?;
-    Ok(n.max(1) as usize)
-}
-
 /// How a call runs: the states' partition and the splits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Plan {
@@ -258,7 +248,7 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
     let blocks = p.kv_heads * chunks;
     let splits = match p.num_splits {
         Some(n) => n,
-        None => choose_splits(p.batch * blocks, dev.sm_count.max(1) as usize * blocks_per_sm(&f)?, max_visible_keys(p, rows.0, rows.1)),
+        None => choose_splits(p.batch * blocks, dev.sm_count.max(1) as usize * f.blocks_per_sm as usize, max_visible_keys(p, rows.0, rows.1)),
     };
     let grid_x = blocks.checked_mul(splits).filter(|&n| n <= i32::MAX as usize).ok_or_else(|| {
         FlashError::Unsupported(format!("decode: {splits} splits of {blocks} blocks exceed the CUDA grid; ask for fewer num_splits"))

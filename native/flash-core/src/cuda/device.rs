@@ -184,6 +184,8 @@ pub struct Function {
     pub func: cu::CUfunction,
     pub threads: u32,
     pub smem: u32,
+    /// Blocks of it an SM holds at once (the driver's occupancy, asked once at load).
+    pub blocks_per_sm: u32,
 }
 
 // SAFETY: CUfunction handles are usable from any thread.
@@ -254,7 +256,12 @@ pub fn function(dev: &Device, v: &Variant) -> Result<Function> {
             )
         })?;
     }
-    let f = Function { func, threads: v.threads(), smem: smem as u32 };
+    let mut blocks_per_sm = 0;
+    // SAFETY: out-pointer; the function just loaded, its shared-memory limit set.
+    check("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
+        cu::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut blocks_per_sm, func, v.threads() as i32, smem)
+    })?;
+    let f = Function { func, threads: v.threads(), smem: smem as u32, blocks_per_sm: blocks_per_sm.max(1) as u32 };
     if let Ok(mut m) = map.lock() {
         m.insert((dev.ordinal, v.clone()), f);
     }
@@ -277,10 +284,56 @@ pub unsafe fn launch<P>(name: &str, f: Function, grid: (u32, u32, u32), stream: 
         )));
     }
     let mut args = [params as *const P as *mut c_void];
-    check(
-        &format!("cuLaunchKernel({name})"),
-        cu::cuLaunchKernel(f.func, grid.0, grid.1, grid.2, f.threads, 1, 1, f.smem, stream, args.as_mut_ptr(), std::ptr::null_mut()),
-    )
+    let r = cu::cuLaunchKernel(f.func, grid.0, grid.1, grid.2, f.threads, 1, 1, f.smem, stream, args.as_mut_ptr(), std::ptr::null_mut());
+    if r == CUresult::CUDA_SUCCESS {
+        return Ok(()); // no message built on the per-call path
+    }
+    check(&format!("cuLaunchKernel({name})"), r)
+}
+
+/// As [`launch`], but on a device of compute capability 9.0 or later the kernel may be scheduled
+/// while the stream's previous kernel is still finishing (programmatic dependent launch): its
+/// launch and first instructions overlap that kernel's tail. The kernel must then wait for the
+/// previous kernel's results itself (ptx.h `wait_for_prior_grid`) before it reads them, and the
+/// previous one may release it early (`release_dependent_grid`). Older devices launch it plainly.
+///
+/// # Safety
+/// As [`launch`]; and the kernel waits as above.
+pub unsafe fn launch_dependent<P>(dev: &Device, name: &str, f: Function, grid: (u32, u32, u32), stream: cu::CUstream, params: &P) -> Result<()> {
+    if dev.cc.0 < 9 {
+        // SAFETY: the caller's guarantees.
+        return unsafe { launch(name, f, grid, stream, params) };
+    }
+    if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+        return Ok(());
+    }
+    // SAFETY: a plain C union; the attribute reads only programmaticStreamSerializationAllowed.
+    let mut value: cu::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+    value.programmaticStreamSerializationAllowed = 1;
+    let mut attr = [cu::CUlaunchAttribute {
+        id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        value,
+    }];
+    let config = cu::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: f.threads,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: f.smem,
+        hStream: stream,
+        attrs: attr.as_mut_ptr(),
+        numAttrs: 1,
+    };
+    let mut args = [params as *const P as *mut c_void];
+    // SAFETY: the config and its attribute outlive the call; the caller's guarantees for the rest.
+    let r = unsafe { cu::cuLaunchKernelEx(&config, f.func, args.as_mut_ptr(), std::ptr::null_mut()) };
+    if r == CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    check(&format!("cuLaunchKernelEx({name})"), r)
 }
 
 /// Device memory freed on drop (stream-ordered when a stream is given).

@@ -209,9 +209,11 @@ pub(super) unsafe fn merge(dev: &Device, dtype: DType, dims: [usize; 5], ptrs: M
         dv: dv as i32,
         parts_f32: parts_f32 as i32,
     };
-    // A warp per state.
-    // SAFETY: the caller's pointers, of the sizes dims imply; the params mirror the kernel's.
-    unsafe { launch("flash_merge_states", f, grid_for(states, v.tiles.num_warps), s, &prm) }
+    // A warp per state, launched dependent on the kernel before it on s (decode's, which releases it
+    // before its epilogue; the merge waits for that kernel's end before reading the parts).
+    // SAFETY: the caller's pointers, of the sizes dims imply; the params mirror the kernel's, which
+    // waits for the prior grid.
+    unsafe { device::launch_dependent(dev, "flash_merge_states", f, grid_for(states, v.tiles.num_warps), s, &prm) }
 }
 
 /// Merges `dims` = [P, B, Sq, H, Dv] partial states on GPU `device`, queued on `stream`.

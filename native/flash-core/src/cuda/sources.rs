@@ -6,6 +6,7 @@ pub const FILES: &[(&str, &str)] = &[
     ("types.h", include_str!("../../../../cuda/types.h")),
     ("params.h", include_str!("../../../../cuda/params.h")),
     ("ptx.h", include_str!("../../../../cuda/ptx.h")),
+    ("grid_dep.h", include_str!("../../../../cuda/grid_dep.h")),
     ("hopper.h", include_str!("../../../../cuda/hopper.h")),
     ("wgmma.h", include_str!("../../../../cuda/wgmma.h")),
     ("seq.h", include_str!("../../../../cuda/seq.h")),
