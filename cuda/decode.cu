@@ -43,13 +43,10 @@
 
 #define KEY_BLOCK 16
 // 16-key blocks a warp takes per softmax step: quantized caches take two (two independent product
-// chains per step, one max and one rescale for both; 8-4 % faster on the H200, bench/RESULTS.md)
-// where the registers hold them without spilling (4-bit: D = 128 with V groups of 32 and D = 256
-// with K groups of 32 spill) and, for 8-bit rows, on Hopper only: their stages grow to 128 keys
-// (2 x 46 KiB at D = 128), which would leave an A100 one block per SM. A stage holds a multiple of
-// STEP_BLOCKS blocks per warp.
-#if (CACHE_BITS == 8 && __CUDA_ARCH__ >= 900) || \
-    (CACHE_BITS == 4 && (HEAD_DIM == 64 || (V_GROUP == 64 && !(HEAD_DIM == 256 && K_GROUP == 32))))
+// chains per step, one max and one rescale for both; 3-7 % faster on the H200, bench/RESULTS.md).
+// 8-bit rows on Hopper only: their stages grow to 128 keys (2 x 46 KiB at D = 128), which would
+// leave an A100 one block per SM. A stage holds a multiple of STEP_BLOCKS blocks per warp.
+#if (CACHE_BITS == 8 && __CUDA_ARCH__ >= 900) || CACHE_BITS == 4
 #define STEP_BLOCKS 2
 #else
 #define STEP_BLOCKS 1

@@ -83,9 +83,16 @@ struct DecodeParams {
 };
 static_assert(sizeof(DecodeParams) == 13 * 8 + 20 * 4, "decode.rs mirrors this layout");
 
-// Scale groups per row of k and of v (0: plain caches).
+// Scale groups per row of k and of v (0: plain caches): constants in a kernel built per pair of
+// group sizes (decode.cu's 4-bit kernels: K_GROUP, V_GROUP), so that its stage layout, scale
+// offsets and copies fold to immediates instead of being recomputed per stage.
+#if defined(K_GROUP) && defined(V_GROUP)
+__device__ __forceinline__ int groups_k(const DecodeParams&) { return HEAD_DIM / K_GROUP; }
+__device__ __forceinline__ int groups_v(const DecodeParams&) { return HEAD_DIM / V_GROUP; }
+#else
 __device__ __forceinline__ int groups_k(const DecodeParams& p) { return KV_BITS(p) ? p.head_dim / p.k_group_size : 0; }
 __device__ __forceinline__ int groups_v(const DecodeParams& p) { return KV_BITS(p) ? p.head_dim / p.v_group_size : 0; }
+#endif
 
 // ---- a block's work ------------------------------------------------------------------------------
 // blockIdx.x = kvh + Hkv * (chunk + chunks * split) (the kv heads of one split side by side: they

@@ -15,6 +15,7 @@ use super::device::{self, launch, ContextGuard, Device, DeviceBuffer};
 use super::host::{download, upload, Stream};
 use super::kv::{self, bytes_of, bytes_of_mut, MergePtrs};
 use super::kv_variants::decode_candidates;
+use super::variant::Kernel;
 use super::libs;
 use crate::decode::{Cache, Decode};
 use crate::error::{FlashError, Result};
@@ -153,21 +154,33 @@ fn max_visible_keys(p: &Decode, seqlens: &[i32], leftpad: &[i32]) -> usize {
         .unwrap_or(0)
 }
 
-/// Splits of each row's keys for `blocks` blocks per split on a GPU that holds `slots` at once:
-/// FlashAttention-2's rule. One split when the blocks nearly fill the GPU; else the fewest splits
-/// whose waves are within 85 % of the best efficiency (waves / whole waves), each split keeping
-/// MIN_KEYS_PER_SPLIT keys at least.
-fn choose_splits(blocks: usize, slots: usize, max_keys: usize) -> usize {
+/// Splits of each row's keys for `blocks` blocks per split on a GPU of `sms` SMs that runs `lanes`
+/// of them per SM: one split when the blocks nearly fill those lanes; else the fewest splits whose
+/// waves are within 95 % of the best efficiency (waves / whole waves; FlashAttention-2's rule, at
+/// its 85 % more splits than the best were chosen), each split keeping MIN_KEYS_PER_SPLIT keys at
+/// least.
+fn choose_splits(blocks: usize, sms: usize, lanes: usize, max_keys: usize) -> usize {
+    let slots = (sms * lanes).max(1);
     let max_splits = max_keys.div_ceil(MIN_KEYS_PER_SPLIT).clamp(1, MAX_SPLITS);
     if blocks * 5 >= slots * 4 || max_splits == 1 {
         return 1;
     }
     let efficiency = |s: usize| {
-        let waves = (blocks * s) as f64 / slots.max(1) as f64;
+        let waves = (blocks * s) as f64 / slots as f64;
         waves / waves.ceil()
     };
     let best = (1..=max_splits).map(efficiency).fold(0.0, f64::max);
-    (1..=max_splits).find(|&s| efficiency(s) >= 0.85 * best).unwrap_or(1)
+    (1..=max_splits).find(|&s| efficiency(s) >= 0.95 * best).unwrap_or(1)
+}
+
+/// Blocks per SM the splits aim at: a plain cache's tensor-core kernel is memory bound and one
+/// block's stages keep an SM's share of the bandwidth busy (more blocks only add splits to merge
+/// and a ragged last wave); the quantized and CUDA-core kernels are bound by their instruction
+/// chains, and two blocks per SM hide them best. H200, bench/decode.py --splits (RESULTS):
+/// bf16 8 x 8192 2 splits 74.8 us against 78.9 at 4, 1 x 131072 16 splits 134 against 144 at 32;
+/// 4-bit and 8-bit best at 4 and 32 splits (256 blocks) on those shapes.
+fn split_lanes(plain_mma: bool, blocks_per_sm: u32) -> usize {
+    (if plain_mma { 1 } else { 2 }).min(blocks_per_sm.max(1) as usize)
 }
 
 /// How a call runs: the states' partition and the splits.
@@ -248,7 +261,10 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
     let blocks = p.kv_heads * chunks;
     let splits = match p.num_splits {
         Some(n) => n,
-        None => choose_splits(p.batch * blocks, dev.sm_count.max(1) as usize * f.blocks_per_sm as usize, max_visible_keys(p, rows.0, rows.1)),
+        None => {
+            let lanes = split_lanes(bits == 0 && v.kernel == Kernel::Decode, f.blocks_per_sm);
+            choose_splits(p.batch * blocks, dev.sm_count.max(1) as usize, lanes, max_visible_keys(p, rows.0, rows.1))
+        }
     };
     let grid_x = blocks.checked_mul(splits).filter(|&n| n <= i32::MAX as usize).ok_or_else(|| {
         FlashError::Unsupported(format!("decode: {splits} splits of {blocks} blocks exceed the CUDA grid; ask for fewer num_splits"))
@@ -382,12 +398,15 @@ mod tests {
 
     #[test]
     fn splits_fill_the_gpu_when_rows_are_few() {
-        // B = 1, Hkv = 8, S = 128k on 132 SMs x 2 blocks: about one wave.
-        let s = choose_splits(8, 264, 131072);
-        assert!((28..=33).contains(&s), "{s}");
-        assert_eq!(choose_splits(512, 264, 1024), 1); // B = 64: the rows fill it
-        assert_eq!(choose_splits(8, 264, 200), 1); // too few keys to split
-        assert_eq!(choose_splits(8, 264, 1000), 4); // at most a split per 256 keys
+        // Hkv = 8 on 132 SMs: B = 1, S = 128k, one block per SM (plain) or two (quantized).
+        assert_eq!(choose_splits(8, 132, 1, 131072), 16);
+        assert_eq!(choose_splits(8, 132, 2, 131072), 32);
+        assert_eq!(choose_splits(64, 132, 1, 8192), 2); // B = 8, S = 8k
+        assert_eq!(choose_splits(64, 132, 2, 8192), 4);
+        assert_eq!(choose_splits(512, 132, 2, 1024), 1); // B = 64: the rows fill it
+        assert_eq!(choose_splits(8, 132, 2, 200), 1); // too few keys to split
+        assert_eq!(choose_splits(8, 132, 2, 1000), 4); // at most a split per 256 keys
+        assert_eq!((split_lanes(true, 2), split_lanes(false, 3), split_lanes(false, 1)), (1, 2, 1));
     }
 
     #[test]
