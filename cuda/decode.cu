@@ -2,7 +2,8 @@
 // 4- / 8-bit quantized KV cache at head dim HEAD_DIM (64, 128 or 256). The params, the block's work,
 // the pipeline and the epilogue are decode.h's; another dtype or head dim runs decode_simt.cu.
 //
-// A warp takes STATE_TILE = 8 query states and the 16-key blocks wk, wk + WK, ... of each stage.
+// A warp takes STATE_TILE = 8 query states and the 16-key blocks wk, wk + WK, ... of each stage,
+// STEP_BLOCKS of them per softmax step (their products per block, the softmax once for all).
 // Per block:
 //   S^T [16 x 8] = K Q^T         per 16 head dims one m16n8k16: A = the block's 16 K rows,
 //                                dequantized (8-bit) in registers right after their shared-memory
