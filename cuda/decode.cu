@@ -76,9 +76,9 @@ struct Geom {
     };
 };
 
-// A stage holds 16 keys per warp of a plain cache; quantized rows are smaller and fill it with more.
-// The stage budget: 16 plain keys per warp, or a step's keys per warp of this format if more (scale
-// rows: at most 4 of groups of 32 per key, or one word each, plus stage_layout's 64 bytes of slack).
+// The stage budget: 16 plain keys per warp (quantized rows are smaller and fill it with more), or a
+// step's keys per warp of this format if more (scale rows: at most 4 of groups of 32 per key, or one
+// word each, plus stage_layout's 64 bytes of slack).
 #define SCALE_KEY_BYTES (CACHE_BITS == 0 ? 0 : HEAD_DIM / 4 > 16 ? HEAD_DIM / 4 : 16)
 #define PLAIN_STAGE_BYTES (KEY_BLOCK * NUM_WARPS * (Geom<0>::SROW_K + Geom<0>::SROW_V))
 #define STEP_STAGE_BYTES \
@@ -508,17 +508,13 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
         // A warp's blocks: wk, wk + wk_n, ... of the stage; a step takes STEP_BLOCKS of them (the
         // last may lie past nkeys: zero-filled rows, masked).
         for (int r0 = w.wk * KEY_BLOCK; r0 < nkeys; r0 += STEP_BLOCKS * wk_n * KEY_BLOCK) {
+            int rows[STEP_BLOCKS];
+#pragma unroll
+            for (int b = 0; b < STEP_BLOCKS; ++b) rows[b] = r0 + b * wk_n * KEY_BLOCK;
             if constexpr (q4) {
-                if constexpr (STEP_BLOCKS == 2) {
-                    block_step_q4<GK, GV, 2>(o, cv, m, l, qa, qs, stage, L, p, key0, nkeys, {r0, r0 + wk_n * KEY_BLOCK},
-                                             vis, k_off, v_off);
-                } else {
-                    block_step_q4<GK, GV, 1>(o, cv, m, l, qa, qs, stage, L, p, key0, nkeys, {r0}, vis, k_off, v_off);
-                }
-            } else if constexpr (STEP_BLOCKS == 2) {
-                block_step<CACHE_BITS, 2>(o, m, l, qa, stage, L, p, key0, nkeys, {r0, r0 + wk_n * KEY_BLOCK}, vis, k_off, v_off);
+                block_step_q4<GK, GV, STEP_BLOCKS>(o, cv, m, l, qa, qs, stage, L, p, key0, nkeys, rows, vis, k_off, v_off);
             } else {
-                block_step<CACHE_BITS, 1>(o, m, l, qa, stage, L, p, key0, nkeys, {r0}, vis, k_off, v_off);
+                block_step<CACHE_BITS, STEP_BLOCKS>(o, m, l, qa, stage, L, p, key0, nkeys, rows, vis, k_off, v_off);
             }
         }
     });

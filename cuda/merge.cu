@@ -9,7 +9,7 @@
 // Parts whose lse is -inf weigh nothing (their o is not read); a state no part saw gives o = 0,
 // lse = -inf. One warp per state (b, i, h), grid-stride: its lanes find the max and the sum over
 // the parts, then the columns, COLS per lane at a time with the parts' weights broadcast from the
-// lanes that computed them (decode's f32 parts: merge_state_f32x4, fewer rounds of loads).
+// lanes that computed them (decode's f32 parts: merge_columns_f32x4, 16-byte loads, more in flight).
 // Arithmetic is f32 (expf / logf, not the approximations).
 #include "types.h"
 #include "warp_reduce.h"
@@ -41,21 +41,12 @@ __device__ __forceinline__ float part_value(const MergeParams& p, int q, i64 par
     return p.parts_f32 ? reinterpret_cast<const float*>(p.o_parts)[at] : to_float(reinterpret_cast<const elem_t*>(p.o_parts)[at]);
 }
 
-// Decode's splits (f32 parts, Dv a multiple of 4), in few dependent rounds of loads: lane q reads the
-// lse of parts q, q + 32, ... once for the max and the sum, then each lane takes four columns of
-// every part (16-byte loads, 8 parts in flight), the weights of 32 parts at a time broadcast from
-// the lanes that computed them.
-__device__ __forceinline__ void merge_state_f32x4(const MergeParams& p, i64 s, i64 stat, i64 part_stride, i64 stat_stride) {
+// The columns of state s for decode's splits (f32 parts, Dv a multiple of 4; mx, total: the parts'
+// max lse and sum of weights): each lane takes four columns of every part (16-byte loads, 8 parts
+// in flight), the weights of 32 parts at a time broadcast from the lanes that computed them.
+__device__ __forceinline__ void merge_columns_f32x4(const MergeParams& p, i64 s, i64 stat, i64 part_stride, i64 stat_stride,
+                                                    float mx, float total) {
     const int lane = threadIdx.x % 32;
-    const float neg_inf = __int_as_float(0xff800000);
-    float mx = neg_inf;
-    for (int q = lane; q < p.parts; q += 32) mx = fmaxf(mx, p.lse_parts[q * stat_stride + stat]);
-    mx = warp_max(mx);
-    float total = 0.f;
-    if (mx != neg_inf) {
-        for (int q = lane; q < p.parts; q += 32) total += expf(p.lse_parts[q * stat_stride + stat] - mx);
-        total = warp_sum(total);
-    }
     const bool seen = total > 0.f;
     const float* parts = reinterpret_cast<const float*>(p.o_parts) + s * p.dv;
     for (int c = 4 * lane; c < p.dv; c += 128) {
@@ -78,7 +69,6 @@ __device__ __forceinline__ void merge_state_f32x4(const MergeParams& p, i64 s, i
         out[2] = from_float(seen ? acc.z / total : 0.f);
         out[3] = from_float(seen ? acc.w / total : 0.f);
     }
-    if (lane == 0) p.lse[stat] = seen ? mx + logf(total) : neg_inf;
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_merge_states(const MergeParams p) {
@@ -95,10 +85,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_merge_states(
         const i64 b = bi / p.seq_q;
         const i64 stat = (b * p.heads + h) * p.seq_q + i;  // [B, H, Sq] index
         const i64 stat_stride = states;                    // between parts of lse_parts
-        if (p.parts_f32 && p.dv % 4 == 0) {
-            merge_state_f32x4(p, s, stat, part_stride, stat_stride);
-            continue;
-        }
         float mx = neg_inf;
         for (int q = lane; q < p.parts; q += 32) mx = fmaxf(mx, p.lse_parts[q * stat_stride + stat]);
         mx = warp_max(mx);
@@ -108,29 +94,33 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_merge_states(
             total = warp_sum(total);
         }
         const bool seen = total > 0.f;
-        for (int c0 = 0; c0 < p.dv; c0 += 32 * COLS) {
-            float acc[COLS];
+        if (p.parts_f32 && p.dv % 4 == 0) {
+            merge_columns_f32x4(p, s, stat, part_stride, stat_stride, mx, total);
+        } else {
+            for (int c0 = 0; c0 < p.dv; c0 += 32 * COLS) {
+                float acc[COLS];
 #pragma unroll
-            for (int j = 0; j < COLS; ++j) acc[j] = 0.f;
-            // Parts 32 at a time: lane q holds part q0 + q's weight, broadcast to the others.
-            for (int q0 = 0; seen && q0 < p.parts; q0 += 32) {
-                const float mine = q0 + lane < p.parts ? expf(p.lse_parts[(q0 + lane) * stat_stride + stat] - mx) : 0.f;
-                const int n = min(32, p.parts - q0);
+                for (int j = 0; j < COLS; ++j) acc[j] = 0.f;
+                // Parts 32 at a time: lane q holds part q0 + q's weight, broadcast to the others.
+                for (int q0 = 0; seen && q0 < p.parts; q0 += 32) {
+                    const float mine = q0 + lane < p.parts ? expf(p.lse_parts[(q0 + lane) * stat_stride + stat] - mx) : 0.f;
+                    const int n = min(32, p.parts - q0);
 #pragma unroll 2
-                for (int q = 0; q < n; ++q) {
-                    const float wq = __shfl_sync(0xffffffffu, mine, q);
+                    for (int q = 0; q < n; ++q) {
+                        const float wq = __shfl_sync(0xffffffffu, mine, q);
 #pragma unroll
-                    for (int j = 0; j < COLS; ++j) {
-                        const int c = c0 + lane + 32 * j;
-                        // A part of weight 0 adds nothing, whatever its o holds (not even NaN).
-                        if (c < p.dv && wq != 0.f) acc[j] += wq * part_value(p, q0 + q, part_stride, s, c);
+                        for (int j = 0; j < COLS; ++j) {
+                            const int c = c0 + lane + 32 * j;
+                            // A part of weight 0 adds nothing, whatever its o holds (not even NaN).
+                            if (c < p.dv && wq != 0.f) acc[j] += wq * part_value(p, q0 + q, part_stride, s, c);
+                        }
                     }
                 }
-            }
 #pragma unroll
-            for (int j = 0; j < COLS; ++j) {
-                const int c = c0 + lane + 32 * j;
-                if (c < p.dv) p.o[s * p.dv + c] = from_float(seen ? acc[j] / total : 0.f);
+                for (int j = 0; j < COLS; ++j) {
+                    const int c = c0 + lane + 32 * j;
+                    if (c < p.dv) p.o[s * p.dv + c] = from_float(seen ? acc[j] / total : 0.f);
+                }
             }
         }
         if (lane == 0) p.lse[stat] = seen ? mx + logf(total) : neg_inf;

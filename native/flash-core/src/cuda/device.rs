@@ -275,13 +275,8 @@ pub fn function(dev: &Device, v: &Variant) -> Result<Function> {
 /// `params` must match the kernel's parameter struct and every pointer in it must be valid
 /// device memory of the sizes the kernel reads and writes, for as long as the stream runs.
 pub unsafe fn launch<P>(name: &str, f: Function, grid: (u32, u32, u32), stream: cu::CUstream, params: &P) -> Result<()> {
-    if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+    if !launches_blocks(name, grid)? {
         return Ok(());
-    }
-    if grid.1 > 65535 || grid.2 > 65535 {
-        return Err(FlashError::Unsupported(format!(
-            "{name}: grid {grid:?} exceeds CUDA's limit of 65535 blocks in y (heads) or z (batch)"
-        )));
     }
     let mut args = [params as *const P as *mut c_void];
     let r = cu::cuLaunchKernel(f.func, grid.0, grid.1, grid.2, f.threads, 1, 1, f.smem, stream, args.as_mut_ptr(), std::ptr::null_mut());
@@ -291,10 +286,24 @@ pub unsafe fn launch<P>(name: &str, f: Function, grid: (u32, u32, u32), stream: 
     check(&format!("cuLaunchKernel({name})"), r)
 }
 
+/// Whether `grid` launches any block (an empty dimension launches nothing); an error past CUDA's
+/// limits in y and z.
+fn launches_blocks(name: &str, grid: (u32, u32, u32)) -> Result<bool> {
+    if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+        return Ok(false);
+    }
+    if grid.1 > 65535 || grid.2 > 65535 {
+        return Err(FlashError::Unsupported(format!(
+            "{name}: grid {grid:?} exceeds CUDA's limit of 65535 blocks in y (heads) or z (batch)"
+        )));
+    }
+    Ok(true)
+}
+
 /// As [`launch`], but on a device of compute capability 9.0 or later the kernel may be scheduled
 /// while the stream's previous kernel is still finishing (programmatic dependent launch): its
 /// launch and first instructions overlap that kernel's tail. The kernel must then wait for the
-/// previous kernel's results itself (ptx.h `wait_for_prior_grid`) before it reads them, and the
+/// previous kernel's results itself (grid_dep.h `wait_for_prior_grid`) before it reads them, and the
 /// previous one may release it early (`release_dependent_grid`). Older devices launch it plainly.
 ///
 /// # Safety
@@ -304,7 +313,7 @@ pub unsafe fn launch_dependent<P>(dev: &Device, name: &str, f: Function, grid: (
         // SAFETY: the caller's guarantees.
         return unsafe { launch(name, f, grid, stream, params) };
     }
-    if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+    if !launches_blocks(name, grid)? {
         return Ok(());
     }
     // SAFETY: a plain C union; the attribute reads only programmaticStreamSerializationAllowed.
