@@ -373,8 +373,29 @@ __device__ __forceinline__ void p_fragment(const float (&x)[4], u32& bp0, u32& b
     bp1 = transpose8x8(pack2(x[2], x[3]));
 }
 
-// NB 16-key blocks of a stage (block b: rows r0[b] .. r0[b] + 15, keys key0 + r0[b] ..): their S^T,
-// one softmax step of states 2t and 2t + 1 for all (m, l: theirs; vis: their visible keys), their O^T.
+// The frame of a step over NB 16-key blocks of a stage (block b: rows r0[b] .. r0[b] + 15, keys
+// key0 + r0[b] ..): each block's S^T by qk(b, x[b]) (x[b] zeroed; rows keys g and g + 8, columns
+// states 2t and 2t + 1), one softmax step of states 2t and 2t + 1 for all (m, l: theirs; vis: their
+// visible keys; rescale_all(alpha) when a maximum moved), then each block's O^T by pv(b, x[b]).
+template <int NB, typename QK, typename Rescale, typename PV>
+__device__ __forceinline__ void step_blocks(float (&m)[2], float (&l)[2], const DecodeParams& p, int key0, int nkeys,
+                                            const int (&r0)[NB], const int2 (&vis)[2], QK&& qk, Rescale&& rescale_all,
+                                            PV&& pv) {
+    float x[NB][4];
+    int key_base[NB];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+        key_base[b] = key0 + r0[b];
+        x[b][0] = x[b][1] = x[b][2] = x[b][3] = 0.f;
+        qk(b, x[b]);
+    }
+    float alpha[2];
+    if (softmax_step<NB>(x, m, l, alpha, p, key_base, key0 + nkeys, vis)) rescale_all(alpha);
+#pragma unroll
+    for (int b = 0; b < NB; ++b) pv(b, x[b]);
+}
+
+// step_blocks for a plain or 8-bit cache (qk_block, pv_block).
 template <int BITS, int NB>
 __device__ __forceinline__ void block_step(float (&o)[HEAD_DIM / 16][4], float (&m)[2], float (&l)[2], const u32 (&qa)[Q_REGS],
                                            const unsigned char* stage, const StageLayout& L, const DecodeParams& p,
@@ -384,40 +405,32 @@ __device__ __forceinline__ void block_step(float (&o)[HEAD_DIM / 16][4], float (
     const int g = (threadIdx.x % 32) / 4;
     const unsigned char* ks = stage + L.off_ks;
     const unsigned char* kb = stage + L.off_kb;
-    // S^T: rows keys g and g + 8, columns states 2t and 2t + 1.
-    float x[NB][4];
-    int key_base[NB];
+    step_blocks<NB>(
+        m, l, p, key0, nkeys, r0, vis,
+        [&](int b, float (&x)[4]) {
+            const int r = r0[b] + g, r8 = r + 8;
+            const int half = BITS ? k_off(key0 + r) : 0, half8 = BITS ? k_off(key0 + r8) : 0;
+            qk_block<BITS>(x, qa, stage + r * G::SROW_K, stage + r8 * G::SROW_K, ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k,
+                           ks + r8 * 4 * L.sw_k, kb + r8 * 4 * L.sw_k, half, half8, p.k_group_size == 64 ? 6 : 5);
+        },
+        [&](const float (&alpha)[2]) { rescale(o, alpha); },
+        [&](int b, const float (&x)[4]) {
+            int half[4] = {0, 0, 0, 0};
+            if constexpr (BITS != 0) {
 #pragma unroll
-    for (int b = 0; b < NB; ++b) {
-        const int r = r0[b] + g, r8 = r + 8;
-        const int half = BITS ? k_off(key0 + r) : 0, half8 = BITS ? k_off(key0 + r8) : 0;
-        key_base[b] = key0 + r0[b];
-        x[b][0] = x[b][1] = x[b][2] = x[b][3] = 0.f;
-        qk_block<BITS>(x[b], qa, stage + r * G::SROW_K, stage + r8 * G::SROW_K, ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k,
-                       ks + r8 * 4 * L.sw_k, kb + r8 * 4 * L.sw_k, half, half8, p.k_group_size == 64 ? 6 : 5);
-    }
-    float alpha[2];
-    if (softmax_step<NB>(x, m, l, alpha, p, key_base, key0 + nkeys, vis)) rescale(o, alpha);
-#pragma unroll
-    for (int b = 0; b < NB; ++b) {
-        int half[4] = {0, 0, 0, 0};
-        if constexpr (BITS != 0) {
-#pragma unroll
-            for (int n = 0; n < 4; ++n) half[n] = v_off(key_base[b] + v_row(n));
-        }
-        u32 bp0, bp1;
-        p_fragment(x[b], bp0, bp1);
-        pv_block<BITS>(o, stage + L.off_v + r0[b] * G::SROW_V, stage + L.off_vs + r0[b] * 4 * L.sw_v,
-                       stage + L.off_vb + r0[b] * 4 * L.sw_v, L.sw_v, half, p.v_group_size == 64 ? 6 : 5, bp0, bp1);
-    }
+                for (int n = 0; n < 4; ++n) half[n] = v_off(key0 + r0[b] + v_row(n));
+            }
+            u32 bp0, bp1;
+            p_fragment(x, bp0, bp1);
+            pv_block<BITS>(o, stage + L.off_v + r0[b] * G::SROW_V, stage + L.off_vs + r0[b] * 4 * L.sw_v,
+                           stage + L.off_vb + r0[b] * 4 * L.sw_v, L.sw_v, half, p.v_group_size == 64 ? 6 : 5, bp0, bp1);
+        });
 }
 
 #include "decode_q4.h"
 
-// block_step for a 4-bit cache (decode_q4.h), K groups of GK and V groups of GV elements, over the
-// NB blocks whose first rows are r0[0 ..]: their S^T products, one softmax step for all, then their
-// O^T products (independent chains until the softmax joins them); cv: the V groups' correction
-// accumulators.
+// step_blocks for a 4-bit cache (decode_q4.h), K groups of GK and V groups of GV elements; cv: the
+// V groups' correction accumulators.
 template <int GK, int GV, int NB>
 __device__ __forceinline__ void block_step_q4(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], float (&m)[2],
                                               float (&l)[2], const u32 (&qa)[Q_REGS], const float (&qs)[HEAD_DIM / GK][2],
@@ -427,29 +440,24 @@ __device__ __forceinline__ void block_step_q4(float (&o)[HEAD_DIM / 16][4], floa
     const int g = (threadIdx.x % 32) / 4;
     const unsigned char* ks = stage + L.off_ks;
     const unsigned char* kb = stage + L.off_kb;
-    float x[NB][4];
-    int key_base[NB];
-#pragma unroll
-    for (int b = 0; b < NB; ++b) {
-        const int r = r0[b] + g, r8 = r + 8;
-        key_base[b] = key0 + r0[b];
-        x[b][0] = x[b][1] = x[b][2] = x[b][3] = 0.f;
-        q4_qk<GK>(x[b], qa, qs, smem_addr(stage + r0[b] * Q4::SROW_K), ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k,
-                  ks + r8 * 4 * L.sw_k, kb + r8 * 4 * L.sw_k, k_off(key0 + r), k_off(key0 + r8));
-    }
-    float alpha[2];
-    if (softmax_step<NB>(x, m, l, alpha, p, key_base, key0 + nkeys, vis)) {
-        rescale(o, alpha);
-        rescale_pairs(cv, alpha);
-    }
     const unsigned char* vs = stage + L.off_vs;
     const unsigned char* vb = stage + L.off_vb;
-#pragma unroll
-    for (int b = 0; b < NB; ++b) {
-        const int r = r0[b] + g, r8 = r + 8;
-        q4_pv<GV>(o, cv, x[b], stage + L.off_v + r0[b] * Q4::SROW_V, vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v,
-                  vs + r8 * 4 * L.sw_v, vb + r8 * 4 * L.sw_v, v_off(key0 + r), v_off(key0 + r8));
-    }
+    step_blocks<NB>(
+        m, l, p, key0, nkeys, r0, vis,
+        [&](int b, float (&x)[4]) {
+            const int r = r0[b] + g, r8 = r + 8;
+            q4_qk<GK>(x, qa, qs, smem_addr(stage + r0[b] * Q4::SROW_K), ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k,
+                      ks + r8 * 4 * L.sw_k, kb + r8 * 4 * L.sw_k, k_off(key0 + r), k_off(key0 + r8));
+        },
+        [&](const float (&alpha)[2]) {
+            rescale(o, alpha);
+            rescale_pairs(cv, alpha);
+        },
+        [&](int b, const float (&x)[4]) {
+            const int r = r0[b] + g, r8 = r + 8;
+            q4_pv<GV>(o, cv, x, stage + L.off_v + r0[b] * Q4::SROW_V, vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v,
+                      vs + r8 * 4 * L.sw_v, vb + r8 * 4 * L.sw_v, v_off(key0 + r), v_off(key0 + r8));
+        });
 }
 
 // The warp's partial o into shared memory: states 2t, 2t + 1 at the head dims of its V pairs.
