@@ -14,6 +14,10 @@
 #                  device has intermittent slowdowns); SHAPES passed through
 #   NCU=NAME:FMT   ncu of bench/profile_decode.py 8x8192 FMT: speed of light, occupancy, scheduler
 #                  and warp-state statistics (stall reasons) with their details
+#   TIMES="a b .." per name: CUDA-event vs host time per call (profile_decode.py, each of
+#                  ${TIME_SHAPES:-8x8192 64x1024 1x131072}, formats ${FORMATS:-bf16,8,4}), then the decode and
+#                  merge kernels' own durations under ncu (clocks left alone; ${NCU_FORMATS:-bf16 8 4})
+#   SASS=NAME:FMT  per-instruction executed counts of the decode kernel (ncu source page, SASS, CSV)
 set -u
 : "${OUT:?run on the device machine, where OUT is set}"
 export FLASH_NIF_CACHE_DIR=/tmp/flash_nif_cache
@@ -45,4 +49,26 @@ if [ -n "${NCU:-}" ]; then
         --launch-count 1 --section SpeedOfLight --section Occupancy --section SchedulerStats \
         --section WarpStateStats --print-details all python3 profile_decode.py 8x8192 "$f" > "$OUT/ncu_$w.txt" 2>&1)
     echo "== ncu $w $f"; grep -E "Duration|DRAM Throughput|Issued Warp|Eligible Warps|Active Warps Per|Stall|Registers Per" "$OUT/ncu_$w.txt"
+fi
+
+for n in ${TIMES:-}; do
+    for shape in ${TIME_SHAPES:-8x8192 64x1024 1x131072}; do
+        echo "== times $n $shape"
+        (cd bench && PYTHONPATH="/tmp/site_$n" python3 profile_decode.py "$shape" "${FORMATS:-bf16,8,4}") 2>&1 | grep "per call"
+    done
+    for f in ${NCU_FORMATS:-bf16 8 4}; do
+        echo "== kernel times $n $f"
+        (cd bench && PYTHONPATH="/tmp/site_$n" timeout 200 ncu --clock-control none --kernel-name regex:"flash_decode|flash_merge" \
+            --launch-count 16 --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+            python3 profile_decode.py 8x8192 "$f" > "$OUT/ncu_times_${n}_$f.txt" 2>&1)
+        grep -E "^  flash_|gpu__time_duration|dram__throughput" "$OUT/ncu_times_${n}_$f.txt" | awk '{print $1, $(NF)}' | paste - - - | tail -4
+    done
+done
+
+if [ -n "${SASS:-}" ]; then
+    w=${SASS%%:*} f=${SASS##*:}
+    (cd bench && PYTHONPATH="/tmp/site_$w" timeout 300 ncu --clock-control none --kernel-name regex:flash_decode --launch-skip 2 \
+        --launch-count 1 --section SourceCounters --page source --print-source sass --csv \
+        python3 profile_decode.py 8x8192 "$f" > "$OUT/sass_counts_${w}_$f.csv" 2>&1)
+    echo "== sass counts $w $f: $(wc -l < "$OUT/sass_counts_${w}_$f.csv") lines"
 fi

@@ -27,7 +27,8 @@ NV = os.path.join(list(nvidia.__path__)[0], "cu13")
 
 
 def expand(name: str, seen: set) -> str:
-    """The source with its local includes inlined once each (sources.rs's expansion)."""
+    """The source with its local includes inlined once each, as sources.rs expands the embedded
+    copies; read from the working tree, so an edit is compiled without rebuilding the extension."""
     out = []
     for line in open(os.path.join(ROOT, "cuda", name)):
         m = re.match(r'\s*#include "([^"]+)"', line)
@@ -73,9 +74,7 @@ def main() -> None:
             continue
         opts = [f"-arch={args.arch}", "-std=c++17", "-default-device", "-Xptxas=-v"]
         opts += [f"-D{k}={x}" for k, x in v["defines"].items()]
-        source = v.get("source") or v["name"]
-        src_file = {"decode": "decode.cu"}.get(v["name"].split("_")[0], source)
-        cubin, log = nvrtc(expand(src_file, set()), src_file, opts)
+        cubin, log = nvrtc(expand(v["source"], set()), v["source"], opts)
         path = os.path.join(args.out, f"{v['name']}.{args.arch}.cubin")
         open(path, "wb").write(cubin)
         env = dict(os.environ, PATH=os.path.join(NV, "bin") + os.pathsep + os.environ.get("PATH", ""))
