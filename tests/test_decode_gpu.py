@@ -171,6 +171,25 @@ def test_a_long_cache_splits_across_the_gpu(fa, ref, lib, assert_close_to_oracle
                s_cache=32768, hkv=8, seqlens=None, leftpad=None)
 
 
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("dtype_name, quant", [("bf16", None), ("bf16", (8, 64)), ("bf16", (4, 64)), ("f32", None),
+                                               ("f32", (4, 32))], ids=str)
+def test_more_items_than_resident_blocks(fa, ref, lib, assert_close_to_oracle, dtype_name, quant, splits):
+    """B * Hkv * splits work items (here 480 or 1440) past what the GPU holds at once (132 SMs x 2-3
+    blocks): the persistent blocks take several items each, their pipeline running on from one item
+    into the next, across rows with no keys (0 and fully left-padded) and rows of one key."""
+    b = 60
+    rng = np.random.default_rng(7)
+    seqlens = rng.integers(0, 90, b)
+    seqlens[::7] = 0
+    seqlens[3::11] = 1
+    leftpad = np.minimum(rng.integers(0, 12, b), seqlens)
+    leftpad[5::13] = seqlens[5::13]
+    run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name=dtype_name, d=128, sq=1, group=4, quant=quant, b=b,
+               s_cache=90, hkv=8, seqlens=tuple(int(x) for x in seqlens), leftpad=tuple(int(x) for x in leftpad),
+               num_splits=splits)
+
+
 def test_scales_ending_mid_word(fa, ref, lib, assert_close_to_oracle):
     """B * S * Hkv odd with one 16-bit scale per row: the last scale is the first half of a word past
     the tensor's end (read by a plain load, never past it)."""
