@@ -35,14 +35,23 @@
 #if CACHE_BITS != 0 && CACHE_BITS != 4 && CACHE_BITS != 8
 #error "decode.cu takes CACHE_BITS 0 (plain caches), 4 or 8: one kernel per cache format"
 #endif
-#if CACHE_BITS == 4 && !((K_GROUP == 32 || K_GROUP == 64) && (V_GROUP == 32 || V_GROUP == 64))
-#error "4-bit caches: one kernel per pair of group sizes, K_GROUP and V_GROUP 32 or 64"
+#if CACHE_BITS != 0 && !((K_GROUP == 32 || K_GROUP == 64) && (V_GROUP == 32 || V_GROUP == 64))
+#error "quantized caches: one kernel per pair of group sizes, K_GROUP and V_GROUP 32 or 64"
 #endif
 #if STATE_TILE != 8
 #error "decode.cu's warp tile is 8 query states (the mma's n)"
 #endif
 
 #define KEY_BLOCK 16
+// log2 of the quantized caches' group sizes (compile-time: their stage layouts, scale offsets and
+// copies fold to immediates); unused by plain caches.
+#if CACHE_BITS != 0
+#define K_GROUP_SHIFT (K_GROUP == 64 ? 6 : 5)
+#define V_GROUP_SHIFT (V_GROUP == 64 ? 6 : 5)
+#else
+#define K_GROUP_SHIFT 0
+#define V_GROUP_SHIFT 0
+#endif
 // 16-key blocks a warp takes per softmax step: quantized caches take two (two independent product
 // chains per step, one max and one rescale for both; 3-7 % faster on the H200, bench/RESULTS.md).
 // 8-bit rows on Hopper only: their stages grow to 128 keys (2 x 46 KiB at D = 128), which would
@@ -411,7 +420,7 @@ __device__ __forceinline__ void block_step(float (&o)[HEAD_DIM / 16][4], float (
             const int r = r0[b] + g, r8 = r + 8;
             const int half = BITS ? k_off(key0 + r) : 0, half8 = BITS ? k_off(key0 + r8) : 0;
             qk_block<BITS>(x, qa, stage + r * G::SROW_K, stage + r8 * G::SROW_K, ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k,
-                           ks + r8 * 4 * L.sw_k, kb + r8 * 4 * L.sw_k, half, half8, p.k_group_size == 64 ? 6 : 5);
+                           ks + r8 * 4 * L.sw_k, kb + r8 * 4 * L.sw_k, half, half8, K_GROUP_SHIFT);
         },
         [&](const float (&alpha)[2]) { rescale(o, alpha); },
         [&](int b, const float (&x)[4]) {
@@ -423,7 +432,7 @@ __device__ __forceinline__ void block_step(float (&o)[HEAD_DIM / 16][4], float (
             u32 bp0, bp1;
             p_fragment(x, bp0, bp1);
             pv_block<BITS>(o, stage + L.off_v + r0[b] * G::SROW_V, stage + L.off_vs + r0[b] * 4 * L.sw_v,
-                           stage + L.off_vb + r0[b] * 4 * L.sw_v, L.sw_v, half, p.v_group_size == 64 ? 6 : 5, bp0, bp1);
+                           stage + L.off_vb + r0[b] * 4 * L.sw_v, L.sw_v, half, V_GROUP_SHIFT, bp0, bp1);
         });
 }
 
@@ -489,7 +498,7 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
     const StageLayout L = stage_layout(p, G::SROW_K, G::SROW_V, STAGE_BYTES, KEY_BLOCK * STEP_BLOCKS * NUM_WARPS);
     const bool active = w.state0 < p.states;
     const int wk_n = NUM_WARPS / p.warp_states;
-    constexpr bool q4 = GK != 0;
+    constexpr bool q4 = CACHE_BITS == 4;
     constexpr int NGK = q4 ? HEAD_DIM / GK : 1, NGV = q4 ? HEAD_DIM / GV : 1;
 
     u32 qa[Q_REGS];
@@ -546,7 +555,7 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) flash_decode(const DecodeParams p) {
-#if CACHE_BITS == 4
+#if CACHE_BITS != 0
     decode_block<K_GROUP, V_GROUP>(p);  // the host picks the kernel by the caches' group sizes
 #else
     decode_block<0, 0>(p);

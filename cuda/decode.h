@@ -84,7 +84,7 @@ struct DecodeParams {
 static_assert(sizeof(DecodeParams) == 13 * 8 + 20 * 4, "decode.rs mirrors this layout");
 
 // Scale groups per row of k and of v (0: plain caches): constants in a kernel built per pair of
-// group sizes (decode.cu's 4-bit kernels: K_GROUP, V_GROUP), so that its stage layout, scale
+// group sizes (decode.cu's quantized kernels: K_GROUP, V_GROUP), so that its stage layout, scale
 // offsets and copies fold to immediates instead of being recomputed per stage.
 #if defined(K_GROUP) && defined(V_GROUP)
 __device__ __forceinline__ int groups_k(const DecodeParams&) { return HEAD_DIM / K_GROUP; }

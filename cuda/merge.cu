@@ -8,8 +8,9 @@
 //
 // Parts whose lse is -inf weigh nothing (their o is not read); a state no part saw gives o = 0,
 // lse = -inf. One warp per state (b, i, h), grid-stride: its lanes find the max and the sum over
-// the parts, then the columns, COLS per lane at a time with the parts' weights broadcast from the
-// lanes that computed them (decode's f32 parts: merge_columns_f32x4, 16-byte loads, more in flight).
+// the parts, then the columns (merge_columns: COLS per lane at a time; decode's f32 parts:
+// merge_columns_f32x4, 16-byte loads, more in flight), the parts' weights broadcast from the lanes
+// that computed them (for_weighted_parts).
 // Arithmetic is f32 (expf / logf, not the approximations).
 #include "types.h"
 #include "warp_reduce.h"
@@ -41,9 +42,26 @@ __device__ __forceinline__ float part_value(const MergeParams& p, int q, i64 par
     return p.parts_f32 ? reinterpret_cast<const float*>(p.o_parts)[at] : to_float(reinterpret_cast<const elem_t*>(p.o_parts)[at]);
 }
 
+// Calls add(q, w_q) for each part q of nonzero weight w_q = exp(lse_q - mx) (of state index stat):
+// the weights of 32 parts at a time computed by the lanes and broadcast. Only for a state some part
+// saw (mx finite). A part of weight 0 adds nothing, whatever its o holds (not even NaN).
+template <int UNROLL, typename Add>
+__device__ __forceinline__ void for_weighted_parts(const MergeParams& p, i64 stat, i64 stat_stride, float mx, Add&& add) {
+    const int lane = threadIdx.x % 32;
+    for (int q0 = 0; q0 < p.parts; q0 += 32) {
+        const float mine = q0 + lane < p.parts ? expf(p.lse_parts[(q0 + lane) * stat_stride + stat] - mx) : 0.f;
+        const int n = min(32, p.parts - q0);
+#pragma unroll UNROLL
+        for (int q = 0; q < n; ++q) {
+            const float wq = __shfl_sync(0xffffffffu, mine, q);
+            if (wq != 0.f) add(q0 + q, wq);
+        }
+    }
+}
+
 // The columns of state s for decode's splits (f32 parts, Dv a multiple of 4; mx, total: the parts'
 // max lse and sum of weights): each lane takes four columns of every part (16-byte loads, 8 parts
-// in flight), the weights of 32 parts at a time broadcast from the lanes that computed them.
+// in flight).
 __device__ __forceinline__ void merge_columns_f32x4(const MergeParams& p, i64 s, i64 stat, i64 part_stride, i64 stat_stride,
                                                     float mx, float total) {
     const int lane = threadIdx.x % 32;
@@ -51,23 +69,43 @@ __device__ __forceinline__ void merge_columns_f32x4(const MergeParams& p, i64 s,
     const float* parts = reinterpret_cast<const float*>(p.o_parts) + s * p.dv;
     for (int c = 4 * lane; c < p.dv; c += 128) {
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int q0 = 0; seen && q0 < p.parts; q0 += 32) {
-            const float w = q0 + lane < p.parts ? expf(p.lse_parts[(q0 + lane) * stat_stride + stat] - mx) : 0.f;
-            const int n = min(32, p.parts - q0);
-#pragma unroll 8
-            for (int q = 0; q < n; ++q) {
-                const float wq = __shfl_sync(0xffffffffu, w, q);
-                if (wq != 0.f) {  // a part of weight 0 adds nothing, whatever its o holds (not even NaN)
-                    const float4 x = *reinterpret_cast<const float4*>(parts + (q0 + q) * part_stride + c);
-                    acc.x += wq * x.x, acc.y += wq * x.y, acc.z += wq * x.z, acc.w += wq * x.w;
-                }
-            }
+        if (seen) {
+            for_weighted_parts<8>(p, stat, stat_stride, mx, [&](int q, float wq) {
+                const float4 x = *reinterpret_cast<const float4*>(parts + q * part_stride + c);
+                acc.x += wq * x.x, acc.y += wq * x.y, acc.z += wq * x.z, acc.w += wq * x.w;
+            });
         }
         elem_t* out = p.o + s * p.dv + c;
         out[0] = from_float(seen ? acc.x / total : 0.f);
         out[1] = from_float(seen ? acc.y / total : 0.f);
         out[2] = from_float(seen ? acc.z / total : 0.f);
         out[3] = from_float(seen ? acc.w / total : 0.f);
+    }
+}
+
+// The columns of state s in general (any Dv, elem_t or f32 parts): COLS per lane at a time, 32 apart.
+__device__ __forceinline__ void merge_columns(const MergeParams& p, i64 s, i64 stat, i64 part_stride, i64 stat_stride,
+                                              float mx, float total) {
+    const int lane = threadIdx.x % 32;
+    const bool seen = total > 0.f;
+    for (int c0 = 0; c0 < p.dv; c0 += 32 * COLS) {
+        float acc[COLS];
+#pragma unroll
+        for (int j = 0; j < COLS; ++j) acc[j] = 0.f;
+        if (seen) {
+            for_weighted_parts<2>(p, stat, stat_stride, mx, [&](int q, float wq) {
+#pragma unroll
+                for (int j = 0; j < COLS; ++j) {
+                    const int c = c0 + lane + 32 * j;
+                    if (c < p.dv) acc[j] += wq * part_value(p, q, part_stride, s, c);
+                }
+            });
+        }
+#pragma unroll
+        for (int j = 0; j < COLS; ++j) {
+            const int c = c0 + lane + 32 * j;
+            if (c < p.dv) p.o[s * p.dv + c] = from_float(seen ? acc[j] / total : 0.f);
+        }
     }
 }
 
@@ -93,36 +131,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_merge_states(
             for (int q = lane; q < p.parts; q += 32) total += expf(p.lse_parts[q * stat_stride + stat] - mx);
             total = warp_sum(total);
         }
-        const bool seen = total > 0.f;
         if (p.parts_f32 && p.dv % 4 == 0) {
             merge_columns_f32x4(p, s, stat, part_stride, stat_stride, mx, total);
         } else {
-            for (int c0 = 0; c0 < p.dv; c0 += 32 * COLS) {
-                float acc[COLS];
-#pragma unroll
-                for (int j = 0; j < COLS; ++j) acc[j] = 0.f;
-                // Parts 32 at a time: lane q holds part q0 + q's weight, broadcast to the others.
-                for (int q0 = 0; seen && q0 < p.parts; q0 += 32) {
-                    const float mine = q0 + lane < p.parts ? expf(p.lse_parts[(q0 + lane) * stat_stride + stat] - mx) : 0.f;
-                    const int n = min(32, p.parts - q0);
-#pragma unroll 2
-                    for (int q = 0; q < n; ++q) {
-                        const float wq = __shfl_sync(0xffffffffu, mine, q);
-#pragma unroll
-                        for (int j = 0; j < COLS; ++j) {
-                            const int c = c0 + lane + 32 * j;
-                            // A part of weight 0 adds nothing, whatever its o holds (not even NaN).
-                            if (c < p.dv && wq != 0.f) acc[j] += wq * part_value(p, q0 + q, part_stride, s, c);
-                        }
-                    }
-                }
-#pragma unroll
-                for (int j = 0; j < COLS; ++j) {
-                    const int c = c0 + lane + 32 * j;
-                    if (c < p.dv) p.o[s * p.dv + c] = from_float(seen ? acc[j] / total : 0.f);
-                }
-            }
+            merge_columns(p, s, stat, part_stride, stat_stride, mx, total);
         }
+        const bool seen = total > 0.f;
         if (lane == 0) p.lse[stat] = seen ? mx + logf(total) : neg_inf;
     }
 }

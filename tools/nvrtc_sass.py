@@ -1,6 +1,7 @@
 """nvrtc_sass.py — compile the kernel variants whose names match a regex with NVRTC, as the launcher
-does (its defines, -Xptxas=-v), and print ptxas's resource line and instruction counts of the SASS
-(development tool; needs no GPU). The cubins and SASS land in --out.
+does (its options come from the extension: compile.rs owns them), and print ptxas's resource line
+and instruction counts of the SASS (development tool; needs no GPU). The cubins and SASS land in
+--out.
 
     .venv/bin/python tools/nvrtc_sass.py 'decode_bf16_d128_cache_bits4_k_group64_v_group64' [--arch sm_90a]
         [--count HMMA,LDS,PRMT] [--head-dims 128]
@@ -69,12 +70,10 @@ def main() -> None:
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dims = [int(d) for d in args.head_dims.split(",")]
-    for v in native.cuda_kernel_variants(dims):
+    for v in native.cuda_kernel_variants(dims, arch=args.arch):
         if not re.search(args.pattern, v["name"]):
             continue
-        opts = [f"-arch={args.arch}", "-std=c++17", "-default-device", "-Xptxas=-v"]
-        opts += [f"-D{k}={x}" for k, x in v["defines"].items()]
-        cubin, log = nvrtc(expand(v["source"], set()), v["source"], opts)
+        cubin, log = nvrtc(expand(v["source"], set()), v["source"], v["nvrtc_options"])
         path = os.path.join(args.out, f"{v['name']}.{args.arch}.cubin")
         open(path, "wb").write(cubin)
         env = dict(os.environ, PATH=os.path.join(NV, "bin") + os.pathsep + os.environ.get("PATH", ""))

@@ -210,7 +210,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, leftpad_k=None, causal: b
             caches[name] = ([c.values, c.scales, c.biases], (_int("bits", c.bits), _int("group_size", c.group_size)))
         else:
             caches[name] = ([c], None)
-    fast = _decode_torch(q, k_cache, v_cache, (cache_seqlens, leftpad_k), opts, device)
+    fast = _decode_torch(q, caches, (cache_seqlens, leftpad_k), opts, device)
     if fast is not None:
         return fast
     rows = {n: x for n, x in (("cache_seqlens", cache_seqlens), ("leftpad_k", leftpad_k)) if x is not None}
@@ -233,26 +233,19 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, leftpad_k=None, causal: b
     return o, lse
 
 
-def _decode_torch(q, k_cache, v_cache, rows, opts, device):
+def _decode_torch(q, caches, rows, opts, device):
     """decode's common torch call in few Python steps (its host time is on the critical path of a
-    decode loop: a few tens of microseconds of kernel per token): q and every cache part contiguous
-    CUDA tensors of q's device, the row bounds absent or int32 tensors there too, bits and group
-    sizes ints. Anything else returns None, and the general path (_decode_gpu) converts or raises;
-    both make the same native call."""
+    decode loop: a few tens of microseconds of kernel per token): q and every cache part (decode's
+    `caches`) contiguous CUDA tensors of q's device, the row bounds absent or int32 tensors there
+    too. Anything else returns None, and the general path (_decode_gpu) converts or raises; both
+    make the same native call."""
     if _cuda._kind(q) != "torch" or q.ndim != 4 or device not in (None, "cuda", "auto"):
         return None
     dev, tensor = q.get_device(), type(q)
     names = _cuda._TORCH_DTYPE_NAMES
-    caches = []
-    for c in (k_cache, v_cache):
-        if type(c) is QuantizedKV:
-            if type(c.bits) is not int or type(c.group_size) is not int:
-                return None
-            caches.append(((c.values, c.scales, c.biases), (c.bits, c.group_size)))
-        else:
-            caches.append(((c,), None))
+    (k_parts, k_quant), (v_parts, v_quant) = caches["k_cache"], caches["v_cache"]
     descs = []
-    for a in (q, *caches[0][0], *caches[1][0]):
+    for a in (q, *k_parts, *v_parts):
         if type(a) is not tensor or not a.is_cuda or a.get_device() != dev or not a.is_contiguous():
             return None
         name = names.get(a.dtype) or _cuda._dtype_name(a, "torch")
@@ -269,9 +262,9 @@ def _decode_torch(q, k_cache, v_cache, rows, opts, device):
     b, sq, h, _ = q.shape
     o = q.new_empty(q.shape)
     lse = q.new_empty((b, h, sq), dtype=_torch_float32())
-    n = len(caches[0][0])
+    n = len(k_parts)
     _native.cuda_decode_device(descs[0], descs[1:1 + n], descs[1 + n:], tuple(bounds), [o.data_ptr(), lse.data_ptr()], dev,
-                               _cuda._torch_stream(dev), k_quant=caches[0][1], v_quant=caches[1][1], **opts)
+                               _cuda._torch_stream(dev), k_quant=k_quant, v_quant=v_quant, **opts)
     return o, lse
 
 

@@ -29,10 +29,21 @@ fn variant_dict<'py>(py: Python<'py>, v: &Variant) -> PyResult<Bound<'py, PyDict
 }
 
 /// Every kernel variant the launcher can use for these head dims, as dicts: name, kernel, dtype,
-/// head_dim, source, entry, defines (in order), block_m, block_n, num_warps, tile_set.
+/// head_dim, source, entry, defines (in order), block_m, block_n, num_warps, tile_set; with `arch`
+/// (e.g. "sm_90a") also nvrtc_options, the options the launcher compiles it with there.
 #[pyfunction]
-fn cuda_kernel_variants(py: Python<'_>, head_dims: Vec<usize>) -> PyResult<Vec<Bound<'_, PyDict>>> {
-    cuda::all_variants(&head_dims).iter().map(|v| variant_dict(py, v)).collect()
+#[pyo3(signature = (head_dims, arch = None))]
+fn cuda_kernel_variants(py: Python<'_>, head_dims: Vec<usize>, arch: Option<String>) -> PyResult<Vec<Bound<'_, PyDict>>> {
+    cuda::all_variants(&head_dims)
+        .iter()
+        .map(|v| {
+            let d = variant_dict(py, v)?;
+            if let Some(arch) = &arch {
+                d.set_item("nvrtc_options", cuda::nvrtc_options(v, arch))?;
+            }
+            Ok(d)
+        })
+        .collect()
 }
 
 /// Compiles every variant of `head_dims` for each arch with NVRTC on `jobs` threads (default: all

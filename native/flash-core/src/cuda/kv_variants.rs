@@ -68,10 +68,11 @@ pub fn decode_uses_mma(dtype: DType, head_dim: usize) -> bool {
     dtype != DType::F32 && DECODE_MMA_HEAD_DIMS.contains(&head_dim)
 }
 
-/// The group sizes (k, v) the 4-bit tensor-core kernel is compiled for, one kernel each: its
-/// products take the codes as they are and each group's scale and bias afterwards
-/// (cuda/decode_q4.h), so the groups' layout is fixed in the kernel.
-pub const DECODE_Q4_GROUPS: [(usize, usize); 4] = [(64, 64), (32, 32), (64, 32), (32, 64)];
+/// The group sizes (k, v) the quantized tensor-core kernels are compiled for, one kernel each: the
+/// groups' layout is fixed in the kernel (the 4-bit products take the codes as they are and each
+/// group's scale and bias afterwards, cuda/decode_q4.h), so that the stage layout, scale offsets
+/// and copies fold to immediates.
+pub const DECODE_QUANT_GROUPS: [(usize, usize); 4] = [(64, 64), (32, 32), (64, 32), (32, 64)];
 
 /// The decode kernels a call over caches of `bits` (0: plain) in groups of `groups` = (k, v)
 /// elements (quantized caches) may use, in order of preference (device.rs's `choose` takes the
@@ -94,7 +95,7 @@ fn decode_variant(dtype: DType, head_dim: usize, bits: usize, (k_group, v_group)
     let mut defines = vec![("FLASH_DTYPE", dtype_code(dtype))];
     if mma {
         defines.extend([("HEAD_DIM", head_dim as i64), ("CACHE_BITS", bits as i64)]);
-        if bits == 4 {
+        if bits != 0 {
             defines.extend([("K_GROUP", k_group as i64), ("V_GROUP", v_group as i64)]);
         }
     }
@@ -120,8 +121,8 @@ pub fn all(head_dims: &[usize]) -> Vec<Variant> {
     for dtype in [DType::F16, DType::BF16] {
         for &d in head_dims.iter().filter(|d| DECODE_MMA_HEAD_DIMS.contains(d)) {
             for bits in DECODE_MMA_BITS {
-                if bits == 4 {
-                    for groups in DECODE_Q4_GROUPS {
+                if bits != 0 {
+                    for groups in DECODE_QUANT_GROUPS {
                         out.extend(decode_candidates(dtype, d, bits, groups));
                     }
                 } else {
@@ -154,6 +155,7 @@ mod tests {
         let sets: Vec<TileSet> = decode_candidates(DType::BF16, 128, 0, (0, 0)).iter().map(|v| v.tile_set).collect();
         assert_eq!(sets, [TileSet::Default, TileSet::Small]);
         assert_eq!(decode_candidates(DType::F16, 256, 4, (32, 32))[0].name(), "decode_f16_d256_cache_bits4_k_group32_v_group32_num_warps2_state_tile8_stages2_min_blocks1");
+        assert_eq!(decode_candidates(DType::BF16, 128, 8, (32, 64))[0].name(), "decode_bf16_d128_cache_bits8_k_group32_v_group64_num_warps4_state_tile8_stages2_min_blocks2");
         for (dtype, d) in [(DType::F32, 128), (DType::BF16, 96), (DType::F16, 40)] {
             let v = decode_candidates(dtype, d, 4, (32, 32));
             assert_eq!((v.len(), v[0].kernel, v[0].head_dim), (1, Kernel::DecodeSimt, ANY_HEAD_DIM));
@@ -169,9 +171,9 @@ mod tests {
         names.sort();
         names.dedup();
         assert_eq!(names.len(), n);
-        // 2 dtypes x 3 head dims x (plain, 8-bit, 4 group pairs of 4-bit), + the plain D = 128
-        // fallback; 3 dtypes x (simt, merge, quantize, dequantize).
-        assert_eq!(n, 2 * (3 * 6 + 1) + 3 * 4);
+        // 2 dtypes x 3 head dims x (plain, 4 group pairs of 8-bit and of 4-bit), + the plain D =
+        // 128 fallback; 3 dtypes x (simt, merge, quantize, dequantize).
+        assert_eq!(n, 2 * (3 * 9 + 1) + 3 * 4);
         assert!(all.iter().all(|v| v.tiles.block_m == state_tile(v.kernel) || !v.kernel.is_decode()));
     }
 }

@@ -45,7 +45,7 @@ mod variant;
 use crate::error::{FlashError, Result};
 use crate::guard::catch_panics;
 
-pub use compile::{cache_dir, nvrtc_version};
+pub use compile::{cache_dir, nvrtc_version, options as nvrtc_options};
 pub use config::{all_variants, set_tile_override, TF32_ENV};
 pub use decode::{decode_device, decode_host, CachePtrs, DecodePtrs};
 pub use host::{backward_host, forward_host};
