@@ -111,9 +111,13 @@ __device__ __forceinline__ constexpr int pair_elem(int P, int hi) {
 }
 
 // Dequantization (8-bit codes), right after a unit's shared-memory load: scale * code + bias,
-// rounded once to elem_t. In fp16 two 16-bit lanes at a time, the code exact after a magic offset
-// (the code under the high byte of 2^10 gives 2^10 + code; subtracting 2^10 is exact; bf16's 8
-// significant bits hold no 2^k + c for 8-bit c): in bf16 through f32 (2^23 + c), then one pack.
+// rounded to elem_t. In fp16 two 16-bit lanes at a time, the code exact after a magic offset (the
+// code under the high byte of 2^10 gives 2^10 + code; subtracting 2^10 is exact), then one HFMA2.
+// bf16's 8 significant bits hold no 2^k + c for 8-bit c, so bf16 goes through f32: the code in the
+// second byte of 2^15's mantissa reads as 2^15 + c (exact), and scale * (2^15 + c) + (bias - 2^15
+// scale) is one FFMA per code with the folded bias rounded once per group — an error of at most
+// 2^-9 |scale| per element, ~1/64 of the bf16 rounding that follows for typical groups (a code is
+// 2^-8 of the group's range), then one pack per pair.
 // MAGIC_BYTES also serves decode_q4.h's 4-bit codes (2^7 + c in bf16, 2^10 + c in fp16).
 #if FLASH_DTYPE == 1
 #define MAGIC_BYTES 0x43434343u  // bf16 2^7 = 0x4300: its high byte in every byte
@@ -141,28 +145,37 @@ __device__ __forceinline__ u32 deq2(u32 magic_codes, u32 s2, u32 b2) {
     return fma2(fma2(magic_codes, ONE2, NEG_MAGIC2), s2, b2);
 }
 
-// A code as a float: 2^23 + c has the bits 0x4b000000 | c; subtracting 2^23 is exact.
-__device__ __forceinline__ float code_f32(u32 magic) { return __uint_as_float(magic) - 8388608.f; }
+// A group's scale and bias as word_pairs takes them, prepared once per unit: fp16 both in both
+// lanes; bf16 as f32, the bias folded with the magic 2^15 (see above). Unused for plain rows.
+struct GroupDeq {
+#if FLASH_DTYPE == 1
+    float s, b;
+    __device__ __forceinline__ GroupDeq(u32 sc, u32 bi) : s(to_float((u16)sc)), b(fmaf(-32768.f, s, to_float((u16)bi))) {}
+#else
+    u32 s2, b2;
+    __device__ __forceinline__ GroupDeq(u32 sc, u32 bi) : s2(sc | (sc << 16)), b2(bi | (bi << 16)) {}
+#endif
+};
 
-// The word's pairs, dequantized and packed; sc, bi: the group's scale and bias (raw 16-bit).
+// The word's pairs, dequantized and packed.
 template <int BITS>
-__device__ __forceinline__ void word_pairs(u32 w, u32 sc, u32 bi, u32 (&out)[Geom<BITS>::PPW]) {
+__device__ __forceinline__ void word_pairs(u32 w, const GroupDeq& dq, u32 (&out)[Geom<BITS>::PPW]) {
     if constexpr (BITS == 0) {
         out[0] = w;
-    } else if constexpr (FLASH_DTYPE == 0) {
-        const u32 s2 = sc | (sc << 16), b2 = bi | (bi << 16);
-        // Bytes 2k and 2k + 1 of w under fp16 2^10's high byte.
-        out[0] = deq2(__byte_perm(w, MAGIC_BYTES, 0x5140), s2, b2);
-        out[1] = deq2(__byte_perm(w, MAGIC_BYTES, 0x5342), s2, b2);
     } else {
-        const float s = to_float((u16)sc), b = to_float((u16)bi);
-        // __byte_perm puts byte k of w under the exponent bytes of 2^23.
+#if FLASH_DTYPE == 1
+        // __byte_perm puts byte j of w in byte 1 of 2^15 = 0x47000000.
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
-            const float lo = fmaf(s, code_f32(__byte_perm(w, 0x4b000000u, 0x7650 | (2 * k))), b);
-            const float hi = fmaf(s, code_f32(__byte_perm(w, 0x4b000000u, 0x7650 | (2 * k + 1))), b);
+            const float lo = fmaf(dq.s, __uint_as_float(__byte_perm(w, 0x47000000u, 0x7504 | ((2 * k) << 4))), dq.b);
+            const float hi = fmaf(dq.s, __uint_as_float(__byte_perm(w, 0x47000000u, 0x7504 | ((2 * k + 1) << 4))), dq.b);
             out[k] = pack2(lo, hi);
         }
+#else
+        // Bytes 2k and 2k + 1 of w under fp16 2^10's high byte.
+        out[0] = deq2(__byte_perm(w, MAGIC_BYTES, 0x5140), dq.s2, dq.b2);
+        out[1] = deq2(__byte_perm(w, MAGIC_BYTES, 0x5342), dq.s2, dq.b2);
+#endif
     }
 }
 
@@ -227,10 +240,11 @@ __device__ __forceinline__ void k_unit(u32 (&pairs)[Geom<BITS>::EK / 2], const u
         scale = scale_bits(sc, grp);
         bias = scale_bits(bi, grp);
     }
+    const GroupDeq dq(scale, bias);
 #pragma unroll
     for (int x = 0; x < G::UK / 4; ++x) {
         u32 wp[G::PPW];
-        word_pairs<BITS>(words[x], scale, bias, wp);
+        word_pairs<BITS>(words[x], dq, wp);
 #pragma unroll
         for (int k = 0; k < G::PPW; ++k) pairs[x * G::PPW + k] = wp[k];
     }
@@ -293,11 +307,13 @@ __device__ __forceinline__ void pv_block(float (&o)[HEAD_DIM / 16][4], const uns
                 bias[n] = scale_bits(bi + r * 4 * sw, grp);
             }
         }
+        const GroupDeq dq[4] = {GroupDeq(scale[0], bias[0]), GroupDeq(scale[1], bias[1]), GroupDeq(scale[2], bias[2]),
+                                GroupDeq(scale[3], bias[3])};
 #pragma unroll
         for (int x = 0; x < G::UV / 4; ++x) {
             u32 X[4][G::PPW];
 #pragma unroll
-            for (int n = 0; n < 4; ++n) word_pairs<BITS>(words[n][x], scale[n], bias[n], X[n]);
+            for (int n = 0; n < 4; ++n) word_pairs<BITS>(words[n][x], dq[n], X[n]);
 #pragma unroll
             for (int k = 0; k < G::PPW; ++k) {
                 // m rows g (the pairs' low elements) and g + 8 (high), k columns (keys) 2t, 2t+1 | 2t+8, 2t+9.
