@@ -115,9 +115,9 @@ __device__ __forceinline__ constexpr int pair_elem(int P, int hi) {
 // code under the high byte of 2^10 gives 2^10 + code; subtracting 2^10 is exact), then one HFMA2.
 // bf16's 8 significant bits hold no 2^k + c for 8-bit c, so bf16 goes through f32: the code in the
 // second byte of 2^15's mantissa reads as 2^15 + c (exact), and scale * (2^15 + c) + (bias - 2^15
-// scale) is one FFMA per code with the folded bias rounded once per group — an error of at most
-// 2^-9 |scale| per element, ~1/64 of the bf16 rounding that follows for typical groups (a code is
-// 2^-8 of the group's range), then one pack per pair.
+// scale) is one FFMA per code with the folded bias rounded once per group — one f32 rounding of
+// bias - 2^15 scale more (2^-9 |scale| where the bias is small, far below the bf16 rounding that
+// follows: a code step is 2^-8 of the group's range), then one pack per pair.
 // MAGIC_BYTES also serves decode_q4.h's 4-bit codes (2^7 + c in bf16, 2^10 + c in fp16).
 #if FLASH_DTYPE == 1
 #define MAGIC_BYTES 0x43434343u  // bf16 2^7 = 0x4300: its high byte in every byte
