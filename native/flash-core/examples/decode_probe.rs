@@ -1,7 +1,8 @@
 //! One `decode_cpu` call timed in Rust, best of REPS, at a chosen cache size (development probe):
 //! bf16 q, Hkv = 8, H = 32, D = 128, Sq = 1, the cache bf16 or quantized (FORMAT `bf16`, `8/64`,
-//! `4/32`, ...). Prints GB/s of cache read and ns per (key, kv head). With VAR, each rep runs twice,
-//! without and with the environment variable VAR set (for an A/B switch read by a test build).
+//! `4/32`, ...). Prints GB/s of cache read and ns per (key, kv head). With VAR (or VAR=VALUE), each
+//! rep runs twice, without and with the environment variable set (to 1 or VALUE; an A/B switch read
+//! by a test build).
 //! `RAYON_NUM_THREADS=1 cargo run --release -p flash-core --example decode_probe -- FORMAT B S REPS [VAR]`
 use flash_core::decode::{decode_cpu, Cache, Decode};
 use flash_core::quant::{quantize, QuantFormat};
@@ -99,11 +100,13 @@ fn main() {
                 best[i] = best[i].min(t.elapsed().as_secs_f64());
                 continue;
             };
+            // VAR or VAR=VALUE: set (to 1 or VALUE) on the second run of each rep.
+            let (name, value) = var.split_once('=').unwrap_or((var.as_str(), "1"));
             unsafe {
                 if on {
-                    std::env::set_var(var, "1")
+                    std::env::set_var(name, value)
                 } else {
-                    std::env::remove_var(var)
+                    std::env::remove_var(name)
                 }
             };
             let t = Instant::now();
