@@ -13,7 +13,8 @@ cache format is checked bit for bit against the CPU (itself bit for bit the orac
 Covers the tensor-core kernel (fp16 / bf16 at D = 64, 128, 256) and the CUDA-core one (fp32, other
 head dims, odd ones too), GQA ratios 1, 4, 8, Sq 1, 4, 16, ragged cache lengths with 0, left padding,
 windows, softcap, 4 / 8-bit codes in groups of 32 / 64 (odd group counts, a tensor whose scales end
-mid-word), split counts, merge_states, and the errors of bad calls.
+mid-word), split counts, more blocks than the GPU holds at once, merge_states, and the errors of bad
+calls.
 """
 
 from __future__ import annotations
