@@ -5,12 +5,11 @@
 // A warp takes STATE_TILE = 8 query states and the 16-key blocks wk, wk + WK, ... of each stage,
 // STEP_BLOCKS of them per softmax step (their products per block, the softmax once for all).
 // Per block:
-//   S^T [16 x 8] = K Q^T         per 16 head dims one m16n8k16: A = the block's 16 K rows,
-//                                dequantized (8-bit) in registers right after their shared-memory
-//                                load; B = Q^T (kept in registers for the whole call)
+//   S^T [16 x 8] = K Q^T         per 16 head dims one m16n8k16: A = the block's 16 K rows (or
+//                                their codes), B = Q^T (kept in registers for the whole call)
 //   online softmax               per state, in the exp2 domain (reduced over the lanes of a column)
-//   O^T [D x 8] += V^T P^T       per 16 head dims one m16n8k16: A = V^T, dequantized likewise;
-//                                B = P^T, S^T's accumulators packed and transposed (movmatrix)
+//   O^T [D x 8] += V^T P^T       per 16 head dims one m16n8k16: A = V^T (or its codes), B = P^T,
+//                                S^T's accumulators packed and transposed (movmatrix)
 //
 // Head-dim permutations. q.k sums over d, so any bijection of d onto the mma's k index serves if Q
 // and K share it, and O^T's rows may be any permutation of d if the store undoes it. Both are
@@ -22,8 +21,8 @@
 //      fragment takes the same elements of state g.
 //   V: lane g owns units g, g + 8, ... of each V row (UV bytes, EV elements); pair k of its unit j
 //      is m-block mb = j * EV / 2 + k, the pair's two elements O^T rows g and g + 8 of that block.
-// Pairs of a u32 word: plain rows, its two elements; 8-bit codes, (0, 1) and (2, 3). 4-bit caches
-// take their own block step (decode_q4.h): codes into the mma undequantized, their own layouts.
+// Pairs of a u32 word: plain rows, its two elements. Quantized caches take their own block steps
+// (decode_q4.h, decode_q8.h): codes into the mma undequantized, their own layouts.
 #include "decode.h"
 
 #if FLASH_DTYPE == 2
@@ -43,20 +42,13 @@
 #endif
 
 #define KEY_BLOCK 16
-// log2 of the quantized caches' group sizes (compile-time: their stage layouts, scale offsets and
-// copies fold to immediates); unused by plain caches.
-#if CACHE_BITS != 0
-#define K_GROUP_SHIFT (K_GROUP == 64 ? 6 : 5)
-#define V_GROUP_SHIFT (V_GROUP == 64 ? 6 : 5)
-#else
-#define K_GROUP_SHIFT 0
-#define V_GROUP_SHIFT 0
-#endif
 // 16-key blocks a warp takes per softmax step: quantized caches take two (two independent product
 // chains per step, one max and one rescale for both; 3-7 % faster on the H200, bench/RESULTS.md).
-// 8-bit rows on Hopper only: their stages grow to 128 keys (2 x 46 KiB at D = 128), which would
-// leave an A100 one block per SM. A stage holds a multiple of STEP_BLOCKS blocks per warp.
-#if (CACHE_BITS == 8 && __CUDA_ARCH__ >= 900) || CACHE_BITS == 4
+// 8-bit rows on Hopper only: their stages grow to 128 keys (2 x 39 KiB at D = 128; with the
+// dequantizing kernel before decode_q8.h, 2 x 46 KiB, which left an A100 one block per SM; sm_80
+// kept single steps, unmeasured since). A stage holds a multiple of STEP_BLOCKS blocks per warp.
+// (8-bit at D = 256 with both group sizes 32 keeps single steps: the pair spills there.)
+#if (CACHE_BITS == 8 && __CUDA_ARCH__ >= 900 && !(HEAD_DIM == 256 && K_GROUP == 32 && V_GROUP == 32)) || CACHE_BITS == 4
 #define STEP_BLOCKS 2
 #else
 #define STEP_BLOCKS 1
@@ -78,9 +70,10 @@ struct Geom {
         PPW = EPW / 2,                       // pairs per word
         // Row strides in shared memory that keep the reads above free of bank conflicts: the two K
         // rows of a quarter warp (LDS.128) 64 bytes apart mod 128; the four V rows 2t (t = 0..3) of
-        // a warp phase 32 bytes apart. 4-bit caches (decode_q4.h): K rows an odd number of 16-byte
-        // units apart (ldmatrix), V rows 2t with 2 SROW_V = 32 mod 128 (words of one lane group).
-        SROW_K = BITS == 4 ? ROW + 16 : ROW % 128 == 0 ? ROW + 64 : ROW,
+        // a warp phase 32 bytes apart. Quantized caches (decode_q4.h, decode_q8.h): K rows an odd
+        // number of 16-byte units apart (ldmatrix), V rows 2t with 2 SROW_V = 32 mod 128 (words of
+        // one lane group).
+        SROW_K = BITS != 0 ? ROW + 16 : ROW % 128 == 0 ? ROW + 64 : ROW,
         SROW_V = BITS == 4 ? ROW + 16 + (64 - ROW % 64) % 64 : ROW + 16,
     };
 };
@@ -110,74 +103,13 @@ __device__ __forceinline__ constexpr int pair_elem(int P, int hi) {
     return (P / G::PPW) * G::EPW + (hi ? pair_hi<BITS>(P % G::PPW) : pair_lo<BITS>(P % G::PPW));
 }
 
-// Dequantization (8-bit codes), right after a unit's shared-memory load: scale * code + bias,
-// rounded to elem_t. In fp16 two 16-bit lanes at a time, the code exact after a magic offset (the
-// code under the high byte of 2^10 gives 2^10 + code; subtracting 2^10 is exact), then one HFMA2.
-// bf16's 8 significant bits hold no 2^k + c for 8-bit c, so bf16 goes through f32: the code in the
-// second byte of 2^15's mantissa reads as 2^15 + c (exact), and scale * (2^15 + c) + (bias - 2^15
-// scale) is one FFMA per code with the folded bias rounded once per group — one f32 rounding of
-// bias - 2^15 scale more (2^-9 |scale| where the bias is small, far below the bf16 rounding that
-// follows: a code step is 2^-8 of the group's range), then one pack per pair.
-// MAGIC_BYTES also serves decode_q4.h's 4-bit codes (2^7 + c in bf16, 2^10 + c in fp16).
+// decode_q4.h's magic: a 4-bit code under the high byte of 2^7 (bf16) or 2^10 (fp16) reads as
+// 2^k + code, exact.
 #if FLASH_DTYPE == 1
 #define MAGIC_BYTES 0x43434343u  // bf16 2^7 = 0x4300: its high byte in every byte
-#define ONE2 0x3f803f80u         // bf16 1.0, both lanes
-#define NEG_MAGIC2 0xc300c300u   // bf16 -2^7
 #else
 #define MAGIC_BYTES 0x64646464u  // fp16 2^10 = 0x6400
-#define ONE2 0x3c003c00u
-#define NEG_MAGIC2 0xe400e400u
 #endif
-
-// a * b + c in each 16-bit lane, one rounding.
-__device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
-    u32 d;
-#if FLASH_DTYPE == 1
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-#else
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-#endif
-    return d;
-}
-
-// 2^k + code in both lanes -> scale * code + bias (s2, b2: the scale and bias in both lanes).
-__device__ __forceinline__ u32 deq2(u32 magic_codes, u32 s2, u32 b2) {
-    return fma2(fma2(magic_codes, ONE2, NEG_MAGIC2), s2, b2);
-}
-
-// A group's scale and bias as word_pairs takes them, prepared once per unit: fp16 both in both
-// lanes; bf16 as f32, the bias folded with the magic 2^15 (see above). Unused for plain rows.
-struct GroupDeq {
-#if FLASH_DTYPE == 1
-    float s, b;
-    __device__ __forceinline__ GroupDeq(u32 sc, u32 bi) : s(to_float((u16)sc)), b(fmaf(-32768.f, s, to_float((u16)bi))) {}
-#else
-    u32 s2, b2;
-    __device__ __forceinline__ GroupDeq(u32 sc, u32 bi) : s2(sc | (sc << 16)), b2(bi | (bi << 16)) {}
-#endif
-};
-
-// The word's pairs, dequantized and packed.
-template <int BITS>
-__device__ __forceinline__ void word_pairs(u32 w, const GroupDeq& dq, u32 (&out)[Geom<BITS>::PPW]) {
-    if constexpr (BITS == 0) {
-        out[0] = w;
-    } else {
-#if FLASH_DTYPE == 1
-        // __byte_perm puts byte j of w in byte 1 of 2^15 = 0x47000000.
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const float lo = fmaf(dq.s, __uint_as_float(__byte_perm(w, 0x47000000u, 0x7504 | ((2 * k) << 4))), dq.b);
-            const float hi = fmaf(dq.s, __uint_as_float(__byte_perm(w, 0x47000000u, 0x7504 | ((2 * k + 1) << 4))), dq.b);
-            out[k] = pack2(lo, hi);
-        }
-#else
-        // Bytes 2k and 2k + 1 of w under fp16 2^10's high byte.
-        out[0] = deq2(__byte_perm(w, MAGIC_BYTES, 0x5140), dq.s2, dq.b2);
-        out[1] = deq2(__byte_perm(w, MAGIC_BYTES, 0x5342), dq.s2, dq.b2);
-#endif
-    }
-}
 
 // U bytes of shared memory (a unit) as u32 words.
 template <int U>
@@ -226,43 +158,22 @@ __device__ __forceinline__ void load_q(u32 (&qa)[Q_REGS], const DecodeParams& p,
     }
 }
 
-// The pairs of unit u of a K row (its scale row `sc` / `bi` at ScaleOffset `half`:
-// quantized caches only).
+// The pairs of unit u of a K row.
 template <int BITS>
-__device__ __forceinline__ void k_unit(u32 (&pairs)[Geom<BITS>::EK / 2], const unsigned char* row, const unsigned char* sc,
-                                       const unsigned char* bi, int half, int gs_shift, int u) {
-    using G = Geom<BITS>;
-    u32 words[G::UK / 4];
-    load_unit<G::UK>(words, row + u * G::UK);
-    u32 scale = 0, bias = 0;
-    if constexpr (BITS != 0) {
-        const int grp = half + ((u * G::EK) >> gs_shift);
-        scale = scale_bits(sc, grp);
-        bias = scale_bits(bi, grp);
-    }
-    const GroupDeq dq(scale, bias);
-#pragma unroll
-    for (int x = 0; x < G::UK / 4; ++x) {
-        u32 wp[G::PPW];
-        word_pairs<BITS>(words[x], dq, wp);
-#pragma unroll
-        for (int k = 0; k < G::PPW; ++k) pairs[x * G::PPW + k] = wp[k];
-    }
+__device__ __forceinline__ void k_unit(u32 (&pairs)[Geom<BITS>::EK / 2], const unsigned char* row, int u) {
+    load_unit<Geom<BITS>::UK>(pairs, row + u * Geom<BITS>::UK);
 }
 
-// s = S^T of a 16-key block: this lane's K rows are r (key g) and r8 (key g + 8), with their scale
-// rows and ScaleOffsets.
+// s = S^T of a 16-key block of a plain cache: this lane's K rows are r (key g) and r8 (key g + 8).
 template <int BITS>
-__device__ __forceinline__ void qk_block(float (&s)[4], const u32 (&qa)[Q_REGS], const unsigned char* r, const unsigned char* r8,
-                                         const unsigned char* sc, const unsigned char* bi, const unsigned char* sc8,
-                                         const unsigned char* bi8, int half, int half8, int gs_shift) {
+__device__ __forceinline__ void qk_block(float (&s)[4], const u32 (&qa)[Q_REGS], const unsigned char* r, const unsigned char* r8) {
     using G = Geom<BITS>;
     const int t = threadIdx.x % 4;
 #pragma unroll
     for (int j = 0; j < G::NK; ++j) {
         u32 pg[G::EK / 2], pg8[G::EK / 2];
-        k_unit<BITS>(pg, r, sc, bi, half, gs_shift, t + 4 * j);
-        k_unit<BITS>(pg8, r8, sc8, bi8, half8, gs_shift, t + 4 * j);
+        k_unit<BITS>(pg, r, t + 4 * j);
+        k_unit<BITS>(pg8, r8, t + 4 * j);
 #pragma unroll
         for (int x = 0; x < G::EK / 4; ++x) {
             const int at = 2 * (j * (G::EK / 4) + x);
@@ -283,44 +194,24 @@ __device__ __forceinline__ u32 transpose8x8(u32 x) {
 // The four V rows of this lane in a 16-key block: keys 2t, 2t + 1, 2t + 8, 2t + 9.
 __device__ __forceinline__ int v_row(int n) { return 2 * (threadIdx.x % 4) + (n & 1) + (n >> 1) * 8; }
 
-// o += V^T P^T for a 16-key block whose first V row is `rows` (stride SROW_V); bp0 / bp1: P^T's B
-// fragment; sc / bi: the block's scale rows (stride sw words), half[n]: the ScaleOffsets of
-// this lane's rows.
+// o += V^T P^T for a 16-key block of a plain cache whose first V row is `rows` (stride SROW_V);
+// bp0 / bp1: P^T's B fragment.
 template <int BITS>
-__device__ __forceinline__ void pv_block(float (&o)[HEAD_DIM / 16][4], const unsigned char* rows,
-                                         const unsigned char* sc, const unsigned char* bi, int sw,
-                                         const int (&half)[4], int gs_shift, u32 bp0, u32 bp1) {
+__device__ __forceinline__ void pv_block(float (&o)[HEAD_DIM / 16][4], const unsigned char* rows, u32 bp0, u32 bp1) {
     using G = Geom<BITS>;
     const int g = (threadIdx.x % 32) / 4;
 #pragma unroll
     for (int j = 0; j < G::NV; ++j) {
         const int u = g + 8 * j;
         u32 words[4][G::UV / 4];
-        u32 scale[4] = {0, 0, 0, 0}, bias[4] = {0, 0, 0, 0};
 #pragma unroll
-        for (int n = 0; n < 4; ++n) {
-            const int r = v_row(n);
-            load_unit<G::UV>(words[n], rows + r * G::SROW_V + u * G::UV);
-            if constexpr (BITS != 0) {
-                const int grp = half[n] + ((u * G::EV) >> gs_shift);
-                scale[n] = scale_bits(sc + r * 4 * sw, grp);
-                bias[n] = scale_bits(bi + r * 4 * sw, grp);
-            }
-        }
-        const GroupDeq dq[4] = {GroupDeq(scale[0], bias[0]), GroupDeq(scale[1], bias[1]), GroupDeq(scale[2], bias[2]),
-                                GroupDeq(scale[3], bias[3])};
+        for (int n = 0; n < 4; ++n) load_unit<G::UV>(words[n], rows + v_row(n) * G::SROW_V + u * G::UV);
 #pragma unroll
         for (int x = 0; x < G::UV / 4; ++x) {
-            u32 X[4][G::PPW];
-#pragma unroll
-            for (int n = 0; n < 4; ++n) word_pairs<BITS>(words[n][x], dq[n], X[n]);
-#pragma unroll
-            for (int k = 0; k < G::PPW; ++k) {
-                // m rows g (the pairs' low elements) and g + 8 (high), k columns (keys) 2t, 2t+1 | 2t+8, 2t+9.
-                const u32 a[4] = {__byte_perm(X[0][k], X[1][k], 0x5410), __byte_perm(X[0][k], X[1][k], 0x7632),
-                                  __byte_perm(X[2][k], X[3][k], 0x5410), __byte_perm(X[2][k], X[3][k], 0x7632)};
-                mma16816(o[j * (G::EV / 2) + x * G::PPW + k], a, bp0, bp1);
-            }
+            // m rows g (the words' low elements) and g + 8 (high), k columns (keys) 2t, 2t+1 | 2t+8, 2t+9.
+            const u32 a[4] = {__byte_perm(words[0][x], words[1][x], 0x5410), __byte_perm(words[0][x], words[1][x], 0x7632),
+                              __byte_perm(words[2][x], words[3][x], 0x5410), __byte_perm(words[2][x], words[3][x], 0x7632)};
+            mma16816(o[j * (G::EV / 2) + x], a, bp0, bp1);
         }
     }
 }
@@ -401,11 +292,11 @@ __device__ __forceinline__ void p_fragment(const float (&x)[4], u32& bp0, u32& b
 // The frame of a step over NB 16-key blocks of a stage (block b: rows r0[b] .. r0[b] + 15, keys
 // key0 + r0[b] ..): each block's S^T by qk(b, x[b]) (x[b] zeroed; rows keys g and g + 8, columns
 // states 2t and 2t + 1), one softmax step of states 2t and 2t + 1 for all (m, l: theirs; vis: their
-// visible keys; rescale_all(alpha) when a maximum moved), then each block's O^T by pv(b, x[b]).
-template <int NB, typename QK, typename Rescale, typename PV>
+// visible keys), settle(x, alpha, moved) (the accumulators take the step's factors alpha where
+// `moved`: a maximum moved), then each block's O^T by pv(b, x[b]).
+template <int NB, typename QK, typename Settle, typename PV>
 __device__ __forceinline__ void step_blocks(float (&m)[2], float (&l)[2], const DecodeParams& p, int key0, int nkeys,
-                                            const int (&r0)[NB], const int2 (&vis)[2], QK&& qk, Rescale&& rescale_all,
-                                            PV&& pv) {
+                                            const int (&r0)[NB], const int2 (&vis)[2], QK&& qk, Settle&& settle, PV&& pv) {
     float x[NB][4];
     int key_base[NB];
 #pragma unroll
@@ -415,40 +306,31 @@ __device__ __forceinline__ void step_blocks(float (&m)[2], float (&l)[2], const 
         qk(b, x[b]);
     }
     float alpha[2];
-    if (softmax_step<NB>(x, m, l, alpha, p, key_base, key0 + nkeys, vis)) rescale_all(alpha);
+    settle(x, alpha, softmax_step<NB>(x, m, l, alpha, p, key_base, key0 + nkeys, vis));
 #pragma unroll
     for (int b = 0; b < NB; ++b) pv(b, x[b]);
 }
 
-// step_blocks for a plain or 8-bit cache (qk_block, pv_block).
-template <int BITS, int NB>
+// step_blocks for a plain cache (qk_block, pv_block).
+template <int NB>
 __device__ __forceinline__ void block_step(float (&o)[HEAD_DIM / 16][4], float (&m)[2], float (&l)[2], const u32 (&qa)[Q_REGS],
                                            const unsigned char* stage, const StageLayout& L, const DecodeParams& p,
-                                           int key0, int nkeys, const int (&r0)[NB], const int2 (&vis)[2],
-                                           const ScaleOffset& k_off, const ScaleOffset& v_off) {
-    using G = Geom<BITS>;
+                                           int key0, int nkeys, const int (&r0)[NB], const int2 (&vis)[2]) {
+    using G = Geom<0>;
     const int g = (threadIdx.x % 32) / 4;
-    const unsigned char* ks = stage + L.off_ks;
-    const unsigned char* kb = stage + L.off_kb;
     step_blocks<NB>(
         m, l, p, key0, nkeys, r0, vis,
         [&](int b, float (&x)[4]) {
-            const int r = r0[b] + g, r8 = r + 8;
-            const int half = BITS ? k_off(key0 + r) : 0, half8 = BITS ? k_off(key0 + r8) : 0;
-            qk_block<BITS>(x, qa, stage + r * G::SROW_K, stage + r8 * G::SROW_K, ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k,
-                           ks + r8 * 4 * L.sw_k, kb + r8 * 4 * L.sw_k, half, half8, K_GROUP_SHIFT);
+            const int r = r0[b] + g;
+            qk_block<0>(x, qa, stage + r * G::SROW_K, stage + (r + 8) * G::SROW_K);
         },
-        [&](const float (&alpha)[2]) { rescale(o, alpha); },
+        [&](const float (&)[NB][4], const float (&alpha)[2], bool moved) {
+            if (moved) rescale(o, alpha);
+        },
         [&](int b, const float (&x)[4]) {
-            int half[4] = {0, 0, 0, 0};
-            if constexpr (BITS != 0) {
-#pragma unroll
-                for (int n = 0; n < 4; ++n) half[n] = v_off(key0 + r0[b] + v_row(n));
-            }
             u32 bp0, bp1;
             p_fragment(x, bp0, bp1);
-            pv_block<BITS>(o, stage + L.off_v + r0[b] * G::SROW_V, stage + L.off_vs + r0[b] * 4 * L.sw_v,
-                           stage + L.off_vb + r0[b] * 4 * L.sw_v, L.sw_v, half, V_GROUP_SHIFT, bp0, bp1);
+            pv_block<0>(o, stage + L.off_v + r0[b] * G::SROW_V, bp0, bp1);
         });
 }
 
@@ -474,13 +356,55 @@ __device__ __forceinline__ void block_step_q4(float (&o)[HEAD_DIM / 16][4], floa
             q4_qk<GK>(x, qa, qs, smem_addr(stage + r0[b] * Q4::SROW_K), ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k,
                       ks + r8 * 4 * L.sw_k, kb + r8 * 4 * L.sw_k, k_off(key0 + r), k_off(key0 + r8));
         },
-        [&](const float (&alpha)[2]) {
-            rescale(o, alpha);
-            rescale_pairs(cv, alpha);
+        [&](const float (&)[NB][4], const float (&alpha)[2], bool moved) {
+            if (moved) {
+                rescale(o, alpha);
+                rescale_pairs(cv, alpha);
+            }
         },
         [&](int b, const float (&x)[4]) {
             const int r = r0[b] + g, r8 = r + 8;
             q4_pv<GV>(o, cv, x, stage + L.off_v + r0[b] * Q4::SROW_V, vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v,
+                      vs + r8 * 4 * L.sw_v, vb + r8 * 4 * L.sw_v, v_off(key0 + r), v_off(key0 + r8));
+        });
+}
+
+#include "decode_q8.h"
+
+// step_blocks for an 8-bit cache (decode_q8.h), K groups of GK and V groups of GV elements; cv: the
+// V groups' bias accumulators, st: the warp's q scaling and V factors.
+template <int GK, int GV, int NB>
+__device__ __forceinline__ void block_step_q8(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], Q8State& st,
+                                              float (&m)[2], float (&l)[2], const u32 (&qa)[Q_REGS],
+                                              const float (&qs)[HEAD_DIM / GK][2], const unsigned char* stage,
+                                              const StageLayout& L, const DecodeParams& p, int key0, int nkeys,
+                                              const int (&r0)[NB], const int2 (&vis)[2], const ScaleOffset& k_off,
+                                              const ScaleOffset& v_off) {
+    const int g = (threadIdx.x % 32) / 4;
+    const unsigned char* ks = stage + L.off_ks;
+    const unsigned char* kb = stage + L.off_kb;
+    const unsigned char* vs = stage + L.off_vs;
+    const unsigned char* vb = stage + L.off_vb;
+    step_blocks<NB>(
+        m, l, p, key0, nkeys, r0, vis,
+        [&](int b, float (&x)[4]) {
+            const int r = r0[b] + g, r8 = r + 8;
+            q8_qk<GK>(x, qa, qs, st, smem_addr(stage + r0[b] * Q8::SROW_K), ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k,
+                      ks + r8 * 4 * L.sw_k, kb + r8 * 4 * L.sw_k, k_off(key0 + r), k_off(key0 + r8));
+        },
+        [&](const float (&x)[NB][4], const float (&alpha)[2], bool moved) {
+            float smax[NB], smax8[NB];
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                const int r = r0[b] + g, r8 = r + 8;
+                smax[b] = q8_max_scale<GV>(vs + r * 4 * L.sw_v, v_off(key0 + r));
+                smax8[b] = q8_max_scale<GV>(vs + r8 * 4 * L.sw_v, v_off(key0 + r8));
+            }
+            q8_settle<NB>(x, alpha, moved, smax, smax8, st, o, cv);
+        },
+        [&](int b, const float (&x)[4]) {
+            const int r = r0[b] + g, r8 = r + 8;
+            q8_pv<GV>(o, cv, x, st, stage + L.off_v + r0[b] * Q8::SROW_V, vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v,
                       vs + r8 * 4 * L.sw_v, vb + r8 * 4 * L.sw_v, v_off(key0 + r), v_off(key0 + r8));
         });
 }
@@ -504,7 +428,7 @@ __device__ __forceinline__ void store_partial_o(float* dst, const float (&o)[HEA
     }
 }
 
-// The kernel's work for K and V groups of GK and GV elements (4-bit caches; 0 for the others).
+// The kernel's work for K and V groups of GK and GV elements (quantized caches; 0 for plain ones).
 template <int GK, int GV>
 __device__ __forceinline__ void decode_block(const DecodeParams& p) {
     unsigned char* smem = &shared_memory<unsigned char>();
@@ -514,15 +438,18 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
     const StageLayout L = stage_layout(p, G::SROW_K, G::SROW_V, STAGE_BYTES, KEY_BLOCK * STEP_BLOCKS * NUM_WARPS);
     const bool active = w.state0 < p.states;
     const int wk_n = NUM_WARPS / p.warp_states;
-    constexpr bool q4 = CACHE_BITS == 4;
-    constexpr int NGK = q4 ? HEAD_DIM / GK : 1, NGV = q4 ? HEAD_DIM / GV : 1;
+    constexpr bool q4 = CACHE_BITS == 4, q8 = CACHE_BITS == 8;
+    constexpr int NGK = CACHE_BITS ? HEAD_DIM / GK : 1, NGV = CACHE_BITS ? HEAD_DIM / GV : 1;
 
     u32 qa[Q_REGS];
     float qs[NGK][2];
+    Q8State st;
     if constexpr (q4) {
         q4_load_q<GK>(qa, qs, p, w);
+    } else if constexpr (q8) {
+        q8_load_q<GK>(qa, qs, st, p, w);
     } else {
-        load_q<CACHE_BITS>(qa, p, w);
+        load_q<0>(qa, p, w);
     }
     // This lane's columns of S^T and O^T: states 2t and 2t + 1.
     const int2 vis[2] = {visible_keys(p, w, w.row_of(p, w.state0 + 2 * t)), visible_keys(p, w, w.row_of(p, w.state0 + 2 * t + 1))};
@@ -546,8 +473,10 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
             for (int b = 0; b < STEP_BLOCKS; ++b) rows[b] = r0 + b * wk_n * KEY_BLOCK;
             if constexpr (q4) {
                 block_step_q4<GK, GV, STEP_BLOCKS>(o, cv, m, l, qa, qs, stage, L, p, key0, nkeys, rows, vis, k_off, v_off);
+            } else if constexpr (q8) {
+                block_step_q8<GK, GV, STEP_BLOCKS>(o, cv, st, m, l, qa, qs, stage, L, p, key0, nkeys, rows, vis, k_off, v_off);
             } else {
-                block_step<CACHE_BITS, STEP_BLOCKS>(o, m, l, qa, stage, L, p, key0, nkeys, rows, vis, k_off, v_off);
+                block_step<STEP_BLOCKS>(o, m, l, qa, stage, L, p, key0, nkeys, rows, vis);
             }
         }
     });
@@ -563,8 +492,10 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
     }
     if constexpr (q4) {
         q4_store_partial_o<GV>(part.o + row * HEAD_DIM, o, cv);
+    } else if constexpr (q8) {
+        q8_store_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, st);
     } else {
-        store_partial_o<CACHE_BITS>(part.o + row * HEAD_DIM, o);
+        store_partial_o<0>(part.o + row * HEAD_DIM, o);
     }
     __syncthreads();
     store_states(p, w, part);

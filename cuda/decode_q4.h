@@ -6,8 +6,9 @@
 //
 // Magic codes. A 4-bit code c under the high byte of M (bf16 2^7, fp16 2^10) reads as M + c, exact;
 // one PRMT per pair of codes builds them. With x = s c + b per group G of the head dim:
-//   K:  S^T[key, st] = sum_G  s[key,G] * A_G[key, st] + (b[key,G] - M s[key,G]) * qs_G[st],
-//       A_G = sum_{d in G} (M + c[key,d]) q[st,d] (an mma over G's dims, f32 accumulators),
+//   K:  S^T[key, st] = sum_G  s'[key,G] * A_G[key, st] + (b[key,G] - M s'[key,G]) * qs_G[st],
+//       A_G = sum_{d in G} (M + U c[key,d]) q[st,d] (an mma over G's dims, f32 accumulators),
+//       s' = s / U (U = Q4_K_UNIT, below),
 //       qs_G = sum_{d in G} q[st,d] (f32, once per call).
 //   V:  O^T[d, st] = sum_k (M + c[k,d]) P'_G[k,st] - (M + 8) sum_k P'_G[k,st] + sum_k (b + 8 s)[k,G] P[k,st],
 //       P'_G = P * s[.,G] rounded once to elem_t (as P alone would be), G the group of d. Each
@@ -33,14 +34,19 @@
 //      and 2u + 1 (dims 2, 3), all of group GV 64: u / 2, GV 32: u.
 #pragma once
 
+// K's codes: Q4_K_UNIT c under M. fp16 takes them as 16 c (bits 4-7 of the low byte, as cheap to
+// build as bits 0-3): the magic then outweighs the codes' sums 16 times less, and the sums lose 4
+// bits fewer of f32's 24 where it cancels (it cost fp16 an lse error of 1.3e-5 with scores ~100).
 #if FLASH_DTYPE == 1
 #define Q4_M 128.f
 #define Q4_M2 0x43004300u      // bf16 M in both lanes
 #define Q4_NEG_M8 0xc308c308u  // -(M + 8): bf16 -136
+#define Q4_K_UNIT 1.f
 #else
 #define Q4_M 1024.f
 #define Q4_M2 0x64006400u
 #define Q4_NEG_M8 0xe408e408u  // fp16 -1032
+#define Q4_K_UNIT 16.f
 #endif
 
 struct Q4 {
@@ -52,9 +58,13 @@ struct Q4 {
     };
 };
 
-// The code pairs of a K word: (c0, c4), (c1, c5), (c2, c6), (c3, c7) under M.
+// The code pairs of a K word: (c0, c4), (c1, c5), (c2, c6), (c3, c7), times Q4_K_UNIT, under M.
 __device__ __forceinline__ void q4_pairs(u32 w, u32 (&out)[4]) {
+#if FLASH_DTYPE == 1
     const u32 lo = w & 0x0f0f0f0fu, hi = (w >> 4) & 0x0f0f0f0fu;
+#else
+    const u32 lo = (w << 4) & 0xf0f0f0f0u, hi = w & 0xf0f0f0f0u;
+#endif
     out[0] = __byte_perm(lo, MAGIC_BYTES, 0x5240);
     out[1] = __byte_perm(hi, MAGIC_BYTES, 0x5240);
     out[2] = __byte_perm(lo, MAGIC_BYTES, 0x5341);
@@ -136,7 +146,9 @@ __device__ __forceinline__ void q4_qk(float (&x)[4], const u32 (&qa)[HEAD_DIM / 
     }
 #pragma unroll
     for (int G = 0; G < NG; ++G) {
-        const float s = to_float((u16)scale_bits(sc, half + G)), s8 = to_float((u16)scale_bits(sc8, half8 + G));
+        // The codes' scale per unit of acc (exact: a power of two).
+        const float s = to_float((u16)scale_bits(sc, half + G)) / Q4_K_UNIT;
+        const float s8 = to_float((u16)scale_bits(sc8, half8 + G)) / Q4_K_UNIT;
         const float b = fmaf(-Q4_M, s, to_float((u16)scale_bits(bi, half + G)));
         const float b8 = fmaf(-Q4_M, s8, to_float((u16)scale_bits(bi8, half8 + G)));
         x[0] += fmaf(s, acc[G][0], b * qs[G][0]);

@@ -43,6 +43,14 @@ __device__ __forceinline__ void ldmatrix_x2_trans(u32 (&r)[2], u32 addr) {
 // c[16x8] += a[16x16] * b[16x8], f32 accumulators.
 // Fragment layout (g = lane/4, t = lane%4): a = {(g,2t..), (g+8,2t..), (g,2t+8..), (g+8,2t+8..)},
 // b = {(k=2t.., n=g), (k=2t+8.., n=g)}, c = {(g,2t), (g,2t+1), (g+8,2t), (g+8,2t+1)}.
+// mma16816_f16 takes fp16 operands whatever elem_t is (decode_q8.h's codes are fp16 2^10 + code),
+// mma16816 elem_t's.
+__device__ __forceinline__ void mma16816_f16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 __device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
 #if FLASH_DTYPE == 1
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
@@ -50,10 +58,7 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #elif FLASH_DTYPE == 0
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    mma16816_f16(c, a, b0, b1);
 #endif
 }
 

@@ -51,14 +51,21 @@ __device__ __forceinline__ elem_t from_float(float x) {
 }
 
 #if FLASH_DTYPE != 2
-// Two f32 -> one register of two 16-bit values, lo in the low half (the mma fragment order).
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
+// Two f32 -> one register of two fp16 values, lo in the low half (the mma fragment order), whatever
+// elem_t is.
+__device__ __forceinline__ u32 pack2_f16(float lo, float hi) {
     u32 r;
-#if FLASH_DTYPE == 1
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
     return r;
+}
+// The same in elem_t.
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+#if FLASH_DTYPE == 1
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return pack2_f16(lo, hi);
+#endif
 }
 #endif

@@ -3,9 +3,9 @@ CuPy arrays, torch CUDA tensors, or NumPy with device="cuda"): every test is mar
 without one (torch's, CuPy's, each where installed).
 
 The oracle is reference.py's float64 ``decode`` over the cache as :func:`flash_nif.dequantize_kv`
-gives it back (rounded to the dtype: the GPU's 8-bit tensor-core path rounds dequantized values to
-the dtype before its products, as it rounds P), or over the exact dequantized values for the 4-bit
-tensor-core kernel, which never rounds them (``oracle_cache``), with conftest's tolerances: float32
+gives it back (rounded to the dtype, as the CUDA-core kernel rounds dequantized values before its
+products), or over the exact dequantized values for the 4- and 8-bit tensor-core kernels, which never
+round them (``oracle_cache``), with conftest's tolerances: float32
 1e-5, float16 / bfloat16 at most twice the error of the oracle's own output rounded to the dtype;
 lse 1e-5. The
 cache format is checked bit for bit against the CPU (itself bit for bit the oracle's).
@@ -13,8 +13,8 @@ cache format is checked bit for bit against the CPU (itself bit for bit the orac
 Covers the tensor-core kernel (fp16 / bf16 at D = 64, 128, 256) and the CUDA-core one (fp32, other
 head dims, odd ones too), GQA ratios 1, 4, 8, Sq 1, 4, 16, ragged cache lengths with 0, left padding,
 windows, softcap, 4 / 8-bit codes in groups of 32 / 64 (odd group counts, a tensor whose scales end
-mid-word), split counts, more blocks than the GPU holds at once, merge_states, and the errors of bad
-calls.
+mid-word), queries and values far from unit size, split counts, more blocks than the GPU holds at
+once, merge_states, and the errors of bad calls.
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ def put_cache(fa, env, x, quant):
 
 def oracle_cache(fa, ref, x, quant, exact):
     """The cache the oracle reads: x, or its quantized form dequantized on the CPU, in x's dtype as
-    the kernels that dequantize before their products round it, or (`exact`) float64: the 4-bit
-    tensor-core kernel's products take the codes as they are and the scales and biases in f32
-    (cuda/decode_q4.h), so its values are scale * code + bias unrounded."""
+    the kernels that dequantize before their products round it, or (`exact`) float64: the 4- and
+    8-bit tensor-core kernels' products take the codes as they are and the scales and biases in f32
+    (cuda/decode_q4.h, decode_q8.h), so their values are scale * code + bias unrounded."""
     if quant is None:
         return x
     c = fa.quantize_kv(x, bits=quant[0], group_size=quant[1])
@@ -77,19 +77,22 @@ def oracle_cache(fa, ref, x, quant, exact):
 
 
 def takes_exact_codes(dtype_name, d, quant):
-    """Whether decode runs the 4-bit tensor-core kernel (fp16 / bf16 at D = 64, 128, 256)."""
-    return quant is not None and quant[0] == 4 and dtype_name != "f32" and d in (64, 128, 256)
+    """Whether decode runs a quantized tensor-core kernel (fp16 / bf16 at D = 64, 128, 256)."""
+    return quant is not None and dtype_name != "f32" and d in (64, 128, 256)
 
 
 def run_decode(fa, ref, env, assert_close_to_oracle, *, dtype_name, d, sq, group, quant, b=3, s_cache=300, hkv=2,
-               seqlens=(300, 123, 0), leftpad=(10, 0, 0), seed=0, v_quant="same", offset=0.0, **opts):
+               seqlens=(300, 123, 0), leftpad=(10, 0, 0), seed=0, v_quant="same", offset=0.0, q_size=1.0,
+               v_sizes=1.0, **opts):
     """quant: the k cache's (bits, group_size) or None; v_quant: the v cache's (default the same);
-    offset: added to every cached value (large biases against small scales)."""
+    offset: added to every cached value (large biases against small scales); q_size: q's factor;
+    v_sizes: v's factor, or one per key ([s_cache])."""
     dtype = DTYPES[dtype_name]
     v_quant = quant if v_quant == "same" else v_quant
-    q = rand(seed, (b, sq, hkv * group, d), dtype)
+    q = rand(seed, (b, sq, hkv * group, d), np.float32, q_size).astype(dtype)
     k = (rand(seed + 1, (b, s_cache, hkv, d), np.float32) + offset).astype(dtype)
-    v = (rand(seed + 2, (b, s_cache, hkv, d), np.float32) - offset).astype(dtype)
+    v_factor = np.reshape(v_sizes, (1, -1, 1, 1))
+    v = ((rand(seed + 2, (b, s_cache, hkv, d), np.float32) - offset) * v_factor).astype(dtype)
     rows = {}
     if seqlens is not None:
         rows["cache_seqlens"] = np.array(seqlens, np.int32)
@@ -177,8 +180,8 @@ def test_a_long_cache_splits_across_the_gpu(fa, ref, lib, assert_close_to_oracle
                                                ("f32", (4, 32))], ids=str)
 def test_more_items_than_resident_blocks(fa, ref, lib, assert_close_to_oracle, dtype_name, quant, splits):
     """B * Hkv * splits work items (here 480 or 1440) past what the GPU holds at once (132 SMs x 2-3
-    blocks): the persistent blocks take several items each, their pipeline running on from one item
-    into the next, across rows with no keys (0 and fully left-padded) and rows of one key."""
+    blocks: several waves of blocks), across rows with no keys (0 and fully left-padded) and rows of
+    one key."""
     b = 60
     rng = np.random.default_rng(7)
     seqlens = rng.integers(0, 90, b)
@@ -210,10 +213,26 @@ def test_k_and_v_group_sizes_differ(fa, ref, lib, assert_close_to_oracle, dtype_
 @pytest.mark.parametrize("dtype_name", ["bf16", "f16"])
 @pytest.mark.parametrize("quant", [(4, 64), (4, 32), (8, 64)], ids=str)
 def test_large_offsets_against_small_scales(fa, ref, lib, assert_close_to_oracle, dtype_name, quant):
-    """Cached values near +-30 with unit spread: biases ~250 scales in size. The 4-bit kernel keeps
-    the scale and bias terms apart until f32 (decode_q4.h), which must not lose them."""
+    """Cached values near +-30 with unit spread: biases ~250 scales in size. The quantized kernels keep
+    the scale and bias terms apart until f32 (decode_q4.h, decode_q8.h), which must not lose them."""
     run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name=dtype_name, d=128, sq=1, group=4, quant=quant,
                offset=30.0, s_cache=1000, seqlens=(1000, 555, 1), leftpad=(0, 7, 0))
+
+
+@pytest.mark.parametrize("dtype_name", ["bf16", "f16"])
+@pytest.mark.parametrize("quant", [(8, 64), (8, 32), (4, 64)], ids=str)
+@pytest.mark.parametrize("q_size, v_sizes", [(1e-3, "1e-4"), (30.0, "1e3"), (1.0, "1e-4..1e3")])
+def test_sizes_far_from_one(fa, ref, lib, assert_close_to_oracle, dtype_name, quant, q_size, v_sizes):
+    """Queries and values far from unit size, and values whose size changes by 10^7 from key to key
+    within a row: the 8-bit kernel takes q into fp16 scaled per row, and its P * scale products
+    follow the largest weight (cuda/decode_q8.h), which must neither underflow nor overflow fp16."""
+    s_cache = 600
+    if v_sizes == "1e-4..1e3":
+        sizes = 10.0 ** np.random.default_rng(3).uniform(-4, 3, s_cache)
+    else:
+        sizes = float(v_sizes)
+    run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name=dtype_name, d=128, sq=1, group=4, quant=quant,
+               s_cache=s_cache, seqlens=(600, 333, 0), leftpad=(0, 5, 0), q_size=q_size, v_sizes=sizes, num_splits=2)
 
 
 @pytest.mark.parametrize("where", GPU_LIBS)

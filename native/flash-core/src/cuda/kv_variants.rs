@@ -69,9 +69,9 @@ pub fn decode_uses_mma(dtype: DType, head_dim: usize) -> bool {
 }
 
 /// The group sizes (k, v) the quantized tensor-core kernels are compiled for, one kernel each: the
-/// groups' layout is fixed in the kernel (the 4-bit products take the codes as they are and each
-/// group's scale and bias afterwards, cuda/decode_q4.h), so that the stage layout, scale offsets
-/// and copies fold to immediates.
+/// groups' layout is fixed in the kernel (the products take the codes as they are and each group's
+/// scale and bias afterwards, cuda/decode_q4.h and decode_q8.h), so that the stage layout, scale
+/// offsets and copies fold to immediates.
 pub const DECODE_QUANT_GROUPS: [(usize, usize); 4] = [(64, 64), (32, 32), (64, 32), (32, 64)];
 
 /// The decode kernels a call over caches of `bits` (0: plain) in groups of `groups` = (k, v)

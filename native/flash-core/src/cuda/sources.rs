@@ -42,6 +42,7 @@ pub const FILES: &[(&str, &str)] = &[
     ("warp_reduce.h", include_str!("../../../../cuda/warp_reduce.h")),
     ("decode.h", include_str!("../../../../cuda/decode.h")),
     ("decode_q4.h", include_str!("../../../../cuda/decode_q4.h")),
+    ("decode_q8.h", include_str!("../../../../cuda/decode_q8.h")),
     ("decode.cu", include_str!("../../../../cuda/decode.cu")),
     ("decode_simt.cu", include_str!("../../../../cuda/decode_simt.cu")),
     ("merge.cu", include_str!("../../../../cuda/merge.cu")),

@@ -1,0 +1,260 @@
+// decode_q8.h — decode.cu's block step for 8-bit caches: the codes go into fp16 mmas as they are and
+// the scales and biases enter per group afterwards (decode_q4.h's plan), so that no element is
+// dequantized. fp16 for both query dtypes: 2^10 + c holds every 8-bit code exactly, and one PRMT
+// builds two of them (bf16's 8 significant bits hold no 2^k + c for 8-bit c). decode.cu includes
+// it after its helpers (transpose8x8, column_max / column_sum, scale_bits, v_row) and runs this
+// path at CACHE_BITS 8 with the groups' sizes GK (K) and GV (V) as template arguments.
+//
+// With x = s c + b per group G of the head dim and M = 2^10:
+//   K:  S^T[key, st] = 2^-k(st) sum_G  s[key,G] A_G[key, st] + (b[key,G] - M s[key,G]) qs_G[st],
+//       A_G = sum_{d in G} (M + c[key,d]) q'[st,d] (an mma over G's dims, f32 accumulators, fresh
+//       per block), q' = q 2^k(st) in fp16, 2^k putting the row's largest |q| in [2^14, 2^15):
+//       exact for bf16's 8 bits and fp16's 11 (only elements below 2^-28 of the row's largest may
+//       lose bits as subnormals); qs_G = sum_{d in G} q'[st,d] (f32, once per call).
+//   V:  O^T[d, st] f(st) = sum_k (M + c[k,d]) P'_G[k,st] - (M + 128) sum_k P'_G[k,st]
+//                          + f(st) sum_k (b + 128 s)[k,G] P[k,st],
+//       P'_G = P s[.,G] f(st) rounded once to fp16. As in decode_q4.h each m-block takes the first
+//       two terms as two mmas (the codes', and one whose A is -(M + 128)): the magic cancels within
+//       the block and P'_G's rounding multiplies s (c - 128), centred. The third term is summed in
+//       f32 from the unrounded P per lane (without f), and over the lanes at the end.
+//   f(st): P s alone could leave fp16's range (scales below ~1e-4 would make P' subnormal, above
+//       65504 infinite), so each state keeps a factor f and R, the running max of P' (decaying with
+//       the softmax's rescales): when R leaves [1/64, 64], f and the state's accumulators are
+//       rescaled by a power of two (exact) so that R lies in [1, 2). So the largest P' seen is never
+//       below 2^-6 nor above 2^6, the weights that matter keep fp16's 11 bits, and what underflows
+//       is below 2^-20 of the largest.
+//
+// Layouts (g = lane / 4, t = lane % 4; a 16-key block's K rows at stride Q8::SROW_K, V rows at
+// Q8::SROW_V, both an odd number of 16-byte units apart):
+//   K: one ldmatrix.x4 gives lane (g, t) word t of 16-byte chunks c, c + 1 of rows g and g + 8.
+//      Chunk c (dims 16c .. 16c + 15, in one group) is one k step: word t's codes (c0 .. c3) pair
+//      as (c0, c1) -> k (2t, 2t + 1), (c2, c3) -> (2t + 8, 2t + 9); Q's B fragment takes the same
+//      dims: 16c + 4t + {0, 1} and {2, 3}.
+//   V: lane (g, t) takes keys 2t, 2t + 1, 2t + 8, 2t + 9 (v_row) and per 32-dim unit u word
+//      8u + g of each (dims 32u + 4g .. + 3): keys 2t and 2t + 1's words interleave byte by byte
+//      (one PRMT per two dims), then one PRMT per pair puts them under M. Unit u gives m-blocks 2u
+//      (dims 32u + 4g, + 1: rows g, g + 8) and 2u + 1 (dims + 2, + 3), all in group 32u / GV.
+#pragma once
+
+#define Q8_M 1024.f
+#define Q8_MAGIC 0x64646464u     // fp16 2^10 = 0x6400: its high byte in every byte
+#define Q8_NEG_M128 0xe480e480u  // fp16 -(2^10 + 128) = -1152 in both lanes
+#define Q8_P_HI 64.f             // the window of P's running max (see above)
+#define Q8_P_LO (1.f / 64.f)
+
+struct Q8 {
+    enum : int {
+        CHUNKS = HEAD_DIM / 16,  // K: 16-byte chunks of a row, one k step each
+        UNITS = HEAD_DIM / 32,   // V: 32-dim units, two m-blocks each
+        SROW_K = Geom<8>::SROW_K,
+        SROW_V = Geom<8>::SROW_V,
+    };
+};
+
+// The two codes of bytes (lo, hi) of w under M: selector 0x5140 for bytes 0, 1; 0x5342 for 2, 3.
+__device__ __forceinline__ u32 q8_magic(u32 w, u32 sel) { return __byte_perm(w, Q8_MAGIC, sel); }
+
+// A warp's per-state q scaling and V factor, for states 2t, 2t + 1 of this lane's columns.
+struct Q8State {
+    float qinv[2];  // 2^-k of the state's q scaling
+    float f[2];     // P' = P s f
+    float r[2];     // the running max of P' (0: none yet)
+};
+
+// Q^T's B fragments in fp16: qa[2c + h] = dims 16c + 4t + 2h, + 1 of state g times 2^k(g) (zero past
+// the last state); qs[G][j]: the sum of group G of scaled state 2t + j; st.qinv[j]: its 2^-k.
+template <int GK>
+__device__ __forceinline__ void q8_load_q(u32 (&qa)[HEAD_DIM / 8], float (&qs)[HEAD_DIM / GK][2], Q8State& st,
+                                          const DecodeParams& p, const DecodeWork& w) {
+    constexpr int CPG = GK / 16;  // chunks per group
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int s = w.state0 + g;
+    const bool ok = s < p.states;
+    const int i = w.row_of(p, s), h = w.kvh * p.group + (ok ? s % p.group : 0);
+    const u16* q = reinterpret_cast<const u16*>(p.q) + (((i64)w.b * p.seq_q + i) * p.heads + h) * HEAD_DIM;
+    float x[Q8::CHUNKS][4];
+    float mx = 0.f;
+#pragma unroll
+    for (int c = 0; c < Q8::CHUNKS; ++c)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            x[c][e] = ok ? to_float(q[16 * c + 4 * t + e]) : 0.f;
+            mx = fmaxf(mx, fabsf(x[c][e]));
+        }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));  // state g's largest |q|
+    // k = 14 - the exponent of mx, within f32's normal range; 0 for a zero or non-finite row.
+    const int ex = (int)(__float_as_uint(mx) >> 23);  // mx >= 0: the biased exponent
+    const int k = mx == 0.f || ex == 255 ? 0 : min(max(141 - ex, -126), 126);
+    const float scale = __uint_as_float((u32)(127 + k) << 23), inv = __uint_as_float((u32)(127 - k) << 23);
+    float part[HEAD_DIM / GK];
+#pragma unroll
+    for (int G = 0; G < HEAD_DIM / GK; ++G) part[G] = 0.f;
+#pragma unroll
+    for (int c = 0; c < Q8::CHUNKS; ++c)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float lo = x[c][2 * h] * scale, hi = x[c][2 * h + 1] * scale;
+            qa[2 * c + h] = pack2_f16(lo, hi);
+            part[c / CPG] += lo + hi;
+        }
+#pragma unroll
+    for (int G = 0; G < HEAD_DIM / GK; ++G) {
+        float sum = part[G];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);  // state g's sum, in every lane of g
+        qs[G][0] = __shfl_sync(0xffffffffu, sum, 8 * t);
+        qs[G][1] = __shfl_sync(0xffffffffu, sum, 8 * t + 4);
+    }
+    st.qinv[0] = __shfl_sync(0xffffffffu, inv, 8 * t);
+    st.qinv[1] = __shfl_sync(0xffffffffu, inv, 8 * t + 4);
+    st.f[0] = st.f[1] = 1.f;
+    st.r[0] = st.r[1] = 0.f;
+}
+
+// x = S^T of a 16-key block whose K rows start at shared address `rows`: rows g, g + 8 (keys),
+// columns states 2t, 2t + 1. sc / bi (sc8 / bi8): the scale rows of key g (g + 8), at ScaleOffset
+// half (half8).
+template <int GK>
+__device__ __forceinline__ void q8_qk(float (&x)[4], const u32 (&qa)[HEAD_DIM / 8], const float (&qs)[HEAD_DIM / GK][2],
+                                      const Q8State& st, u32 rows, const unsigned char* sc, const unsigned char* bi,
+                                      const unsigned char* sc8, const unsigned char* bi8, int half, int half8) {
+    constexpr int NG = HEAD_DIM / GK, CPG = GK / 16;
+    const int lane = threadIdx.x % 32;
+    // ldmatrix.x4: lanes 8j .. 8j + 7 address matrix j = rows 8 (j % 2) .. + 7 of chunk c + j / 2.
+    const u32 addr = rows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * Q8::SROW_K + 16 * (lane >> 4);
+    float acc[NG][4];
+#pragma unroll
+    for (int G = 0; G < NG; ++G) acc[G][0] = acc[G][1] = acc[G][2] = acc[G][3] = 0.f;
+#pragma unroll
+    for (int c = 0; c < Q8::CHUNKS; c += 2) {
+        u32 r[4];  // rows g, g + 8 of chunk c; rows g, g + 8 of chunk c + 1
+        ldmatrix_x4(r, addr + 16 * c);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int ch = c + e;
+            const u32 a[4] = {q8_magic(r[2 * e], 0x5140), q8_magic(r[2 * e + 1], 0x5140), q8_magic(r[2 * e], 0x5342),
+                              q8_magic(r[2 * e + 1], 0x5342)};
+            mma16816_f16(acc[ch / CPG], a, qa[2 * ch], qa[2 * ch + 1]);
+        }
+    }
+    float y[4];
+#pragma unroll
+    for (int G = 0; G < NG; ++G) {
+        const float s = to_float((u16)scale_bits(sc, half + G)), s8 = to_float((u16)scale_bits(sc8, half8 + G));
+        const float b = fmaf(-Q8_M, s, to_float((u16)scale_bits(bi, half + G)));
+        const float b8 = fmaf(-Q8_M, s8, to_float((u16)scale_bits(bi8, half8 + G)));
+        const float z[4] = {fmaf(s, acc[G][0], b * qs[G][0]), fmaf(s, acc[G][1], b * qs[G][1]),
+                            fmaf(s8, acc[G][2], b8 * qs[G][0]), fmaf(s8, acc[G][3], b8 * qs[G][1])};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) y[e] = G == 0 ? z[e] : y[e] + z[e];
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[e] = y[e] * st.qinv[e & 1];
+}
+
+// The largest |scale| of a key's v scale row (at ScaleOffset half): P' of the key is at most P times it.
+template <int GV>
+__device__ __forceinline__ float q8_max_scale(const unsigned char* sc, int half) {
+    float m = 0.f;
+#pragma unroll
+    for (int G = 0; G < HEAD_DIM / GV; ++G) m = fmaxf(m, fabsf(to_float((u16)scale_bits(sc, half + G))));
+    return m;
+}
+
+// After a softmax step over NB blocks (x[b]: P of keys g, g + 8 and states 2t, 2t + 1; alpha: the
+// step's factors, `moved`: whether any is not 1; smax / smax8[b]: q8_max_scale of block b's keys
+// g, g + 8): updates f and R, and rescales o by alpha and f's change, cv by alpha.
+template <int NB, int NGV>
+__device__ __forceinline__ void q8_settle(const float (&x)[NB][4], const float (&alpha)[2], bool moved,
+                                          const float (&smax)[NB], const float (&smax8)[NB], Q8State& st,
+                                          float (&o)[HEAD_DIM / 16][4], float (&cv)[NGV][2]) {
+    float mx[2] = {0.f, 0.f};
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+        mx[0] = fmaxf(mx[0], fmaxf(x[b][0] * smax[b], x[b][2] * smax8[b]));
+        mx[1] = fmaxf(mx[1], fmaxf(x[b][1] * smax[b], x[b][3] * smax8[b]));
+    }
+    float k[2];
+    bool renorm = false;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        st.r[c] = fmaxf(st.r[c] * alpha[c], column_max(mx[c]) * st.f[c]);
+        k[c] = 1.f;
+        if (st.r[c] > Q8_P_HI || (st.r[c] > 0.f && st.r[c] < Q8_P_LO)) {
+            // 2^-e for R in [2^e, 2^(e + 1)): R's exponent field from 254 (R is finite and normal
+            // here: it is a product of finite P, |scale| and f).
+            k[c] = __uint_as_float((254u - (__float_as_uint(st.r[c]) >> 23)) << 23);
+            st.f[c] *= k[c];
+            st.r[c] *= k[c];
+            renorm = true;
+        }
+    }
+    if (__any_sync(0xffffffffu, renorm)) {
+        const float ak[2] = {alpha[0] * k[0], alpha[1] * k[1]};
+        rescale(o, ak);
+        rescale_pairs(cv, alpha);
+    } else if (moved) {
+        rescale(o, alpha);
+        rescale_pairs(cv, alpha);
+    }
+}
+
+// o += V^T P'^T for a 16-key block whose V rows start at `rows` (stride Q8::SROW_V), and cv[G] += the
+// block's bias sums of group G (b + 128 s: the codes' share is centred). x: P of keys g, g + 8 (rows)
+// and states 2t, 2t + 1 in S^T's layout, f32; sc / bi (sc8 / bi8): the v scale and bias rows of key g
+// (g + 8) at ScaleOffset half (half8). P'_G = P s f goes into B fragments as p_fragment transposes P.
+template <int GV>
+__device__ __forceinline__ void q8_pv(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], const float (&x)[4],
+                                      const Q8State& st, const unsigned char* rows, const unsigned char* sc,
+                                      const unsigned char* bi, const unsigned char* sc8, const unsigned char* bi8, int half,
+                                      int half8) {
+    constexpr int NG = HEAD_DIM / GV, UPG = GV / 32;  // units per group
+    const int g = (threadIdx.x % 32) / 4;
+    const u32 neg_m128[4] = {Q8_NEG_M128, Q8_NEG_M128, Q8_NEG_M128, Q8_NEG_M128};
+    const float xf[4] = {x[0] * st.f[0], x[1] * st.f[1], x[2] * st.f[0], x[3] * st.f[1]};
+#pragma unroll
+    for (int G = 0; G < NG; ++G) {
+        const float s = to_float((u16)scale_bits(sc, half + G)), s8 = to_float((u16)scale_bits(sc8, half8 + G));
+        const float b = fmaf(128.f, s, to_float((u16)scale_bits(bi, half + G)));
+        const float b8 = fmaf(128.f, s8, to_float((u16)scale_bits(bi8, half8 + G)));
+        cv[G][0] = fmaf(b, x[0], fmaf(b8, x[2], cv[G][0]));
+        cv[G][1] = fmaf(b, x[1], fmaf(b8, x[3], cv[G][1]));
+        const u32 bq0 = transpose8x8(pack2_f16(xf[0] * s, xf[1] * s)), bq1 = transpose8x8(pack2_f16(xf[2] * s8, xf[3] * s8));
+#pragma unroll
+        for (int u = G * UPG; u < (G + 1) * UPG; ++u) {
+            u32 wd[4];
+#pragma unroll
+            for (int n = 0; n < 4; ++n) wd[n] = *reinterpret_cast<const u32*>(rows + v_row(n) * Q8::SROW_V + 4 * (8 * u + g));
+            // Keys 2t, 2t + 1 (and 2t + 8, 2t + 9) byte by byte: dims 0, 1 (lo) and 2, 3 (hi) of the word.
+            const u32 lo01 = __byte_perm(wd[0], wd[1], 0x5140), lo89 = __byte_perm(wd[2], wd[3], 0x5140);
+            const u32 hi01 = __byte_perm(wd[0], wd[1], 0x7362), hi89 = __byte_perm(wd[2], wd[3], 0x7362);
+            const u32 a0[4] = {q8_magic(lo01, 0x5140), q8_magic(lo01, 0x5342), q8_magic(lo89, 0x5140), q8_magic(lo89, 0x5342)};
+            mma16816_f16(o[2 * u], a0, bq0, bq1);
+            mma16816_f16(o[2 * u], neg_m128, bq0, bq1);
+            const u32 a1[4] = {q8_magic(hi01, 0x5140), q8_magic(hi01, 0x5342), q8_magic(hi89, 0x5140), q8_magic(hi89, 0x5342)};
+            mma16816_f16(o[2 * u + 1], a1, bq0, bq1);
+            mma16816_f16(o[2 * u + 1], neg_m128, bq0, bq1);
+        }
+    }
+}
+
+// The warp's o after its last block (divided by f), plus each group's bias sums (over the lanes of a
+// column), into shared memory as store_partial_o does.
+template <int GV>
+__device__ __forceinline__ void q8_store_partial_o(float* dst, const float (&o)[HEAD_DIM / 16][4], const float (&cv)[HEAD_DIM / GV][2],
+                                                   const Q8State& st) {
+    const int t = threadIdx.x % 4, g = (threadIdx.x % 32) / 4;
+    float bias[HEAD_DIM / GV][2];
+#pragma unroll
+    for (int G = 0; G < HEAD_DIM / GV; ++G) bias[G][0] = column_sum(cv[G][0]), bias[G][1] = column_sum(cv[G][1]);
+    const float inv[2] = {1.f / st.f[0], 1.f / st.f[1]};
+#pragma unroll
+    for (int mb = 0; mb < HEAD_DIM / 16; ++mb) {
+        const int G = (mb / 2) / (GV / 32), d = 32 * (mb / 2) + 4 * g + 2 * (mb % 2);
+        dst[2 * t * HEAD_DIM + d] = fmaf(o[mb][0], inv[0], bias[G][0]);
+        dst[(2 * t + 1) * HEAD_DIM + d] = fmaf(o[mb][1], inv[1], bias[G][1]);
+        dst[2 * t * HEAD_DIM + d + 1] = fmaf(o[mb][2], inv[0], bias[G][0]);
+        dst[(2 * t + 1) * HEAD_DIM + d + 1] = fmaf(o[mb][3], inv[1], bias[G][1]);
+    }
+}
