@@ -334,12 +334,39 @@ __device__ __forceinline__ void block_step(float (&o)[HEAD_DIM / 16][4], float (
         });
 }
 
+#include "decode_weights.h"
+
+// The settle of a quantized step over NB blocks (block b: rows r0[b] .., keys key0 + r0[b] ..; the
+// stage's v scale rows at vs, sw_v words each): where the V weights P s go into fp16, f follows
+// them (decode_weights.h); else the accumulators take the step's factors.
+template <int GV, int NB>
+__device__ __forceinline__ void settle_quant(const float (&x)[NB][4], const float (&alpha)[2], bool moved, bool fp16_weights,
+                                             WeightRange& w, float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2],
+                                             const unsigned char* vs, int sw_v, const int (&r0)[NB], int key0,
+                                             const ScaleOffset& v_off) {
+    if (fp16_weights) {
+        const int g = (threadIdx.x % 32) / 4;
+        float smax[NB], smax8[NB];
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            const int r = r0[b] + g, r8 = r + 8;
+            smax[b] = max_v_scale<GV>(vs + r * 4 * sw_v, v_off(key0 + r));
+            smax8[b] = max_v_scale<GV>(vs + r8 * 4 * sw_v, v_off(key0 + r8));
+        }
+        settle_weights<NB>(x, alpha, moved, smax, smax8, w, o, cv);
+    } else if (moved) {
+        rescale(o, alpha);
+        rescale_pairs(cv, alpha);
+    }
+}
+
 #include "decode_q4.h"
 
 // step_blocks for a 4-bit cache (decode_q4.h), K groups of GK and V groups of GV elements; cv: the
-// V groups' correction accumulators.
+// V groups' correction accumulators, w: the V weights' range (fp16 queries).
 template <int GK, int GV, int NB>
-__device__ __forceinline__ void block_step_q4(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], float (&m)[2],
+__device__ __forceinline__ void block_step_q4(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], WeightRange& w,
+                                              float (&m)[2],
                                               float (&l)[2], const u32 (&qa)[Q_REGS], const float (&qs)[HEAD_DIM / GK][2],
                                               const unsigned char* stage, const StageLayout& L, const DecodeParams& p,
                                               int key0, int nkeys, const int (&r0)[NB], const int2 (&vis)[2],
@@ -356,15 +383,12 @@ __device__ __forceinline__ void block_step_q4(float (&o)[HEAD_DIM / 16][4], floa
             q4_qk<GK>(x, qa, qs, smem_addr(stage + r0[b] * Q4::SROW_K), ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k,
                       ks + r8 * 4 * L.sw_k, kb + r8 * 4 * L.sw_k, k_off(key0 + r), k_off(key0 + r8));
         },
-        [&](const float (&)[NB][4], const float (&alpha)[2], bool moved) {
-            if (moved) {
-                rescale(o, alpha);
-                rescale_pairs(cv, alpha);
-            }
+        [&](const float (&x)[NB][4], const float (&alpha)[2], bool moved) {
+            settle_quant<GV>(x, alpha, moved, FLASH_DTYPE == 0, w, o, cv, vs, L.sw_v, r0, key0, v_off);
         },
         [&](int b, const float (&x)[4]) {
             const int r = r0[b] + g, r8 = r + 8;
-            q4_pv<GV>(o, cv, x, stage + L.off_v + r0[b] * Q4::SROW_V, vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v,
+            q4_pv<GV>(o, cv, x, w, stage + L.off_v + r0[b] * Q4::SROW_V, vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v,
                       vs + r8 * 4 * L.sw_v, vb + r8 * 4 * L.sw_v, v_off(key0 + r), v_off(key0 + r8));
         });
 }
@@ -372,10 +396,10 @@ __device__ __forceinline__ void block_step_q4(float (&o)[HEAD_DIM / 16][4], floa
 #include "decode_q8.h"
 
 // step_blocks for an 8-bit cache (decode_q8.h), K groups of GK and V groups of GV elements; cv: the
-// V groups' bias accumulators, st: the warp's q scaling and V factors.
+// V groups' bias accumulators, w: the V weights' range, qinv: the states' q scaling undone.
 template <int GK, int GV, int NB>
-__device__ __forceinline__ void block_step_q8(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], Q8State& st,
-                                              float (&m)[2], float (&l)[2], const u32 (&qa)[Q_REGS],
+__device__ __forceinline__ void block_step_q8(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], WeightRange& w,
+                                              const float (&qinv)[2], float (&m)[2], float (&l)[2], const u32 (&qa)[Q_REGS],
                                               const float (&qs)[HEAD_DIM / GK][2], const unsigned char* stage,
                                               const StageLayout& L, const DecodeParams& p, int key0, int nkeys,
                                               const int (&r0)[NB], const int2 (&vis)[2], const ScaleOffset& k_off,
@@ -389,22 +413,15 @@ __device__ __forceinline__ void block_step_q8(float (&o)[HEAD_DIM / 16][4], floa
         m, l, p, key0, nkeys, r0, vis,
         [&](int b, float (&x)[4]) {
             const int r = r0[b] + g, r8 = r + 8;
-            q8_qk<GK>(x, qa, qs, st, smem_addr(stage + r0[b] * Q8::SROW_K), ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k,
+            q8_qk<GK>(x, qa, qs, qinv, smem_addr(stage + r0[b] * Q8::SROW_K), ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k,
                       ks + r8 * 4 * L.sw_k, kb + r8 * 4 * L.sw_k, k_off(key0 + r), k_off(key0 + r8));
         },
         [&](const float (&x)[NB][4], const float (&alpha)[2], bool moved) {
-            float smax[NB], smax8[NB];
-#pragma unroll
-            for (int b = 0; b < NB; ++b) {
-                const int r = r0[b] + g, r8 = r + 8;
-                smax[b] = q8_max_scale<GV>(vs + r * 4 * L.sw_v, v_off(key0 + r));
-                smax8[b] = q8_max_scale<GV>(vs + r8 * 4 * L.sw_v, v_off(key0 + r8));
-            }
-            q8_settle<NB>(x, alpha, moved, smax, smax8, st, o, cv);
+            settle_quant<GV>(x, alpha, moved, true, w, o, cv, vs, L.sw_v, r0, key0, v_off);
         },
         [&](int b, const float (&x)[4]) {
             const int r = r0[b] + g, r8 = r + 8;
-            q8_pv<GV>(o, cv, x, st, stage + L.off_v + r0[b] * Q8::SROW_V, vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v,
+            q8_pv<GV>(o, cv, x, w, stage + L.off_v + r0[b] * Q8::SROW_V, vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v,
                       vs + r8 * 4 * L.sw_v, vb + r8 * 4 * L.sw_v, v_off(key0 + r), v_off(key0 + r8));
         });
 }
@@ -443,11 +460,12 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
 
     u32 qa[Q_REGS];
     float qs[NGK][2];
-    Q8State st;
+    float qinv[2];   // 8-bit: the states' q scaling, undone (decode_q8.h)
+    WeightRange wr;  // quantized: the V weights' range (decode_weights.h)
     if constexpr (q4) {
         q4_load_q<GK>(qa, qs, p, w);
     } else if constexpr (q8) {
-        q8_load_q<GK>(qa, qs, st, p, w);
+        q8_load_q<GK>(qa, qs, qinv, p, w);
     } else {
         load_q<0>(qa, p, w);
     }
@@ -472,9 +490,9 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
 #pragma unroll
             for (int b = 0; b < STEP_BLOCKS; ++b) rows[b] = r0 + b * wk_n * KEY_BLOCK;
             if constexpr (q4) {
-                block_step_q4<GK, GV, STEP_BLOCKS>(o, cv, m, l, qa, qs, stage, L, p, key0, nkeys, rows, vis, k_off, v_off);
+                block_step_q4<GK, GV, STEP_BLOCKS>(o, cv, wr, m, l, qa, qs, stage, L, p, key0, nkeys, rows, vis, k_off, v_off);
             } else if constexpr (q8) {
-                block_step_q8<GK, GV, STEP_BLOCKS>(o, cv, st, m, l, qa, qs, stage, L, p, key0, nkeys, rows, vis, k_off, v_off);
+                block_step_q8<GK, GV, STEP_BLOCKS>(o, cv, wr, qinv, m, l, qa, qs, stage, L, p, key0, nkeys, rows, vis, k_off, v_off);
             } else {
                 block_step<STEP_BLOCKS>(o, m, l, qa, stage, L, p, key0, nkeys, rows, vis);
             }
@@ -491,9 +509,9 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
         part.m[row + 2 * t + 1] = m[1], part.l[row + 2 * t + 1] = l[1];
     }
     if constexpr (q4) {
-        q4_store_partial_o<GV>(part.o + row * HEAD_DIM, o, cv);
+        q4_store_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, wr);
     } else if constexpr (q8) {
-        q8_store_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, st);
+        q8_store_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, wr);
     } else {
         store_partial_o<0>(part.o + row * HEAD_DIM, o);
     }

@@ -11,7 +11,8 @@
 //       s' = s / U (U = Q4_K_UNIT, below),
 //       qs_G = sum_{d in G} q[st,d] (f32, once per call).
 //   V:  O^T[d, st] = sum_k (M + c[k,d]) P'_G[k,st] - (M + 8) sum_k P'_G[k,st] + sum_k (b + 8 s)[k,G] P[k,st],
-//       P'_G = P * s[.,G] rounded once to elem_t (as P alone would be), G the group of d. Each
+//       P'_G = P * s[.,G] rounded once to elem_t (as P alone would be), G the group of d (fp16
+//       queries: P s f, f keeping it in fp16's range, decode_weights.h; the output divides by f). Each
 //       m-block takes the first two terms as two mmas into its accumulators, the codes' and one
 //       whose A is -(M + 8): the magic terms cancel within each block, and what P'_G's rounding
 //       multiplies is s (c - 8), centred as the values are. (Cancelling M once at the end, or
@@ -169,18 +170,21 @@ __device__ __forceinline__ int q4_dim_of(int mb, int g) {
     return 8 * word + 4 * quarter + 2 * p;
 }
 
-// o += V^T P^T for a 16-key block whose V rows start at `rows` (stride Q4::SROW_V), and cv[G] += the
+// o += V^T P'^T for a 16-key block whose V rows start at `rows` (stride Q4::SROW_V), and cv[G] += the
 // block's bias sums of group G (b + 8 s: the codes' share is centred). x: P of keys g, g + 8 (rows) and states 2t, 2t + 1 in S^T's
 // layout, f32; sc / bi (sc8 / bi8): the v scale and bias rows of key g (g + 8) at ScaleOffset half
 // (half8). cv[G][j]: sum over this lane's keys of b P for state 2t + j (summed over the lanes at
-// the end). P'_G = P s goes into B fragments as p_fragment transposes P.
+// the end). P'_G = P s f goes into B fragments as p_fragment transposes P (w.f: 1 but with fp16
+// queries).
 template <int GV>
 __device__ __forceinline__ void q4_pv(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], const float (&x)[4],
-                                      const unsigned char* rows, const unsigned char* sc, const unsigned char* bi,
-                                      const unsigned char* sc8, const unsigned char* bi8, int half, int half8) {
+                                      const WeightRange& w, const unsigned char* rows, const unsigned char* sc,
+                                      const unsigned char* bi, const unsigned char* sc8, const unsigned char* bi8, int half,
+                                      int half8) {
     constexpr int NG = HEAD_DIM / GV, UPG = Q4::UNITS / NG;  // units per group
     const int g = (threadIdx.x % 32) / 4;
     const u32 neg_m8[4] = {Q4_NEG_M8, Q4_NEG_M8, Q4_NEG_M8, Q4_NEG_M8};
+    const float xf[4] = {x[0] * w.f[0], x[1] * w.f[1], x[2] * w.f[0], x[3] * w.f[1]};
 #pragma unroll
     for (int G = 0; G < NG; ++G) {
         const float s = to_float((u16)scale_bits(sc, half + G)), s8 = to_float((u16)scale_bits(sc8, half8 + G));
@@ -188,7 +192,7 @@ __device__ __forceinline__ void q4_pv(float (&o)[HEAD_DIM / 16][4], float (&cv)[
         const float b8 = fmaf(8.f, s8, to_float((u16)scale_bits(bi8, half8 + G)));
         cv[G][0] = fmaf(b, x[0], fmaf(b8, x[2], cv[G][0]));
         cv[G][1] = fmaf(b, x[1], fmaf(b8, x[3], cv[G][1]));
-        const u32 bq0 = transpose8x8(pack2(x[0] * s, x[1] * s)), bq1 = transpose8x8(pack2(x[2] * s8, x[3] * s8));
+        const u32 bq0 = transpose8x8(pack2(xf[0] * s, xf[1] * s)), bq1 = transpose8x8(pack2(xf[2] * s8, xf[3] * s8));
 #pragma unroll
         for (int u = G * UPG; u < (G + 1) * UPG; ++u) {
             const int word = GV == 64 ? g + 8 * (u / 2) : 4 * u + g / 2;
@@ -209,20 +213,22 @@ __device__ __forceinline__ void q4_pv(float (&o)[HEAD_DIM / 16][4], float (&cv)[
     }
 }
 
-// The warp's o after its last block, plus each group's bias sums (over the lanes of a column),
-// into shared memory as store_partial_o does.
+// The warp's o after its last block (divided by f), plus each group's bias sums (over the lanes of
+// a column), into shared memory as store_partial_o does.
 template <int GV>
-__device__ __forceinline__ void q4_store_partial_o(float* dst, const float (&o)[HEAD_DIM / 16][4], const float (&cv)[HEAD_DIM / GV][2]) {
+__device__ __forceinline__ void q4_store_partial_o(float* dst, const float (&o)[HEAD_DIM / 16][4], const float (&cv)[HEAD_DIM / GV][2],
+                                                   const WeightRange& w) {
     const int t = threadIdx.x % 4, g = (threadIdx.x % 32) / 4;
     float bias[HEAD_DIM / GV][2];
 #pragma unroll
     for (int G = 0; G < HEAD_DIM / GV; ++G) bias[G][0] = column_sum(cv[G][0]), bias[G][1] = column_sum(cv[G][1]);
+    const float inv[2] = {1.f / w.f[0], 1.f / w.f[1]};
 #pragma unroll
     for (int mb = 0; mb < HEAD_DIM / 16; ++mb) {
         const int G = q4_group<GV>(mb), d = q4_dim_of<GV>(mb, g);
-        dst[2 * t * HEAD_DIM + d] = o[mb][0] + bias[G][0];
-        dst[(2 * t + 1) * HEAD_DIM + d] = o[mb][1] + bias[G][1];
-        dst[2 * t * HEAD_DIM + d + 1] = o[mb][2] + bias[G][0];
-        dst[(2 * t + 1) * HEAD_DIM + d + 1] = o[mb][3] + bias[G][1];
+        dst[2 * t * HEAD_DIM + d] = fmaf(o[mb][0], inv[0], bias[G][0]);
+        dst[(2 * t + 1) * HEAD_DIM + d] = fmaf(o[mb][1], inv[1], bias[G][1]);
+        dst[2 * t * HEAD_DIM + d + 1] = fmaf(o[mb][2], inv[0], bias[G][0]);
+        dst[(2 * t + 1) * HEAD_DIM + d + 1] = fmaf(o[mb][3], inv[1], bias[G][1]);
     }
 }

@@ -13,16 +13,11 @@
 //       lose bits as subnormals); qs_G = sum_{d in G} q'[st,d] (f32, once per call).
 //   V:  O^T[d, st] f(st) = sum_k (M + c[k,d]) P'_G[k,st] - (M + 128) sum_k P'_G[k,st]
 //                          + f(st) sum_k (b + 128 s)[k,G] P[k,st],
-//       P'_G = P s[.,G] f(st) rounded once to fp16. As in decode_q4.h each m-block takes the first
-//       two terms as two mmas (the codes', and one whose A is -(M + 128)): the magic cancels within
-//       the block and P'_G's rounding multiplies s (c - 128), centred. The third term is summed in
-//       f32 from the unrounded P per lane (without f), and over the lanes at the end.
-//   f(st): P s alone could leave fp16's range (scales below ~1e-4 would make P' subnormal, above
-//       65504 infinite), so each state keeps a factor f and R, the running max of P' (decaying with
-//       the softmax's rescales): when R leaves [1/64, 64], f and the state's accumulators are
-//       rescaled by a power of two (exact) so that R lies in [1, 2). So the largest P' seen is never
-//       below 2^-6 nor above 2^6, the weights that matter keep fp16's 11 bits, and what underflows
-//       is below 2^-20 of the largest.
+//       P'_G = P s[.,G] f(st) rounded once to fp16, f keeping it in fp16's range (decode_weights.h).
+//       As in decode_q4.h each m-block takes the first two terms as two mmas (the codes', and one
+//       whose A is -(M + 128)): the magic cancels within the block and P'_G's rounding multiplies
+//       s (c - 128), centred. The third term is summed in f32 from the unrounded P per lane (without
+//       f), and over the lanes at the end.
 //
 // Layouts (g = lane / 4, t = lane % 4; a 16-key block's K rows at stride Q8::SROW_K, V rows at
 // Q8::SROW_V, both an odd number of 16-byte units apart):
@@ -39,8 +34,6 @@
 #define Q8_M 1024.f
 #define Q8_MAGIC 0x64646464u     // fp16 2^10 = 0x6400: its high byte in every byte
 #define Q8_NEG_M128 0xe480e480u  // fp16 -(2^10 + 128) = -1152 in both lanes
-#define Q8_P_HI 64.f             // the window of P's running max (see above)
-#define Q8_P_LO (1.f / 64.f)
 
 struct Q8 {
     enum : int {
@@ -54,17 +47,10 @@ struct Q8 {
 // The two codes of bytes (lo, hi) of w under M: selector 0x5140 for bytes 0, 1; 0x5342 for 2, 3.
 __device__ __forceinline__ u32 q8_magic(u32 w, u32 sel) { return __byte_perm(w, Q8_MAGIC, sel); }
 
-// A warp's per-state q scaling and V factor, for states 2t, 2t + 1 of this lane's columns.
-struct Q8State {
-    float qinv[2];  // 2^-k of the state's q scaling
-    float f[2];     // P' = P s f
-    float r[2];     // the running max of P' (0: none yet)
-};
-
 // Q^T's B fragments in fp16: qa[2c + h] = dims 16c + 4t + 2h, + 1 of state g times 2^k(g) (zero past
-// the last state); qs[G][j]: the sum of group G of scaled state 2t + j; st.qinv[j]: its 2^-k.
+// the last state); qs[G][j]: the sum of group G of scaled state 2t + j; qinv[j]: its 2^-k.
 template <int GK>
-__device__ __forceinline__ void q8_load_q(u32 (&qa)[HEAD_DIM / 8], float (&qs)[HEAD_DIM / GK][2], Q8State& st,
+__device__ __forceinline__ void q8_load_q(u32 (&qa)[HEAD_DIM / 8], float (&qs)[HEAD_DIM / GK][2], float (&qinv)[2],
                                           const DecodeParams& p, const DecodeWork& w) {
     constexpr int CPG = GK / 16;  // chunks per group
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -106,10 +92,8 @@ __device__ __forceinline__ void q8_load_q(u32 (&qa)[HEAD_DIM / 8], float (&qs)[H
         qs[G][0] = __shfl_sync(0xffffffffu, sum, 8 * t);
         qs[G][1] = __shfl_sync(0xffffffffu, sum, 8 * t + 4);
     }
-    st.qinv[0] = __shfl_sync(0xffffffffu, inv, 8 * t);
-    st.qinv[1] = __shfl_sync(0xffffffffu, inv, 8 * t + 4);
-    st.f[0] = st.f[1] = 1.f;
-    st.r[0] = st.r[1] = 0.f;
+    qinv[0] = __shfl_sync(0xffffffffu, inv, 8 * t);
+    qinv[1] = __shfl_sync(0xffffffffu, inv, 8 * t + 4);
 }
 
 // x = S^T of a 16-key block whose K rows start at shared address `rows`: rows g, g + 8 (keys),
@@ -117,7 +101,7 @@ __device__ __forceinline__ void q8_load_q(u32 (&qa)[HEAD_DIM / 8], float (&qs)[H
 // half (half8).
 template <int GK>
 __device__ __forceinline__ void q8_qk(float (&x)[4], const u32 (&qa)[HEAD_DIM / 8], const float (&qs)[HEAD_DIM / GK][2],
-                                      const Q8State& st, u32 rows, const unsigned char* sc, const unsigned char* bi,
+                                      const float (&qinv)[2], u32 rows, const unsigned char* sc, const unsigned char* bi,
                                       const unsigned char* sc8, const unsigned char* bi8, int half, int half8) {
     constexpr int NG = HEAD_DIM / GK, CPG = GK / 16;
     const int lane = threadIdx.x % 32;
@@ -150,54 +134,7 @@ __device__ __forceinline__ void q8_qk(float (&x)[4], const u32 (&qa)[HEAD_DIM / 
         for (int e = 0; e < 4; ++e) y[e] = G == 0 ? z[e] : y[e] + z[e];
     }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) x[e] = y[e] * st.qinv[e & 1];
-}
-
-// The largest |scale| of a key's v scale row (at ScaleOffset half): P' of the key is at most P times it.
-template <int GV>
-__device__ __forceinline__ float q8_max_scale(const unsigned char* sc, int half) {
-    float m = 0.f;
-#pragma unroll
-    for (int G = 0; G < HEAD_DIM / GV; ++G) m = fmaxf(m, fabsf(to_float((u16)scale_bits(sc, half + G))));
-    return m;
-}
-
-// After a softmax step over NB blocks (x[b]: P of keys g, g + 8 and states 2t, 2t + 1; alpha: the
-// step's factors, `moved`: whether any is not 1; smax / smax8[b]: q8_max_scale of block b's keys
-// g, g + 8): updates f and R, and rescales o by alpha and f's change, cv by alpha.
-template <int NB, int NGV>
-__device__ __forceinline__ void q8_settle(const float (&x)[NB][4], const float (&alpha)[2], bool moved,
-                                          const float (&smax)[NB], const float (&smax8)[NB], Q8State& st,
-                                          float (&o)[HEAD_DIM / 16][4], float (&cv)[NGV][2]) {
-    float mx[2] = {0.f, 0.f};
-#pragma unroll
-    for (int b = 0; b < NB; ++b) {
-        mx[0] = fmaxf(mx[0], fmaxf(x[b][0] * smax[b], x[b][2] * smax8[b]));
-        mx[1] = fmaxf(mx[1], fmaxf(x[b][1] * smax[b], x[b][3] * smax8[b]));
-    }
-    float k[2];
-    bool renorm = false;
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-        st.r[c] = fmaxf(st.r[c] * alpha[c], column_max(mx[c]) * st.f[c]);
-        k[c] = 1.f;
-        if (st.r[c] > Q8_P_HI || (st.r[c] > 0.f && st.r[c] < Q8_P_LO)) {
-            // 2^-e for R in [2^e, 2^(e + 1)): R's exponent field from 254 (R is finite and normal
-            // here: it is a product of finite P, |scale| and f).
-            k[c] = __uint_as_float((254u - (__float_as_uint(st.r[c]) >> 23)) << 23);
-            st.f[c] *= k[c];
-            st.r[c] *= k[c];
-            renorm = true;
-        }
-    }
-    if (__any_sync(0xffffffffu, renorm)) {
-        const float ak[2] = {alpha[0] * k[0], alpha[1] * k[1]};
-        rescale(o, ak);
-        rescale_pairs(cv, alpha);
-    } else if (moved) {
-        rescale(o, alpha);
-        rescale_pairs(cv, alpha);
-    }
+    for (int e = 0; e < 4; ++e) x[e] = y[e] * qinv[e & 1];
 }
 
 // o += V^T P'^T for a 16-key block whose V rows start at `rows` (stride Q8::SROW_V), and cv[G] += the
@@ -206,13 +143,13 @@ __device__ __forceinline__ void q8_settle(const float (&x)[NB][4], const float (
 // (g + 8) at ScaleOffset half (half8). P'_G = P s f goes into B fragments as p_fragment transposes P.
 template <int GV>
 __device__ __forceinline__ void q8_pv(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], const float (&x)[4],
-                                      const Q8State& st, const unsigned char* rows, const unsigned char* sc,
+                                      const WeightRange& w, const unsigned char* rows, const unsigned char* sc,
                                       const unsigned char* bi, const unsigned char* sc8, const unsigned char* bi8, int half,
                                       int half8) {
     constexpr int NG = HEAD_DIM / GV, UPG = GV / 32;  // units per group
     const int g = (threadIdx.x % 32) / 4;
     const u32 neg_m128[4] = {Q8_NEG_M128, Q8_NEG_M128, Q8_NEG_M128, Q8_NEG_M128};
-    const float xf[4] = {x[0] * st.f[0], x[1] * st.f[1], x[2] * st.f[0], x[3] * st.f[1]};
+    const float xf[4] = {x[0] * w.f[0], x[1] * w.f[1], x[2] * w.f[0], x[3] * w.f[1]};
 #pragma unroll
     for (int G = 0; G < NG; ++G) {
         const float s = to_float((u16)scale_bits(sc, half + G)), s8 = to_float((u16)scale_bits(sc8, half8 + G));
@@ -243,12 +180,12 @@ __device__ __forceinline__ void q8_pv(float (&o)[HEAD_DIM / 16][4], float (&cv)[
 // column), into shared memory as store_partial_o does.
 template <int GV>
 __device__ __forceinline__ void q8_store_partial_o(float* dst, const float (&o)[HEAD_DIM / 16][4], const float (&cv)[HEAD_DIM / GV][2],
-                                                   const Q8State& st) {
+                                                   const WeightRange& w) {
     const int t = threadIdx.x % 4, g = (threadIdx.x % 32) / 4;
     float bias[HEAD_DIM / GV][2];
 #pragma unroll
     for (int G = 0; G < HEAD_DIM / GV; ++G) bias[G][0] = column_sum(cv[G][0]), bias[G][1] = column_sum(cv[G][1]);
-    const float inv[2] = {1.f / st.f[0], 1.f / st.f[1]};
+    const float inv[2] = {1.f / w.f[0], 1.f / w.f[1]};
 #pragma unroll
     for (int mb = 0; mb < HEAD_DIM / 16; ++mb) {
         const int G = (mb / 2) / (GV / 32), d = 32 * (mb / 2) + 4 * g + 2 * (mb % 2);

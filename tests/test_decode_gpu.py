@@ -221,11 +221,12 @@ def test_large_offsets_against_small_scales(fa, ref, lib, assert_close_to_oracle
 
 @pytest.mark.parametrize("dtype_name", ["bf16", "f16"])
 @pytest.mark.parametrize("quant", [(8, 64), (8, 32), (4, 64)], ids=str)
-@pytest.mark.parametrize("q_size, v_sizes", [(1e-3, "1e-4"), (30.0, "1e3"), (1.0, "1e-4..1e3")])
+@pytest.mark.parametrize("q_size, v_sizes", [(1e-3, "1e-4"), (10.0, "3e-5"), (30.0, "1e3"), (1.0, "1e-4..1e3")])
 def test_sizes_far_from_one(fa, ref, lib, assert_close_to_oracle, dtype_name, quant, q_size, v_sizes):
     """Queries and values far from unit size, and values whose size changes by 10^7 from key to key
-    within a row: the 8-bit kernel takes q into fp16 scaled per row, and its P * scale products
-    follow the largest weight (cuda/decode_q8.h), which must neither underflow nor overflow fp16."""
+    within a row: the 8-bit kernel takes q into fp16 scaled per row (cuda/decode_q8.h), and the V
+    products' weights P * scale, in fp16 for 8-bit caches and for fp16 queries over 4-bit ones,
+    follow the largest weight (cuda/decode_weights.h): they must neither underflow nor overflow."""
     s_cache = 600
     if v_sizes == "1e-4..1e3":
         sizes = 10.0 ** np.random.default_rng(3).uniform(-4, 3, s_cache)

@@ -41,6 +41,7 @@ pub const FILES: &[(&str, &str)] = &[
     ("rotary.cu", include_str!("../../../../cuda/rotary.cu")),
     ("warp_reduce.h", include_str!("../../../../cuda/warp_reduce.h")),
     ("decode.h", include_str!("../../../../cuda/decode.h")),
+    ("decode_weights.h", include_str!("../../../../cuda/decode_weights.h")),
     ("decode_q4.h", include_str!("../../../../cuda/decode_q4.h")),
     ("decode_q8.h", include_str!("../../../../cuda/decode_q8.h")),
     ("decode.cu", include_str!("../../../../cuda/decode.cu")),
