@@ -366,8 +366,7 @@ __device__ __forceinline__ void settle_quant(const float (&x)[NB][4], const floa
 // V groups' correction accumulators, w: the V weights' range (fp16 queries).
 template <int GK, int GV, int NB>
 __device__ __forceinline__ void block_step_q4(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], WeightRange& w,
-                                              float (&m)[2],
-                                              float (&l)[2], const u32 (&qa)[Q_REGS], const float (&qs)[HEAD_DIM / GK][2],
+                                              float (&m)[2], float (&l)[2], const u32 (&qa)[Q_REGS], const float (&qs)[HEAD_DIM / GK][2],
                                               const unsigned char* stage, const StageLayout& L, const DecodeParams& p,
                                               int key0, int nkeys, const int (&r0)[NB], const int2 (&vis)[2],
                                               const ScaleOffset& k_off, const ScaleOffset& v_off) {
