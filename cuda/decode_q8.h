@@ -38,7 +38,6 @@
 struct Q8 {
     enum : int {
         CHUNKS = HEAD_DIM / 16,  // K: 16-byte chunks of a row, one k step each
-        UNITS = HEAD_DIM / 32,   // V: 32-dim units, two m-blocks each
         SROW_K = Geom<8>::SROW_K,
         SROW_V = Geom<8>::SROW_V,
     };
