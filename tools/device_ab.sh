@@ -17,7 +17,8 @@
 #   TIMES="a b .." per name: CUDA-event vs host time per call (profile_decode.py, each of
 #                  ${TIME_SHAPES:-8x8192 64x1024 1x131072}, formats ${FORMATS:-bf16,8,4}), then the decode and
 #                  merge kernels' own durations under ncu (clocks left alone; ${NCU_FORMATS:-bf16 8 4})
-#   SASS=NAME:FMT  per-instruction executed counts of the decode kernel (ncu source page, SASS, CSV)
+#   SASS=NAME:FMT  per-instruction executed counts of the decode kernel (ncu source page, SASS, CSV;
+#                  read it here with tools/sass_regions.py)
 set -u
 : "${OUT:?run on the device machine, where OUT is set}"
 export FLASH_NIF_CACHE_DIR=/tmp/flash_nif_cache

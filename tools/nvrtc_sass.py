@@ -4,7 +4,10 @@ and instruction counts of the SASS (development tool; needs no GPU). The cubins 
 --out.
 
     .venv/bin/python tools/nvrtc_sass.py 'decode_bf16_d128_cache_bits4_k_group64_v_group64' [--arch sm_90a]
-        [--count HMMA,LDS,PRMT] [--head-dims 128]
+        [--count HMMA,LDS,PRMT] [--head-dims 128] [--loop HMMA]
+
+--loop OP also counts the opcodes of the innermost loop around the instructions OP names (the first
+to the last; the loop: from its back branch's target to that branch), e.g. decode's block loop.
 
 NVRTC is pip's nvidia-cuda-nvrtc (the Makefile's venv); cuobjdump and nvdisasm pip's
 nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm.
@@ -60,6 +63,24 @@ def nvrtc(src: str, name: str, opts: list[str]) -> tuple[bytes, str]:
     return cubin.raw, log.value.decode()
 
 
+INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)([^;]*);")
+
+
+def loop_histogram(sass: str, op: str) -> tuple[int, collections.Counter]:
+    """Opcodes of the loop that holds every `op` instruction of the SASS: from the target of the
+    first backward branch after the last `op` to that branch."""
+    insns = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in INSN.finditer(sass)]
+    at = [a for a, name, _ in insns if name.split(".")[0] == op]
+    if not at:
+        return 0, collections.Counter()
+    for a, name, rest in insns:
+        target = re.search(r"0x([0-9a-f]+)", rest) if name.startswith("BRA") else None
+        if a > at[-1] and target and int(target.group(1), 16) <= at[0]:
+            body = [n.split(".")[0] for b, n, _ in insns if int(target.group(1), 16) <= b <= a]
+            return len(body), collections.Counter(body)
+    return 0, collections.Counter()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("pattern")
@@ -67,6 +88,7 @@ def main() -> None:
     ap.add_argument("--head-dims", default="64,128,256")
     ap.add_argument("--count", default="HMMA,LDS,LDSM,PRMT,LOP3,SHF,FFMA,FMUL,MUFU,SHFL,BAR,LDGSTS,LDL,STL")
     ap.add_argument("--out", default="/tmp/sass")
+    ap.add_argument("--loop", default="", help="opcode histogram of the loop around these instructions (e.g. HMMA)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dims = [int(d) for d in args.head_dims.split(",")]
@@ -84,6 +106,9 @@ def main() -> None:
         print(v["name"], args.arch)
         print("  ", usage)
         print("  ", " ".join(f"{k}={ops.get(k, 0)}" for k in args.count.split(",")), f"total={sum(ops.values())}")
+        if args.loop:
+            n, body = loop_histogram(sass, args.loop)
+            print(f"   loop around {args.loop}: {n} instructions:", " ".join(f"{k}={c}" for k, c in body.most_common(16)))
 
 
 if __name__ == "__main__":
