@@ -86,7 +86,7 @@ struct Geom {
 #define STEP_STAGE_BYTES \
     (KEY_BLOCK * STEP_BLOCKS * NUM_WARPS * (Geom<CACHE_BITS>::SROW_K + Geom<CACHE_BITS>::SROW_V + SCALE_KEY_BYTES) + (CACHE_BITS ? 64 : 0))
 #define STAGE_BYTES (PLAIN_STAGE_BYTES > STEP_STAGE_BYTES ? PLAIN_STAGE_BYTES : STEP_STAGE_BYTES)
-static_assert(PARTIALS_BYTES(HEAD_DIM) <= STAGES * STAGE_BYTES, "the epilogue reuses the stages");
+static_assert(PARTIALS_BYTES(HEAD_DIM) + BLOCK_STATES_BYTES(HEAD_DIM) <= STAGES * STAGE_BYTES, "the epilogue reuses the stages");
 
 FLASH_EXPORT_SMEM(STAGES * STAGE_BYTES)
 
@@ -516,6 +516,7 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
     }
     __syncthreads();
     store_states(p, w, part);
+    if (p.cluster) cluster_merge(p, w, smem);
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) flash_decode(const DecodeParams p) {

@@ -80,8 +80,11 @@ struct DecodeParams {
     float scale_log2;          // scale * log2(e) (no softcap)
     float cap_in;              // softcap: scale / softcap (0: none)
     float cap_out;             // softcap * log2(e)
+    int cluster;               // 1: the splits of a (b, kv head, chunk) are one thread-block cluster
+                               // (grid x split-fastest) that merges them itself (cluster_merge)
+    int pad;
 };
-static_assert(sizeof(DecodeParams) == 13 * 8 + 20 * 4, "decode.rs mirrors this layout");
+static_assert(sizeof(DecodeParams) == 13 * 8 + 22 * 4, "decode.rs mirrors this layout");
 
 // Scale groups per row of k and of v (0: plain caches): constants in a kernel built per pair of
 // group sizes (decode.cu's quantized kernels: K_GROUP, V_GROUP), so that its stage layout, scale
@@ -96,7 +99,8 @@ __device__ __forceinline__ int groups_v(const DecodeParams& p) { return KV_BITS(
 
 // ---- a block's work ------------------------------------------------------------------------------
 // blockIdx.x = kvh + Hkv * (chunk + chunks * split) (the kv heads of one split side by side: they
-// share the scale rows' sectors in L2), blockIdx.y = b.
+// share the scale rows' sectors in L2), or with p.cluster split + splits * (kvh + Hkv * chunk) (a
+// cluster's blocks are consecutive); blockIdx.y = b.
 struct DecodeWork {
     int b, kvh, split, chunk;
     int ws, wk;       // this warp's state slot and key lane (warp = wk * WS + ws)
@@ -106,10 +110,17 @@ struct DecodeWork {
     i64 row0;         // cache row index of key 0 of (b, kvh): rows of key j are row0 + j * Hkv
 
     __device__ __forceinline__ explicit DecodeWork(const DecodeParams& p) {
-        kvh = blockIdx.x % p.kv_heads;
-        const int rest = blockIdx.x / p.kv_heads;
-        chunk = rest % p.chunks;
-        split = rest / p.chunks;
+        if (p.cluster) {
+            split = blockIdx.x % p.splits;
+            const int rest = blockIdx.x / p.splits;
+            kvh = rest % p.kv_heads;
+            chunk = rest / p.kv_heads;
+        } else {
+            kvh = blockIdx.x % p.kv_heads;
+            const int rest = blockIdx.x / p.kv_heads;
+            chunk = rest % p.chunks;
+            split = rest / p.chunks;
+        }
         b = blockIdx.y;
         const int warp = threadIdx.x / 32;
         ws = warp % p.warp_states;
@@ -442,6 +453,76 @@ struct Partials {
 // Shared memory the partials take at head dim d.
 #define PARTIALS_BYTES(d) (NUM_WARPS * STATE_TILE * ((d) + 2) * 4)
 
+// With p.cluster, each block's merged states wait in shared memory for cluster_merge, after the
+// partials: o [WS * STATE_TILE][d] f32 (normalised) and lse [WS * STATE_TILE] (natural log).
+struct BlockStates {
+    float* o;
+    float* lse;
+    __device__ __forceinline__ BlockStates(unsigned char* smem, int d) {
+        o = reinterpret_cast<float*>(smem + PARTIALS_BYTES(d));
+        lse = o + NUM_WARPS * STATE_TILE * d;
+    }
+};
+#define BLOCK_STATES_BYTES(d) (NUM_WARPS * STATE_TILE * ((d) + 1) * 4)
+
+// The block's rank in its cluster, a shared address of the block of rank r, a 4-byte load from
+// another block's shared memory, and a barrier over the cluster's threads (Hopper; the host sets
+// p.cluster nowhere else).
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ u32 cluster_map(u32 addr, u32 rank) {
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ float ld_cluster_f32(u32 addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// With p.cluster, called by every thread of every block of the cluster after store_states: the
+// splits' states merged by their logsumexp, each block taking every splits-th element, written
+// as o and lse (f32 expf / logf, as merge.cu). The barriers: every block's states are in place
+// before any is read, and no block leaves (its shared memory with it) before all have read.
+__device__ __forceinline__ void cluster_merge(const DecodeParams& p, const DecodeWork& w, unsigned char* smem) {
+    cluster_sync();
+    const int d = p.head_dim, n = p.splits, rank = (int)cluster_rank();
+    const BlockStates mine(smem, d);
+    const u32 o_at = smem_addr(mine.o), lse_at = smem_addr(mine.lse);
+    const int total = p.warp_states * STATE_TILE * d;
+    for (int e = rank * NUM_THREADS + threadIdx.x; e < total; e += n * NUM_THREADS) {
+        const int col = e % d, slot = e / d;
+        const int st = w.chunk * p.warp_states * STATE_TILE + slot;
+        if (st >= p.states) continue;
+        float mx = NEG_INF;
+        for (int k = 0; k < n; ++k) mx = fmaxf(mx, ld_cluster_f32(cluster_map(lse_at + 4 * slot, k)));
+        float l = 0.f, acc = 0.f;
+        if (mx != NEG_INF) {
+            for (int k = 0; k < n; ++k) {
+                const float f = expf(ld_cluster_f32(cluster_map(lse_at + 4 * slot, k)) - mx);
+                l += f;
+                acc += f * ld_cluster_f32(cluster_map(o_at + 4 * e, k));
+            }
+        }
+        const bool seen = l > 0.f;
+        const int i = st / p.group, h = w.kvh * p.group + st % p.group;
+        p.o[(((i64)w.b * p.seq_q + i) * p.heads + h) * d + col] = from_float(seen ? acc / l : 0.f);
+        if (col == 0) p.lse[((i64)w.b * p.heads + h) * p.seq_q + i] = seen ? mx + logf(l) : NEG_INF;
+    }
+    cluster_sync();
+}
+#else
+__device__ __forceinline__ void cluster_merge(const DecodeParams&, const DecodeWork&, unsigned char*) {}
+#endif
+
 // Called by every thread after the warps' partials are in place (and a __syncthreads).
 __device__ __forceinline__ void store_states(const DecodeParams& p, const DecodeWork& w, const Partials& part) {
     const int d = p.head_dim, ws_n = p.warp_states, wk_n = NUM_WARPS / ws_n;
@@ -466,7 +547,11 @@ __device__ __forceinline__ void store_states(const DecodeParams& p, const Decode
         const float out = seen ? acc / l : 0.f;
         const float lse = seen ? (mx + fast_log2(l)) * LN2 : NEG_INF;
         const int i = st / p.group, h = w.kvh * p.group + st % p.group;
-        if (p.splits == 1) {
+        if (p.cluster) {
+            const BlockStates mine(reinterpret_cast<unsigned char*>(part.o), d);
+            mine.o[slot * d + col] = out;
+            if (col == 0) mine.lse[slot] = lse;
+        } else if (p.splits == 1) {
             p.o[(((i64)w.b * p.seq_q + i) * p.heads + h) * d + col] = from_float(out);
             if (col == 0) p.lse[((i64)w.b * p.heads + h) * p.seq_q + i] = lse;
         } else {

@@ -59,6 +59,8 @@ struct DecodeParams {
     scale_log2: f32,
     cap_in: f32,
     cap_out: f32,
+    cluster: i32,
+    pad: i32,
 }
 
 /// A cache on one GPU: its rows (`[B, S_cache, Hkv, D]` in the dtype, or the u32 codes
@@ -183,12 +185,27 @@ fn split_lanes(plain_mma: bool, blocks_per_sm: u32) -> usize {
     (if plain_mma { 1 } else { 2 }).min(blocks_per_sm.max(1) as usize)
 }
 
-/// How a call runs: the states' partition and the splits.
+/// How a call runs: the states' partition, the splits, and whether the splits of a group are one
+/// thread-block cluster that merges them in the kernel (no merge kernel).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Plan {
     warp_states: usize,
     chunks: usize,
     splits: usize,
+    cluster: bool,
+}
+
+/// The most splits one cluster takes (CUDA's portable cluster size).
+const MAX_CLUSTER_SPLITS: usize = 8;
+
+/// Whether the splits merge inside the kernel, as a cluster: Hopper's tensor-core kernel over a
+/// plain cache (`bits` 0) with 2 .. MAX_CLUSTER_SPLITS splits. Its splits aim at one block per SM
+/// (split_lanes), so a cluster's blocks find room together: bf16 8 x 8192 (2 splits) 2-4 % faster
+/// than with the merge kernel (H200, RESULTS). The quantized kernels' splits fill two blocks per
+/// SM, where clusters of 4 ran 5-47 % slower (a second wave); more splits, older GPUs and the
+/// CUDA-core kernel take the merge kernel too.
+fn cluster_merges(cc: (i32, i32), kernel: Kernel, bits: usize, splits: usize) -> bool {
+    cc.0 >= 9 && kernel == Kernel::Decode && bits == 0 && (2..=MAX_CLUSTER_SPLITS).contains(&splits)
 }
 
 /// The states' partition for a kernel of `warps` warps of `state_tile` states each: warp_states
@@ -238,6 +255,8 @@ fn params(p: &Decode, bits: usize, k_gs: usize, v_gs: usize, plan: Plan, ptrs: &
         scale_log2: p.scale * std::f32::consts::LOG2_E,
         cap_in,
         cap_out,
+        cluster: plan.cluster as i32,
+        pad: 0,
     }
 }
 
@@ -269,18 +288,26 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
     let grid_x = blocks.checked_mul(splits).filter(|&n| n <= i32::MAX as usize).ok_or_else(|| {
         FlashError::Unsupported(format!("decode: {splits} splits of {blocks} blocks exceed the CUDA grid; ask for fewer num_splits"))
     })?;
-    let plan = Plan { warp_states, chunks, splits };
-    // With splits, each split's state lands in the workspace and the merge writes o and lse.
+    let cluster = cluster_merges(dev.cc, v.kernel, bits, splits);
+    let plan = Plan { warp_states, chunks, splits, cluster };
+    // With splits, each split's state lands in the workspace and the merge writes o and lse (or,
+    // as a cluster, the kernel merges them).
     let states = p.batch * p.seq_q * p.heads;
-    let work = if splits > 1 {
+    let work = if splits > 1 && !cluster {
         Some((DeviceBuffer::alloc(splits * states * p.head_dim * 4, s)?, DeviceBuffer::alloc(splits * states * 4, s)?))
     } else {
         None
     };
     let work_ptrs = work.as_ref().map_or((0, 0), |(o, l)| (o.ptr, l.ptr));
     let prm = params(p, bits, gs(formats[0]), gs(formats[1]), plan, &ptrs, work_ptrs);
-    // SAFETY: the caller's pointers and the workspace, of the sizes p implies; the params mirror the kernel's.
-    unsafe { launch(v.kernel.entry(), f, (grid_x as u32, p.batch as u32, 1), s, &prm)? };
+    let grid = (grid_x as u32, p.batch as u32, 1);
+    if cluster {
+        // SAFETY: as below; the cluster's blocks are the splits of one group (the kernel's order).
+        unsafe { device::launch_cluster(v.kernel.entry(), f, grid, splits as u32, s, &prm)? };
+    } else {
+        // SAFETY: the caller's pointers and the workspace, of the sizes p implies; the params mirror the kernel's.
+        unsafe { launch(v.kernel.entry(), f, grid, s, &prm)? };
+    }
     if let Some((o_part, lse_part)) = &work {
         let mp = MergePtrs { o_parts: o_part.ptr, lse_parts: lse_part.ptr, o: ptrs.o, lse: ptrs.lse };
         // SAFETY: the workspace just written on s, and the caller's outputs.
@@ -435,10 +462,18 @@ mod tests {
     }
 
     #[test]
+    fn splits_merge_as_a_cluster_on_hopper_only() {
+        assert!(cluster_merges((9, 0), Kernel::Decode, 0, 2) && cluster_merges((9, 0), Kernel::Decode, 0, 8));
+        assert!(!cluster_merges((9, 0), Kernel::Decode, 0, 1) && !cluster_merges((9, 0), Kernel::Decode, 0, 9));
+        assert!(!cluster_merges((8, 0), Kernel::Decode, 0, 4) && !cluster_merges((9, 0), Kernel::DecodeSimt, 0, 4));
+        assert!(!cluster_merges((9, 0), Kernel::Decode, 8, 4) && !cluster_merges((9, 0), Kernel::Decode, 4, 2));
+    }
+
+    #[test]
     fn window_sides_are_capped_for_the_kernel() {
         let mut p = call(1, 2, 8, 8, 64);
         let ptrs = DecodePtrs { q: 0, k: CachePtrs { data: 0, scales: 0, biases: 0 }, v: CachePtrs { data: 0, scales: 0, biases: 0 }, seqlens: 0, leftpad: 0, o: 0, lse: 0 };
-        let plan = Plan { warp_states: 1, chunks: 1, splits: 1 };
+        let plan = Plan { warp_states: 1, chunks: 1, splits: 1, cluster: false };
         let prm = params(&p, 0, 0, 0, plan, &ptrs, (0, 0));
         assert_eq!((prm.win_left, prm.win_right, prm.row_bytes, prm.states), (1 << 30, 0, 256, 2));
         p.causal = false;
