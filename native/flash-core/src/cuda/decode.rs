@@ -408,8 +408,8 @@ mod tests {
 
     #[test]
     fn params_struct_matches_the_kernel_layout() {
-        // 13 pointers, 17 ints, 3 floats (cuda/decode.h).
-        assert_eq!(std::mem::size_of::<DecodeParams>(), 13 * 8 + 17 * 4 + 3 * 4);
+        // 13 pointers, 17 ints, 3 floats, the cluster flag and its padding (cuda/decode.h).
+        assert_eq!(std::mem::size_of::<DecodeParams>(), 13 * 8 + 17 * 4 + 3 * 4 + 2 * 4);
         assert_eq!(std::mem::size_of::<DecodeParams>() % 8, 0);
     }
 
