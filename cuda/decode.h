@@ -11,7 +11,8 @@
 //   scales, biases  [B, S_cache, Hkv, D / group_size] elem_t (quantized caches only)
 //   lse             [B, H, Sq] f32, natural log; -inf (and o = 0) for a state that sees no key
 //   o_part          [splits, B, Sq, H, D] f32, lse_part [splits, B, H, Sq]: with splits > 1 each
-//                   split's state, merged by merge.cu
+//                   split's state, merged by merge.cu (with p.cluster the blocks of a
+//                   cluster merge their splits themselves, cluster_merge: no parts)
 //
 // Row b's valid keys are [leftpad[b], seqlens[b]); query row i sees the valid keys whose index j
 // (absolute) lies in [end + i - win_left, end + i + win_right], end = seqlens[b] - Sq (causal: the
