@@ -313,17 +313,37 @@ pub unsafe fn launch_dependent<P>(dev: &Device, name: &str, f: Function, grid: (
         // SAFETY: the caller's guarantees.
         return unsafe { launch(name, f, grid, stream, params) };
     }
-    if !launches_blocks(name, grid)? {
-        return Ok(());
-    }
     // SAFETY: a plain C union; the attribute reads only programmaticStreamSerializationAllowed.
     let mut value: cu::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
     value.programmaticStreamSerializationAllowed = 1;
-    let mut attr = [cu::CUlaunchAttribute {
-        id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-        pad: [0; 4],
-        value,
-    }];
+    // SAFETY: the caller's guarantees.
+    unsafe { launch_with(name, f, grid, stream, params, cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value) }
+}
+
+/// As [`launch`], with the grid's blocks in clusters of `cluster_x` consecutive blocks along x
+/// (Hopper and later; the kernel may then use the cluster's barriers and shared memory).
+///
+/// # Safety
+/// As [`launch`].
+pub unsafe fn launch_cluster<P>(name: &str, f: Function, grid: (u32, u32, u32), cluster_x: u32, stream: cu::CUstream, params: &P) -> Result<()> {
+    // SAFETY: a plain C union; the attribute reads only clusterDim.
+    let mut value: cu::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+    value.clusterDim.x = cluster_x;
+    value.clusterDim.y = 1;
+    value.clusterDim.z = 1;
+    // SAFETY: the caller's guarantees.
+    unsafe { launch_with(name, f, grid, stream, params, cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, value) }
+}
+
+/// As [`launch`], through cuLaunchKernelEx with one launch attribute.
+///
+/// # Safety
+/// As [`launch`].
+unsafe fn launch_with<P>(name: &str, f: Function, grid: (u32, u32, u32), stream: cu::CUstream, params: &P, id: cu::CUlaunchAttributeID, value: cu::CUlaunchAttributeValue) -> Result<()> {
+    if !launches_blocks(name, grid)? {
+        return Ok(());
+    }
+    let mut attr = [cu::CUlaunchAttribute { id, pad: [0; 4], value }];
     let config = cu::CUlaunchConfig {
         gridDimX: grid.0,
         gridDimY: grid.1,
@@ -343,42 +363,6 @@ pub unsafe fn launch_dependent<P>(dev: &Device, name: &str, f: Function, grid: (
         return Ok(());
     }
     check(&format!("cuLaunchKernelEx({name})"), r)
-}
-
-/// As [`launch`], with the grid's blocks in clusters of `cluster_x` consecutive blocks along x
-/// (Hopper and later; the kernel may then use the cluster's barriers and shared memory).
-///
-/// # Safety
-/// As [`launch`].
-pub unsafe fn launch_cluster<P>(name: &str, f: Function, grid: (u32, u32, u32), cluster_x: u32, stream: cu::CUstream, params: &P) -> Result<()> {
-    if !launches_blocks(name, grid)? {
-        return Ok(());
-    }
-    // SAFETY: a plain C union; the attribute reads only clusterDim.
-    let mut value: cu::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-    value.clusterDim.x = cluster_x;
-    value.clusterDim.y = 1;
-    value.clusterDim.z = 1;
-    let mut attr = [cu::CUlaunchAttribute { id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, pad: [0; 4], value }];
-    let config = cu::CUlaunchConfig {
-        gridDimX: grid.0,
-        gridDimY: grid.1,
-        gridDimZ: grid.2,
-        blockDimX: f.threads,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: f.smem,
-        hStream: stream,
-        attrs: attr.as_mut_ptr(),
-        numAttrs: 1,
-    };
-    let mut args = [params as *const P as *mut c_void];
-    // SAFETY: the config and its attribute outlive the call; the caller's guarantees for the rest.
-    let r = unsafe { cu::cuLaunchKernelEx(&config, f.func, args.as_mut_ptr(), std::ptr::null_mut()) };
-    if r == CUresult::CUDA_SUCCESS {
-        return Ok(());
-    }
-    check(&format!("cuLaunchKernelEx({name}, clusters of {cluster_x})"), r)
 }
 
 /// Device memory freed on drop (stream-ordered when a stream is given).
