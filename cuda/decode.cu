@@ -362,47 +362,20 @@ __device__ __forceinline__ void settle_quant(const float (&x)[NB][4], const floa
 
 #include "decode_q4.h"
 
-// step_blocks for a 4-bit cache (decode_q4.h), K groups of GK and V groups of GV elements; cv: the
-// V groups' correction accumulators, w: the V weights' range (fp16 queries).
-template <int GK, int GV, int NB>
-__device__ __forceinline__ void block_step_q4(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], WeightRange& w,
-                                              float (&m)[2], float (&l)[2], const u32 (&qa)[Q_REGS], const float (&qs)[HEAD_DIM / GK][2],
-                                              const unsigned char* stage, const StageLayout& L, const DecodeParams& p,
-                                              int key0, int nkeys, const int (&r0)[NB], const int2 (&vis)[2],
-                                              const ScaleOffset& k_off, const ScaleOffset& v_off) {
-    const int g = (threadIdx.x % 32) / 4;
-    const unsigned char* ks = stage + L.off_ks;
-    const unsigned char* kb = stage + L.off_kb;
-    const unsigned char* vs = stage + L.off_vs;
-    const unsigned char* vb = stage + L.off_vb;
-    step_blocks<NB>(
-        m, l, p, key0, nkeys, r0, vis,
-        [&](int b, float (&x)[4]) {
-            const int r = r0[b] + g, r8 = r + 8;
-            q4_qk<GK>(x, qa, qs, smem_addr(stage + r0[b] * Q4::SROW_K), ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k,
-                      ks + r8 * 4 * L.sw_k, kb + r8 * 4 * L.sw_k, k_off(key0 + r), k_off(key0 + r8));
-        },
-        [&](const float (&x)[NB][4], const float (&alpha)[2], bool moved) {
-            settle_quant<GV>(x, alpha, moved, FLASH_DTYPE == 0, w, o, cv, vs, L.sw_v, r0, key0, v_off);
-        },
-        [&](int b, const float (&x)[4]) {
-            const int r = r0[b] + g, r8 = r + 8;
-            q4_pv<GV>(o, cv, x, w, stage + L.off_v + r0[b] * Q4::SROW_V, vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v,
-                      vs + r8 * 4 * L.sw_v, vb + r8 * 4 * L.sw_v, v_off(key0 + r), v_off(key0 + r8));
-        });
-}
-
 #include "decode_q8.h"
 
-// step_blocks for an 8-bit cache (decode_q8.h), K groups of GK and V groups of GV elements; cv: the
-// V groups' bias accumulators, w: the V weights' range, qinv: the states' q scaling undone.
-template <int GK, int GV, int NB>
-__device__ __forceinline__ void block_step_q8(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], WeightRange& w,
-                                              const float (&qinv)[2], float (&m)[2], float (&l)[2], const u32 (&qa)[Q_REGS],
-                                              const float (&qs)[HEAD_DIM / GK][2], const unsigned char* stage,
-                                              const StageLayout& L, const DecodeParams& p, int key0, int nkeys,
-                                              const int (&r0)[NB], const int2 (&vis)[2], const ScaleOffset& k_off,
-                                              const ScaleOffset& v_off) {
+// step_blocks for a 4- or 8-bit cache (BITS; decode_q4.h, decode_q8.h), K groups of GK and V
+// groups of GV elements; cv: the V groups' bias accumulators, w: the V weights' range (fp16
+// weights: 8-bit, and 4-bit under fp16 queries), qinv: the states' q scaling undone (8-bit).
+template <int BITS, int GK, int GV, int NB>
+__device__ __forceinline__ void block_step_quant(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], WeightRange& w,
+                                                 const float (&qinv)[2], float (&m)[2], float (&l)[2], const u32 (&qa)[Q_REGS],
+                                                 const float (&qs)[HEAD_DIM / GK][2], const unsigned char* stage,
+                                                 const StageLayout& L, const DecodeParams& p, int key0, int nkeys,
+                                                 const int (&r0)[NB], const int2 (&vis)[2], const ScaleOffset& k_off,
+                                                 const ScaleOffset& v_off) {
+    constexpr bool q8 = BITS == 8;
+    constexpr int srow_k = q8 ? Q8::SROW_K : Q4::SROW_K, srow_v = q8 ? Q8::SROW_V : Q4::SROW_V;
     const int g = (threadIdx.x % 32) / 4;
     const unsigned char* ks = stage + L.off_ks;
     const unsigned char* kb = stage + L.off_kb;
@@ -412,16 +385,28 @@ __device__ __forceinline__ void block_step_q8(float (&o)[HEAD_DIM / 16][4], floa
         m, l, p, key0, nkeys, r0, vis,
         [&](int b, float (&x)[4]) {
             const int r = r0[b] + g, r8 = r + 8;
-            q8_qk<GK>(x, qa, qs, qinv, smem_addr(stage + r0[b] * Q8::SROW_K), ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k,
-                      ks + r8 * 4 * L.sw_k, kb + r8 * 4 * L.sw_k, k_off(key0 + r), k_off(key0 + r8));
+            const u32 rows = smem_addr(stage + r0[b] * srow_k);
+            if constexpr (q8) {
+                q8_qk<GK>(x, qa, qs, qinv, rows, ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k, ks + r8 * 4 * L.sw_k,
+                          kb + r8 * 4 * L.sw_k, k_off(key0 + r), k_off(key0 + r8));
+            } else {
+                q4_qk<GK>(x, qa, qs, rows, ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k, ks + r8 * 4 * L.sw_k,
+                          kb + r8 * 4 * L.sw_k, k_off(key0 + r), k_off(key0 + r8));
+            }
         },
         [&](const float (&x)[NB][4], const float (&alpha)[2], bool moved) {
-            settle_quant<GV>(x, alpha, moved, true, w, o, cv, vs, L.sw_v, r0, key0, v_off);
+            settle_quant<GV>(x, alpha, moved, q8 || FLASH_DTYPE == 0, w, o, cv, vs, L.sw_v, r0, key0, v_off);
         },
         [&](int b, const float (&x)[4]) {
             const int r = r0[b] + g, r8 = r + 8;
-            q8_pv<GV>(o, cv, x, w, stage + L.off_v + r0[b] * Q8::SROW_V, vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v,
-                      vs + r8 * 4 * L.sw_v, vb + r8 * 4 * L.sw_v, v_off(key0 + r), v_off(key0 + r8));
+            const unsigned char* rows = stage + L.off_v + r0[b] * srow_v;
+            if constexpr (q8) {
+                q8_pv<GV>(o, cv, x, w, rows, vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v, vs + r8 * 4 * L.sw_v,
+                          vb + r8 * 4 * L.sw_v, v_off(key0 + r), v_off(key0 + r8));
+            } else {
+                q4_pv<GV>(o, cv, x, w, rows, vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v, vs + r8 * 4 * L.sw_v,
+                          vb + r8 * 4 * L.sw_v, v_off(key0 + r), v_off(key0 + r8));
+            }
         });
 }
 
@@ -459,7 +444,7 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
 
     u32 qa[Q_REGS];
     float qs[NGK][2];
-    float qinv[2];   // 8-bit: the states' q scaling, undone (decode_q8.h)
+    float qinv[2] = {1.f, 1.f};  // 8-bit: the states' q scaling, undone (decode_q8.h)
     WeightRange wr;  // quantized: the V weights' range (decode_weights.h)
     if constexpr (q4) {
         q4_load_q<GK>(qa, qs, p, w);
@@ -488,10 +473,9 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
             int rows[STEP_BLOCKS];
 #pragma unroll
             for (int b = 0; b < STEP_BLOCKS; ++b) rows[b] = r0 + b * wk_n * KEY_BLOCK;
-            if constexpr (q4) {
-                block_step_q4<GK, GV, STEP_BLOCKS>(o, cv, wr, m, l, qa, qs, stage, L, p, key0, nkeys, rows, vis, k_off, v_off);
-            } else if constexpr (q8) {
-                block_step_q8<GK, GV, STEP_BLOCKS>(o, cv, wr, qinv, m, l, qa, qs, stage, L, p, key0, nkeys, rows, vis, k_off, v_off);
+            if constexpr (CACHE_BITS != 0) {
+                block_step_quant<CACHE_BITS, GK, GV, STEP_BLOCKS>(o, cv, wr, qinv, m, l, qa, qs, stage, L, p, key0, nkeys, rows,
+                                                                  vis, k_off, v_off);
             } else {
                 block_step<STEP_BLOCKS>(o, m, l, qa, stage, L, p, key0, nkeys, rows, vis);
             }
@@ -508,9 +492,9 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
         part.m[row + 2 * t + 1] = m[1], part.l[row + 2 * t + 1] = l[1];
     }
     if constexpr (q4) {
-        q4_store_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, wr);
+        store_quant_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, wr, [g](int mb) { return make_int2(q4_group<GV>(mb), q4_dim_of<GV>(mb, g)); });
     } else if constexpr (q8) {
-        q8_store_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, wr);
+        store_quant_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, wr, [g](int mb) { return make_int2(q8_group<GV>(mb), q8_dim_of(mb, g)); });
     } else {
         store_partial_o<0>(part.o + row * HEAD_DIM, o);
     }

@@ -469,6 +469,7 @@ struct BlockStates {
 // The block's rank in its cluster, a shared address of the block of rank r, a 4-byte load from
 // another block's shared memory, and a barrier over the cluster's threads (Hopper; the host sets
 // p.cluster nowhere else).
+#define MAX_CLUSTER_SPLITS 8  // decode.rs's, the portable cluster size
 #if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ u32 cluster_rank() {
     u32 r;
@@ -503,14 +504,21 @@ __device__ __forceinline__ void cluster_merge(const DecodeParams& p, const Decod
         const int col = e % d, slot = e / d;
         const int st = w.chunk * p.warp_states * STATE_TILE + slot;
         if (st >= p.states) continue;
-        float mx = NEG_INF;
-        for (int k = 0; k < n; ++k) mx = fmaxf(mx, ld_cluster_f32(cluster_map(lse_at + 4 * slot, k)));
+        float lse_k[MAX_CLUSTER_SPLITS], mx = NEG_INF;  // each split's lse, read once
+#pragma unroll
+        for (int k = 0; k < MAX_CLUSTER_SPLITS; ++k) {
+            lse_k[k] = k < n ? ld_cluster_f32(cluster_map(lse_at + 4 * slot, k)) : NEG_INF;
+            mx = fmaxf(mx, lse_k[k]);
+        }
         float l = 0.f, acc = 0.f;
         if (mx != NEG_INF) {
-            for (int k = 0; k < n; ++k) {
-                const float f = expf(ld_cluster_f32(cluster_map(lse_at + 4 * slot, k)) - mx);
-                l += f;
-                acc += f * ld_cluster_f32(cluster_map(o_at + 4 * e, k));
+#pragma unroll
+            for (int k = 0; k < MAX_CLUSTER_SPLITS; ++k) {
+                if (k < n) {
+                    const float f = expf(lse_k[k] - mx);
+                    l += f;
+                    acc += f * ld_cluster_f32(cluster_map(o_at + 4 * e, k));
+                }
             }
         }
         const bool seen = l > 0.f;

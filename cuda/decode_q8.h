@@ -175,22 +175,7 @@ __device__ __forceinline__ void q8_pv(float (&o)[HEAD_DIM / 16][4], float (&cv)[
     }
 }
 
-// The warp's o after its last block (divided by f), plus each group's bias sums (over the lanes of a
-// column), into shared memory as store_partial_o does.
+// The group of m-block mb, and the dim of its row g (row g + 8: the next one).
 template <int GV>
-__device__ __forceinline__ void q8_store_partial_o(float* dst, const float (&o)[HEAD_DIM / 16][4], const float (&cv)[HEAD_DIM / GV][2],
-                                                   const WeightRange& w) {
-    const int t = threadIdx.x % 4, g = (threadIdx.x % 32) / 4;
-    float bias[HEAD_DIM / GV][2];
-#pragma unroll
-    for (int G = 0; G < HEAD_DIM / GV; ++G) bias[G][0] = column_sum(cv[G][0]), bias[G][1] = column_sum(cv[G][1]);
-    const float inv[2] = {1.f / w.f[0], 1.f / w.f[1]};
-#pragma unroll
-    for (int mb = 0; mb < HEAD_DIM / 16; ++mb) {
-        const int G = (mb / 2) / (GV / 32), d = 32 * (mb / 2) + 4 * g + 2 * (mb % 2);
-        dst[2 * t * HEAD_DIM + d] = fmaf(o[mb][0], inv[0], bias[G][0]);
-        dst[(2 * t + 1) * HEAD_DIM + d] = fmaf(o[mb][1], inv[1], bias[G][1]);
-        dst[2 * t * HEAD_DIM + d + 1] = fmaf(o[mb][2], inv[0], bias[G][0]);
-        dst[(2 * t + 1) * HEAD_DIM + d + 1] = fmaf(o[mb][3], inv[1], bias[G][1]);
-    }
-}
+__device__ __forceinline__ int q8_group(int mb) { return (mb / 2) / (GV / 32); }
+__device__ __forceinline__ int q8_dim_of(int mb, int g) { return 32 * (mb / 2) + 4 * g + 2 * (mb % 2); }

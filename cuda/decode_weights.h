@@ -67,3 +67,26 @@ __device__ __forceinline__ void settle_weights(const float (&x)[NB][4], const fl
         rescale_pairs(cv, alpha);
     }
 }
+
+// The warp's o after its last block (divided by f), plus each group's bias sums (over the lanes of
+// a column), into shared memory as store_partial_o does, for the quantized steps (decode_q4.h,
+// decode_q8.h): at(mb) = (group, dim of row g) of m-block mb in the format's layout (row g + 8:
+// the next dim).
+template <int GV, typename At>
+__device__ __forceinline__ void store_quant_partial_o(float* dst, const float (&o)[HEAD_DIM / 16][4], const float (&cv)[HEAD_DIM / GV][2],
+                                                      const WeightRange& w, At&& at) {
+    const int t = threadIdx.x % 4;
+    float bias[HEAD_DIM / GV][2];
+#pragma unroll
+    for (int G = 0; G < HEAD_DIM / GV; ++G) bias[G][0] = column_sum(cv[G][0]), bias[G][1] = column_sum(cv[G][1]);
+    const float inv[2] = {1.f / w.f[0], 1.f / w.f[1]};
+#pragma unroll
+    for (int mb = 0; mb < HEAD_DIM / 16; ++mb) {
+        const int2 gd = at(mb);
+        const int G = gd.x, d = gd.y;
+        dst[2 * t * HEAD_DIM + d] = fmaf(o[mb][0], inv[0], bias[G][0]);
+        dst[(2 * t + 1) * HEAD_DIM + d] = fmaf(o[mb][1], inv[1], bias[G][1]);
+        dst[2 * t * HEAD_DIM + d + 1] = fmaf(o[mb][2], inv[0], bias[G][0]);
+        dst[(2 * t + 1) * HEAD_DIM + d + 1] = fmaf(o[mb][3], inv[1], bias[G][1]);
+    }
+}

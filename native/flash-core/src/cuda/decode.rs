@@ -195,7 +195,8 @@ struct Plan {
     cluster: bool,
 }
 
-/// The most splits one cluster takes (CUDA's portable cluster size).
+/// The most splits one cluster takes (CUDA's portable cluster size; cuda/decode.h mirrors it as
+/// MAX_CLUSTER_SPLITS, the bound of cluster_merge's per-split registers).
 const MAX_CLUSTER_SPLITS: usize = 8;
 
 /// Whether the splits merge inside the kernel, as a cluster: Hopper's tensor-core kernel over a
