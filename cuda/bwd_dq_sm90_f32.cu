@@ -1,35 +1,36 @@
 // bwd_dq_sm90_f32.cu — dQ for Hopper (sm_90a) in f32, the products as split TF32 on warpgroup MMA
-// (sm90_f32.h: TF32_TERMS = 3 "exact", 1 "tf32"). D = 64, plain problems (causal or not, GQA); dK
-// and dV are bwd_dkdv_sm90_f32.cu's. Deterministic: each block owns its rows.
+// (sm90_f32.h: TF32_TERMS = 3 "exact", 1 "tf32"). D = 64 and 128, plain problems (causal or not,
+// GQA); dK and dV are bwd_dkdv_sm90_f32.cu's. Deterministic: each block owns its rows.
 //
-// Grid (ceil(Sq / BLOCK_M), H, B), causal heaviest first; BLOCK_M = 128 query rows, BLOCK_N = 32
-// keys a tile; NUM_WARPS = 12:
+// Grid (ceil(Sq / BLOCK_M), H, B), causal heaviest first; BLOCK_M = 64 query rows per consumer
+// warpgroup, CONSUMERS = 2 at D = 64 with BLOCK_N = 32 keys a tile, 1 at D = 128 with 16 (two
+// TF32 parts of Q and dO for 128 rows would fill 256 KiB); NUM_WARPS = 4 (1 + CONSUMERS):
 // - warpgroup 0, the producer: Q and dO once (RowTiles: the A operands of S and dP), then per key
 //   tile K and V as RowTiles (the B operands of S = Q K^T and dP = dO V^T) and K again as a
 //   TransposedTile (K^T: the B operand of dQ += dS K, whose A is registers), STAGES deep. The next
 //   tile is loaded into registers before waiting for its stage.
-// - warpgroups 1 and 2, the consumers, own 64 query rows each (warp w: 16 rows, the mma.sync
-//   accumulator layout). Per key tile:
+// - the consumers own 64 query rows each (warp w: 16 rows, the mma.sync accumulator layout). Per
+//   key tile:
 //     S = Q K^T, dP = dO V^T                 (ss, from zero)
 //     P = exp2(S scale_log2 - lse_log2), dS = P (dP - delta)    (masked where the tile needs it)
 //     dQ += dS K                             (rs: dS as an AFrag)
 //   With split products each tile's dS K runs in a fresh accumulator added to dQ in f32 (see
 //   bwd_dkdv_sm90_f32.cu). dQ *= scale at the end.
 //
-// Shared memory (TERMS = 2 at TF32_TERMS = 3): Q and dO 2 x TERMS x 128 x D x 4 = 128 KiB; per stage
-//   K, V and K^T 3 x TERMS x 32 x D x 4 = 48 KiB: 224 KiB with two stages at D = 64.
+// Shared memory (TERMS = 2 at TF32_TERMS = 3): Q and dO 2 x TERMS x BLOCK_M x D x 4 = 128 KiB; per
+//   stage K, V and K^T 3 x TERMS x BLOCK_N x D x 4 = 48 KiB: 224 KiB with two stages.
 #include "sm90_f32.h"
 #include "tile.h"
 #include "block.h"
 #include "mask.h"
 
-#define CONSUMERS 2
+#define CONSUMERS (HEAD_DIM == 64 ? 2 : 1)
 #ifndef STAGES
 #define STAGES 2
 #endif
-#if FLASH_DTYPE != 2 || HEAD_DIM != 64 || NUM_WARPS != 4 * (1 + CONSUMERS) || BLOCK_M != 64 * CONSUMERS || BLOCK_N != 32 || \
+#if FLASH_DTYPE != 2 || NUM_WARPS != 4 * (1 + CONSUMERS) || BLOCK_M != 64 * CONSUMERS || BLOCK_N != 2048 / HEAD_DIM || \
     MASKED || MODS
-#error "bwd_dq_sm90_f32: f32, HEAD_DIM 64, two consumer warpgroups of 64 rows, 32 keys a tile, plain"
+#error "bwd_dq_sm90_f32: f32, consumer warpgroups of 64 rows (D 64: two, 32 keys a tile; D 128: one, 16 keys), plain"
 #endif
 
 #define FRESH (TERMS == 2)  // each tile's dS K in a fresh accumulator
@@ -38,7 +39,11 @@
 // K^T (3 x 32 x D / 128 floats); a consumer dQ, S, dP, dS's AFrag and a fresh accumulator.
 // "tf32" (one part, no fresh sums): a consumer needs far fewer, and the producer holds the next
 // tile besides (PREFETCH).
-#if TERMS == 2
+#if TERMS == 2 && CONSUMERS == 1
+#define PRODUCER_REGS 128
+#define CONSUMER_REGS 248
+#define PREFETCH 0
+#elif TERMS == 2
 #define PRODUCER_REGS 120
 #define CONSUMER_REGS 192
 #define PREFETCH 0
@@ -48,12 +53,13 @@
 #define PREFETCH 1
 #endif
 
-#define TILE_BYTES(rows) (TERMS * PART_BYTES(rows))  // a tile's parts
-#define STAGE_BYTES (3 * TILE_BYTES(BLOCK_N))        // K, V, K^T
+#define TILE_BYTES(rows) (TERMS * PART_BYTES(rows))  // a RowTile's parts
+using StageT = TransposedTile<BLOCK_N>;                // K^T
+constexpr u32 STAGE_BYTES = 2 * TILE_BYTES(BLOCK_N) + StageT::BYTES;  // K, V, K^T
 
 // Shared memory, from a base aligned to the swizzle's period (1024 bytes): Q, dO [TERMS][D / 32]
-// [BLOCK_M][32]; STAGES stages of K, V [TERMS][D / 32][BLOCK_N][32] and K^T [TERMS][BLOCK_N / 32]
-// [D][32]; the mbarriers qdo_full, full[STAGES], empty[STAGES].
+// [BLOCK_M][32]; STAGES stages of K, V [D / 32][TERMS][BLOCK_N][32] (ss_products_paired's B) and
+// K^T (TransposedTile<BLOCK_N>); the mbarriers qdo_full, full[STAGES], empty[STAGES].
 constexpr u32 SMEM_Q = 0;
 constexpr u32 SMEM_DO = SMEM_Q + TILE_BYTES(BLOCK_M);
 constexpr u32 SMEM_STAGES = SMEM_DO + TILE_BYTES(BLOCK_M);
@@ -88,7 +94,7 @@ __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& 
     // Key tile j in registers: K and V as RowTiles, K as a TransposedTile.
     struct KeyTileRegs {
         RowTile<BLOCK_N> kr, vr;
-        TransposedTile<BLOCK_N> kt;
+        StageT kt;
     };
     auto load = [&](KeyTileRegs& t, int n0) {
         t.kr.load(k, p.k_st.seq, n0, blk.Sk);
@@ -161,14 +167,14 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
 #if FRESH
         float fresh[HEAD_DIM / 8][4];
         wgmma_fence();
-        rs_products<HEAD_DIM>(fresh, da, kt, PART_BYTES(BLOCK_N), 0, false);
+        rs_products<HEAD_DIM>(fresh, da, kt, StageT::PART, 0, false);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(fresh);
         add_into(dq, fresh, 0);
 #else
         wgmma_fence();
-        rs_products<HEAD_DIM>(dq, da, kt, PART_BYTES(BLOCK_N), 0, true);
+        rs_products<HEAD_DIM>(dq, da, kt, StageT::PART, 0, true);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(dq);

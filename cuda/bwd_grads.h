@@ -33,11 +33,10 @@ __device__ __forceinline__ void grads_t(float (&s)[NT][4], float (&dp)[NT][4], f
         }
 }
 #else
-// S^T (raw scores) -> P^T = exp2(S^T scale_log2 - lse2), masked when `masked` (KEY_ROWS mask), and
-// dP^T -> dS^T = P^T (dP^T - delta), in one pass.
+// S^T (raw scores) -> P^T = exp2(S^T scale_log2 - lse2), masked when `masked` (KEY_ROWS mask).
 template <int NT>
-__device__ __forceinline__ void grads_t(float (&s)[NT][4], float (&dp)[NT][4], float scale_log2, bool masked, int key0,
-                                        int m0, const Visibility& vis, const float* lse2, const float* dlt) {
+__device__ __forceinline__ void probs_t(float (&s)[NT][4], float scale_log2, bool masked, int key0, int m0,
+                                        const Visibility& vis, const float* lse2) {
     const int t = threadIdx.x % 4;
 #pragma unroll
     for (int i = 0; i < NT; ++i)
@@ -47,11 +46,24 @@ __device__ __forceinline__ void grads_t(float (&s)[NT][4], float (&dp)[NT][4], f
 #pragma unroll
     for (int i = 0; i < NT; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int col = i * 8 + 2 * t + (e % 2);
-            const float pr = fast_exp2(s[i][e] - lse2[col]);
-            s[i][e] = pr;                          // P^T
-            dp[i][e] = pr * (dp[i][e] - dlt[col]);  // dS^T
-        }
+        for (int e = 0; e < 4; ++e) s[i][e] = fast_exp2(s[i][e] - lse2[i * 8 + 2 * t + (e % 2)]);
+}
+
+// dP^T -> dS^T = P^T (dP^T - delta).
+template <int NT>
+__device__ __forceinline__ void dscores_t(float (&dp)[NT][4], const float (&pt)[NT][4], const float* dlt) {
+    const int t = threadIdx.x % 4;
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[i][e] = pt[i][e] * (dp[i][e] - dlt[i * 8 + 2 * t + (e % 2)]);
+}
+
+// Both: S^T -> P^T and dP^T -> dS^T.
+template <int NT>
+__device__ __forceinline__ void grads_t(float (&s)[NT][4], float (&dp)[NT][4], float scale_log2, bool masked, int key0,
+                                        int m0, const Visibility& vis, const float* lse2, const float* dlt) {
+    probs_t<NT>(s, scale_log2, masked, key0, m0, vis, lse2);
+    dscores_t<NT>(dp, s, dlt);
 }
 #endif

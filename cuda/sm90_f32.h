@@ -16,7 +16,10 @@
 //   its small rows, one B operand of 2R rows.
 // - TransposedTile<R>: R rows stored transposed, [R / 32][D][32] (the R rows contiguous), within
 //   each group of 8 rows in the order 0, 2, 4, 6, 1, 3, 5, 7: the B operand of a product whose A is
-//   an accumulator held in registers (AFrag) and whose contraction runs over the R rows.
+//   an accumulator held in registers (AFrag) and whose contraction runs over the R rows. R = 16
+//   (the D = 128 backward's tiles): [D][2][16], each 128-byte transposed row holding the big part's
+//   16 rows, then the small part's (one part: the second half unused), so that the small part is
+//   the big one's descriptor two k steps on.
 // An accumulator's registers are its A fragment as they stand: a wgmma .tf32 A fragment holds
 // (row g, k t), (g + 8, t), (g, t + 4), (g + 8, t + 4) (g = lane / 4, t = lane % 4, CUTLASS's
 // ALayout_64x8), the accumulator (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1) per 8 columns:
@@ -59,17 +62,20 @@ __device__ __forceinline__ void st_shared_v4(u32 addr, float a, float b, float c
 __device__ __forceinline__ float tf32_big(float x) { return __uint_as_float(to_tf32(x)); }
 __device__ __forceinline__ float tf32_small(float x, float big) { return __uint_as_float(to_tf32(x - big)); }
 
-// Stores four elements (one 16-byte chunk) as their parts at `off` of each part (parts `part_bytes`
-// apart from `base`).
-__device__ __forceinline__ void store_parts(u32 base, u32 part_bytes, u32 off, float4 x) {
+// Stores four elements (one 16-byte chunk) as their parts: the big one at `big`, the small one at
+// `small`.
+__device__ __forceinline__ void store_parts_at(u32 big, u32 small, float4 x) {
     const float b0 = tf32_big(x.x), b1 = tf32_big(x.y), b2 = tf32_big(x.z), b3 = tf32_big(x.w);
-    st_shared_v4(base + off, b0, b1, b2, b3);
+    st_shared_v4(big, b0, b1, b2, b3);
 #if TERMS == 2
-    st_shared_v4(base + part_bytes + off, tf32_small(x.x, b0), tf32_small(x.y, b1), tf32_small(x.z, b2),
-                 tf32_small(x.w, b3));
+    st_shared_v4(small, tf32_small(x.x, b0), tf32_small(x.y, b1), tf32_small(x.z, b2), tf32_small(x.w, b3));
 #else
-    (void)part_bytes;
+    (void)small;
 #endif
+}
+// The same at `off` of each part (parts `part_bytes` apart from `base`).
+__device__ __forceinline__ void store_parts(u32 base, u32 part_bytes, u32 off, float4 x) {
+    store_parts_at(base + off, base + part_bytes + off, x);
 }
 
 // ---- the producer's tiles ---------------------------------------------------------------------------
@@ -114,7 +120,10 @@ template <int R>
 struct TransposedTile {
     static constexpr int STEP = PRODUCER_THREADS / HEAD_DIM;  // threads per column
     static constexpr int UNITS = R / 4 / STEP;
-    static_assert(R % 32 == 0, "whole 32-row column blocks");
+    static_assert(R % 32 == 0 || R == 16, "whole 32-row column blocks, or both parts of 16 rows in one");
+    // From the big part to the small one (rs_products' b_part), and the whole tile's bytes.
+    static constexpr u32 PART = R == 16 ? 64 : PART_BYTES(R);
+    static constexpr u32 BYTES = R == 16 ? HEAD_DIM * 128 : TERMS * PART_BYTES(R);
     float4 x[UNITS];
 
     __device__ __forceinline__ void load(const float* src, i64 stride, int r0, int nrows) {
@@ -128,13 +137,16 @@ struct TransposedTile {
             x[m] = make_float4(e[0], e[1], e[2], e[3]);
         }
     }
-    // Into the parts at `base` of a [R / 32][D][32] tile.
+    // Into the parts at `base` of a [R / 32][D][32] tile (R = 16: [D][2][16]).
     __device__ __forceinline__ void store(u32 base) const {
         const int tid = threadIdx.x % PRODUCER_THREADS, d = tid % HEAD_DIM;
 #pragma unroll
         for (int m = 0; m < UNITS; ++m) {
-            const int u = tid / HEAD_DIM + STEP * m, group = u / 2;
-            store_parts(base, PART_BYTES(R), (group / 4) * CB_BYTES(HEAD_DIM) + sw128(d, 2 * (group % 4) + u % 2), x[m]);
+            const int u = tid / HEAD_DIM + STEP * m, group = u / 2, chunk = 2 * (group % 4) + u % 2;
+            if (R == 16)
+                store_parts_at(base + sw128(d, chunk), base + sw128(d, chunk + 4), x[m]);
+            else
+                store_parts(base, PART_BYTES(R), (group / 4) * CB_BYTES(HEAD_DIM) + sw128(d, chunk), x[m]);
         }
     }
 };
@@ -211,6 +223,28 @@ __device__ __forceinline__ void sum_paired(float (&x)[NT][4], const float (&d2)[
         for (int e = 0; e < 4; ++e) x[i][e] = (d1[i][e] + d2[NT + i][e]) + d2[i][e];
 }
 #endif
+
+// x = A B^T over D (ss; as abt_pair below, one product), waited for: the D = 128 backward's
+// consumers take one score product each.
+template <int N>
+__device__ __forceinline__ void abt(float (&x)[N / 8][4], u32 a, u32 a_part, int a_rows, u32 b, int b_rows) {
+#if TERMS == 2
+    float x2[2 * N / 8][4], x1[N / 8][4];
+    wgmma_fence();
+    ss_products_paired<N>(x2, x1, a, a_part, a_rows, b, b_rows);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(x2);
+    fence_regs(x1);
+    sum_paired(x, x2, x1);
+#else
+    wgmma_fence();
+    ss_products<N>(x, a, a_part, a_rows, b, PART_BYTES(b_rows), b_rows);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(x);
+#endif
+}
 
 // x = A1 B1^T and y = A2 B2^T over D (ss; A's of a_rows rows with parts a_part apart, B's of b_rows
 // rows, PAIRED under split products (ss_products_paired), else parts PART_BYTES(b_rows) apart),

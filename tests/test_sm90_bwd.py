@@ -98,9 +98,9 @@ def test_env_switches_it_off_and_the_portable_path_agrees(hopper, make_inputs, m
 
 
 def test_what_it_cannot_take_falls_back_and_says_why(hopper, make_inputs):
-    # float32 has its own Hopper backward at D = 64 only (tests/test_tf32.py).
+    # float32 has its own Hopper backward at D = 64 and 128 (tests/test_tf32.py).
     cases = (("D = 256", 256, {}, False, "head dim 256"),
-             ("float32", 128, {}, False, "head dim 128 is not one of [64]"),
+             ("float32", 256, {}, False, "head dim 256 is not one of [64, 128]"),
              ("float32 window", 64, {"window": (16, 0)}, False, "float32 with masks"),
              ("window at D = 128", 128, {"window": (16, 0)}, False, "masks at head dim 128"),
              ("deterministic window", 64, {"window": (16, 0)}, True, "deterministic with masks"))

@@ -12,8 +12,7 @@ GQA, causal with Sq != Sk, ragged tiles, each mask and modifier. ``FLASH_NIF_TF3
 SIMT kernels on the same inputs for the record (printed beside). ``precision="tf32"`` (one TF32
 product) within its documented bound (5e-3) for o, lse, dq, dk and dv. Outputs of the native entry
 points are poisoned with NaN first. ``info()["cuda"]["last_kernels"]`` must name the kernel each
-precision promises. On a Hopper GPU the f32 forward at D = 64 and 128 and the f32 backward at D = 64
-(plain problems) run the wgmma kernels, checked the same way, on strided views too, and what they do
+precision promises. On a Hopper GPU the f32 forward and backward at D = 64 and 128 (plain problems) run the wgmma kernels, checked the same way, on strided views too, and what they do
 not take falls back with the reason in ``info()``.
 
 CPU tests (run in CI): the option is accepted by every call, the CPU computes in float32 under
@@ -181,11 +180,11 @@ def _run(fa, ref, rel_err, make_inputs, shape, causal, kw=None, precision="exact
     return err, ran
 
 
-def _backward_kernel(deterministic: bool, hopper: bool = False) -> str:
+def _backward_kernel(deterministic: bool, hopper: bool = False, d: int = 64) -> str:
     """The name prefix of the backward kernel info() reports: the dK/dV one of either path (on Hopper
     the f32 dK/dV kernel, cuda/bwd_dkdv_sm90_f32.cu, after its own dQ kernel on both paths)."""
     if hopper:
-        return "bwd_sm90_f32_d64_"
+        return f"bwd_sm90_f32_d{d}_"
     return "bwd_dkdv_f32_" if deterministic else "bwd_dkdv_dq_f32_"
 
 
@@ -197,9 +196,9 @@ def hopper_f32(fa, d: int, plain: bool = True, precision: str = "exact") -> bool
 
 def hopper_f32_backward(fa, d: int, plain: bool = True) -> bool:
     """Does the f32 backward at head dim d run the Hopper kernels (cuda/bwd_dq_sm90_f32.cu and
-    cuda/bwd_dkdv_sm90_f32.cu: compute capability 9.0, FLASH_NIF_SM90 not 0, D = 64, no mask or
-    modifier, 16 keys or more under "exact")?"""
-    return bool(fa.info()["cuda"].get("sm90")) and d == 64 and plain
+    cuda/bwd_dkdv_sm90_f32.cu: compute capability 9.0, FLASH_NIF_SM90 not 0, D = 64 or 128, no mask
+    or modifier, 16 keys or more under "exact")?"""
+    return bool(fa.info()["cuda"].get("sm90")) and d in (64, 128) and plain
 
 
 def exact_forward_math(d: int, hopper: bool = False) -> str:
@@ -216,11 +215,11 @@ def _check_exact(fa, ref, rel_err, make_inputs, record_error, shape, causal, kw=
     assert ran["forward"]["math"] == math and (math != "3xtf32" or "tf32_terms3" in ran["forward"]["kernel"]), ran
     assert ran["forward"]["kernel"].startswith("fwd_sm90_f32_") == hopper, ran
     bwd = ran["backward"]
-    # exact's portable backward: SIMT (faster than its split TF32, config.rs); on Hopper at D = 64 split TF32.
+    # exact's portable backward: SIMT (faster than its split TF32, config.rs); on Hopper at D = 64 and 128 split TF32.
     hopper_bwd = hopper_f32_backward(fa, shape[-1], plain=not kw)
     bwd_math = "3xtf32" if hopper_bwd else "f32-simt"
     assert bwd["math"] == bwd_math, ran
-    assert bwd["kernel"].startswith(_backward_kernel(deterministic, hopper_bwd)), ran
+    assert bwd["kernel"].startswith(_backward_kernel(deterministic, hopper_bwd, shape[-1])), ran
     with _Env("0"):
         simt, ran_simt = _run(fa, ref, rel_err, make_inputs, shape, causal, kw, deterministic=deterministic)
     assert ran_simt["forward"]["math"] == "f32-simt" and ran_simt["backward"]["math"] == "f32-simt", ran_simt
@@ -261,7 +260,7 @@ def test_tf32_within_its_documented_bound(gpu, ref, rel_err, make_inputs, record
     assert ran["forward"]["math"] == "tf32" and "tf32_terms1" in ran["forward"]["kernel"], ran
     bwd = ran["backward"]
     assert bwd["math"] == "tf32" and "tf32_terms1" in bwd["kernel"], ran
-    assert bwd["kernel"].startswith(_backward_kernel(deterministic, hopper_f32_backward(gpu, shape[-1]))), ran
+    assert bwd["kernel"].startswith(_backward_kernel(deterministic, hopper_f32_backward(gpu, shape[-1]), shape[-1])), ran
     print(f"{shape} causal={causal} det={deterministic}: tf32 " + " ".join(f"{n} {e:.2e}" for n, e in err.items()))
     for name, e in err.items():
         record_error("f32-tf32", name, e)
@@ -298,12 +297,12 @@ def test_every_output_element_is_written(gpu, ref, rel_err, make_inputs, precisi
 @pytest.mark.skipif(not HAVE_TORCH_GPU, reason="poisoned outputs need torch")
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
 @pytest.mark.parametrize("precision", ["exact", "tf32"])
-@pytest.mark.parametrize("d", [72, 64])
+@pytest.mark.parametrize("d", [72, 64, 128])
 def test_every_gradient_element_is_written(gpu, ref, rel_err, make_inputs, precision, deterministic, d):
     """The f32 backward through the native entry point into NaN-poisoned dq, dk, dv: a head dim
     that is not a multiple of 16 (D = 72: padded columns, D_SPLIT), ragged query and key tiles, GQA.
     "tf32" runs the TF32 kernels; "exact" the SIMT ones (the portable split-TF32 backward was
-    slower, config.rs's tf32_terms); on Hopper at D = 64 both run the wgmma kernels."""
+    slower, config.rs's tf32_terms); on Hopper at D = 64 and 128 both run the wgmma kernels."""
     import torch
 
     b, sq, sk, h, hkv = 1, 131, 77, 4, 2
@@ -321,7 +320,7 @@ def test_every_gradient_element_is_written(gpu, ref, rel_err, make_inputs, preci
     hopper_bwd = hopper_f32_backward(gpu, d)
     assert ran["math"] == {"exact": "3xtf32" if hopper_bwd else "f32-simt", "tf32": "tf32"}[precision], ran
     if precision == "tf32" or hopper_bwd:
-        assert ran["kernel"].startswith(_backward_kernel(deterministic, hopper_bwd)), ran
+        assert ran["kernel"].startswith(_backward_kernel(deterministic, hopper_bwd, d)), ran
     want = ref.backward(do, q, k, v, o, lse, causal=True)
     bound = EXACT_BOUNDS["dq"] if precision == "exact" else TF32_BOUND
     for name, got, w in zip(("dq", "dk", "dv"), grads, want):
@@ -458,14 +457,19 @@ def test_hopper_f32_falls_back_and_says_why(hopper, make_inputs):
 
 # ---- GPU: the Hopper f32 backward (cuda/bwd_dq_sm90_f32.cu, then cuda/bwd_dkdv_sm90_f32.cu) ---------
 
-# (B, Sq, Sk, H, Hkv, D): D = 64 (its one head dim), GQA 4:1, ragged query and key tiles, Sq != Sk both
-# ways (causal rows that see no key: dq = 0 there), several query and key tiles, ~2048 keys.
+# (B, Sq, Sk, H, Hkv, D): both head dims, GQA 4:1, ragged query and key tiles, Sq != Sk both ways
+# (causal rows that see no key: dq = 0 there), several query and key tiles, ~2048 keys.
 HOPPER_BWD_SHAPES = [
     pytest.param((2, 1000, 1000, 4, 1, 64), id="s1000-gqa4"),
     pytest.param((1, 128, 300, 4, 1, 64), id="sq128<sk300-gqa4"),
     pytest.param((1, 300, 128, 4, 1, 64), id="sq300>sk128-gqa4"),
     pytest.param((1, 2047, 2047, 4, 1, 64), id="s2047-gqa4"),
     pytest.param((1, 70, 17, 2, 2, 64), id="s70-sk17"),
+    pytest.param((2, 1000, 1000, 4, 1, 128), id="s1000-gqa4-d128"),
+    pytest.param((1, 128, 300, 4, 2, 128), id="sq128<sk300-d128"),
+    pytest.param((1, 300, 129, 4, 1, 128), id="sq300>sk129-d128"),
+    pytest.param((1, 2047, 2047, 2, 1, 128), id="s2047-d128"),
+    pytest.param((1, 70, 17, 2, 2, 128), id="s70-sk17-d128"),
 ]
 
 
@@ -509,7 +513,7 @@ def test_hopper_f32_backward_exact_meets_the_f32_bound(hopper, ref, rel_err, mak
     printed beside."""
     args = (hopper, ref, rel_err, make_inputs, shape, causal, deterministic)
     err, ran, (dq, dk, dv) = _hopper_backward(*args)
-    assert ran["kernel"].startswith("bwd_sm90_f32_d64_") and "tf32_terms3" in ran["kernel"], ran
+    assert ran["kernel"].startswith(f"bwd_sm90_f32_d{shape[-1]}_") and "tf32_terms3" in ran["kernel"], ran
     assert ran["math"] == "3xtf32" and ran["not_sm90_because"] is None, ran
     with _Env("0", "FLASH_NIF_SM90"):
         simt, ran_simt, _ = _hopper_backward(*args)
@@ -529,14 +533,15 @@ def test_hopper_f32_backward_exact_meets_the_f32_bound(hopper, ref, rel_err, mak
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_TORCH_GPU, reason="needs torch")
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_hopper_f32_backward_is_bit_identical_run_to_run(hopper, make_inputs, causal):
+def test_hopper_f32_backward_is_bit_identical_run_to_run(hopper, make_inputs, causal, d):
     import torch
 
-    q, k, v, do = (to_gpu("torch", x) for x in make_inputs(19, 2, 777, 777, 8, 2, 64, np.float32))
+    q, k, v, do = (to_gpu("torch", x) for x in make_inputs(19, 2, 777, 777, 8, 2, d, np.float32))
     o, lse = hopper.forward_with_states(q, k, v, causal=causal)
     first = hopper.backward(do, q, k, v, o, lse, causal=causal, deterministic=True)
-    assert last(hopper, "backward")["kernel"].startswith("bwd_sm90_f32_d64_"), last(hopper, "backward")
+    assert last(hopper, "backward")["kernel"].startswith(f"bwd_sm90_f32_d{d}_"), last(hopper, "backward")
     for _ in range(3):
         again = hopper.backward(do, q, k, v, o, lse, causal=causal, deterministic=True)
         for a, b in zip(first, again):
@@ -546,22 +551,24 @@ def test_hopper_f32_backward_is_bit_identical_run_to_run(hopper, make_inputs, ca
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_TORCH_GPU, reason="needs torch")
 @pytest.mark.parametrize("kind", ["qkv", "bhsd", "batch-slice"])
-def test_hopper_f32_backward_on_strided_views(hopper, ref, rel_err, make_inputs, kind):
-    err, ran, _ = _hopper_backward(hopper, ref, rel_err, make_inputs, (2, 333, 333, 4, 2, 64), True, views=kind)
-    assert ran["kernel"].startswith("bwd_sm90_f32_d64_") and ran["not_sm90_because"] is None, ran
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_f32_backward_on_strided_views(hopper, ref, rel_err, make_inputs, kind, d):
+    err, ran, _ = _hopper_backward(hopper, ref, rel_err, make_inputs, (2, 333, 333, 4, 2, d), True, views=kind)
+    assert ran["kernel"].startswith(f"bwd_sm90_f32_d{d}_") and ran["not_sm90_because"] is None, ran
     for name, e in err.items():
         assert e <= EXACT_BOUNDS[name], f"{name} {e:.3e} ({kind})"
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_TORCH_GPU, reason="needs torch")
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_hopper_tf32_backward_one_product(hopper, ref, rel_err, make_inputs, record_error, causal):
+def test_hopper_tf32_backward_one_product(hopper, ref, rel_err, make_inputs, record_error, causal, d):
     """precision="tf32" runs the same kernels with one TF32 product: within its bound, and measurably
     less exact than "exact" (so it did round)."""
-    err, ran, _ = _hopper_backward(hopper, ref, rel_err, make_inputs, (1, 300, 300, 4, 1, 64), causal,
+    err, ran, _ = _hopper_backward(hopper, ref, rel_err, make_inputs, (1, 300, 300, 4, 1, d), causal,
                                    precision="tf32")
-    assert ran["kernel"].startswith("bwd_sm90_f32_d64_") and "tf32_terms1" in ran["kernel"], ran
+    assert ran["kernel"].startswith(f"bwd_sm90_f32_d{d}_") and "tf32_terms1" in ran["kernel"], ran
     assert ran["math"] == "tf32", ran
     for name, e in err.items():
         record_error("f32-tf32-sm90", name, e)
@@ -584,9 +591,9 @@ def test_hopper_f32_backward_falls_back_and_says_why(hopper, ref, rel_err, make_
             assert rel_err(to_host(x), w) <= EXACT_BOUNDS[name], (name, shape, kw)
         return last(hopper, "backward")
 
-    ran = backward((1, 100, 100, 2, 2, 128))
-    assert ran["math"] == "f32-simt" and ran["kernel"].startswith("bwd_dkdv_dq_f32_d128"), ran
-    assert "head dim 128" in ran["not_sm90_because"], ran
+    ran = backward((1, 100, 100, 2, 2, 96))
+    assert ran["math"] == "f32-simt" and ran["kernel"].startswith("bwd_dkdv_dq_f32_d96"), ran
+    assert "head dim 96" in ran["not_sm90_because"], ran
     ran = backward((1, 100, 100, 2, 2, 64), window=(20, 0))
     assert not ran["kernel"].startswith("bwd_sm90") and "masks" in ran["not_sm90_because"], ran
     ran = backward((1, 100, 15, 2, 2, 64))  # fewer keys than MIN_SPLIT_TF32_KEYS

@@ -260,7 +260,7 @@ fn default_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize
     // step at D = 64 (64-row steps were 64 x 64 x 64 products: too short) and 64 at D = 128, Q and
     // dO STAGES = 2 deep (cuda/bwd_sm90.cu; D = 64 and 128 only).
     if kernel == Kernel::BwdDqSm90 || (kernel == Kernel::BwdSm90 && dtype == DType::F32) {
-        return sm90_f32_bwd_tiles(kernel, 3);
+        return sm90_f32_bwd_tiles(kernel, 3, d);
     }
     if kernel == Kernel::BwdSm90 {
         return (if d <= 64 { 128 } else { 64 }, 128, 12, 2, 1);
@@ -340,7 +340,7 @@ fn small_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, 
 fn tf32_tiles(kernel: Kernel, set: TileSet, d: usize, terms: usize) -> (usize, usize, usize, usize, usize) {
     match kernel {
         Kernel::FwdSm90 => sm90_f32_tiles(d, terms),
-        Kernel::BwdSm90 | Kernel::BwdDqSm90 => sm90_f32_bwd_tiles(kernel, terms),
+        Kernel::BwdSm90 | Kernel::BwdDqSm90 => sm90_f32_bwd_tiles(kernel, terms, d),
         Kernel::BwdDq => tf32_dq_tiles(set, d),
         Kernel::BwdDkdv | Kernel::BwdDkdvDq => tf32_dkdv_tiles(set, d),
         _ => tf32_fwd_tiles(set, d),
@@ -373,21 +373,26 @@ fn sm90_f32_k_stages(d: usize, terms: usize) -> usize {
     }
 }
 
-/// The Hopper f32 backward's (head dim 64 only: sm90::F32_BWD_HEAD_DIMS), the 4th value STAGES. Its
-/// shared memory holds two TF32 parts of each operand, and TF32 wgmma takes K-major operands only,
-/// so the transposed ones are copies of their own:
-/// - dK / dV (cuda/bwd_dkdv_sm90_f32.cu, 128 keys a block: two consumer warpgroups of 64, 32 query
-///   rows a step): K and V 128 KiB, and one stage of Q, Q^T, dO and dO^T at 32 rows 64 KiB = 192 KiB
-///   under "exact" (3 TF32 terms); "tf32" (one term, one part of each) takes two stages in 128 KiB.
-/// - dQ (cuda/bwd_dq_sm90_f32.cu, 128 query rows a block, 32 keys a step): Q and dO 128 KiB, and
-///   2 stages of K, V and K^T at 32 keys 96 KiB = 224 KiB.
+/// The Hopper f32 backward's (head dims 64 and 128: sm90::F32_BWD_HEAD_DIMS), the 4th value STAGES.
+/// Its shared memory holds two TF32 parts of each operand, and TF32 wgmma takes K-major operands
+/// only, so the transposed ones are copies of their own:
+/// - dK / dV (cuda/bwd_dkdv_sm90_f32.cu): at D = 64 128 keys a block (two consumer warpgroups of
+///   64), 32 query rows a step: K and V 128 KiB, and one stage of Q, Q^T, dO and dO^T 64 KiB = 192
+///   KiB under "exact" (3 TF32 terms); "tf32" (one term, one part of each) takes two stages in 128
+///   KiB. At D = 128 64 keys (the two consumers split the products: one computes dV, the other dK),
+///   16 query rows a step: the same 128 + 64 KiB (+4 KiB passing P^T), "tf32" two stages in 160.
+/// - dQ (cuda/bwd_dq_sm90_f32.cu): at D = 64 128 query rows a block (two consumer warpgroups), 32
+///   keys a step: Q and dO 128 KiB, and 2 stages of K, V and K^T 96 KiB = 224 KiB; at D = 128 one
+///   consumer warpgroup of 64 rows, 16 keys a step, the same bytes.
 ///
 /// Hopper only, so the small tiles are the same.
-fn sm90_f32_bwd_tiles(kernel: Kernel, terms: usize) -> (usize, usize, usize, usize, usize) {
-    match kernel {
-        Kernel::BwdDqSm90 => (128, 32, 12, 2, 1),
-        _ if terms == 1 => (32, 128, 12, 2, 1),
-        _ => (32, 128, 12, 1, 1),
+fn sm90_f32_bwd_tiles(kernel: Kernel, terms: usize, d: usize) -> (usize, usize, usize, usize, usize) {
+    let stages = if terms == 1 { 2 } else { 1 };
+    match (kernel, d <= 64) {
+        (Kernel::BwdDqSm90, true) => (128, 32, 12, 2, 1),
+        (Kernel::BwdDqSm90, false) => (64, 16, 8, 2, 1),
+        (_, true) => (32, 128, 12, stages, 1),
+        (_, false) => (16, 64, 12, stages, 1),
     }
 }
 
@@ -597,6 +602,8 @@ mod tests {
                 match v.kernel {
                     Kernel::Fwd => assert_eq!(t.block_m, 16 * t.num_warps * t.d_split, "{}", v.name()),
                     Kernel::FwdSm90 => assert_eq!(t.block_m, 64 * (t.num_warps / 4 - 1), "{}", v.name()),
+                    // The f32 dK/dV kernel at D = 128: both consumer warpgroups on the same 64 keys.
+                    Kernel::BwdSm90 if v.dtype == DType::F32 && v.head_dim == 128 => assert_eq!(t.block_n, 64, "{}", v.name()),
                     Kernel::BwdSm90 => assert_eq!(t.block_n, 64 * (t.num_warps / 4 - 1), "{}", v.name()),
                     Kernel::BwdDqSm90 => assert_eq!(t.block_m, 64 * (t.num_warps / 4 - 1), "{}", v.name()),
                     Kernel::BwdDq => assert_eq!(t.block_m, 16 * t.num_warps, "{}", v.name()),
@@ -725,21 +732,23 @@ mod tests {
         }
         let (dkdv, dq) = (Kernel::BwdSm90, Kernel::BwdDqSm90);
         assert_eq!((dq.name(), dq.entry(), dq.is_sm90()), ("bwd_dq_sm90", "flash_bwd_dq_sm90", true));
-        // (kernel, source, tiles under "exact", under "tf32")
+        // (kernel, head dim, source, tiles under "exact", under "tf32")
         let want = [
-            (dkdv, "bwd_dkdv_sm90_f32.cu", (32, 128, 12, 1, 1), (32, 128, 12, 2, 1)),
-            (dq, "bwd_dq_sm90_f32.cu", (128, 32, 12, 2, 1), (128, 32, 12, 2, 1)),
+            (dkdv, 64, "bwd_dkdv_sm90_f32.cu", (32, 128, 12, 1, 1), (32, 128, 12, 2, 1)),
+            (dq, 64, "bwd_dq_sm90_f32.cu", (128, 32, 12, 2, 1), (128, 32, 12, 2, 1)),
+            (dkdv, 128, "bwd_dkdv_sm90_f32.cu", (16, 64, 12, 1, 1), (16, 64, 12, 2, 1)),
+            (dq, 128, "bwd_dq_sm90_f32.cu", (64, 16, 8, 2, 1), (64, 16, 8, 2, 1)),
         ];
-        for (k, src, exact_tiles, tf32_tiles) in want {
+        for (k, d, src, exact_tiles, tf32_tiles) in want {
             for (terms, math, t) in [(3i64, "3xtf32", exact_tiles), (1, "tf32", tf32_tiles)] {
                 for set in [TileSet::Default, TileSet::Small] {
-                    let v = variant(&Spec { tf32_terms: terms as usize, ..spec(k, DType::F32, 64) }, set);
+                    let v = variant(&Spec { tf32_terms: terms as usize, ..spec(k, DType::F32, d) }, set);
                     assert_eq!((v.source, v.math(), v.tiles), (src, math, tiles(t)), "{}", v.name());
                     let (stages, rows) = (t.3 as i64, t.0 as i64);
                     for def in [("TF32_TERMS", terms), ("STAGES", stages), ("BLOCK_M", rows), ("IS_CAUSAL", 1)] {
                         assert!(v.defines.contains(&def), "{}: {def:?}", v.name());
                     }
-                    let name = format!("{}_f32_d64_num_warps12_is_causal1_gqa_group2_", k.name());
+                    let name = format!("{}_f32_d{d}_num_warps{}_is_causal1_gqa_group2_", k.name(), t.2);
                     assert!(v.name().starts_with(&name), "{}", v.name());
                 }
             }
@@ -749,11 +758,11 @@ mod tests {
         assert_eq!((v.source, v.tiles), ("bwd_sm90.cu", tiles((128, 128, 12, 2, 1))));
         // The table lists both kernels, both precisions, causal or not, at the Hopper f32 backward's
         // head dims only.
-        let table = attention_variants(&[64, 128]);
+        let table = attention_variants(&[64, 128, 256]);
         for k in [dkdv, dq] {
             let f32s: Vec<_> = table.iter().filter(|v| v.kernel == k && v.dtype == DType::F32).collect();
-            assert_eq!(f32s.len(), 4, "{k:?}");
-            assert!(f32s.iter().all(|v| v.head_dim == 64 && !v.defines.iter().any(|(d, _)| *d == "MASKED")));
+            assert_eq!(f32s.len(), 8, "{k:?}");
+            assert!(f32s.iter().all(|v| v.head_dim <= 128 && !v.defines.iter().any(|(d, _)| *d == "MASKED")));
         }
     }
 

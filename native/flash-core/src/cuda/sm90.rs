@@ -5,8 +5,8 @@
 //! The forward runs on compute capability 9.0 for fp16 / bf16 at D = 64, 128 and 256 (the call's
 //! head dim after padding), the backward at D = 64 and 128, both with every mask but varlen batches
 //! and every score modifier, unless `FLASH_NIF_SM90=0`. In f32 (one TF32 product under `"tf32"`,
-//! split TF32 under `"exact"`) the forward runs at D = 64 and 128, the backward (a dQ kernel, then a
-//! dK/dV kernel) at D = 64, on plain problems (causal or not). Anything else runs the portable
+//! split TF32 under `"exact"`) the forward and the backward (a dQ kernel, then a dK/dV kernel)
+//! run at D = 64 and 128, on plain problems (causal or not). Anything else runs the portable
 //! kernels, which compute the same function; [`forward_choice`] and [`backward_choice`] say which
 //! and why, and `FLASH_NIF_LOG=1` prints it per call.
 
@@ -32,8 +32,8 @@ pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 /// Head dims the Hopper f32 forward has kernels for.
 pub const F32_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Head dims the Hopper f32 backward has kernels for (config.rs's sm90_f32_bwd_tiles: two TF32
-/// parts of every operand fill the shared memory at D = 64).
-pub const F32_BWD_HEAD_DIMS: [usize; 1] = [64];
+/// parts of every operand fill the shared memory).
+pub const F32_BWD_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Head dims the Hopper backward has kernels for (D = 256's K, V, dK and dV do not fit one block's
 /// registers and shared memory in this design).
 pub const BWD_HEAD_DIMS: [usize; 2] = [64, 128];
