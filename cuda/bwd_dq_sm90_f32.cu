@@ -3,8 +3,8 @@
 // GQA); dK and dV are bwd_dkdv_sm90_f32.cu's. Deterministic: each block owns its rows.
 //
 // Grid (ceil(Sq / BLOCK_M), H, B), causal heaviest first; BLOCK_M = 64 query rows per consumer
-// warpgroup, CONSUMERS = 2 at D = 64 with BLOCK_N = 32 keys a tile, 1 at D = 128 with 16 (two
-// TF32 parts of Q and dO for 128 rows would fill 256 KiB); NUM_WARPS = 4 (1 + CONSUMERS):
+// warpgroup, CONSUMERS = 2 with BLOCK_N = 32 keys a tile, but at D = 128 under "exact" 1 with 16
+// (two TF32 parts of Q and dO for 128 rows would fill 256 KiB); NUM_WARPS = 4 (1 + CONSUMERS):
 // - warpgroup 0, the producer: Q and dO once (RowTiles: the A operands of S and dP), then per key
 //   tile K and V as RowTiles (the B operands of S = Q K^T and dP = dO V^T) and K again as a
 //   TransposedTile (K^T: the B operand of dQ += dS K, whose A is registers), STAGES deep. The next
@@ -24,13 +24,13 @@
 #include "block.h"
 #include "mask.h"
 
-#define CONSUMERS (HEAD_DIM == 64 ? 2 : 1)
+#define CONSUMERS (NUM_WARPS / 4 - 1)
 #ifndef STAGES
 #define STAGES 2
 #endif
-#if FLASH_DTYPE != 2 || NUM_WARPS != 4 * (1 + CONSUMERS) || BLOCK_M != 64 * CONSUMERS || BLOCK_N != 2048 / HEAD_DIM || \
+#if FLASH_DTYPE != 2 || NUM_WARPS != 4 * (1 + CONSUMERS) || BLOCK_M != 64 * CONSUMERS || BLOCK_N != 16 * CONSUMERS || \
     MASKED || MODS
-#error "bwd_dq_sm90_f32: f32, consumer warpgroups of 64 rows (D 64: two, 32 keys a tile; D 128: one, 16 keys), plain"
+#error "bwd_dq_sm90_f32: f32, consumer warpgroups of 64 rows (two: 32 keys a tile; one: 16 keys), plain"
 #endif
 
 #define FRESH (TERMS == 2)  // each tile's dS K in a fresh accumulator
@@ -50,7 +50,7 @@
 #else
 #define PRODUCER_REGS 168
 #define CONSUMER_REGS 168
-#define PREFETCH 1
+#define PREFETCH (HEAD_DIM == 64)  // at D = 128 a tile is 96 floats a producer thread
 #endif
 
 #define TILE_BYTES(rows) (TERMS * PART_BYTES(rows))  // a RowTile's parts
