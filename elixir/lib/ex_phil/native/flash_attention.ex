@@ -63,7 +63,7 @@ defmodule ExPhil.Native.FlashAttention do
       f32 accuracy whichever kernel runs (the forward as split-TF32 products on tensor cores
       from 16 keys on, on Hopper at head dims 64 and 128 the wgmma kernel: each operand the sum
       of two TF32 numbers, three TF32 products per pair summed in f32; the backward likewise on
-      Hopper at head dim 64 without masks or modifiers; f32 FMAs below 16 keys, at head dims 64
+      Hopper at head dims 64 and 128 without masks or modifiers; f32 FMAs below 16 keys, at head dims 64
       and 128 off Hopper, and in the other backwards); `:tf32` (asked for by name only) one
       TF32 product per pair, forward and backward, faster, relative errors of order 1e-3 (bound
       5e-3 of ‖x - exact‖ / ‖exact‖ for o, lse and the gradients). The CPU always computes in f32
