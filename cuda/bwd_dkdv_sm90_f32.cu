@@ -28,8 +28,8 @@
 // Shared memory (TERMS = 2 at TF32_TERMS = 3): K and V 2 x TERMS x BLOCK_N x D x 4 = 128 KiB; STAGES
 //   stages of Q, dO, Q^T and dO^T, 4 x TERMS x BLOCK_M x D x 4 = 64 KiB each, and of lse / delta;
 //   (ROLES) P^T, 4 KiB; the barriers: 192 KiB (D = 128: 196) with one stage. "tf32" (TERMS = 1)
-//   takes two stages in 128 KiB (D = 128: 160, Q^T and dO^T padded to 128-byte rows; 32 query rows
-//   a step in 200 KiB measured 2 % slower on an H200).
+//   takes two stages in 128 KiB (D = 128: three in 208, Q^T and dO^T padded to 128-byte rows; 32
+//   query rows a step in 200 KiB measured 2 % slower on an H200).
 // Work per tile at D = 64: 2 consumers x 4 products of 64 x 32 x 64, 3 TF32 products each: 6.3
 //   MFLOP, ~3000 cycles at the SM's 2048 TF32 FLOP / cycle; the producer ~8 float4 + 32 scalar
 //   loads, ~200 conversions and 32 16-byte stores per thread, ~1200 cycles with the loads' latency.

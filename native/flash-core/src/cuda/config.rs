@@ -380,8 +380,9 @@ fn sm90_f32_k_stages(d: usize, terms: usize) -> usize {
 ///   64), 32 query rows a step: K and V 128 KiB, and one stage of Q, Q^T, dO and dO^T 64 KiB = 192
 ///   KiB under "exact" (3 TF32 terms); "tf32" (one term, one part of each) takes two stages in 128
 ///   KiB. At D = 128 64 keys (the two consumers split the products: one computes dV, the other dK),
-///   16 query rows a step: the same 128 + 64 KiB (+4 KiB passing P^T); "tf32" two stages in 160 KiB
-///   (32 rows a step in 200 KiB: 2 % slower on an H200).
+///   16 query rows a step: the same 128 + 64 KiB (+4 KiB passing P^T); "tf32" three stages in 208
+///   KiB (H200, S = 2048: 10 % faster than two, the same at 8192 causal; 32 rows a step in 200 KiB
+///   2 % slower).
 /// - dQ (cuda/bwd_dq_sm90_f32.cu): 128 query rows a block (two consumer warpgroups), 32 keys a
 ///   step: at D = 64 Q and dO 128 KiB, and 2 stages of K, V and K^T 96 KiB = 224 KiB ("tf32" at
 ///   D = 128 the same bytes: its dQ 28 % faster than the layout below, H200); at D = 128 under
@@ -394,7 +395,7 @@ fn sm90_f32_bwd_tiles(kernel: Kernel, terms: usize, d: usize) -> (usize, usize, 
         (Kernel::BwdDqSm90, false) if exact => (64, 16, 8, 2, 1),
         (Kernel::BwdDqSm90, _) => (128, 32, 12, 2, 1),
         (_, true) => (32, 128, 12, stages, 1),
-        (_, false) => (16, 64, 12, stages, 1),
+        (_, false) => (16, 64, 12, if exact { 1 } else { 3 }, 1),
     }
 }
 
@@ -738,7 +739,7 @@ mod tests {
         let want = [
             (dkdv, 64, "bwd_dkdv_sm90_f32.cu", (32, 128, 12, 1, 1), (32, 128, 12, 2, 1)),
             (dq, 64, "bwd_dq_sm90_f32.cu", (128, 32, 12, 2, 1), (128, 32, 12, 2, 1)),
-            (dkdv, 128, "bwd_dkdv_sm90_f32.cu", (16, 64, 12, 1, 1), (16, 64, 12, 2, 1)),
+            (dkdv, 128, "bwd_dkdv_sm90_f32.cu", (16, 64, 12, 1, 1), (16, 64, 12, 3, 1)),
             (dq, 128, "bwd_dq_sm90_f32.cu", (64, 16, 8, 2, 1), (128, 32, 12, 2, 1)),
         ];
         for (k, d, src, exact_tiles, tf32_tiles) in want {
