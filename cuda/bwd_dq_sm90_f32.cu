@@ -36,7 +36,8 @@
 #define FRESH (TERMS == 2)  // each tile's dS K in a fresh accumulator
 #define PAIRED_B (TERMS == 2)  // the stage's K and V rows as ss_products_paired's B operands (sm90_f32.h)
 // Registers per thread after setmaxnreg (sm90_f32.h's run_roles checks the split). The producer holds a tile of K, V and
-// K^T (3 x 32 x D / 128 floats); a consumer dQ, S, dP, dS's AFrag and a fresh accumulator.
+// K^T (3 x BLOCK_N x D / 128 floats); a consumer dQ, S, dP, dS's AFrag and a fresh accumulator (one
+// consumer at D = 128: 64 columns each; a producer held to 96 spilled 8 bytes, NVRTC 13.5).
 // "tf32" (one part, no fresh sums): a consumer needs far fewer, and the producer holds the next
 // tile besides (PREFETCH).
 #if TERMS == 2 && CONSUMERS == 1

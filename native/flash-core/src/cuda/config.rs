@@ -385,16 +385,16 @@ fn sm90_f32_k_stages(d: usize, terms: usize) -> usize {
 ///   2 % slower).
 /// - dQ (cuda/bwd_dq_sm90_f32.cu): 128 query rows a block (two consumer warpgroups), 32 keys a
 ///   step: at D = 64 Q and dO 128 KiB, and 2 stages of K, V and K^T 96 KiB = 224 KiB ("tf32" at
-///   D = 128 the same bytes: its dQ 28 % faster than the layout below, H200); at D = 128 under
-///   "exact" one consumer warpgroup of 64 rows, 16 keys a step, the same bytes.
+///   D = 128 the same bytes: its dQ 28 % faster than with exact's, H200); at D = 128 under "exact"
+///   one consumer warpgroup of 64 rows, 16 keys a step, the same bytes.
 ///
 /// Hopper only, so the small tiles are the same.
 fn sm90_f32_bwd_tiles(kernel: Kernel, terms: usize, d: usize) -> (usize, usize, usize, usize, usize) {
-    let (exact, stages) = (terms == 3, if terms == 1 { 2 } else { 1 });
+    let exact = terms == 3;
     match (kernel, d <= 64) {
         (Kernel::BwdDqSm90, false) if exact => (64, 16, 8, 2, 1),
         (Kernel::BwdDqSm90, _) => (128, 32, 12, 2, 1),
-        (_, true) => (32, 128, 12, stages, 1),
+        (_, true) => (32, 128, 12, if exact { 1 } else { 2 }, 1),
         (_, false) => (16, 64, 12, if exact { 1 } else { 3 }, 1),
     }
 }

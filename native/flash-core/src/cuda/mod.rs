@@ -15,7 +15,7 @@
 //! order of the atomic additions varies. `deterministic`: separate dQ and dK/dV kernels, each
 //! output element owned by one block, no atomics (7 tile GEMMs). On Hopper (sm90.rs) the 16-bit
 //! backward is one kernel whose dQ goes into a tiled f32 workspace, and the f32 backward at D = 64
-//! a dQ kernel and a dK/dV kernel, like the deterministic path (on either path).
+//! and 128 a dQ kernel and a dK/dV kernel, like the deterministic path (on either path).
 //!
 //! Masks: a problem whose mask is not plain (`!Mask::is_plain`: windows, padding, segment ids,
 //! block masks, varlen batches) runs the MASKED variants of the same kernels (cuda/seq.h,
