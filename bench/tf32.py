@@ -3,8 +3,10 @@
 Method (bench/gpu.py's): B*S = 16384 tokens, H*D = 2048, forward FLOPs = 4*B*H*S^2*D (halved when
 causal), backward = 2.5 x forward, backward time = (forward+backward) - forward, median of --reps
 after --warmup runs, CUDA events, the same random tensors for everyone.
-Forward rows: ours precision="exact" (the faster exact kernel, split TF32 "3xtf32" or SIMT; the
-kernel lines name it: on Hopper the wgmma kernels at D = 64 and 128, backward at 64), ours with
+Forward rows: ours precision="exact" (the faster exact kernel, split products or SIMT; the kernel
+lines name it: on Hopper the wgmma kernels at D = 64 and 128, the forward's on fp16 parts "3xf16"),
+ours "exact" and "tf32" with FLASH_NIF_TF32_PARTS=1 (the Hopper forward on TF32 operands, "3xtf32" /
+"tf32"; by default on scaled fp16 ones, "3xf16" / "1xf16"), ours with
 FLASH_NIF_TF32=0 (the SIMT f32 kernels), ours precision="tf32", torch SDPA's efficient backend (f32).
 Backward rows: the same four, ours in the default mode (dQ by f32 atomics) and "exact" also with
 deterministic=True. Errors: ||x - float64|| / ||float64|| on the first batch row and head pair
@@ -26,14 +28,18 @@ import flash_nif
 from gpu import timed  # bench/gpu.py: CUDA events, median (run as python bench/tf32.py)
 
 
-def ours(q, k, v, causal, precision, simt=False):
+def ours(q, k, v, causal, precision, simt=False, tf32_parts=False):
+    """simt: FLASH_NIF_TF32=0 (the SIMT f32 kernels); tf32_parts: FLASH_NIF_TF32_PARTS=1 (the Hopper
+    forward's products on TF32 operands instead of scaled fp16 ones)."""
+    env = {"FLASH_NIF_TF32": "0"} if simt else {"FLASH_NIF_TF32_PARTS": "1"} if tf32_parts else {}
+
     def f():
-        if simt:
-            os.environ["FLASH_NIF_TF32"] = "0"
+        os.environ.update(env)
         try:
             return flash_nif.forward(q, k, v, causal=causal, precision=precision)
         finally:
-            os.environ.pop("FLASH_NIF_TF32", None)
+            for name in env:
+                os.environ.pop(name, None)
     return f
 
 
@@ -125,8 +131,11 @@ def main():
 
 
 def forward_rows(args):
-    cols = ["S", "D", "causal", "ours exact", "ours SIMT", "ours tf32", "torch efficient", "exact / eff.",
-            "tf32 / eff.", "err exact", "err SIMT", "err tf32", "err eff."]
+    cols = ["S", "D", "causal", "ours exact", "ours exact (TF32 operands)", "ours SIMT", "ours tf32",
+            "ours tf32 (TF32 operands)", "torch efficient", "exact / eff.", "exact TF32 op. / eff.", "tf32 / eff.",
+            "tf32 TF32 op. / eff.", "err exact", "err exact TF32 op.", "err SIMT", "err tf32", "err tf32 TF32 op.",
+            "err eff."]
+    names = ("exact", "parts", "simt", "tf32", "tf32p", "eff")
     rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for s in (int(x) for x in args.seqs.split(",")):
         for d in (int(x) for x in args.dims.split(",")):
@@ -135,8 +144,9 @@ def forward_rows(args):
             q, k, v = (torch.randn(b, s, h, d, device="cuda", generator=g) for _ in range(3))
             for causal in (False, True):
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                fns = {"exact": ours(q, k, v, causal, "exact"), "simt": ours(q, k, v, causal, "exact", simt=True),
-                       "tf32": ours(q, k, v, causal, "tf32"), "eff": efficient(q, k, v, causal)}
+                fns = {"exact": ours(q, k, v, causal, "exact"), "parts": ours(q, k, v, causal, "exact", tf32_parts=True),
+                       "simt": ours(q, k, v, causal, "exact", simt=True), "tf32": ours(q, k, v, causal, "tf32"),
+                       "tf32p": ours(q, k, v, causal, "tf32", tf32_parts=True), "eff": efficient(q, k, v, causal)}
                 ms, err, tf = {}, {}, {}
                 for name, fn in fns.items():
                     ms[name] = timed(fn, args.warmup, args.reps)
@@ -145,9 +155,9 @@ def forward_rows(args):
                     if name != "eff":
                         kernel = flash_nif.info()["cuda"]["last_kernels"]["forward"]
                         print(f"  {name}: {kernel['kernel']} [{kernel['math']}]")
-                cells = [s, d, causal, *(f"{tf[n]:.1f}" for n in ("exact", "simt", "tf32", "eff")),
-                         f"{ms['eff'] / ms['exact']:.2f}", f"{ms['eff'] / ms['tf32']:.2f}",
-                         *(f"{err[n]:.1e}" for n in ("exact", "simt", "tf32", "eff"))]
+                cells = [s, d, causal, *(f"{tf[n]:.1f}" for n in names),
+                         *(f"{ms['eff'] / ms[n]:.2f}" for n in ("exact", "parts", "tf32", "tf32p")),
+                         *(f"{err[n]:.1e}" for n in names)]
                 rows.append("| " + " | ".join(map(str, cells)) + " |")
                 print(rows[-1], flush=True)
             del q, k, v

@@ -202,17 +202,20 @@ def hopper_f32_backward(fa, d: int, plain: bool = True) -> bool:
 
 
 def exact_forward_math(d: int, hopper: bool = False) -> str:
-    """What "exact" runs forward at head dim d (16 keys or more): split TF32 (on a Hopper GPU at D = 64
-    and 128 the wgmma kernel), but SIMT at the head dims of the SIMT kernels off it, where SIMT is the
-    faster portable kernel (config.rs's tf32_terms)."""
-    return "3xtf32" if hopper or d not in (64, 128) else "f32-simt"
+    """What "exact" runs forward at head dim d (16 keys or more): on a Hopper GPU at D = 64 and 128 the
+    wgmma kernel on fp16 parts ("3xf16", cuda/fwd_sm90_f32_f16.cu); elsewhere split TF32, but SIMT
+    at the head dims of the SIMT kernels, where SIMT is the faster portable kernel (config.rs's
+    tf32_terms)."""
+    if hopper:
+        return "3xf16"
+    return "3xtf32" if d not in (64, 128) else "f32-simt"
 
 
 def _check_exact(fa, ref, rel_err, make_inputs, record_error, shape, causal, kw=None, deterministic=False):
     err, ran = _run(fa, ref, rel_err, make_inputs, shape, causal, kw, deterministic=deterministic)
     hopper = hopper_f32(fa, shape[-1], plain=not kw)
     math = exact_forward_math(shape[-1], hopper)
-    assert ran["forward"]["math"] == math and (math != "3xtf32" or "tf32_terms3" in ran["forward"]["kernel"]), ran
+    assert ran["forward"]["math"] == math and (math == "f32-simt" or "tf32_terms3" in ran["forward"]["kernel"]), ran
     assert ran["forward"]["kernel"].startswith("fwd_sm90_f32_") == hopper, ran
     bwd = ran["backward"]
     # exact's portable backward: SIMT (faster than its split TF32, config.rs); on Hopper at D = 64 and 128 split TF32.
@@ -257,7 +260,8 @@ def test_exact_f32_masks_and_modifiers(gpu, ref, rel_err, make_inputs, record_er
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[5], SHAPES[7]])
 def test_tf32_within_its_documented_bound(gpu, ref, rel_err, make_inputs, record_error, shape, causal, deterministic):
     err, ran = _run(gpu, ref, rel_err, make_inputs, shape, causal, precision="tf32", deterministic=deterministic)
-    assert ran["forward"]["math"] == "tf32" and "tf32_terms1" in ran["forward"]["kernel"], ran
+    fwd_math = "1xf16" if hopper_f32(gpu, shape[-1]) else "tf32"
+    assert ran["forward"]["math"] == fwd_math and "tf32_terms1" in ran["forward"]["kernel"], ran
     bwd = ran["backward"]
     assert bwd["math"] == "tf32" and "tf32_terms1" in bwd["kernel"], ran
     assert bwd["kernel"].startswith(_backward_kernel(deterministic, hopper_f32_backward(gpu, shape[-1]), shape[-1])), ran
@@ -285,7 +289,7 @@ def test_every_output_element_is_written(gpu, ref, rel_err, make_inputs, precisi
     stream = torch.cuda.current_stream().cuda_stream
     gpu._native.cuda_forward_device(desc, [o.data_ptr(), lse.data_ptr()], 0, stream, causal=True, precision=precision)
     torch.cuda.synchronize()
-    assert last(gpu)["math"] == {"exact": "3xtf32", "tf32": "tf32"}[precision]
+    assert last(gpu)["math"] == {"exact": exact_forward_math(64, hopper_f32(gpu, 64)), "tf32": "1xf16" if hopper_f32(gpu, 64) else "tf32"}[precision]
     ro, rlse = ref.forward_with_states(q, k, v, causal=True)
     bound = EXACT_BOUNDS["o"] if precision == "exact" else TF32_BOUND
     assert not torch.isnan(o).any() and rel_err(o.cpu().numpy(), ro) <= bound
@@ -387,13 +391,16 @@ def _hopper_forward(fa, ref, rel_err, make_inputs, shape, causal, precision="exa
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_TORCH_GPU, reason="needs torch")
+@pytest.mark.parametrize("parts", ["3xf16", "3xtf32"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", HOPPER_SHAPES)
-def test_hopper_f32_exact_meets_the_f32_bound(hopper, ref, rel_err, make_inputs, record_error, shape, causal):
-    """precision="exact" runs the Hopper kernel (split TF32 on wgmma) within the f32 bound; the same
-    inputs on the portable kernel (FLASH_NIF_SM90=0) printed beside."""
-    err, ran, (o, lse) = _hopper_forward(hopper, ref, rel_err, make_inputs, shape, causal)
-    assert ran["kernel"].startswith(f"fwd_sm90_f32_d{shape[-1]}_") and ran["math"] == "3xtf32", ran
+def test_hopper_f32_exact_meets_the_f32_bound(hopper, ref, rel_err, make_inputs, record_error, shape, causal, parts):
+    """precision="exact" runs the Hopper kernel (split products on wgmma: fp16 parts by default, TF32
+    ones with FLASH_NIF_TF32_PARTS=1) within the f32 bound; the same inputs on the portable kernel
+    (FLASH_NIF_SM90=0) printed beside."""
+    with _Env("1" if parts == "3xtf32" else "0", "FLASH_NIF_TF32_PARTS"):
+        err, ran, (o, lse) = _hopper_forward(hopper, ref, rel_err, make_inputs, shape, causal)
+    assert ran["kernel"].startswith(f"fwd_sm90_f32_d{shape[-1]}_") and ran["math"] == parts, ran
     assert ran["not_sm90_because"] is None, ran
     with _Env("0", "FLASH_NIF_SM90"):
         simt, ran_simt, _ = _hopper_forward(hopper, ref, rel_err, make_inputs, shape, causal)
@@ -404,7 +411,7 @@ def test_hopper_f32_exact_meets_the_f32_bound(hopper, ref, rel_err, make_inputs,
     if causal and sq > sk:  # rows that see no key: o = 0, lse = -inf
         assert np.isneginf(lse[:, :, : sq - sk]).all() and (o[:, : sq - sk] == 0).all()
     for name, e in err.items():
-        record_error("f32-3xtf32-sm90", name, e)
+        record_error(f"f32-{parts}-sm90", name, e)
         assert e <= EXACT_BOUNDS[name], f"{name} {e:.3e} > {EXACT_BOUNDS[name]:.1e} ({shape}, causal={causal})"
 
 
@@ -421,13 +428,16 @@ def test_hopper_f32_forward_on_strided_views(hopper, ref, rel_err, make_inputs, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_TORCH_GPU, reason="needs torch")
+@pytest.mark.parametrize("operands", ["1xf16", "tf32"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_hopper_tf32_forward_one_product(hopper, ref, rel_err, make_inputs, d, causal):
-    """precision="tf32" runs the same kernel with one TF32 product: within its bound, and measurably
-    less exact than "exact" (so it did round)."""
-    err, ran, _ = _hopper_forward(hopper, ref, rel_err, make_inputs, (1, 300, 300, 2, 1, d), causal, "tf32")
-    assert ran["kernel"].startswith(f"fwd_sm90_f32_d{d}_") and ran["math"] == "tf32", ran
+def test_hopper_tf32_forward_one_product(hopper, ref, rel_err, make_inputs, d, causal, operands):
+    """precision="tf32" runs the Hopper kernel with one product (of scaled fp16 operands by default,
+    of TF32 ones with FLASH_NIF_TF32_PARTS=1): within its bound, and measurably less exact than
+    "exact" (so it did round)."""
+    with _Env("1" if operands == "tf32" else "0", "FLASH_NIF_TF32_PARTS"):
+        err, ran, _ = _hopper_forward(hopper, ref, rel_err, make_inputs, (1, 300, 300, 2, 1, d), causal, "tf32")
+    assert ran["kernel"].startswith(f"fwd_sm90_f32_d{d}_") and ran["math"] == operands, ran
     assert all(e <= TF32_BOUND for e in err.values()), err
     assert err["o"] > 10 * EXACT_BOUNDS["o"], err
 
@@ -446,9 +456,9 @@ def test_hopper_f32_falls_back_and_says_why(hopper, make_inputs):
     ran = last(hopper)
     assert ran["math"] == "3xtf32" and ran["kernel"].startswith("fwd_f32_d96"), ran
     assert "head dim 96" in ran["not_sm90_because"], ran
-    hopper.forward(*g, causal=True)  # "exact" by default: the Hopper kernel's split TF32
+    hopper.forward(*g, causal=True)  # "exact" by default: the Hopper kernel's split products
     ran = last(hopper)
-    assert ran["math"] == "3xtf32" and ran["kernel"].startswith("fwd_sm90_f32_d64_"), ran
+    assert ran["math"] == "3xf16" and ran["kernel"].startswith("fwd_sm90_f32_d64_"), ran
     with _Env("0"):
         hopper.forward(*g, causal=True)
     ran = last(hopper)

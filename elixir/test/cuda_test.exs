@@ -119,11 +119,11 @@ defmodule FlashNif.CudaTest do
     for {a, g} <- [{adq, dq}, {adk, dk}, {adv, dv}], do: assert(Numeric.rel_err(a, g) <= 1.0e-6)
     assert {:ok, %{backends: backends, last_kernels: last}} = FA.info()
     assert :cuda in backends
-    # f32 "exact" at D = 64: the Hopper kernel (split TF32 on wgmma) on compute capability 9.0,
-    # else the portable one, and why.
+    # f32 "exact" at D = 64: the Hopper kernel (split products on wgmma, fp16 parts) on compute
+    # capability 9.0, else the portable one, and why.
     if last.forward.kernel =~ ~r/^fwd_sm90_f32_d64_/ do
       assert last.forward.not_sm90_because == nil
-      assert last.forward.math == "3xtf32"
+      assert last.forward.math == "3xf16"
     else
       assert last.forward.kernel =~ ~r/^fwd_f32_d64/
       assert last.forward.not_sm90_because =~ ~r/9\.0|FLASH_NIF_SM90/

@@ -202,7 +202,7 @@ fn variants(p: &Problem) -> Vec<cuda::Variant> {
     kernels
         .into_iter()
         .map(|kernel| {
-            let spec = Spec { kernel, dtype: p.dtype, head_dim: p.dims.head_dim, causal: p.causal, masked: true, mods: false, group: p.dims.group(), seq_k: p.dims.seq_k, tf32_terms: tf32_terms(kernel, p.dtype, p.precision, p.dims.seq_k, p.dims.head_dim) };
+            let spec = Spec { kernel, dtype: p.dtype, head_dim: p.dims.head_dim, causal: p.causal, masked: true, mods: false, group: p.dims.group(), seq_k: p.dims.seq_k, tf32_terms: tf32_terms(kernel, p.dtype, p.precision, p.dims.seq_k, p.dims.head_dim), f16_parts: false };
             candidates(&spec).remove(0)
         })
         .collect()

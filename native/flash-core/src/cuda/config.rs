@@ -33,11 +33,27 @@ pub struct Spec {
     /// SIMT f32 kernels, and every fp16 / bf16 kernel.
     /// [`tf32_terms`] chooses it for a call.
     pub tf32_terms: usize,
+    /// The f32 tensor-core products' operands in fp16 (scaled) instead of TF32 (the Hopper f32
+    /// forward: cuda/fwd_sm90_f32_f16.cu); [`f16_parts`] chooses it for a call.
+    pub f16_parts: bool,
 }
 
 /// `FLASH_NIF_TF32=0` (read per call) makes `precision="exact"` run the SIMT f32 kernels instead
 /// of the split-TF32 one (comparisons, benchmarks); `"tf32"` is unaffected.
 pub const TF32_ENV: &str = "FLASH_NIF_TF32";
+
+/// `FLASH_NIF_TF32_PARTS=1` (read per call) makes the Hopper f32 forward take TF32 operands
+/// (cuda/fwd_sm90_f32.cu) instead of fp16 ones (cuda/fwd_sm90_f32_f16.cu): the same accuracy, for
+/// comparisons and benchmarks.
+pub const TF32_PARTS_ENV: &str = "FLASH_NIF_TF32_PARTS";
+
+/// Whether a call's f32 tensor-core products take fp16 operands instead of TF32 ones: the Hopper f32
+/// forward's, unless `FLASH_NIF_TF32_PARTS=1`. An fp16 part of a power-of-two-scaled operand holds
+/// TF32's 11 significant bits at twice its tensor rate (cuda/fwd_sm90_f32_f16.cu): split into two
+/// parts under `"exact"` (three products), one under `"tf32"`.
+pub fn f16_parts(kernel: Kernel, dtype: DType, tf32_terms: usize) -> bool {
+    kernel == Kernel::FwdSm90 && dtype == DType::F32 && tf32_terms > 0 && std::env::var(TF32_PARTS_ENV).map_or(true, |v| v.trim() != "1")
+}
 
 /// Fewest keys (Sk) for which `precision="exact"` takes the split-TF32 kernels. A split product
 /// keeps ~22 significant bits, so a row that sees a single key gets o = v only to ~2 ulps, where
@@ -111,6 +127,9 @@ fn table_candidates(spec: &Spec) -> Vec<Variant> {
 /// The variant with the tiles of `set` (an unset override means the default tiles).
 pub fn variant(spec: &Spec, set: TileSet) -> Variant {
     let (k, dt, d) = (spec.kernel, spec.dtype, spec.head_dim);
+    if spec.f16_parts && set != TileSet::Override {
+        return make_variant(spec, tiles(sm90_f32_f16_tiles()), set);
+    }
     if spec.tf32_terms > 0 && set != TileSet::Override {
         return make_variant(spec, tiles(tf32_tiles(k, set, d, spec.tf32_terms)), set);
     }
@@ -175,7 +194,7 @@ fn attention_variants(head_dims: &[usize]) -> Vec<Variant> {
     let mut out = Vec::new();
     for dtype in [DType::F16, DType::BF16, DType::F32] {
         for &head_dim in head_dims {
-            let spec = |kernel, causal, masked, mods| Spec { kernel, dtype, head_dim, causal, masked, mods, group: 1, seq_k: 1, tf32_terms: 0 };
+            let spec = |kernel, causal, masked, mods| Spec { kernel, dtype, head_dim, causal, masked, mods, group: 1, seq_k: 1, tf32_terms: 0, f16_parts: false };
             out.push(variant(&spec(Kernel::BwdPreprocess, false, false, false), TileSet::Default));
             out.push(variant(&spec(Kernel::BwdDqConvert, false, false, false), TileSet::Default));
             out.push(variant(&spec(Kernel::Pad, false, false, false), TileSet::Default));
@@ -200,10 +219,11 @@ fn attention_variants(head_dims: &[usize]) -> Vec<Variant> {
                 }
             }
             if dtype == DType::F32 && super::sm90::F32_HEAD_DIMS.contains(&head_dim) {
-                // The Hopper f32 forward: plain problems only (sm90.rs), split TF32 and one TF32 product.
-                for terms in [3, 1] {
+                // The Hopper f32 forward: plain problems only (sm90.rs), split products ("exact") and
+                // one product ("tf32"), each on fp16 operands and on TF32 ones.
+                for (terms, f16_parts) in [(3, true), (3, false), (1, true), (1, false)] {
                     for causal in [false, true] {
-                        out.extend(table_candidates(&Spec { tf32_terms: terms, ..spec(Kernel::FwdSm90, causal, false, false) }));
+                        out.extend(table_candidates(&Spec { tf32_terms: terms, f16_parts, ..spec(Kernel::FwdSm90, causal, false, false) }));
                     }
                 }
             }
@@ -364,6 +384,14 @@ fn sm90_f32_tiles(d: usize, terms: usize) -> (usize, usize, usize, usize, usize)
     }
 }
 
+/// The Hopper f32 forward on fp16 operands (cuda/fwd_sm90_f32_f16.cu; D = 64 and 128): two consumer
+/// warpgroups of 64 query rows, 64 keys a tile, two K and two V stages (the 4th value, STAGES; the
+/// K ring as deep): under "exact" at D = 128 Q's two parts 64 KiB and the rings 128 KiB. (32 keys
+/// a tile, whose ss products read Q's 64 rows per 32 keys: 15-20 % slower at D = 128, H200.)
+fn sm90_f32_f16_tiles() -> (usize, usize, usize, usize, usize) {
+    (128, 64, 12, 2, 1)
+}
+
 /// The depth of the Hopper f32 forward's K ring (see sm90_f32_tiles).
 fn sm90_f32_k_stages(d: usize, terms: usize) -> usize {
     match (d <= 64, terms == 1) {
@@ -487,7 +515,7 @@ pub(super) fn dtype_code(d: DType) -> i64 {
 }
 
 fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
-    let Spec { kernel, dtype, head_dim, causal, mods, group, seq_k, tf32_terms, .. } = *spec;
+    let Spec { kernel, dtype, head_dim, causal, mods, group, seq_k, tf32_terms, f16_parts, .. } = *spec;
     // The Hopper backward's masked kernels always compile the modifiers in (run-time values: none
     // is the identity): without them its D = 128 kernel spilled 28 bytes (sm_90a, NVRTC 13.0).
     let mods = mods || (kernel == Kernel::BwdSm90 && spec.masked);
@@ -524,9 +552,14 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
         if tf32_terms > 0 {
             defines.push(("TF32_TERMS", tf32_terms as i64));
         }
+        if f16_parts {
+            defines.push(("F16_PARTS", 1));
+        }
         if kernel == Kernel::FwdSm90 {
             defines.push(("STAGES", t.d_split as i64));
-            if dtype == DType::F32 {
+            if f16_parts {
+                defines.push(("K_STAGES", t.d_split as i64));
+            } else if dtype == DType::F32 {
                 defines.push(("K_STAGES", sm90_f32_k_stages(head_dim, tf32_terms) as i64));
             } else {
                 // The consumer warpgroups take turns issuing their products (cuda/fwd_sm90.cu).
@@ -538,7 +571,8 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
         }
         defines.push(("MIN_BLOCKS", t.min_blocks as i64));
     }
-    Variant { kernel, dtype, head_dim, source: source(kernel, dtype, head_dim, tf32_terms), tiles: t, tile_set, defines }
+    let source = if f16_parts { "fwd_sm90_f32_f16.cu" } else { source(kernel, dtype, head_dim, tf32_terms) };
+    Variant { kernel, dtype, head_dim, source, tiles: t, tile_set, defines }
 }
 
 /// Warps per block of the rotary kernel (one row of x per 2^k threads; see cuda/rotary.cu).
@@ -594,7 +628,7 @@ mod tests {
     use super::*;
 
     fn spec(kernel: Kernel, dtype: DType, head_dim: usize) -> Spec {
-        Spec { kernel, dtype, head_dim, causal: true, masked: false, mods: false, group: 2, seq_k: 97, tf32_terms: 0 }
+        Spec { kernel, dtype, head_dim, causal: true, masked: false, mods: false, group: 2, seq_k: 97, tf32_terms: 0, f16_parts: false }
     }
 
     #[test]

@@ -368,7 +368,9 @@ pub(super) fn kernel_variant(dev: &Device, p: &Problem, kernel: Kernel) -> Resul
     let d = &p.dims;
     let (masked, mods) = (!p.is_plain(), !p.mods.is_none());
     let tf32_terms = config::tf32_terms(kernel, p.dtype, p.precision, d.seq_k, d.head_dim);
-    let spec = Spec { kernel, dtype: p.dtype, head_dim: d.head_dim, causal: p.causal, masked, mods, group: d.group(), seq_k: d.seq_k, tf32_terms };
+    let f16_parts = config::f16_parts(kernel, p.dtype, tf32_terms);
+    let spec =
+        Spec { kernel, dtype: p.dtype, head_dim: d.head_dim, causal: p.causal, masked, mods, group: d.group(), seq_k: d.seq_k, tf32_terms, f16_parts };
     device::choose(dev, &config::candidates(&spec))
 }
 

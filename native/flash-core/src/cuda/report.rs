@@ -131,7 +131,7 @@ mod tests {
         if libs::ensure_nvrtc().is_err() {
             return; // no NVRTC on this machine: nothing to check
         }
-        let spec = |kernel| Spec { kernel, dtype: DType::BF16, head_dim: 72, causal: true, masked: false, mods: false, group: 2, seq_k: 100, tf32_terms: 0 };
+        let spec = |kernel| Spec { kernel, dtype: DType::BF16, head_dim: 72, causal: true, masked: false, mods: false, group: 2, seq_k: 100, tf32_terms: 0, f16_parts: false };
         let vs = [
             config::variant(&spec(Kernel::Fwd), TileSet::Default),
             config::variant(&spec(Kernel::Fwd), TileSet::Default), // a duplicate compiles once

@@ -22,6 +22,7 @@ pub const FILES: &[(&str, &str)] = &[
     ("fwd.cu", include_str!("../../../../cuda/fwd.cu")),
     ("fwd_sm90.cu", include_str!("../../../../cuda/fwd_sm90.cu")),
     ("fwd_sm90_f32.cu", include_str!("../../../../cuda/fwd_sm90_f32.cu")),
+    ("fwd_sm90_f32_f16.cu", include_str!("../../../../cuda/fwd_sm90_f32_f16.cu")),
     ("fwd_f32.cu", include_str!("../../../../cuda/fwd_f32.cu")),
     ("fwd_f32_simt.cu", include_str!("../../../../cuda/fwd_f32_simt.cu")),
     ("bwd_preprocess.cu", include_str!("../../../../cuda/bwd_preprocess.cu")),

@@ -205,8 +205,14 @@ pub struct Variant {
 
 impl Variant {
     /// How its products are computed: "f16" / "bf16" (tensor cores), and for f32 "3xtf32" (split
-    /// TF32 on tensor cores, f32 accuracy), "tf32" (one TF32 product) or "f32-simt" (f32 FMAs).
+    /// TF32 on tensor cores, f32 accuracy), "3xf16" (split into fp16 parts of scaled operands, f32
+    /// accuracy), "tf32" (one TF32 product), "1xf16" (one product of scaled fp16 operands: TF32's
+    /// 11 bits) or "f32-simt" (f32 FMAs).
     pub fn math(&self) -> &'static str {
+        if self.defines.iter().any(|(k, _)| *k == "F16_PARTS") {
+            let exact = self.defines.iter().any(|&(k, v)| k == "TF32_TERMS" && v == 3);
+            return if exact { "3xf16" } else { "1xf16" };
+        }
         match (self.dtype, self.defines.iter().find(|(k, _)| *k == "TF32_TERMS").map(|(_, v)| *v)) {
             (DType::F32, Some(3)) => "3xtf32",
             (DType::F32, Some(_)) => "tf32",
