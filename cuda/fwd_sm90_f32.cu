@@ -2,6 +2,8 @@
 // warpgroup MMA (wgmma m64nNk8 .tf32): TF32_TERMS = 3 ("exact": x = big + small, big = tf32(x),
 // small = tf32(x - big), a b ~ big_a small_b + small_a big_b + big_a big_b) or 1 ("tf32": big only).
 // D = 64 and 128, plain problems (causal or not, GQA); sm90.rs sends everything else elsewhere.
+// Both precisions run fwd_sm90_f32_f16.cu (the same bits on fp16 tensor cores, 1.5-2x faster)
+// unless FLASH_NIF_TF32_PARTS=1 (config.rs's f16_parts).
 //
 // Grid (ceil(Sq / BLOCK_M), H, B), causal heaviest first; NUM_WARPS = 4 * (1 + CONSUMERS):
 // - warpgroup 0, the producer: all 128 threads load Q once and then K_0, K_1, V_0, K_2, V_1, ...

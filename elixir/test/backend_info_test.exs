@@ -10,7 +10,7 @@ defmodule FlashNif.BackendInfoTest do
 
     for k <- [fwd, bwd] do
       assert Map.keys(k) |> Enum.sort() == [:kernel, :math, :not_sm90_because]
-      assert is_nil(k.math) or k.math in ["3xf16", "3xtf32", "tf32", "f32-simt", "f16", "bf16"]
+      assert is_nil(k.math) or k.math in ["3xf16", "3xtf32", "1xf16", "tf32", "f32-simt", "f16", "bf16"]
       assert is_nil(k.kernel) or is_binary(k.kernel)
     end
   end

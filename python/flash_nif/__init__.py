@@ -110,18 +110,20 @@ def forward_with_states(
     without that path) raises :class:`UnsupportedError`.
 
     ``precision`` (float32 inputs on a GPU): ``"exact"`` (default) keeps float32 accuracy, whichever
-    kernel runs, the fastest exact one: the forward computes its products on tensor cores as
-    split-TF32 (each float32 operand the sum of two TF32 numbers, three TF32 products per pair,
-    summed in float32) from 16 keys on (on Hopper at head dims 64 and 128 without masks or
-    modifiers the wgmma kernel; elsewhere at head dims 64 and 128, and below 16 keys, with float32
-    FMAs, which are faster there); the backward likewise split TF32 on Hopper at head dim 64
-    without masks or modifiers (its wgmma kernels), elsewhere with float32 FMAs. ``"tf32"`` (asked
-    for by name only) takes one TF32 product per pair, forward and backward: faster, with relative
+    kernel runs, the fastest exact one: the forward computes its products on tensor cores as split
+    products (each float32 operand the sum of two 11-bit parts, three products per pair, summed in
+    float32) from 16 keys on (on Hopper at head dims 64 and 128 without masks or modifiers the wgmma
+    kernel on fp16 parts of power-of-two-scaled tiles, ``"3xf16"``; elsewhere TF32 parts, but at
+    head dims 64 and 128, and below 16 keys, float32 FMAs, which are faster there); the backward
+    split TF32 on Hopper at head dims 64 and 128 without masks or modifiers (its wgmma kernels),
+    elsewhere with float32 FMAs. ``"tf32"`` (asked for by name only) takes one TF32 product per
+    pair (the Hopper forward: one product of scaled fp16 operands, the same 11 bits), forward and
+    backward: faster, with relative
     errors of order 1e-3 (the operands rounded to 11 significant bits; bound ``5e-3`` of
     ||x - exact|| / ||exact|| for o, lse, dq, dk, dv, checked by tests/test_tf32.py). The CPU always computes in float32 and accepts
     either; float16 / bfloat16 inputs are unaffected.
     ``info()["cuda"]["last_kernels"]`` names the kernel that ran and its ``math``
-    (``"3xtf32"``, ``"tf32"``, ``"f32-simt"``, ``"f16"``, ``"bf16"``).
+    (``"3xf16"``, ``"3xtf32"``, ``"1xf16"``, ``"tf32"``, ``"f32-simt"``, ``"f16"``, ``"bf16"``).
     """
     opts, host_device = _args.options(causal, scale, window, device, mode=mode, precision=precision)
     opts.update(_args.modifiers(softcap, alibi_slopes, sinks))

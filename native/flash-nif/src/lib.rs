@@ -34,7 +34,7 @@ fn nif_api(env: Env) -> Term {
 
 /// `{:ok, version, backends, last_kernels}`, last_kernels `[{pass, kernel | nil, not_sm90_because
 /// | nil, math | nil}]` for "forward" and "backward" (the GPU kernels this process last ran, and how
-/// their products were computed: "3xtf32", "tf32", "f32-simt", "f16", "bf16"); may probe for a
+/// their products were computed: "3xf16", "3xtf32", "1xf16", "tf32", "f32-simt", "f16", "bf16"); may probe for a
 /// CUDA driver, hence a dirty I/O scheduler.
 #[rustler::nif(schedule = "DirtyIo")]
 fn info(env: Env) -> Term {

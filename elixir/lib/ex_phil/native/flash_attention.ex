@@ -60,12 +60,14 @@ defmodule ExPhil.Native.FlashAttention do
       variable `FLASH_NIF_MODE` overrides the option. `:materialized` over that ceiling, or with
       `device: :cuda` (the GPU has fused kernels only), is an `:unsupported` error.
     * `:precision` — how `{:f, 32}` products are computed on the GPU: `:exact` (default) keeps
-      f32 accuracy whichever kernel runs (the forward as split-TF32 products on tensor cores
-      from 16 keys on, on Hopper at head dims 64 and 128 the wgmma kernel: each operand the sum
-      of two TF32 numbers, three TF32 products per pair summed in f32; the backward likewise on
+      f32 accuracy whichever kernel runs (the forward as split products on tensor cores from
+      16 keys on: each operand the sum of two 11-bit parts, three products per pair summed in
+      f32 — on Hopper at head dims 64 and 128 the wgmma kernel on fp16 parts of power-of-two-scaled
+      tiles, elsewhere TF32 parts; the backward as split TF32 on
       Hopper at head dims 64 and 128 without masks or modifiers; f32 FMAs below 16 keys, at head dims 64
       and 128 off Hopper, and in the other backwards); `:tf32` (asked for by name only) one
-      TF32 product per pair, forward and backward, faster, relative errors of order 1e-3 (bound
+      TF32 product per pair (on the Hopper forward one product of scaled fp16 operands, the same
+      11 bits), forward and backward, faster, relative errors of order 1e-3 (bound
       5e-3 of ‖x - exact‖ / ‖exact‖ for o, lse and the gradients). The CPU always computes in f32
       and accepts either; `{:f, 16}` / `{:bf, 16}` are unaffected. `info/0` says which kernel
       ran and its `math`.
@@ -440,7 +442,7 @@ defmodule ExPhil.Native.FlashAttention do
   last_kernels: %{forward: k, backward: k}}}`, where `k` is `%{kernel: name | nil,
   not_sm90_because: reason | nil, math: math | nil}`: the GPU kernel this VM last ran for that
   pass, when it was not the Hopper kernel, why (`FLASH_NIF_SM90=0`, a mask, a head dim, ...), and
-  how its products were computed (`"3xtf32"`, `"tf32"`, `"f32-simt"`, `"f16"`, `"bf16"`; see
+  how its products were computed (`"3xf16"`, `"3xtf32"`, `"1xf16"`, `"tf32"`, `"f32-simt"`, `"f16"`, `"bf16"`; see
   `:precision`). `FLASH_NIF_LOG=1` prints the same per call on stderr.
   """
   @spec info() :: {:ok, %{version: String.t(), backends: [atom], last_kernels: map}} | {:error, reason}

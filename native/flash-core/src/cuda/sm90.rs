@@ -1,11 +1,12 @@
-//! The Hopper kernels (cuda/fwd_sm90.cu, cuda/bwd_sm90.cu, and in f32 cuda/fwd_sm90_f32.cu,
-//! cuda/bwd_dq_sm90_f32.cu and cuda/bwd_dkdv_sm90_f32.cu): when a call takes them, their tensor
+//! The Hopper kernels (cuda/fwd_sm90.cu, cuda/bwd_sm90.cu, and in f32 cuda/fwd_sm90_f32_f16.cu or
+//! cuda/fwd_sm90_f32.cu, cuda/bwd_dq_sm90_f32.cu and cuda/bwd_dkdv_sm90_f32.cu): when a call takes them, their tensor
 //! maps, and their launches.
 //!
 //! The forward runs on compute capability 9.0 for fp16 / bf16 at D = 64, 128 and 256 (the call's
 //! head dim after padding), the backward at D = 64 and 128, both with every mask but varlen batches
-//! and every score modifier, unless `FLASH_NIF_SM90=0`. In f32 (one TF32 product under `"tf32"`,
-//! split TF32 under `"exact"`) the forward and the backward (a dQ kernel, then a dK/dV kernel)
+//! and every score modifier, unless `FLASH_NIF_SM90=0`. In f32 (one 11-bit product under `"tf32"`,
+//! split products under `"exact"`: the forward on scaled fp16 operands unless
+//! `FLASH_NIF_TF32_PARTS=1`, the backward on TF32 ones) the forward and the backward (a dQ kernel, then a dK/dV kernel)
 //! run at D = 64 and 128, on plain problems (causal or not). Anything else runs the portable
 //! kernels, which compute the same function; [`forward_choice`] and [`backward_choice`] say which
 //! and why, and `FLASH_NIF_LOG=1` prints it per call.
