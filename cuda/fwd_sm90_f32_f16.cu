@@ -28,7 +28,7 @@
 // Shared memory (two fp16 parts each): Q 2 BLOCK_M D 2 bytes, K and V 2 BLOCK_N D 2 bytes a stage.
 //   D = 128: BLOCK_M 128, BLOCK_N 64, two K and two V stages: 64 + 64 + 64 KiB = 192 KiB.
 //   D = 64: the same tiles, 96 KiB.
-#include "sm90_f32.h"
+#include "sm90_f16_parts.h"
 #include "tile.h"
 #include "block.h"
 #include "softmax.h"
@@ -46,10 +46,8 @@
 #endif
 
 #define COL_BLOCKS (HEAD_DIM / 64)                     // 64-element (128-byte) column blocks of a row
-#define H_PART_BYTES(rows) ((rows) * HEAD_DIM * 2)      // one fp16 part of a [rows][D] tile
 #define O_PART 64                                      // P V's columns per fresh accumulator
 #define P_EXP 15                                       // P's scale: P 2^15 <= 2^15
-#define SCALE_BARRIER 1                                // the producer's named barrier (exponents)
 // Registers after setmaxnreg (run_roles checks the split): the producer holds one K or V tile (D = 128:
 // 64 floats) and its addresses; a consumer O (64), S (32), P's parts (32) and a P V slice (32).
 #define PRODUCER_REGS 120
@@ -83,109 +81,6 @@ struct SmemAt {
 using KRing = Ring<K_STAGES>;
 using VRing = Ring<STAGES>;
 
-__device__ __forceinline__ int ld_shared_s32(u32 addr) {
-    int v;
-    asm volatile("ld.shared.s32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
-    return v;
-}
-__device__ __forceinline__ void st_shared_v2(u32 addr, u32 a, u32 b) {
-    asm volatile("st.shared.v2.b32 [%0], {%1, %2};" ::"r"(addr), "r"(a), "r"(b) : "memory");
-}
-
-// 2^e as f32 (e in [-126, 127]).
-__device__ __forceinline__ float exp2i(int e) { return __int_as_float((127 + e) << 23); }
-
-// Two f32 as fp16 (round to nearest), lo in the low half; and back.
-__device__ __forceinline__ u32 f16x2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-__device__ __forceinline__ float2 f16x2_to_f32(u32 x) {
-    float lo, hi;
-    asm("{ .reg .f16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b; }" : "=f"(lo), "=f"(hi) : "r"(x));
-    return make_float2(lo, hi);
-}
-// The parts of two scaled values: big = f16(x), small = f16(x - big).
-__device__ __forceinline__ void split_f16x2(float x0, float x1, u32& big, u32& small) {
-    big = f16x2(x0, x1);
-    const float2 b = f16x2_to_f32(big);
-    small = f16x2(x0 - b.x, x1 - b.y);
-}
-
-// ---- the producer ---------------------------------------------------------------------------------
-// The exponent e that brings the tile's largest |x| (this thread's: `bits`, |x|'s f32 bits, which
-// order as the values do) into [2^14, 2^15): a max over the producer warpgroup through shared memory
-// (slot `slot` of the exchange, alternating, so that a fast warp's next write cannot meet a slow
-// warp's read). Zero tiles take 2^126 (harmless); inf / NaN ones 2^-114 (they stay non-finite).
-__device__ __forceinline__ int tile_exponent(u32 bits, const SmemAt smem, int& slot) {
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, o));
-    const int warp = (threadIdx.x / 32) % 4;
-    const u32 xchg = smem.exp(EXP_XCHG + 4 * slot);
-    if (threadIdx.x % 32 == 0) st_shared_u32(xchg + 4 * warp, bits);
-    named_sync(SCALE_BARRIER, PRODUCER_THREADS);
-#pragma unroll
-    for (int w = 0; w < 4; ++w) bits = max(bits, (u32)ld_shared_s32(xchg + 4 * w));
-    slot ^= 1;
-    const int e = 14 - ((int)(bits >> 23) - 127);
-    return min(max(e, -126), 126);
-}
-
-// A [R][D] f32 tile held by the producer (RowTile's chunks: thread i the 16-byte chunks i, i + 128,
-// ...), stored as its two scaled fp16 parts.
-template <int R>
-struct HalfTile {
-    RowTile<R> t;
-
-    // RowTile::load with one running pointer (row r_first + ROWS_PER_STEP i of the thread's column):
-    // its own addresses per chunk, all hoisted, spilled the producer at D = 128.
-    __device__ __forceinline__ void load(const float* src, i64 stride, int r0, int nrows) {
-        constexpr int LANES_PER_ROW = HEAD_DIM / 4, ROWS_PER_STEP = PRODUCER_THREADS / LANES_PER_ROW;
-        const int tid = threadIdx.x % PRODUCER_THREADS, r_first = tid / LANES_PER_ROW;
-        const float* at = src + (i64)(r0 + r_first) * stride + 4 * (tid % LANES_PER_ROW);
-        const i64 step = ROWS_PER_STEP * stride;
-        const int valid = nrows - r0 - r_first;  // rows of this thread's column left, from r_first
-#pragma unroll
-        for (int i = 0; i < RowTile<R>::CHUNKS; ++i) {
-            t.x[i] = ROWS_PER_STEP * i < valid ? *reinterpret_cast<const float4*>(at) : make_float4(0.f, 0.f, 0.f, 0.f);
-            at += step;
-        }
-    }
-
-    __device__ __forceinline__ u32 max_bits() const {
-        u32 m = 0;
-#pragma unroll
-        for (int i = 0; i < RowTile<R>::CHUNKS; ++i) {
-            m = max(m, max(__float_as_uint(t.x[i].x) & 0x7fffffffu, __float_as_uint(t.x[i].y) & 0x7fffffffu));
-            m = max(m, max(__float_as_uint(t.x[i].z) & 0x7fffffffu, __float_as_uint(t.x[i].w) & 0x7fffffffu));
-        }
-        return m;
-    }
-    // Into the parts at `base` (parts `part` bytes apart) of a [ROWS][D] tile as rows row_off..,
-    // scaled by 2^e.
-    template <int ROWS>
-    __device__ __forceinline__ void store(u32 base, int row_off, int e) const {
-        const int tid = threadIdx.x % PRODUCER_THREADS;
-        const float f = exp2i(e);
-#pragma unroll
-        for (int i = 0; i < RowTile<R>::CHUNKS; ++i) {
-            const int c = tid + PRODUCER_THREADS * i, r = row_off + c / (HEAD_DIM / 4), col = 4 * (c % (HEAD_DIM / 4));
-            const int within = col % 64;  // 8-byte half (within / 4) % 2 of 16-byte chunk within / 8
-            const u32 at = base + (col / 64) * CB_BYTES(ROWS) + r * 128 + (((within / 8) ^ (r & 7)) << 4) + ((within / 4) % 2) * 8;
-#if TERMS == 2
-            u32 b01, s01, b23, s23;
-            split_f16x2(t.x[i].x * f, t.x[i].y * f, b01, s01);
-            split_f16x2(t.x[i].z * f, t.x[i].w * f, b23, s23);
-            st_shared_v2(at, b01, b23);
-            st_shared_v2(at + H_PART_BYTES(ROWS), s01, s23);
-#else
-            st_shared_v2(at, f16x2(t.x[i].x * f, t.x[i].y * f), f16x2(t.x[i].z * f, t.x[i].w * f));
-#endif
-        }
-    }
-};
-
 __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& blk, const SmemAt smem) {
     const float* q = p.q + blk.q_at(p.q_st);
     const float* k = p.k + blk.kv_at(p.k_st);
@@ -195,7 +90,7 @@ __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& 
     for (int r = 0; r < BLOCK_M; r += 32) {
         HalfTile<32> t;
         t.load(q, p.q_st.seq, blk.m0 + r, blk.Sq);
-        const int e = tile_exponent(t.max_bits(), smem, slot);
+        const int e = tile_exponent(t.max_bits(), smem.exp(EXP_XCHG), slot);
         t.store<BLOCK_M>(smem.q(), r, e);
         if (threadIdx.x == 0) st_shared_u32(smem.exp(EXP_Q + r / 32), (u32)e);
     }
@@ -205,7 +100,7 @@ __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& 
     auto put = [&](const float* src, i64 stride, int j, bool is_k) {
         HalfTile<BLOCK_N> t;
         t.load(src, stride, j * BLOCK_N, blk.Sk);
-        const int e = tile_exponent(t.max_bits(), smem, slot);
+        const int e = tile_exponent(t.max_bits(), smem.exp(EXP_XCHG), slot);
         const u32 s = is_k ? KRing::stage(j) : VRing::stage(j);
         const int depth = is_k ? K_STAGES : STAGES;
         if (j >= depth) mbar_wait(is_k ? smem.k_empty(s) : smem.v_empty(s), (is_k ? KRing::phase(j) : VRing::phase(j)) ^ 1);
@@ -222,11 +117,6 @@ __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& 
 }
 
 // ---- the consumers ----------------------------------------------------------------------------------
-// Descriptor of k-step kk (16 elements) of a K-major [rows][D] fp16 part at `part`.
-__device__ __forceinline__ u64 hdesc(u32 part, int rows, int kk) {
-    return desc_sw128(part + (kk / 4) * CB_BYTES(rows) + (kk % 4) * 32, 0);
-}
-
 // S = Q K^T for the warpgroup's 64 rows (q: their first row in Q's big part), K's parts at k;
 // the correction products first (their sums are small), then big x big. Issued, not waited for.
 __device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 8][4], u32 q, u32 k) {
@@ -246,33 +136,9 @@ __device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 8][4], u32 q, u32 
     wgmma_commit();
 }
 
-// P's parts (scaled by 2^P_EXP) as the A fragments of P V, 16 keys each (the accumulator layout's
-// pairs are the fp16 A fragment's).
-struct PParts {
-    u32 big[BLOCK_N / 16][4];
-#if TERMS == 2
-    u32 small[BLOCK_N / 16][4];
-#endif
-    __device__ __forceinline__ void set(const float (&s)[BLOCK_N / 8][4]) {
-        const float f = exp2i(P_EXP);
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-#if TERMS == 2
-                split_f16x2(s[2 * kk + h][0] * f, s[2 * kk + h][1] * f, big[kk][2 * h], small[kk][2 * h]);
-                split_f16x2(s[2 * kk + h][2] * f, s[2 * kk + h][3] * f, big[kk][2 * h + 1], small[kk][2 * h + 1]);
-#else
-                big[kk][2 * h] = f16x2(s[2 * kk + h][0] * f, s[2 * kk + h][1] * f);
-                big[kk][2 * h + 1] = f16x2(s[2 * kk + h][2] * f, s[2 * kk + h][3] * f);
-#endif
-            }
-    }
-};
-
 // ot = P V for the O_PART output columns of column block cb, fresh (V's parts at v, MN-major).
 // Issued, not waited for.
-__device__ __forceinline__ void issue_pv(float (&ot)[O_PART / 8][4], const PParts& pp, u32 v, int cb) {
+__device__ __forceinline__ void issue_pv(float (&ot)[O_PART / 8][4], const HFrag<BLOCK_N / 16>& pp, u32 v, int cb) {
     constexpr u32 VP = H_PART_BYTES(BLOCK_N);
     const u32 at = v + cb * CB_BYTES(BLOCK_N);
     wgmma_fence();
@@ -300,7 +166,7 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
     float o[HEAD_DIM / 8][4];
     float s[BLOCK_N / 8][4];
     float ot[O_PART / 8][4];
-    PParts pp;
+    HFrag<BLOCK_N / 16> pp;  // P's parts, scaled by 2^P_EXP
     OnlineSoftmax sm;
     zero(o);
     sm.init(NEG_INF);
@@ -353,7 +219,7 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
         // (> 0: an underflowing product of tiny q and k scores 0 instead of NaN on masked -inf)
         sm.step_scaled(s, fmaxf(q_scale * exp2i(-ek), 1.17549435e-38f), alpha);
         OnlineSoftmax::rescale_rows(o, alpha);
-        pp.set(s);
+        pp.set(s, exp2i(P_EXP), exp2i(P_EXP));
     }
     if (w.j > 0) {
         const u32 vs = VRing::stage(w.j - 1);

@@ -42,17 +42,18 @@ pub struct Spec {
 /// of the split-TF32 one (comparisons, benchmarks); `"tf32"` is unaffected.
 pub const TF32_ENV: &str = "FLASH_NIF_TF32";
 
-/// `FLASH_NIF_TF32_PARTS=1` (read per call) makes the Hopper f32 forward take TF32 operands
-/// (cuda/fwd_sm90_f32.cu) instead of fp16 ones (cuda/fwd_sm90_f32_f16.cu): the same accuracy, for
-/// comparisons and benchmarks.
+/// `FLASH_NIF_TF32_PARTS=1` (read per call) makes the Hopper f32 forward and dQ kernels take TF32
+/// operands (cuda/fwd_sm90_f32.cu, cuda/bwd_dq_sm90_f32.cu) instead of fp16 ones
+/// (cuda/fwd_sm90_f32_f16.cu, cuda/bwd_dq_sm90_f32_f16.cu): the same accuracy, for comparisons and
+/// benchmarks.
 pub const TF32_PARTS_ENV: &str = "FLASH_NIF_TF32_PARTS";
 
 /// Whether a call's f32 tensor-core products take fp16 operands instead of TF32 ones: the Hopper f32
-/// forward's, unless `FLASH_NIF_TF32_PARTS=1`. An fp16 part of a power-of-two-scaled operand holds
+/// forward's and dQ kernel's, unless `FLASH_NIF_TF32_PARTS=1`. An fp16 part of a power-of-two-scaled operand holds
 /// TF32's 11 significant bits at twice its tensor rate (cuda/fwd_sm90_f32_f16.cu): split into two
 /// parts under `"exact"` (three products), one under `"tf32"`.
 pub fn f16_parts(kernel: Kernel, dtype: DType, tf32_terms: usize) -> bool {
-    kernel == Kernel::FwdSm90 && dtype == DType::F32 && tf32_terms > 0 && std::env::var(TF32_PARTS_ENV).map_or(true, |v| v.trim() != "1")
+    matches!(kernel, Kernel::FwdSm90 | Kernel::BwdDqSm90) && dtype == DType::F32 && tf32_terms > 0 && std::env::var(TF32_PARTS_ENV).map_or(true, |v| v.trim() != "1")
 }
 
 /// Fewest keys (Sk) for which `precision="exact"` takes the split-TF32 kernels. A split product
@@ -128,7 +129,8 @@ fn table_candidates(spec: &Spec) -> Vec<Variant> {
 pub fn variant(spec: &Spec, set: TileSet) -> Variant {
     let (k, dt, d) = (spec.kernel, spec.dtype, spec.head_dim);
     if spec.f16_parts && set != TileSet::Override {
-        return make_variant(spec, tiles(sm90_f32_f16_tiles()), set);
+        let t = if k == Kernel::BwdDqSm90 { sm90_f32_f16_dq_tiles(d) } else { sm90_f32_f16_tiles() };
+        return make_variant(spec, tiles(t), set);
     }
     if spec.tf32_terms > 0 && set != TileSet::Override {
         return make_variant(spec, tiles(tf32_tiles(k, set, d, spec.tf32_terms)), set);
@@ -228,11 +230,12 @@ fn attention_variants(head_dims: &[usize]) -> Vec<Variant> {
                 }
             }
             if dtype == DType::F32 && super::sm90::F32_BWD_HEAD_DIMS.contains(&head_dim) {
-                // The Hopper f32 backward, dQ then dK/dV: plain problems only (sm90.rs), both precisions.
-                for k in [Kernel::BwdDqSm90, Kernel::BwdSm90] {
+                // The Hopper f32 backward, dQ (on fp16 and on TF32 operands) then dK/dV: plain problems
+                // only (sm90.rs), both precisions.
+                for (k, f16_parts) in [(Kernel::BwdDqSm90, true), (Kernel::BwdDqSm90, false), (Kernel::BwdSm90, false)] {
                     for terms in [3, 1] {
                         for causal in [false, true] {
-                            out.extend(table_candidates(&Spec { tf32_terms: terms, ..spec(k, causal, false, false) }));
+                            out.extend(table_candidates(&Spec { tf32_terms: terms, f16_parts, ..spec(k, causal, false, false) }));
                         }
                     }
                 }
@@ -390,6 +393,13 @@ fn sm90_f32_tiles(d: usize, terms: usize) -> (usize, usize, usize, usize, usize)
 /// a tile, whose ss products read Q's 64 rows per 32 keys: 15-20 % slower at D = 128, H200.)
 fn sm90_f32_f16_tiles() -> (usize, usize, usize, usize, usize) {
     (128, 64, 12, 2, 1)
+}
+
+/// The Hopper f32 dQ kernel on fp16 operands (cuda/bwd_dq_sm90_f32_f16.cu): two consumer warpgroups
+/// of 64 query rows, two stages of K and V; 64 keys a tile at D = 64 (Q, dO 64 KiB, stages 64 KiB),
+/// 32 at D = 128 (Q, dO 128 KiB and stages 64 KiB: two stages of 64 keys would need 256).
+fn sm90_f32_f16_dq_tiles(d: usize) -> (usize, usize, usize, usize, usize) {
+    (128, if d <= 64 { 64 } else { 32 }, 12, 2, 1)
 }
 
 /// The depth of the Hopper f32 forward's K ring (see sm90_f32_tiles).
@@ -571,7 +581,11 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
         }
         defines.push(("MIN_BLOCKS", t.min_blocks as i64));
     }
-    let source = if f16_parts { "fwd_sm90_f32_f16.cu" } else { source(kernel, dtype, head_dim, tf32_terms) };
+    let source = match (f16_parts, kernel) {
+        (true, Kernel::BwdDqSm90) => "bwd_dq_sm90_f32_f16.cu",
+        (true, _) => "fwd_sm90_f32_f16.cu",
+        _ => source(kernel, dtype, head_dim, tf32_terms),
+    };
     Variant { kernel, dtype, head_dim, source, tiles: t, tile_set, defines }
 }
 

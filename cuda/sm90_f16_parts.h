@@ -1,0 +1,147 @@
+// sm90_f16_parts.h — f32 operands as scaled fp16 parts for the Hopper f32 kernels on fp16 tensor
+// cores (fwd_sm90_f32_f16.cu, bwd_dq_sm90_f32_f16.cu): a tile's values x times the power of two 2^e
+// that brings its largest |x| into [2^14, 2^15), as big = fp16(x 2^e) and (TERMS = 2, "exact")
+// small = fp16(x 2^e - big), 11 + 11 significant bits as split TF32 (sm90_f32.h), both parts normal
+// fp16 for elements down to 2^-17 of the tile's largest (below, their error stays under 2^-39 of
+// it: absolute, which is what the sums feel). Tiles are fwd_sm90.cu's: [D / 64][rows][64] fp16,
+// 128-byte rows swizzled (desc_sw128), read K-major or (a B operand contracting over the rows)
+// MN-major. Products: wgmma m64nNk16 .f16 (wgmma.h's Wgmma<N>, FLASH_DTYPE = 2 reads f16).
+#pragma once
+#include "sm90_f32.h"
+
+#define H_PART_BYTES(rows) ((rows) * HEAD_DIM * 2)  // one fp16 part of a [rows][D] tile
+#define SCALE_BARRIER 1                             // the producer's named barrier (tile_exponent)
+
+__device__ __forceinline__ int ld_shared_s32(u32 addr) {
+    int v;
+    asm volatile("ld.shared.s32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_shared_v2(u32 addr, u32 a, u32 b) {
+    asm volatile("st.shared.v2.b32 [%0], {%1, %2};" ::"r"(addr), "r"(a), "r"(b) : "memory");
+}
+
+// 2^e as f32 (e in [-126, 127]).
+__device__ __forceinline__ float exp2i(int e) { return __int_as_float((127 + e) << 23); }
+
+// Two f32 as fp16 (round to nearest), lo in the low half; and back.
+__device__ __forceinline__ u32 f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ float2 f16x2_to_f32(u32 x) {
+    float lo, hi;
+    asm("{ .reg .f16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b; }" : "=f"(lo), "=f"(hi) : "r"(x));
+    return make_float2(lo, hi);
+}
+// The parts of two scaled values: big = f16(x), small = f16(x - big).
+__device__ __forceinline__ void split_f16x2(float x0, float x1, u32& big, u32& small) {
+    big = f16x2(x0, x1);
+    const float2 b = f16x2_to_f32(big);
+    small = f16x2(x0 - b.x, x1 - b.y);
+}
+
+// ---- the producer ---------------------------------------------------------------------------------
+// The exponent e that brings the tile's largest |x| (this thread's: `bits`, |x|'s f32 bits, which
+// order as the values do) into [2^14, 2^15): a max over the producer warpgroup through shared memory
+// (`exchange`: 2 slots of 4 words, slot `slot` this time, alternating so that a fast warp's next
+// write cannot meet a slow warp's read; named barrier SCALE_BARRIER). Zero tiles take 2^126 (harmless); inf / NaN ones 2^-114 (they stay non-finite).
+__device__ __forceinline__ int tile_exponent(u32 bits, u32 exchange, int& slot) {
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, o));
+    const int warp = (threadIdx.x / 32) % 4;
+    const u32 xchg = exchange + 16 * slot;
+    if (threadIdx.x % 32 == 0) st_shared_u32(xchg + 4 * warp, bits);
+    named_sync(SCALE_BARRIER, PRODUCER_THREADS);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) bits = max(bits, (u32)ld_shared_s32(xchg + 4 * w));
+    slot ^= 1;
+    const int e = 14 - ((int)(bits >> 23) - 127);
+    return min(max(e, -126), 126);
+}
+
+// A [R][D] f32 tile held by the producer (RowTile's chunks: thread i the 16-byte chunks i, i + 128,
+// ...), stored as its two scaled fp16 parts.
+template <int R>
+struct HalfTile {
+    RowTile<R> t;
+
+    // RowTile::load with one running pointer (row r_first + ROWS_PER_STEP i of the thread's column):
+    // its own addresses per chunk, all hoisted, spilled the producer at D = 128.
+    __device__ __forceinline__ void load(const float* src, i64 stride, int r0, int nrows) {
+        constexpr int LANES_PER_ROW = HEAD_DIM / 4, ROWS_PER_STEP = PRODUCER_THREADS / LANES_PER_ROW;
+        const int tid = threadIdx.x % PRODUCER_THREADS, r_first = tid / LANES_PER_ROW;
+        const float* at = src + (i64)(r0 + r_first) * stride + 4 * (tid % LANES_PER_ROW);
+        const i64 step = ROWS_PER_STEP * stride;
+        const int valid = nrows - r0 - r_first;  // rows of this thread's column left, from r_first
+#pragma unroll
+        for (int i = 0; i < RowTile<R>::CHUNKS; ++i) {
+            t.x[i] = ROWS_PER_STEP * i < valid ? *reinterpret_cast<const float4*>(at) : make_float4(0.f, 0.f, 0.f, 0.f);
+            at += step;
+        }
+    }
+
+    __device__ __forceinline__ u32 max_bits() const {
+        u32 m = 0;
+#pragma unroll
+        for (int i = 0; i < RowTile<R>::CHUNKS; ++i) {
+            m = max(m, max(__float_as_uint(t.x[i].x) & 0x7fffffffu, __float_as_uint(t.x[i].y) & 0x7fffffffu));
+            m = max(m, max(__float_as_uint(t.x[i].z) & 0x7fffffffu, __float_as_uint(t.x[i].w) & 0x7fffffffu));
+        }
+        return m;
+    }
+    // Into the parts at `base` (parts `part` bytes apart) of a [ROWS][D] tile as rows row_off..,
+    // scaled by 2^e.
+    template <int ROWS>
+    __device__ __forceinline__ void store(u32 base, int row_off, int e) const {
+        const int tid = threadIdx.x % PRODUCER_THREADS;
+        const float f = exp2i(e);
+#pragma unroll
+        for (int i = 0; i < RowTile<R>::CHUNKS; ++i) {
+            const int c = tid + PRODUCER_THREADS * i, r = row_off + c / (HEAD_DIM / 4), col = 4 * (c % (HEAD_DIM / 4));
+            const int within = col % 64;  // 8-byte half (within / 4) % 2 of 16-byte chunk within / 8
+            const u32 at = base + (col / 64) * CB_BYTES(ROWS) + r * 128 + (((within / 8) ^ (r & 7)) << 4) + ((within / 4) % 2) * 8;
+#if TERMS == 2
+            u32 b01, s01, b23, s23;
+            split_f16x2(t.x[i].x * f, t.x[i].y * f, b01, s01);
+            split_f16x2(t.x[i].z * f, t.x[i].w * f, b23, s23);
+            st_shared_v2(at, b01, b23);
+            st_shared_v2(at + H_PART_BYTES(ROWS), s01, s23);
+#else
+            st_shared_v2(at, f16x2(t.x[i].x * f, t.x[i].y * f), f16x2(t.x[i].z * f, t.x[i].w * f));
+#endif
+        }
+    }
+};
+
+// Descriptor of k-step kk (16 elements) of a K-major [rows][D] fp16 part at `part`.
+__device__ __forceinline__ u64 hdesc(u32 part, int rows, int kk) {
+    return desc_sw128(part + (kk / 4) * CB_BYTES(rows) + (kk % 4) * 32, 0);
+}
+
+// An accumulator tile [64 x 16 KT] (f32, 8-column blocks) as KT A fragments of 16 columns, its
+// values scaled by f0 (row g of the warp's 16) and f1 (row g + 8): the big part and (TERMS = 2) the
+// small one. The accumulator's pairs are the fp16 A fragment's: (row g, k 2t..), (g + 8, 2t..),
+// (g, 2t + 8..), (g + 8, 2t + 8..).
+template <int KT>
+struct HFrag {
+    u32 big[KT][4];
+#if TERMS == 2
+    u32 small[KT][4];
+#endif
+    __device__ __forceinline__ void set(const float (&s)[2 * KT][4], float f0, float f1) {
+#pragma unroll
+        for (int kk = 0; kk < KT; ++kk)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+#if TERMS == 2
+                split_f16x2(s[2 * kk + h][0] * f0, s[2 * kk + h][1] * f0, big[kk][2 * h], small[kk][2 * h]);
+                split_f16x2(s[2 * kk + h][2] * f1, s[2 * kk + h][3] * f1, big[kk][2 * h + 1], small[kk][2 * h + 1]);
+#else
+                big[kk][2 * h] = f16x2(s[2 * kk + h][0] * f0, s[2 * kk + h][1] * f0);
+                big[kk][2 * h + 1] = f16x2(s[2 * kk + h][2] * f1, s[2 * kk + h][3] * f1);
+#endif
+            }
+    }
+};
