@@ -110,52 +110,6 @@ __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& 
 }
 
 // ---- the consumers --------------------------------------------------------------------------------------
-// d = A B^T over D for the warpgroup's 64 rows of A (parts at a, a + a_part) and B's BLOCK_N rows
-// (parts at b, b + TILE's part): the correction products first, then big x big. Not fenced or committed.
-__device__ __forceinline__ void abt(float (&d)[BLOCK_N / 8][4], u32 a, u32 b) {
-    constexpr int KS = HEAD_DIM / 16;
-    constexpr u32 AP = H_PART_BYTES(BLOCK_M), BP = H_PART_BYTES(BLOCK_N);
-#if TERMS == 2
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk) Wgmma<BLOCK_N>::ss(d, hdesc(a, BLOCK_M, kk), hdesc(b + BP, BLOCK_N, kk), kk > 0);
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk) Wgmma<BLOCK_N>::ss(d, hdesc(a + AP, BLOCK_M, kk), hdesc(b, BLOCK_N, kk), 1);
-#else
-    (void)AP, (void)BP;
-#endif
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk) Wgmma<BLOCK_N>::ss(d, hdesc(a, BLOCK_M, kk), hdesc(b, BLOCK_N, kk), TERMS == 2 || kk > 0);
-}
-
-// ot = dS K for the 64 output columns of column block cb, fresh (K's parts at k, MN-major). Issued,
-// not waited for.
-__device__ __forceinline__ void issue_dsk(float (&ot)[8][4], const HFrag<BLOCK_N / 16>& ds, u32 k, int cb) {
-    constexpr u32 KP = H_PART_BYTES(BLOCK_N);
-    const u32 at = k + cb * CB_BYTES(BLOCK_N);
-    wgmma_fence();
-#if TERMS == 2
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) Wgmma<64>::rs(ot, ds.big[kk], desc_sw128(at + KP + kk * 16 * 128, CB_BYTES(BLOCK_N)), kk > 0);
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) Wgmma<64>::rs(ot, ds.small[kk], desc_sw128(at + kk * 16 * 128, CB_BYTES(BLOCK_N)), 1);
-#else
-    (void)KP;
-#endif
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-        Wgmma<64>::rs(ot, ds.big[kk], desc_sw128(at + kk * 16 * 128, CB_BYTES(BLOCK_N)), TERMS == 2 || kk > 0);
-    wgmma_commit();
-}
-
-// The exponent that brings the largest |x| of a row (this lane's share: `m`, over the row's 4 lanes)
-// into [2^14, 2^15); as tile_exponent.
-__device__ __forceinline__ int row_exponent(float m) {
-    u32 bits = __float_as_uint(m) & 0x7fffffffu;
-    bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, 1));
-    bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, 2));
-    return min(max(14 - ((int)(bits >> 23) - 127), -126), 126);
-}
-
 __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& blk, const SmemAt smem, int c) {
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4;
@@ -180,8 +134,8 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
         const u32 k = opaque(smem.k(st));
         float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
         wgmma_fence();
-        abt(s, q, k);
-        abt(dp, dout, opaque(smem.v(st)));
+        h_abt<BLOCK_N>(s, q, H_PART_BYTES(BLOCK_M), BLOCK_M, k, H_PART_BYTES(BLOCK_N));
+        h_abt<BLOCK_N>(dp, dout, H_PART_BYTES(BLOCK_M), BLOCK_M, opaque(smem.v(st)), H_PART_BYTES(BLOCK_N));
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(s);
@@ -208,15 +162,10 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
 #pragma unroll
         for (int cb = 0; cb < COL_BLOCKS; ++cb) {
             float ot[8][4];
-            issue_dsk(ot, ds, k, cb);
+            h_ab_slice<BLOCK_N / 16>(ot, ds, k, H_PART_BYTES(BLOCK_N), cb);
             wgmma_wait<0>();
             fence_regs(ot);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                float* d = dq[8 * cb + i];
-                d[0] = fmaf(ot[i][0] * f0, fk, d[0]), d[1] = fmaf(ot[i][1] * f0, fk, d[1]);
-                d[2] = fmaf(ot[i][2] * f1, fk, d[2]), d[3] = fmaf(ot[i][3] * f1, fk, d[3]);
-            }
+            add_slice(dq, ot, 8 * cb, f0, f1, fk);
         }
         if (lane == 0) mbar_arrive(smem.empty(st));  // the stage is read
     }

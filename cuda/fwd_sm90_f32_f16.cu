@@ -11,19 +11,21 @@
 // element: absolute, which is what the scores' softmax and o's sums feel). One exponent per 32
 // query rows (Q), per key tile (K, V); P = exp2(...) <= 1 takes a fixed 2^15.
 //
-// D = 64 and 128, plain problems (causal or not, GQA); TF32_TERMS = 3 only (the "tf32" precision
-// runs fwd_sm90_f32.cu). Grid (ceil(Sq / BLOCK_M), H, B), causal heaviest first; NUM_WARPS = 12:
-// - warpgroup 0, the producer: loads Q (32 rows at a time), then K_0, K_1, V_0, K_2, V_1, ... from
+// D = 64 and 128, plain problems (causal or not, GQA), both precisions: TF32_TERMS = 3 ("exact":
+// two parts, three products) or 1 ("tf32": the big part, one product). Grid (ceil(Sq / BLOCK_M), H,
+// B), causal heaviest first; NUM_WARPS = 12:
+// - warpgroup 0, the producer: loads Q (32 rows at a time), then K_0, V_0, K_1, V_1, ... from
 //   global memory into registers, finds the tile's exponent (a max over the warpgroup), and stores
 //   the parts into 128-byte-swizzled [D / 64][rows][64] column blocks (fwd_sm90.cu's layout: Q and
 //   K read K-major, V MN-major), the exponent beside them; then arrives on the stage's mbarrier.
 // - warpgroups 1, 2 own 64 query rows each (warp w: 16 rows, the mma.sync accumulator layout).
-//   Per key tile j: S_j = Q K_j^T (ss, 3 D / 16 wgmmas chained from zero) is issued with the first
-//   O_PART columns of P_{j-1} V_{j-1} (rs: P's parts in registers), the softmax of S_j (its scale
-//   times the tile's 2^-(e_q + e_k)) runs while that product is on the tensor cores; each O_PART
-//   slice of P V is summed in a fresh accumulator and added to O in f32 times 2^-(15 + e_v)
-//   (one chain over every key tile would bias o with the tensor cores' truncating adds, see
-//   fwd_sm90_f32.cu).
+//   Per key tile j: P_{j-1} V_{j-1} one 64-column slice at a time (rs: P's parts in registers),
+//   each slice summed in a fresh accumulator and added to O in f32 times 2^-(15 + e_v) (one chain
+//   over every key tile would bias o with the tensor cores' truncating adds, see
+//   fwd_sm90_f32.cu); then S_j = Q K_j^T (ss, chained from zero) and its softmax (the scale times
+//   the tile's 2^-(e_q + e_k)). Issued one after the other, so that P's parts and a slice are dead
+//   while S_j's registers are live (overlapping them spilled at D = 128, and measured slower); the
+//   other consumer warpgroup's products fill the tensor cores meanwhile.
 //
 // Shared memory (two fp16 parts each): Q 2 BLOCK_M D 2 bytes, K and V 2 BLOCK_N D 2 bytes a stage.
 //   D = 128: BLOCK_M 128, BLOCK_N 64, two K and two V stages: 64 + 64 + 64 KiB = 192 KiB.
@@ -46,7 +48,6 @@
 #endif
 
 #define COL_BLOCKS (HEAD_DIM / 64)                     // 64-element (128-byte) column blocks of a row
-#define O_PART 64                                      // P V's columns per fresh accumulator
 #define P_EXP 15                                       // P's scale: P 2^15 <= 2^15
 // Registers after setmaxnreg (run_roles checks the split): the producer holds one K or V tile (D = 128:
 // 64 floats) and its addresses; a consumer O (64), S (32), P's parts (32) and a P V slice (32).
@@ -117,46 +118,6 @@ __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& 
 }
 
 // ---- the consumers ----------------------------------------------------------------------------------
-// S = Q K^T for the warpgroup's 64 rows (q: their first row in Q's big part), K's parts at k;
-// the correction products first (their sums are small), then big x big. Issued, not waited for.
-__device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 8][4], u32 q, u32 k) {
-    constexpr int KS = HEAD_DIM / 16;
-    constexpr u32 QP = H_PART_BYTES(BLOCK_M), KP = H_PART_BYTES(BLOCK_N);
-    wgmma_fence();
-#if TERMS == 2
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk) Wgmma<BLOCK_N>::ss(s, hdesc(q, BLOCK_M, kk), hdesc(k + KP, BLOCK_N, kk), kk > 0);
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk) Wgmma<BLOCK_N>::ss(s, hdesc(q + QP, BLOCK_M, kk), hdesc(k, BLOCK_N, kk), 1);
-#else
-    (void)QP, (void)KP;
-#endif
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk) Wgmma<BLOCK_N>::ss(s, hdesc(q, BLOCK_M, kk), hdesc(k, BLOCK_N, kk), TERMS == 2 || kk > 0);
-    wgmma_commit();
-}
-
-// ot = P V for the O_PART output columns of column block cb, fresh (V's parts at v, MN-major).
-// Issued, not waited for.
-__device__ __forceinline__ void issue_pv(float (&ot)[O_PART / 8][4], const HFrag<BLOCK_N / 16>& pp, u32 v, int cb) {
-    constexpr u32 VP = H_PART_BYTES(BLOCK_N);
-    const u32 at = v + cb * CB_BYTES(BLOCK_N);
-    wgmma_fence();
-#if TERMS == 2
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-        Wgmma<O_PART>::rs(ot, pp.big[kk], desc_sw128(at + VP + kk * 16 * 128, CB_BYTES(BLOCK_N)), kk > 0);
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) Wgmma<O_PART>::rs(ot, pp.small[kk], desc_sw128(at + kk * 16 * 128, CB_BYTES(BLOCK_N)), 1);
-#else
-    (void)VP;
-#endif
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-        Wgmma<O_PART>::rs(ot, pp.big[kk], desc_sw128(at + kk * 16 * 128, CB_BYTES(BLOCK_N)), TERMS == 2 || kk > 0);
-    wgmma_commit();
-}
-
 // A consumer warpgroup (c = 0, 1) on rows m0 + 64 c .. of the block.
 __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& blk, const SmemAt smem, int c) {
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
@@ -165,7 +126,7 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
 
     float o[HEAD_DIM / 8][4];
     float s[BLOCK_N / 8][4];
-    float ot[O_PART / 8][4];
+    float ot[8][4];  // a 64-column slice of P V
     HFrag<BLOCK_N / 16> pp;  // P's parts, scaled by 2^P_EXP
     OnlineSoftmax sm;
     zero(o);
@@ -174,24 +135,16 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
     // The scores' scale with Q's 2^-e of this warp's 32-row group (K's per tile below).
     const float q_scale = p.scale_log2 * exp2i(-ld_shared_s32(smem.exp(EXP_Q + (64 * c + 16 * warp) / 32)));
 
-    // o += ot 2^-(P_EXP + ev): a slice of P V (output column block cb) added in f32.
-    auto add_slice = [&](int cb, int ev) {
-        const float f = exp2i(-P_EXP) * exp2i(-ev);
-        fence_regs(ot);
-#pragma unroll
-        for (int i = 0; i < O_PART / 8; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o[cb * (O_PART / 8) + i][e] = fmaf(ot[i][e], f, o[cb * (O_PART / 8) + i][e]);
-    };
-    // O += P V for V at stage vs, one O_PART-column slice at a time; then V's stage is free.
+    // O += P V for V at stage vs, one 64-column slice at a time; then V's stage is free.
     auto pv = [&](u32 vs) {
         const u32 v = opaque(smem.v(vs));
         const int ev = ld_shared_s32(smem.exp(EXP_V + vs));
 #pragma unroll
         for (int cb = 0; cb < COL_BLOCKS; ++cb) {
-            issue_pv(ot, pp, v, cb);
+            h_ab_slice<BLOCK_N / 16>(ot, pp, v, H_PART_BYTES(BLOCK_N), cb);
             wgmma_wait<0>();
-            add_slice(cb, ev);
+            fence_regs(ot);
+            add_slice(o, ot, 8 * cb, exp2i(-P_EXP), exp2i(-P_EXP), exp2i(-ev));
         }
         if (lane == 0) mbar_arrive(smem.v_empty(vs));
     };
@@ -209,7 +162,9 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
             pv(vs);
         }
         mbar_wait(smem.k_full(st), KRing::phase(w.j));
-        issue_qk(s, q, opaque(smem.k(st)));
+        wgmma_fence();
+        h_abt<BLOCK_N>(s, q, H_PART_BYTES(BLOCK_M), BLOCK_M, opaque(smem.k(st)), H_PART_BYTES(BLOCK_N));  // S = Q K^T
+        wgmma_commit();
         wgmma_wait<0>();
         const int ek = ld_shared_s32(smem.exp(EXP_K + st));
         if (lane == 0) mbar_arrive(smem.k_empty(st));

@@ -145,3 +145,61 @@ struct HFrag {
             }
     }
 };
+
+// The exponent that brings the largest |x| of an accumulator row (this lane's share `m`; a row's
+// values lie on the 4 lanes of a quad) into [2^14, 2^15), as tile_exponent.
+__device__ __forceinline__ int row_exponent(float m) {
+    u32 bits = __float_as_uint(m) & 0x7fffffffu;
+    bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, 1));
+    bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, 2));
+    return min(max(14 - ((int)(bits >> 23) - 127), -126), 126);
+}
+
+// d = A B^T over D (ss): A's 64 rows at a (a K-major [a_rows][D] tile's parts a_part apart, from a
+// row of it), B's N rows at b (parts b_part apart); the correction products first (their sums are
+// small), then big x big, chained from zero. Not fenced, committed or waited for.
+template <int N>
+__device__ __forceinline__ void h_abt(float (&d)[N / 8][4], u32 a, u32 a_part, int a_rows, u32 b, u32 b_part) {
+    constexpr int KS = HEAD_DIM / 16;
+#if TERMS == 2
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) Wgmma<N>::ss(d, hdesc(a, a_rows, kk), hdesc(b + b_part, N, kk), kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) Wgmma<N>::ss(d, hdesc(a + a_part, a_rows, kk), hdesc(b, N, kk), 1);
+#else
+    (void)a_part, (void)b_part;
+#endif
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) Wgmma<N>::ss(d, hdesc(a, a_rows, kk), hdesc(b, N, kk), TERMS == 2 || kk > 0);
+}
+
+// ot = A B for the 64 output columns of column block cb, fresh (rs): A's parts in registers (16 KT
+// contraction rows), B a [16 KT][D] tile at b (parts b_part apart) read MN-major. Fenced and
+// committed, not waited for.
+template <int KT>
+__device__ __forceinline__ void h_ab_slice(float (&ot)[8][4], const HFrag<KT>& a, u32 b, u32 b_part, int cb) {
+    const u32 at = b + cb * CB_BYTES(16 * KT);
+    wgmma_fence();
+#if TERMS == 2
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) Wgmma<64>::rs(ot, a.big[kk], desc_sw128(at + b_part + kk * 16 * 128, CB_BYTES(16 * KT)), kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) Wgmma<64>::rs(ot, a.small[kk], desc_sw128(at + kk * 16 * 128, CB_BYTES(16 * KT)), 1);
+#else
+    (void)b_part;
+#endif
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) Wgmma<64>::rs(ot, a.big[kk], desc_sw128(at + kk * 16 * 128, CB_BYTES(16 * KT)), TERMS == 2 || kk > 0);
+    wgmma_commit();
+}
+
+// d[i][e] += ot[i][e] f_row(e) g for the 8 column blocks of a slice from d's block i0 (rows g and
+// g + 8 of the warp's 16: f0, f1). Two multiplies, so that neither factor alone under- or overflows.
+__device__ __forceinline__ void add_slice(float (&d)[HEAD_DIM / 8][4], const float (&ot)[8][4], int i0, float f0, float f1, float f) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        float* x = d[i0 + i];
+        x[0] = fmaf(ot[i][0] * f0, f, x[0]), x[1] = fmaf(ot[i][1] * f0, f, x[1]);
+        x[2] = fmaf(ot[i][2] * f1, f, x[2]), x[3] = fmaf(ot[i][3] * f1, f, x[3]);
+    }
+}

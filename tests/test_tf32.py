@@ -220,7 +220,7 @@ def _check_exact(fa, ref, rel_err, make_inputs, record_error, shape, causal, kw=
     bwd = ran["backward"]
     # exact's portable backward: SIMT (faster than its split TF32, config.rs); on Hopper at D = 64 and 128 split TF32.
     hopper_bwd = hopper_f32_backward(fa, shape[-1], plain=not kw)
-    bwd_math = "3xtf32" if hopper_bwd else "f32-simt"
+    bwd_math = "3xf16" if hopper_bwd else "f32-simt"
     assert bwd["math"] == bwd_math, ran
     assert bwd["kernel"].startswith(_backward_kernel(deterministic, hopper_bwd, shape[-1])), ran
     with _Env("0"):
@@ -263,7 +263,7 @@ def test_tf32_within_its_documented_bound(gpu, ref, rel_err, make_inputs, record
     fwd_math = "1xf16" if hopper_f32(gpu, shape[-1]) else "tf32"
     assert ran["forward"]["math"] == fwd_math and "tf32_terms1" in ran["forward"]["kernel"], ran
     bwd = ran["backward"]
-    assert bwd["math"] == "tf32" and "tf32_terms1" in bwd["kernel"], ran
+    assert bwd["math"] == ("1xf16" if hopper_f32_backward(gpu, shape[-1]) else "tf32") and "tf32_terms1" in bwd["kernel"], ran
     assert bwd["kernel"].startswith(_backward_kernel(deterministic, hopper_f32_backward(gpu, shape[-1]), shape[-1])), ran
     print(f"{shape} causal={causal} det={deterministic}: tf32 " + " ".join(f"{n} {e:.2e}" for n, e in err.items()))
     for name, e in err.items():
@@ -322,7 +322,7 @@ def test_every_gradient_element_is_written(gpu, ref, rel_err, make_inputs, preci
     torch.cuda.synchronize()
     ran = last(gpu, "backward")
     hopper_bwd = hopper_f32_backward(gpu, d)
-    assert ran["math"] == {"exact": "3xtf32" if hopper_bwd else "f32-simt", "tf32": "tf32"}[precision], ran
+    assert ran["math"] == {"exact": "3xf16" if hopper_bwd else "f32-simt", "tf32": "1xf16" if hopper_bwd else "tf32"}[precision], ran
     if precision == "tf32" or hopper_bwd:
         assert ran["kernel"].startswith(_backward_kernel(deterministic, hopper_bwd, d)), ran
     want = ref.backward(do, q, k, v, o, lse, causal=True)
@@ -513,18 +513,20 @@ def _hopper_backward(fa, ref, rel_err, make_inputs, shape, causal, deterministic
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_TORCH_GPU, reason="needs torch")
+@pytest.mark.parametrize("parts", ["3xf16", "3xtf32"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", HOPPER_BWD_SHAPES)
 def test_hopper_f32_backward_exact_meets_the_f32_bound(hopper, ref, rel_err, make_inputs, record_error, shape,
-                                                       causal, deterministic):
-    """precision="exact" runs the Hopper backward (split TF32 on wgmma; no atomics, so either value of
-    `deterministic`) within the f32 bound; the same inputs on the portable kernels (FLASH_NIF_SM90=0)
-    printed beside."""
+                                                       causal, deterministic, parts):
+    """precision="exact" runs the Hopper backward (split products on wgmma: fp16 parts by default,
+    TF32 ones with FLASH_NIF_TF32_PARTS=1; no atomics, so either value of `deterministic`) within the
+    f32 bound; the same inputs on the portable kernels (FLASH_NIF_SM90=0) printed beside."""
     args = (hopper, ref, rel_err, make_inputs, shape, causal, deterministic)
-    err, ran, (dq, dk, dv) = _hopper_backward(*args)
+    with _Env("1" if parts == "3xtf32" else "0", "FLASH_NIF_TF32_PARTS"):
+        err, ran, (dq, dk, dv) = _hopper_backward(*args)
     assert ran["kernel"].startswith(f"bwd_sm90_f32_d{shape[-1]}_") and "tf32_terms3" in ran["kernel"], ran
-    assert ran["math"] == "3xtf32" and ran["not_sm90_because"] is None, ran
+    assert ran["math"] == parts and ran["not_sm90_because"] is None, ran
     with _Env("0", "FLASH_NIF_SM90"):
         simt, ran_simt, _ = _hopper_backward(*args)
     assert ran_simt["math"] == "f32-simt" and "FLASH_NIF_SM90=0" in ran_simt["not_sm90_because"], ran_simt
@@ -537,7 +539,7 @@ def test_hopper_f32_backward_exact_meets_the_f32_bound(hopper, ref, rel_err, mak
     for x in (dq, dk, dv):
         assert np.isfinite(x).all()
     for name, e in err.items():
-        record_error("f32-3xtf32-sm90", name, e)
+        record_error(f"f32-{parts}-sm90", name, e)
         assert e <= EXACT_BOUNDS[name], f"{name} {e:.3e} > {EXACT_BOUNDS[name]:.1e} ({shape}, causal={causal})"
 
 
@@ -571,15 +573,18 @@ def test_hopper_f32_backward_on_strided_views(hopper, ref, rel_err, make_inputs,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_TORCH_GPU, reason="needs torch")
+@pytest.mark.parametrize("operands", ["1xf16", "tf32"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_hopper_tf32_backward_one_product(hopper, ref, rel_err, make_inputs, record_error, causal, d):
-    """precision="tf32" runs the same kernels with one TF32 product: within its bound, and measurably
-    less exact than "exact" (so it did round)."""
-    err, ran, _ = _hopper_backward(hopper, ref, rel_err, make_inputs, (1, 300, 300, 4, 1, d), causal,
-                                   precision="tf32")
+def test_hopper_tf32_backward_one_product(hopper, ref, rel_err, make_inputs, record_error, causal, d, operands):
+    """precision="tf32" runs the same kernels with one product (of scaled fp16 operands by default, of
+    TF32 ones with FLASH_NIF_TF32_PARTS=1): within its bound, and measurably less exact than "exact"
+    (so it did round)."""
+    with _Env("1" if operands == "tf32" else "0", "FLASH_NIF_TF32_PARTS"):
+        err, ran, _ = _hopper_backward(hopper, ref, rel_err, make_inputs, (1, 300, 300, 4, 1, d), causal,
+                                       precision="tf32")
     assert ran["kernel"].startswith(f"bwd_sm90_f32_d{d}_") and "tf32_terms1" in ran["kernel"], ran
-    assert ran["math"] == "tf32", ran
+    assert ran["math"] == operands, ran
     for name, e in err.items():
         record_error("f32-tf32-sm90", name, e)
         assert e <= TF32_BOUND, err
@@ -612,4 +617,4 @@ def test_hopper_f32_backward_falls_back_and_says_why(hopper, ref, rel_err, make_
         ran = backward((1, 100, 100, 2, 2, 64))
     assert ran["math"] == "f32-simt" and "FLASH_NIF_TF32=0" in ran["not_sm90_because"], ran
     ran = backward((1, 100, 100, 2, 2, 64))
-    assert ran["math"] == "3xtf32" and ran["kernel"].startswith("bwd_sm90_f32_d64_"), ran
+    assert ran["math"] == "3xf16" and ran["kernel"].startswith("bwd_sm90_f32_d64_"), ran

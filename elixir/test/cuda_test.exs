@@ -131,7 +131,7 @@ defmodule FlashNif.CudaTest do
     # Its backward likewise: the Hopper f32 dQ and dK/dV kernels (info names the dK/dV one).
     if last.backward.kernel =~ ~r/^bwd_sm90_f32_d64_/ do
       assert last.backward.not_sm90_because == nil
-      assert last.backward.math == "3xtf32"
+      assert last.backward.math == "3xf16"
     else
       assert last.backward.math == "f32-simt"
       assert last.backward.not_sm90_because =~ ~r/9\.0|FLASH_NIF_SM90/

@@ -42,18 +42,17 @@ pub struct Spec {
 /// of the split-TF32 one (comparisons, benchmarks); `"tf32"` is unaffected.
 pub const TF32_ENV: &str = "FLASH_NIF_TF32";
 
-/// `FLASH_NIF_TF32_PARTS=1` (read per call) makes the Hopper f32 forward and dQ kernels take TF32
-/// operands (cuda/fwd_sm90_f32.cu, cuda/bwd_dq_sm90_f32.cu) instead of fp16 ones
-/// (cuda/fwd_sm90_f32_f16.cu, cuda/bwd_dq_sm90_f32_f16.cu): the same accuracy, for comparisons and
-/// benchmarks.
+/// `FLASH_NIF_TF32_PARTS=1` (read per call) makes the Hopper f32 kernels (forward, dQ, dK/dV) take
+/// TF32 operands (cuda/*_sm90_f32.cu) instead of fp16 ones (cuda/*_sm90_f32_f16.cu): the same
+/// accuracy, for comparisons and benchmarks.
 pub const TF32_PARTS_ENV: &str = "FLASH_NIF_TF32_PARTS";
 
 /// Whether a call's f32 tensor-core products take fp16 operands instead of TF32 ones: the Hopper f32
-/// forward's and dQ kernel's, unless `FLASH_NIF_TF32_PARTS=1`. An fp16 part of a power-of-two-scaled operand holds
+/// kernels', unless `FLASH_NIF_TF32_PARTS=1`. An fp16 part of a power-of-two-scaled operand holds
 /// TF32's 11 significant bits at twice its tensor rate (cuda/fwd_sm90_f32_f16.cu): split into two
 /// parts under `"exact"` (three products), one under `"tf32"`.
 pub fn f16_parts(kernel: Kernel, dtype: DType, tf32_terms: usize) -> bool {
-    matches!(kernel, Kernel::FwdSm90 | Kernel::BwdDqSm90) && dtype == DType::F32 && tf32_terms > 0 && std::env::var(TF32_PARTS_ENV).map_or(true, |v| v.trim() != "1")
+    matches!(kernel, Kernel::FwdSm90 | Kernel::BwdDqSm90 | Kernel::BwdSm90) && dtype == DType::F32 && tf32_terms > 0 && std::env::var(TF32_PARTS_ENV).map_or(true, |v| v.trim() != "1")
 }
 
 /// Fewest keys (Sk) for which `precision="exact"` takes the split-TF32 kernels. A split product
@@ -129,7 +128,11 @@ fn table_candidates(spec: &Spec) -> Vec<Variant> {
 pub fn variant(spec: &Spec, set: TileSet) -> Variant {
     let (k, dt, d) = (spec.kernel, spec.dtype, spec.head_dim);
     if spec.f16_parts && set != TileSet::Override {
-        let t = if k == Kernel::BwdDqSm90 { sm90_f32_f16_dq_tiles(d) } else { sm90_f32_f16_tiles() };
+        let t = match k {
+            Kernel::BwdDqSm90 => sm90_f32_f16_dq_tiles(d),
+            Kernel::BwdSm90 => sm90_f32_f16_dkdv_tiles(d),
+            _ => sm90_f32_f16_tiles(),
+        };
         return make_variant(spec, tiles(t), set);
     }
     if spec.tf32_terms > 0 && set != TileSet::Override {
@@ -230,9 +233,9 @@ fn attention_variants(head_dims: &[usize]) -> Vec<Variant> {
                 }
             }
             if dtype == DType::F32 && super::sm90::F32_BWD_HEAD_DIMS.contains(&head_dim) {
-                // The Hopper f32 backward, dQ (on fp16 and on TF32 operands) then dK/dV: plain problems
-                // only (sm90.rs), both precisions.
-                for (k, f16_parts) in [(Kernel::BwdDqSm90, true), (Kernel::BwdDqSm90, false), (Kernel::BwdSm90, false)] {
+                // The Hopper f32 backward, dQ then dK/dV (each on fp16 and on TF32 operands): plain
+                // problems only (sm90.rs), both precisions.
+                for (k, f16_parts) in [(Kernel::BwdDqSm90, true), (Kernel::BwdDqSm90, false), (Kernel::BwdSm90, true), (Kernel::BwdSm90, false)] {
                     for terms in [3, 1] {
                         for causal in [false, true] {
                             out.extend(table_candidates(&Spec { tf32_terms: terms, f16_parts, ..spec(k, causal, false, false) }));
@@ -400,6 +403,14 @@ fn sm90_f32_f16_tiles() -> (usize, usize, usize, usize, usize) {
 /// 32 at D = 128 (Q, dO 128 KiB and stages 64 KiB: two stages of 64 keys would need 256).
 fn sm90_f32_f16_dq_tiles(d: usize) -> (usize, usize, usize, usize, usize) {
     (128, if d <= 64 { 64 } else { 32 }, 12, 2, 1)
+}
+
+/// The Hopper f32 dK/dV kernel on fp16 operands (cuda/bwd_dkdv_sm90_f32_f16.cu): 32 query rows a step,
+/// three stages of Q and dO; at D = 64 128 keys (each consumer warpgroup 64, all four products), at
+/// D = 128 64 keys (one consumer dV, the other dK: both gradients and a fresh slice would not fit
+/// a consumer's registers). K and V 64 KiB either way, a stage 16 KiB (D = 64) or 32 (D = 128).
+fn sm90_f32_f16_dkdv_tiles(d: usize) -> (usize, usize, usize, usize, usize) {
+    (32, if d <= 64 { 128 } else { 64 }, 12, 3, 1)
 }
 
 /// The depth of the Hopper f32 forward's K ring (see sm90_f32_tiles).
@@ -583,6 +594,7 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
     }
     let source = match (f16_parts, kernel) {
         (true, Kernel::BwdDqSm90) => "bwd_dq_sm90_f32_f16.cu",
+        (true, Kernel::BwdSm90) => "bwd_dkdv_sm90_f32_f16.cu",
         (true, _) => "fwd_sm90_f32_f16.cu",
         _ => source(kernel, dtype, head_dim, tf32_terms),
     };

@@ -25,6 +25,7 @@ pub const FILES: &[(&str, &str)] = &[
     ("sm90_f16_parts.h", include_str!("../../../../cuda/sm90_f16_parts.h")),
     ("fwd_sm90_f32_f16.cu", include_str!("../../../../cuda/fwd_sm90_f32_f16.cu")),
     ("bwd_dq_sm90_f32_f16.cu", include_str!("../../../../cuda/bwd_dq_sm90_f32_f16.cu")),
+    ("bwd_dkdv_sm90_f32_f16.cu", include_str!("../../../../cuda/bwd_dkdv_sm90_f32_f16.cu")),
     ("fwd_f32.cu", include_str!("../../../../cuda/fwd_f32.cu")),
     ("fwd_f32_simt.cu", include_str!("../../../../cuda/fwd_f32_simt.cu")),
     ("bwd_preprocess.cu", include_str!("../../../../cuda/bwd_preprocess.cu")),
