@@ -1,6 +1,8 @@
 // bwd_dkdv_sm90_f32.cu — dK and dV for Hopper (sm_90a) in f32, the products as split TF32 on
 // warpgroup MMA (sm90_f32.h: TF32_TERMS = 3 "exact", 1 "tf32"). D = 64 and 128, plain problems
 // (causal or not, GQA); dQ is bwd_dq_sm90_f32.cu's (no atomics: both deterministic).
+// Both precisions run the fp16 form (*_sm90_f32_f16.cu: the same bits on fp16 tensor cores, 1.6-2.6x
+// faster on an H200) unless FLASH_NIF_TF32_PARTS=1 (config.rs's f16_parts).
 //
 // Grid (ceil(Sk / BLOCK_N), Hkv, B); NUM_WARPS = 12:
 // - warpgroup 0, the producer: K and V once (RowTiles: the A operands of S^T and dP^T), then per

@@ -115,9 +115,9 @@ def forward_with_states(
     float32) from 16 keys on (on Hopper at head dims 64 and 128 without masks or modifiers the wgmma
     kernel on fp16 parts of power-of-two-scaled tiles, ``"3xf16"``; elsewhere TF32 parts, but at
     head dims 64 and 128, and below 16 keys, float32 FMAs, which are faster there); the backward
-    split TF32 on Hopper at head dims 64 and 128 without masks or modifiers (its wgmma kernels),
-    elsewhere with float32 FMAs. ``"tf32"`` (asked for by name only) takes one TF32 product per
-    pair (the Hopper forward: one product of scaled fp16 operands, the same 11 bits), forward and
+    likewise on fp16 parts on Hopper at head dims 64 and 128 without masks or modifiers (its wgmma
+    kernels), elsewhere with float32 FMAs. ``"tf32"`` (asked for by name only) takes one TF32
+    product per pair (Hopper's kernels: one product of scaled fp16 operands, the same 11 bits), forward and
     backward: faster, with relative
     errors of order 1e-3 (the operands rounded to 11 significant bits; bound ``5e-3`` of
     ||x - exact|| / ||exact|| for o, lse, dq, dk, dv, checked by tests/test_tf32.py). The CPU always computes in float32 and accepts

@@ -63,10 +63,10 @@ defmodule ExPhil.Native.FlashAttention do
       f32 accuracy whichever kernel runs (the forward as split products on tensor cores from
       16 keys on: each operand the sum of two 11-bit parts, three products per pair summed in
       f32 — on Hopper at head dims 64 and 128 the wgmma kernel on fp16 parts of power-of-two-scaled
-      tiles, elsewhere TF32 parts; the backward as split TF32 on
-      Hopper at head dims 64 and 128 without masks or modifiers; f32 FMAs below 16 keys, at head dims 64
+      tiles, elsewhere TF32 parts; the backward likewise on fp16 parts on Hopper at head dims 64
+      and 128 without masks or modifiers; f32 FMAs below 16 keys, at head dims 64
       and 128 off Hopper, and in the other backwards); `:tf32` (asked for by name only) one
-      TF32 product per pair (on the Hopper forward one product of scaled fp16 operands, the same
+      TF32 product per pair (on Hopper's kernels one product of scaled fp16 operands, the same
       11 bits), forward and backward, faster, relative errors of order 1e-3 (bound
       5e-3 of ‖x - exact‖ / ‖exact‖ for o, lse and the gradients). The CPU always computes in f32
       and accepts either; `{:f, 16}` / `{:bf, 16}` are unaffected. `info/0` says which kernel

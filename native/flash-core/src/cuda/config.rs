@@ -658,6 +658,24 @@ mod tests {
     }
 
     #[test]
+    fn the_hopper_f32_kernels_take_fp16_operands() {
+        for k in [Kernel::FwdSm90, Kernel::BwdDqSm90, Kernel::BwdSm90] {
+            assert!(f16_parts(k, DType::F32, 3) && f16_parts(k, DType::F32, 1), "{k:?}");
+            assert!(!f16_parts(k, DType::F32, 0) && !f16_parts(k, DType::BF16, 0), "{k:?}");
+            for d in [64, 128] {
+                for terms in [3, 1] {
+                    let v = variant(&Spec { tf32_terms: terms, f16_parts: true, ..spec(k, DType::F32, d) }, TileSet::Default);
+                    assert!(v.source.ends_with("_sm90_f32_f16.cu"), "{}", v.source);
+                    assert_eq!(v.math(), if terms == 3 { "3xf16" } else { "1xf16" });
+                    let t = variant(&Spec { tf32_terms: terms, f16_parts: false, ..spec(k, DType::F32, d) }, TileSet::Default);
+                    assert!(t.source.ends_with("_sm90_f32.cu") && t.name() != v.name(), "{}", t.source);
+                }
+            }
+        }
+        assert!(!f16_parts(Kernel::Fwd, DType::F32, 3), "the portable kernels keep TF32 parts");
+    }
+
+    #[test]
     fn warps_cover_the_tile() {
         for v in all_variants(&(8..=256).step_by(8).collect::<Vec<_>>()) {
             let t = v.tiles;
