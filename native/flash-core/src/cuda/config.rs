@@ -34,7 +34,7 @@ pub struct Spec {
     /// [`tf32_terms`] chooses it for a call.
     pub tf32_terms: usize,
     /// The f32 tensor-core products' operands in fp16 (scaled) instead of TF32 (the Hopper f32
-    /// forward: cuda/fwd_sm90_f32_f16.cu); [`f16_parts`] chooses it for a call.
+    /// kernels: cuda/*_sm90_f32_f16.cu); [`f16_parts`] chooses it for a call.
     pub f16_parts: bool,
 }
 
@@ -52,7 +52,8 @@ pub const TF32_PARTS_ENV: &str = "FLASH_NIF_TF32_PARTS";
 /// TF32's 11 significant bits at twice its tensor rate (cuda/fwd_sm90_f32_f16.cu): split into two
 /// parts under `"exact"` (three products), one under `"tf32"`.
 pub fn f16_parts(kernel: Kernel, dtype: DType, tf32_terms: usize) -> bool {
-    matches!(kernel, Kernel::FwdSm90 | Kernel::BwdDqSm90 | Kernel::BwdSm90) && dtype == DType::F32 && tf32_terms > 0 && std::env::var(TF32_PARTS_ENV).map_or(true, |v| v.trim() != "1")
+    let tf32_asked = || std::env::var(TF32_PARTS_ENV).map_or(false, |v| v.trim() == "1");
+    matches!(kernel, Kernel::FwdSm90 | Kernel::BwdDqSm90 | Kernel::BwdSm90) && dtype == DType::F32 && tf32_terms > 0 && !tf32_asked()
 }
 
 /// Fewest keys (Sk) for which `precision="exact"` takes the split-TF32 kernels. A split product
@@ -496,8 +497,11 @@ fn simt_f32(d: usize) -> bool {
     d % 64 == 0 && d <= 128
 }
 
-fn source(kernel: Kernel, dtype: DType, d: usize, tf32_terms: usize) -> &'static str {
+fn source(kernel: Kernel, dtype: DType, d: usize, tf32_terms: usize, f16_parts: bool) -> &'static str {
     match (kernel, dtype) {
+        (Kernel::FwdSm90, DType::F32) if f16_parts => "fwd_sm90_f32_f16.cu",
+        (Kernel::BwdDqSm90, DType::F32) if f16_parts => "bwd_dq_sm90_f32_f16.cu",
+        (Kernel::BwdSm90, DType::F32) if f16_parts => "bwd_dkdv_sm90_f32_f16.cu",
         (Kernel::Fwd, DType::F32) if tf32_terms > 0 => "fwd.cu",
         (Kernel::BwdDq, DType::F32) if tf32_terms > 0 => "bwd_dq.cu",
         (Kernel::BwdDkdv | Kernel::BwdDkdvDq, DType::F32) if tf32_terms > 0 => "bwd_dkdv.cu",
@@ -592,13 +596,7 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
         }
         defines.push(("MIN_BLOCKS", t.min_blocks as i64));
     }
-    let source = match (f16_parts, kernel) {
-        (true, Kernel::BwdDqSm90) => "bwd_dq_sm90_f32_f16.cu",
-        (true, Kernel::BwdSm90) => "bwd_dkdv_sm90_f32_f16.cu",
-        (true, _) => "fwd_sm90_f32_f16.cu",
-        _ => source(kernel, dtype, head_dim, tf32_terms),
-    };
-    Variant { kernel, dtype, head_dim, source, tiles: t, tile_set, defines }
+    Variant { kernel, dtype, head_dim, source: source(kernel, dtype, head_dim, tf32_terms, f16_parts), tiles: t, tile_set, defines }
 }
 
 /// Warps per block of the rotary kernel (one row of x per 2^k threads; see cuda/rotary.cu).
@@ -620,7 +618,7 @@ pub fn rotary_variant(dtype: DType, interleaved: bool, vec: usize) -> Variant {
         ("INTERLEAVED", interleaved as i64),
         ("VEC", vec as i64),
     ];
-    let source = source(Kernel::Rotary, dtype, ANY_HEAD_DIM, 0);
+    let source = source(Kernel::Rotary, dtype, ANY_HEAD_DIM, 0, false);
     Variant { kernel: Kernel::Rotary, dtype, head_dim: ANY_HEAD_DIM, source, tiles: t, tile_set: TileSet::Default, defines }
 }
 
@@ -837,12 +835,12 @@ mod tests {
         // The 16-bit Hopper backward keeps its file and tiles.
         let v = variant(&spec(dkdv, DType::BF16, 64), TileSet::Default);
         assert_eq!((v.source, v.tiles), ("bwd_sm90.cu", tiles((128, 128, 12, 2, 1))));
-        // The table lists both kernels, both precisions, causal or not, at the Hopper f32 backward's
-        // head dims only.
+        // The table lists both kernels, both precisions, on fp16 and on TF32 operands, causal or not,
+        // at the Hopper f32 backward's head dims only.
         let table = attention_variants(&[64, 128, 256]);
         for k in [dkdv, dq] {
             let f32s: Vec<_> = table.iter().filter(|v| v.kernel == k && v.dtype == DType::F32).collect();
-            assert_eq!(f32s.len(), 8, "{k:?}");
+            assert_eq!(f32s.len(), 16, "{k:?}");
             assert!(f32s.iter().all(|v| v.head_dim <= 128 && !v.defines.iter().any(|(d, _)| *d == "MASKED")));
         }
     }
