@@ -1,5 +1,5 @@
-// fwd_sm90_f32_f16.cu — the "exact" f32 attention forward for Hopper (sm_90a) with its products on
-// fp16 warpgroup MMA (m64nNk16, f32 accumulators): each f32 operand x is held as two fp16 parts of
+// fwd_sm90_f32_f16.cu — the f32 attention forward for Hopper (sm_90a) with its products on fp16
+// warpgroup MMA (m64nNk16, f32 accumulators): each f32 operand x is held as two fp16 parts of
 // a power-of-two-scaled copy, x 2^e = big + small, big = f16(x 2^e), small = f16(x 2^e - big)
 // (x 2^e - big is exact in f32), and a b ~ big_a small_b + small_a big_b + big_a big_b, unscaled
 // by 2^-(e_a + e_b). 11 + 11 significant bits, as split TF32 (fwd_sm90_f32.cu), at twice TF32's
@@ -27,9 +27,9 @@
 //   while S_j's registers are live (overlapping them spilled at D = 128, and measured slower); the
 //   other consumer warpgroup's products fill the tensor cores meanwhile.
 //
-// Shared memory (two fp16 parts each): Q 2 BLOCK_M D 2 bytes, K and V 2 BLOCK_N D 2 bytes a stage.
-//   D = 128: BLOCK_M 128, BLOCK_N 64, two K and two V stages: 64 + 64 + 64 KiB = 192 KiB.
-//   D = 64: the same tiles, 96 KiB.
+// Shared memory (TERMS fp16 parts each): Q TERMS BLOCK_M D 2 bytes, K and V TERMS BLOCK_N D 2 bytes a
+//   stage. "exact" at D = 128: BLOCK_M 128, BLOCK_N 64, two K and two V stages: 64 + 64 + 64 KiB =
+//   192 KiB; at D = 64 96 KiB; "tf32" half that.
 #include "sm90_f16_parts.h"
 #include "tile.h"
 #include "block.h"
@@ -44,7 +44,7 @@
 #define K_STAGES STAGES
 #endif
 #if !F16_PARTS || FLASH_DTYPE != 2 || CONSUMERS != 2 || BLOCK_M != 64 * CONSUMERS || (BLOCK_N != 64 && BLOCK_N != 32) || MASKED
-#error "fwd_sm90_f32_f16: f32, two consumer warpgroups of 64 rows, BLOCK_N 64, plain"
+#error "fwd_sm90_f32_f16: f32, two consumer warpgroups of 64 rows, BLOCK_N 32 or 64, plain"
 #endif
 
 #define COL_BLOCKS (HEAD_DIM / 64)                     // 64-element (128-byte) column blocks of a row
@@ -54,8 +54,8 @@
 #define PRODUCER_REGS 120
 #define CONSUMER_REGS 192
 
-// Shared memory, from a base aligned to the swizzle's period: Q [2][D / 64][BLOCK_M][64];
-// K [K_STAGES][2][D / 64][BLOCK_N][64]; V [STAGES][the same]; the exponents (int): Q's per 32 rows,
+// Shared memory, from a base aligned to the swizzle's period: Q [TERMS][D / 64][BLOCK_M][64];
+// K [K_STAGES][TERMS][D / 64][BLOCK_N][64]; V [STAGES][the same]; the exponents (int): Q's per 32 rows,
 // K's and V's per stage, and the producer's max exchange (2 slots of 4 warps); the mbarriers.
 constexpr u32 SMEM_Q = 0;
 constexpr u32 SMEM_K = SMEM_Q + TERMS * H_PART_BYTES(BLOCK_M);

@@ -1,7 +1,7 @@
 // sm90_f16_parts.h — f32 operands as scaled fp16 parts for the Hopper f32 kernels on fp16 tensor
-// cores (fwd_sm90_f32_f16.cu, bwd_dq_sm90_f32_f16.cu): a tile's values x times the power of two 2^e
-// that brings its largest |x| into [2^14, 2^15), as big = fp16(x 2^e) and (TERMS = 2, "exact")
-// small = fp16(x 2^e - big), 11 + 11 significant bits as split TF32 (sm90_f32.h), both parts normal
+// cores (fwd_sm90_f32_f16.cu, bwd_dq_sm90_f32_f16.cu, bwd_dkdv_sm90_f32_f16.cu): a tile's values x
+// times the power of two 2^e that brings its largest |x| into [2^14, 2^15), as big = fp16(x 2^e)
+// and (TERMS = 2, "exact") small = fp16(x 2^e - big), 11 + 11 significant bits as split TF32 (sm90_f32.h), both parts normal
 // fp16 for elements down to 2^-17 of the tile's largest (below, their error stays under 2^-39 of
 // it: absolute, which is what the sums feel). Tiles are fwd_sm90.cu's: [D / 64][rows][64] fp16,
 // 128-byte rows swizzled (desc_sw128), read K-major or (a B operand contracting over the rows)
