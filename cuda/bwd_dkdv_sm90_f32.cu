@@ -103,10 +103,6 @@ struct SmemAt {
 
 using StageRing = Ring<STAGES>;  // hopper.h
 
-__device__ __forceinline__ void st_shared_f32(u32 addr, float x) {
-    asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(x) : "memory");
-}
-
 // ---- the producer -------------------------------------------------------------------------------------
 __device__ __forceinline__ void produce(const FlashParams& p, const KeyBlock& blk, const SmemAt smem) {
     const QueryWalk w0 = blk.query_walk();

@@ -87,9 +87,6 @@ struct SmemAt {
 
 using StageRing = Ring<STAGES>;  // hopper.h
 
-__device__ __forceinline__ void st_shared_f32(u32 addr, float x) {
-    asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(x) : "memory");
-}
 __device__ __forceinline__ const float* generic(u32 addr) { return reinterpret_cast<const float*>(__cvta_shared_to_generic(addr)); }
 
 // ---- the producer -------------------------------------------------------------------------------------
@@ -168,11 +165,9 @@ __device__ __forceinline__ float2 dscores_parts(HFrag<BLOCK_M / 16>& a, const fl
     return make_float2(exp2i(-e0), exp2i(-e1));
 }
 
-// The scores' scale with K's and this stage's Q exponents (> 0: an underflowing product of tiny q
-// and k scores 0 instead of NaN on masked -inf), and dP^T's 2^-(e_v + e_dO).
+// The scores' scale with K's and this stage's Q exponents, and dP^T's 2^-(e_v + e_dO).
 __device__ __forceinline__ float scores_scale(const FlashParams& p, const SmemAt smem, u32 st) {
-    return fmaxf(p.scale_log2 * exp2i(-ld_shared_s32(smem.exp(EXP_K))) * exp2i(-ld_shared_s32(smem.exp(EXP_Q + st))),
-                 1.17549435e-38f);
+    return positive_scale(p.scale_log2 * exp2i(-ld_shared_s32(smem.exp(EXP_K))) * exp2i(-ld_shared_s32(smem.exp(EXP_Q + st))));
 }
 __device__ __forceinline__ float dp_unscale(const SmemAt smem, u32 st) {
     return exp2i(-ld_shared_s32(smem.exp(EXP_V))) * exp2i(-ld_shared_s32(smem.exp(EXP_DO + st)));

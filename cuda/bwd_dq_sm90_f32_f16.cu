@@ -141,8 +141,7 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
         fence_regs(s);
         fence_regs(dp);
         const int ek = ld_shared_s32(smem.exp(EXP_K + st));
-        // (> 0: an underflowing product of tiny q and k scores 0 instead of NaN on masked -inf)
-        const float s_scale = fmaxf(p.scale_log2 * q_unscale * exp2i(-ek), 1.17549435e-38f);
+        const float s_scale = positive_scale(p.scale_log2 * q_unscale * exp2i(-ek));
         const float dp_unscale = do_unscale * exp2i(-ld_shared_s32(smem.exp(EXP_V + st)));
         if (blk.tile_mask(w)) mask_tile<BLOCK_N / 8>(s, row0, w.n0(), vis);
         float mx[2] = {0.f, 0.f};

@@ -171,8 +171,7 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
         fence_regs(s);
         float alpha[2];
         if (blk.tile_mask(w)) mask_tile<BLOCK_N / 8>(s, row0, w.n0(), vis);
-        // (> 0: an underflowing product of tiny q and k scores 0 instead of NaN on masked -inf)
-        sm.step_scaled(s, fmaxf(q_scale * exp2i(-ek), 1.17549435e-38f), alpha);
+        sm.step_scaled(s, positive_scale(q_scale * exp2i(-ek)), alpha);
         OnlineSoftmax::rescale_rows(o, alpha);
         pp.set(s, exp2i(P_EXP), exp2i(P_EXP));
     }

@@ -24,6 +24,14 @@ __device__ __forceinline__ void st_shared_v2(u32 addr, u32 a, u32 b) {
 // 2^e as f32 (e in [-126, 127]).
 __device__ __forceinline__ float exp2i(int e) { return __int_as_float((127 + e) << 23); }
 
+// The exponent e that brings a largest |x| (its f32 bits) into [2^14, 2^15), within [-126, 126]:
+// zeros take 2^126 (harmless), inf / NaN 2^-114 (they stay non-finite).
+__device__ __forceinline__ int scale_exponent(u32 bits) { return min(max(14 - ((int)(bits >> 23) - 127), -126), 126); }
+
+// A scores' scale times unscaling powers of two, kept > 0: an underflowing product of tiny q and k
+// scores 0 instead of NaN on masked -inf (-inf x 0).
+__device__ __forceinline__ float positive_scale(float x) { return fmaxf(x, 1.17549435e-38f); }
+
 // Two f32 as fp16 (round to nearest), lo in the low half; and back.
 __device__ __forceinline__ u32 f16x2(float lo, float hi) {
     u32 r;
@@ -46,7 +54,7 @@ __device__ __forceinline__ void split_f16x2(float x0, float x1, u32& big, u32& s
 // The exponent e that brings the tile's largest |x| (this thread's: `bits`, |x|'s f32 bits, which
 // order as the values do) into [2^14, 2^15): a max over the producer warpgroup through shared memory
 // (`exchange`: 2 slots of 4 words, slot `slot` this time, alternating so that a fast warp's next
-// write cannot meet a slow warp's read; named barrier SCALE_BARRIER). Zero tiles take 2^126 (harmless); inf / NaN ones 2^-114 (they stay non-finite).
+// write cannot meet a slow warp's read; named barrier SCALE_BARRIER): scale_exponent of it.
 __device__ __forceinline__ int tile_exponent(u32 bits, u32 exchange, int& slot) {
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, o));
@@ -57,8 +65,7 @@ __device__ __forceinline__ int tile_exponent(u32 bits, u32 exchange, int& slot) 
 #pragma unroll
     for (int w = 0; w < 4; ++w) bits = max(bits, (u32)ld_shared_s32(xchg + 4 * w));
     slot ^= 1;
-    const int e = 14 - ((int)(bits >> 23) - 127);
-    return min(max(e, -126), 126);
+    return scale_exponent(bits);
 }
 
 // A [R][D] f32 tile held by the producer (RowTile's chunks: thread i the 16-byte chunks i, i + 128,
@@ -147,12 +154,12 @@ struct HFrag {
 };
 
 // The exponent that brings the largest |x| of an accumulator row (this lane's share `m`; a row's
-// values lie on the 4 lanes of a quad) into [2^14, 2^15), as tile_exponent.
+// values lie on the 4 lanes of a quad) into [2^14, 2^15), scale_exponent of it.
 __device__ __forceinline__ int row_exponent(float m) {
     u32 bits = __float_as_uint(m) & 0x7fffffffu;
     bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, 1));
     bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, 2));
-    return min(max(14 - ((int)(bits >> 23) - 127), -126), 126);
+    return scale_exponent(bits);
 }
 
 // d = A B^T over D (ss): A's 64 rows at a (a K-major [a_rows][D] tile's parts a_part apart, from a
