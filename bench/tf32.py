@@ -13,6 +13,7 @@ deterministic=True. Errors: ||x - float64|| / ||float64|| on the first batch row
 (torch in float64): o for the forward, the worst of dq, dk, dv for the backward.
 
     python bench/tf32.py [--seqs 2048,8192] [--dims 64,128] [--passes fwd,bwd] [--md out.md]
+        [--only exact,tf32,eff]   (A/B runs: only these columns; the others print "-")
 """
 
 from __future__ import annotations
@@ -108,6 +109,20 @@ def rel_err(o, q, k, v, causal):
     return ((got - want).norm() / want.norm()).item()
 
 
+def selected(fns, args):
+    only = set(args.only.split(",")) if args.only else None
+    return {n: f for n, f in fns.items() if only is None or n in only}
+
+
+def cell(values, name, fmt):
+    return fmt.format(values[name]) if name in values else "-"
+
+
+def ratio(ms, name):
+    """Time of torch efficient / ours."""
+    return f"{ms['eff'] / ms[name]:.2f}" if "eff" in ms and name in ms else "-"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", default="2048,8192")
@@ -116,6 +131,8 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--passes", default="fwd,bwd")
     ap.add_argument("--md")
+    ap.add_argument("--only", help="comma list of the columns' kernels to run: exact, parts, simt, tf32, tf32p, "
+                                   "eff (forward), exact, det, simt, tf32, eff (backward); default all")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     passes = args.passes.split(",")
@@ -148,16 +165,16 @@ def forward_rows(args):
                        "simt": ours(q, k, v, causal, "exact", simt=True), "tf32": ours(q, k, v, causal, "tf32"),
                        "tf32p": ours(q, k, v, causal, "tf32", tf32_parts=True), "eff": efficient(q, k, v, causal)}
                 ms, err, tf = {}, {}, {}
-                for name, fn in fns.items():
+                for name, fn in selected(fns, args).items():
                     ms[name] = timed(fn, args.warmup, args.reps)
                     tf[name] = flops / ms[name] / 1e9
                     err[name] = rel_err(fn(), q, k, v, causal)
                     if name != "eff":
                         kernel = flash_nif.info()["cuda"]["last_kernels"]["forward"]
                         print(f"  {name}: {kernel['kernel']} [{kernel['math']}]")
-                cells = [s, d, causal, *(f"{tf[n]:.1f}" for n in names),
-                         *(f"{ms['eff'] / ms[n]:.2f}" for n in ("exact", "parts", "tf32", "tf32p")),
-                         *(f"{err[n]:.1e}" for n in names)]
+                cells = [s, d, causal, *(cell(tf, n, "{:.1f}") for n in names),
+                         *(ratio(ms, n) for n in ("exact", "parts", "tf32", "tf32p")),
+                         *(cell(err, n, "{:.1e}") for n in names)]
                 rows.append("| " + " | ".join(map(str, cells)) + " |")
                 print(rows[-1], flush=True)
             del q, k, v
@@ -182,16 +199,16 @@ def backward_rows(args):
                        "tf32": ours_fwd_bwd(q, k, v, do, causal, "tf32"),
                        "eff": efficient_fwd_bwd(q, k, v, do, causal)}
                 ms, err, tf = {}, {}, {}
-                for name, (fwd, fwd_bwd) in fns.items():
+                for name, (fwd, fwd_bwd) in selected(fns, args).items():
                     ms[name] = max(timed(fwd_bwd, args.warmup, args.reps) - timed(fwd, args.warmup, args.reps), 1e-6)
                     tf[name] = flops / ms[name] / 1e9
                     err[name] = grad_err(fwd_bwd(), q, k, v, do, causal)
                     if name != "eff":
                         kernel = flash_nif.info()["cuda"]["last_kernels"]["backward"]
                         print(f"  {name}: {kernel['kernel']} [{kernel['math']}]")
-                cells = [s, d, causal, *(f"{tf[n]:.1f}" for n in names),
-                         f"{ms['eff'] / ms['exact']:.2f}", f"{ms['eff'] / ms['tf32']:.2f}",
-                         *(f"{err[n]:.1e}" for n in names)]
+                cells = [s, d, causal, *(cell(tf, n, "{:.1f}") for n in names),
+                         ratio(ms, "exact"), ratio(ms, "tf32"),
+                         *(cell(err, n, "{:.1e}") for n in names)]
                 rows.append("| " + " | ".join(map(str, cells)) + " |")
                 print(rows[-1], flush=True)
             del q, k, v, do

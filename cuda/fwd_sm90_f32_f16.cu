@@ -8,14 +8,15 @@
 // The scaling keeps both parts normal fp16: e brings a tile's largest |x| into [2^14, 2^15), so
 // big <= 2^15 < 65504, and every element down to 2^-17 of that largest one keeps a normal small
 // part (fp16's normals start at 2^-14; below, the error stays under 2^-39 of the tile's largest
-// element: absolute, which is what the scores' softmax and o's sums feel). One exponent per 32
-// query rows (Q), per key tile (K, V); P = exp2(...) <= 1 takes a fixed 2^15.
+// element: absolute, which is what the scores' softmax and o's sums feel). One exponent per 64
+// query rows (Q, a consumer warpgroup's), per key tile (K, V); P = exp2(...) <= 1 takes a fixed 2^15.
 //
 // D = 64 and 128, plain problems (causal or not, GQA), both precisions: TF32_TERMS = 3 ("exact":
 // two parts, three products) or 1 ("tf32": the big part, one product). Grid (ceil(Sq / BLOCK_M), H,
 // B), causal heaviest first; NUM_WARPS = 12:
-// - warpgroup 0, the producer: loads Q (32 rows at a time), then K_0, V_0, K_1, V_1, ... from
-//   global memory into registers, finds the tile's exponent (a max over the warpgroup), and stores
+// - warpgroup 0, the producer: Q's two 64-row halves, then K_0, V_0, K_1, V_1, ..., each from global
+//   memory into registers (with RAW_STAGES > 0 through a ring of raw f32 buffers that cp.async fills
+//   that many tiles ahead: RawRing), finds the tile's exponent (a max over the warpgroup), and stores
 //   the parts into 128-byte-swizzled [D / 64][rows][64] column blocks (fwd_sm90.cu's layout: Q and
 //   K read K-major, V MN-major), the exponent beside them; then arrives on the stage's mbarrier.
 // - warpgroups 1, 2 own 64 query rows each (warp w: 16 rows, the mma.sync accumulator layout).
@@ -29,7 +30,8 @@
 //
 // Shared memory (TERMS fp16 parts each): Q TERMS BLOCK_M D 2 bytes, K and V TERMS BLOCK_N D 2 bytes a
 //   stage. "exact" at D = 128: BLOCK_M 128, BLOCK_N 64, two K and two V stages: 64 + 64 + 64 KiB =
-//   192 KiB; at D = 64 96 KiB; "tf32" half that.
+//   192 KiB; at D = 64 96 KiB; "tf32" half that. Then the raw ring, RAW_STAGES tiles of BLOCK_N D 4
+//   bytes (D = 128: 32 KiB).
 #include "sm90_f16_parts.h"
 #include "tile.h"
 #include "block.h"
@@ -43,8 +45,8 @@
 #ifndef K_STAGES
 #define K_STAGES STAGES
 #endif
-#if !F16_PARTS || FLASH_DTYPE != 2 || CONSUMERS != 2 || BLOCK_M != 64 * CONSUMERS || (BLOCK_N != 64 && BLOCK_N != 32) || MASKED
-#error "fwd_sm90_f32_f16: f32, two consumer warpgroups of 64 rows, BLOCK_N 32 or 64, plain"
+#if !F16_PARTS || FLASH_DTYPE != 2 || CONSUMERS != 2 || BLOCK_M != 64 * CONSUMERS || (BLOCK_N != 64 && BLOCK_N != 128) || MASKED
+#error "fwd_sm90_f32_f16: f32, two consumer warpgroups of 64 rows, BLOCK_N 64 or 128, plain"
 #endif
 
 #define COL_BLOCKS (HEAD_DIM / 64)                     // 64-element (128-byte) column blocks of a row
@@ -60,10 +62,19 @@
 constexpr u32 SMEM_Q = 0;
 constexpr u32 SMEM_K = SMEM_Q + TERMS * H_PART_BYTES(BLOCK_M);
 constexpr u32 SMEM_V = SMEM_K + K_STAGES * TERMS * H_PART_BYTES(BLOCK_N);
-constexpr u32 SMEM_EXP = SMEM_V + STAGES * TERMS * H_PART_BYTES(BLOCK_N);
-constexpr u32 EXP_Q = 0, EXP_K = BLOCK_M / 32, EXP_V = EXP_K + K_STAGES, EXP_XCHG = EXP_V + STAGES;
+// The producer's ring of raw f32 tiles (Q's two halves, then K_0, V_0, K_1, ...), RAW_STAGES deep
+// (config.rs chooses; 0: none, each tile loaded when converted).
+#ifndef RAW_STAGES
+#define RAW_STAGES 0
+#endif
+constexpr u32 SMEM_RAW = SMEM_V + STAGES * TERMS * H_PART_BYTES(BLOCK_N);
+using Raw = RawRing<BLOCK_N, RAW_STAGES>;
+constexpr u32 SMEM_EXP = SMEM_RAW + Raw::BYTES;
+#define Q_TILES (BLOCK_M / BLOCK_N)  // Q's raw tiles (exponents): one per consumer warpgroup, or one for both
+constexpr u32 EXP_Q = 0, EXP_K = Q_TILES, EXP_V = EXP_K + K_STAGES, EXP_XCHG = EXP_V + STAGES;
 constexpr u32 SMEM_BARS = SMEM_EXP + 4 * ((EXP_XCHG + 8 + 1) / 2 * 2);
 constexpr u32 SMEM_END = SMEM_BARS + 8 * (1 + 2 * K_STAGES + 2 * STAGES);
+static_assert(SWIZZLED_SMEM_BYTES(SMEM_END) <= SM90_SMEM_MAX, "fwd_sm90_f32_f16: shared memory");
 FLASH_EXPORT_SMEM(SWIZZLED_SMEM_BYTES(SMEM_END))
 
 struct SmemAt {
@@ -71,6 +82,7 @@ struct SmemAt {
     __device__ __forceinline__ u32 q() const { return base + SMEM_Q; }
     __device__ __forceinline__ u32 k(u32 s) const { return base + SMEM_K + s * TERMS * H_PART_BYTES(BLOCK_N); }
     __device__ __forceinline__ u32 v(u32 s) const { return base + SMEM_V + s * TERMS * H_PART_BYTES(BLOCK_N); }
+    __device__ __forceinline__ Raw raw() const { return {base + SMEM_RAW}; }
     __device__ __forceinline__ u32 exp(u32 i) const { return base + SMEM_EXP + 4 * i; }
     __device__ __forceinline__ u32 q_full() const { return base + SMEM_BARS; }
     __device__ __forceinline__ u32 k_full(u32 s) const { return base + SMEM_BARS + 8 * (1 + s); }
@@ -82,38 +94,64 @@ struct SmemAt {
 using KRing = Ring<K_STAGES>;
 using VRing = Ring<STAGES>;
 
+// Raw tile t: Q's rows BLOCK_N t.. (t < Q_TILES), then K_j (t = Q_TILES + 2 j) and V_j (t = Q_TILES
+// + 2 j + 1), each BLOCK_N rows with one exponent.
+struct RawSource {
+    const float* src;
+    i64 stride;
+    int r0, nrows;
+};
+__device__ __forceinline__ RawSource raw_source(const FlashParams& p, const QueryBlock& blk, int t) {
+    if (t < Q_TILES) return {p.q + blk.q_at(p.q_st), p.q_st.seq, blk.m0 + BLOCK_N * t, blk.Sq};
+    const int j = (t - Q_TILES) / 2;
+    if ((t - Q_TILES) % 2 == 0) return {p.k + blk.kv_at(p.k_st), p.k_st.seq, j * BLOCK_N, blk.Sk};
+    return {p.v + blk.kv_at(p.v_st), p.v_st.seq, j * BLOCK_N, blk.Sk};
+}
+
 __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& blk, const SmemAt smem) {
-    const float* q = p.q + blk.q_at(p.q_st);
-    const float* k = p.k + blk.kv_at(p.k_st);
-    const float* v = p.v + blk.kv_at(p.v_st);
+    const Raw raw = smem.raw();
+    const int raw_tiles = Q_TILES + 2 * blk.key_walk().n_tiles;
+    auto copy = [&](int t) {
+        const RawSource r = raw_source(p, blk, t);
+        raw.copy(t, t < raw_tiles, r.src, r.stride, r.r0, r.nrows);
+    };
     int slot = 0;
+    // Raw tile t into registers, its exponent, and the ring's next copy into its buffer (every
+    // producer thread is past its reads: tile_exponent's barrier).
+    auto take = [&](int t, HalfTile<BLOCK_N>& x) {
+        const RawSource r = raw_source(p, blk, t);
+        raw.take(t, x, r.src, r.stride, r.r0, r.nrows);
+        const int e = tile_exponent(x.max_bits(), smem.exp(EXP_XCHG), slot);
+        copy(t + Raw::depth);
+        return e;
+    };
 #pragma unroll 1
-    for (int r = 0; r < BLOCK_M; r += 32) {
-        HalfTile<32> t;
-        t.load(q, p.q_st.seq, blk.m0 + r, blk.Sq);
-        const int e = tile_exponent(t.max_bits(), smem.exp(EXP_XCHG), slot);
-        t.store<BLOCK_M>(smem.q(), r, e);
-        if (threadIdx.x == 0) st_shared_u32(smem.exp(EXP_Q + r / 32), (u32)e);
+    for (int t = 0; t < Raw::depth; ++t) copy(t);
+#pragma unroll 1
+    for (int t = 0; t < Q_TILES; ++t) {
+        HalfTile<BLOCK_N> x;
+        const int e = take(t, x);
+        x.store<BLOCK_M>(smem.q(), BLOCK_N * t, e);
+        if (threadIdx.x == 0) st_shared_u32(smem.exp(EXP_Q + t), (u32)e);
     }
     publish(smem.q_full());
-
-    // The consumers' order: K_0, V_0, K_1, V_1, ... (P_{j-1} V_{j-1} is issued before S_j).
-    auto put = [&](const float* src, i64 stride, int j, bool is_k) {
-        HalfTile<BLOCK_N> t;
-        t.load(src, stride, j * BLOCK_N, blk.Sk);
-        const int e = tile_exponent(t.max_bits(), smem.exp(EXP_XCHG), slot);
-        const u32 s = is_k ? KRing::stage(j) : VRing::stage(j);
-        const int depth = is_k ? K_STAGES : STAGES;
-        if (j >= depth) mbar_wait(is_k ? smem.k_empty(s) : smem.v_empty(s), (is_k ? KRing::phase(j) : VRing::phase(j)) ^ 1);
-        t.store<BLOCK_N>(is_k ? smem.k(s) : smem.v(s), 0, e);
-        if (threadIdx.x == 0) st_shared_u32(smem.exp((is_k ? EXP_K : EXP_V) + s), (u32)e);
-        publish(is_k ? smem.k_full(s) : smem.v_full(s));
-    };
-    const int n = blk.key_walk().n_tiles;
+    // K_j and V_j, each in its own code (their rings' stages and barriers as constants).
 #pragma unroll 1
-    for (int j = 0; j < n; ++j) {
-        put(k, p.k_st.seq, j, true);
-        put(v, p.v_st.seq, j, false);
+    for (int j = 0, t = Q_TILES; t < raw_tiles; ++j, t += 2) {
+        HalfTile<BLOCK_N> x;
+        int e = take(t, x);
+        u32 s = KRing::stage(j);
+        if (j >= K_STAGES) mbar_wait(smem.k_empty(s), KRing::phase(j) ^ 1);
+        x.store<BLOCK_N>(smem.k(s), 0, e);
+        if (threadIdx.x == 0) st_shared_u32(smem.exp(EXP_K + s), (u32)e);
+        publish(smem.k_full(s));
+
+        e = take(t + 1, x);
+        s = VRing::stage(j);
+        if (j >= STAGES) mbar_wait(smem.v_empty(s), VRing::phase(j) ^ 1);
+        x.store<BLOCK_N>(smem.v(s), 0, e);
+        if (threadIdx.x == 0) st_shared_u32(smem.exp(EXP_V + s), (u32)e);
+        publish(smem.v_full(s));
     }
 }
 
@@ -132,8 +170,8 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
     zero(o);
     sm.init(NEG_INF);
     mbar_wait(smem.q_full(), 0);
-    // The scores' scale with Q's 2^-e of this warp's 32-row group (K's per tile below).
-    const float q_scale = p.scale_log2 * exp2i(-ld_shared_s32(smem.exp(EXP_Q + (64 * c + 16 * warp) / 32)));
+    // The scores' scale with Q's 2^-e of this warpgroup's rows (K's per tile below).
+    const float q_scale = p.scale_log2 * exp2i(-ld_shared_s32(smem.exp(EXP_Q + 64 * c / BLOCK_N)));
 
     // O += P V for V at stage vs, one 64-column slice at a time; then V's stage is free.
     auto pv = [&](u32 vs) {

@@ -21,6 +21,14 @@ __device__ __forceinline__ void st_shared_v2(u32 addr, u32 a, u32 b) {
     asm volatile("st.shared.v2.b32 [%0], {%1, %2};" ::"r"(addr), "r"(a), "r"(b) : "memory");
 }
 
+// 16 bytes of global memory (an input no kernel writes): ld.global even where the compiler has lost
+// the pointer's state space (a pointer chosen among tensors: a generic LD otherwise).
+__device__ __forceinline__ float4 ld_global_v4(const float* at) {
+    float4 x;
+    asm("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "l"(at));
+    return x;
+}
+
 // 2^e as f32 (e in [-126, 127]).
 __device__ __forceinline__ float exp2i(int e) { return __int_as_float((127 + e) << 23); }
 
@@ -84,40 +92,111 @@ struct HalfTile {
         const int valid = nrows - r0 - r_first;  // rows of this thread's column left, from r_first
 #pragma unroll
         for (int i = 0; i < RowTile<R>::CHUNKS; ++i) {
-            t.x[i] = ROWS_PER_STEP * i < valid ? *reinterpret_cast<const float4*>(at) : make_float4(0.f, 0.f, 0.f, 0.f);
+            t.x[i] = ROWS_PER_STEP * i < valid ? ld_global_v4(at) : make_float4(0.f, 0.f, 0.f, 0.f);
             at += step;
         }
     }
 
-    __device__ __forceinline__ u32 max_bits() const {
-        u32 m = 0;
+    // The same chunks as load, copied asynchronously (cp.async, one group per call site's commit)
+    // into this thread's own 16-byte slots of a raw [R][D] f32 buffer at `raw` (slot i at
+    // raw + 16 (tid + PRODUCER_THREADS i): conflict-free), rows >= nrows as zeros; read back by the
+    // same thread (`read`), so no barrier sits between the two.
+    static __device__ __forceinline__ void copy_async(u32 raw, const float* src, i64 stride, int r0, int nrows) {
+        constexpr int LANES_PER_ROW = HEAD_DIM / 4, ROWS_PER_STEP = PRODUCER_THREADS / LANES_PER_ROW;
+        const int tid = threadIdx.x % PRODUCER_THREADS, r_first = tid / LANES_PER_ROW;
+        const float* at = src + (i64)(r0 + r_first) * stride + 4 * (tid % LANES_PER_ROW);
+        const i64 step = ROWS_PER_STEP * stride;
+        const int valid = nrows - r0 - r_first;
+        const u32 slot = raw + 16 * tid;
 #pragma unroll
         for (int i = 0; i < RowTile<R>::CHUNKS; ++i) {
-            m = max(m, max(__float_as_uint(t.x[i].x) & 0x7fffffffu, __float_as_uint(t.x[i].y) & 0x7fffffffu));
-            m = max(m, max(__float_as_uint(t.x[i].z) & 0x7fffffffu, __float_as_uint(t.x[i].w) & 0x7fffffffu));
+            // A row past the end copies nothing (src-size 0: no read) and zero-fills.
+            cp_async16_u32(slot + 16 * PRODUCER_THREADS * i, at, ROWS_PER_STEP * i < valid);
+            at += step;
         }
-        return m;
+    }
+    __device__ __forceinline__ void read(u32 raw) {
+        const u32 slot = raw + 16 * (threadIdx.x % PRODUCER_THREADS);
+#pragma unroll
+        for (int i = 0; i < RowTile<R>::CHUNKS; ++i) {
+            float4& x = t.x[i];
+            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "r"(slot + 16 * PRODUCER_THREADS * i) : "memory");
+        }
+    }
+
+    // The bits of this thread's largest |x| (f32 max with |.| operands: one instruction per element;
+    // NaNs drop out of the max, and stay NaN under any scale).
+    __device__ __forceinline__ u32 max_bits() const {
+        float m = 0.f;
+#pragma unroll
+        for (int i = 0; i < RowTile<R>::CHUNKS; ++i) {
+            m = fmaxf(m, fmaxf(fabsf(t.x[i].x), fabsf(t.x[i].y)));
+            m = fmaxf(m, fmaxf(fabsf(t.x[i].z), fabsf(t.x[i].w)));
+        }
+        return __float_as_uint(m);
     }
     // Into the parts at `base` (parts `part` bytes apart) of a [ROWS][D] tile as rows row_off..,
     // scaled by 2^e.
     template <int ROWS>
     __device__ __forceinline__ void store(u32 base, int row_off, int e) const {
-        const int tid = threadIdx.x % PRODUCER_THREADS;
+        // Chunk i: row row_off + tid / LANES_PER_ROW + ROWS_PER_STEP i, columns 4 (tid % LANES_PER_ROW)..;
+        // the swizzle (row & 7) repeats every PERIOD chunks (8 rows), so chunk i's address is that of
+        // chunk i % PERIOD plus an immediate.
+        constexpr int LANES_PER_ROW = HEAD_DIM / 4, ROWS_PER_STEP = PRODUCER_THREADS / LANES_PER_ROW;
+        constexpr int PERIOD = ROWS_PER_STEP >= 8 ? 1 : 8 / ROWS_PER_STEP;
+        static_assert(ROWS_PER_STEP * PERIOD % 8 == 0, "HalfTile::store: the swizzle's period");
+        const int tid = threadIdx.x % PRODUCER_THREADS, col = 4 * (tid % LANES_PER_ROW);
+        const int within = col % 64;  // 8-byte half (within / 4) % 2 of 16-byte chunk within / 8
+        u32 at[PERIOD];
+#pragma unroll
+        for (int i = 0; i < PERIOD; ++i) {
+            const int r = row_off + tid / LANES_PER_ROW + ROWS_PER_STEP * i;
+            at[i] = base + (col / 64) * CB_BYTES(ROWS) + r * 128 + (((within / 8) ^ (r & 7)) << 4) + ((within / 4) % 2) * 8;
+        }
         const float f = exp2i(e);
 #pragma unroll
         for (int i = 0; i < RowTile<R>::CHUNKS; ++i) {
-            const int c = tid + PRODUCER_THREADS * i, r = row_off + c / (HEAD_DIM / 4), col = 4 * (c % (HEAD_DIM / 4));
-            const int within = col % 64;  // 8-byte half (within / 4) % 2 of 16-byte chunk within / 8
-            const u32 at = base + (col / 64) * CB_BYTES(ROWS) + r * 128 + (((within / 8) ^ (r & 7)) << 4) + ((within / 4) % 2) * 8;
+            const u32 a = at[i % PERIOD] + (i / PERIOD) * ROWS_PER_STEP * PERIOD * 128;
 #if TERMS == 2
             u32 b01, s01, b23, s23;
             split_f16x2(t.x[i].x * f, t.x[i].y * f, b01, s01);
             split_f16x2(t.x[i].z * f, t.x[i].w * f, b23, s23);
-            st_shared_v2(at, b01, b23);
-            st_shared_v2(at + H_PART_BYTES(ROWS), s01, s23);
+            st_shared_v2(a, b01, b23);
+            st_shared_v2(a + H_PART_BYTES(ROWS), s01, s23);
 #else
-            st_shared_v2(at, f16x2(t.x[i].x * f, t.x[i].y * f), f16x2(t.x[i].z * f, t.x[i].w * f));
+            st_shared_v2(a, f16x2(t.x[i].x * f, t.x[i].y * f), f16x2(t.x[i].z * f, t.x[i].w * f));
 #endif
+        }
+    }
+};
+
+// ---- the producer's raw ring ------------------------------------------------------------------------
+// f32 tiles copied raw (cp.async) into a ring of DEPTH [ROWS][D] buffers, tile t into buffer
+// t % DEPTH, DEPTH tiles ahead of its conversion (HalfTile: exponent, parts), so that the copies'
+// latency hides under the conversions before them. Each thread reads back only its own chunks
+// (HalfTile::copy_async / read): no barrier between copy and read. Tile t + DEPTH goes into t's buffer
+// once tile_exponent's barrier has seen every producer thread past its reads of t. DEPTH 0: no
+// ring, each tile loaded into registers when it is taken.
+template <int ROWS, int DEPTH>
+struct RawRing {
+    static constexpr int depth = DEPTH;
+    static constexpr u32 TILE_BYTES = ROWS * HEAD_DIM * 4;
+    static constexpr u32 BYTES = DEPTH * TILE_BYTES;
+    u32 base;
+    // Tile t's rows r0.. of src (rows >= nrows as zeros; `any` false: past the last tile, nothing).
+    // One commit group per call either way, as cp_async_wait counts groups.
+    __device__ __forceinline__ void copy(int t, bool any, const float* src, i64 stride, int r0, int nrows) const {
+        if (DEPTH == 0) return;
+        if (any) HalfTile<ROWS>::copy_async(base + (t % DEPTH) * TILE_BYTES, src, stride, r0, nrows);
+        cp_async_commit();
+    }
+    // Tile t (the same source as its copy) into x, once its copy and every earlier one has landed.
+    __device__ __forceinline__ void take(int t, HalfTile<ROWS>& x, const float* src, i64 stride, int r0, int nrows) const {
+        if (DEPTH == 0) {
+            x.load(src, stride, r0, nrows);
+        } else {
+            cp_async_wait<(DEPTH > 0 ? DEPTH - 1 : 0)>();
+            x.read(base + (t % (DEPTH > 0 ? DEPTH : 1)) * TILE_BYTES);
         }
     }
 };

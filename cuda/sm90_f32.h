@@ -47,6 +47,7 @@
 // bytes; the dynamic allocation's own alignment is not promised): a layout ending at `end` bytes
 // from that base asks for SWIZZLED_SMEM_BYTES(end), the round-up taking up to 1024 more.
 #define SWIZZLED_SMEM_BYTES(end) (((end) + 1023) / 1024 * 1024 + 1024)
+#define SM90_SMEM_MAX 232448  // a Hopper block's shared memory (227 KiB, opted in)
 __device__ __forceinline__ u32 swizzled_base(const unsigned char* raw) { return (smem_addr(raw) + 1023) & ~1023u; }
 #define CB_BYTES(rows) ((rows) * 128)             // one [rows][32] f32 column block
 #define PART_BYTES(rows) ((rows) * HEAD_DIM * 4)  // one part of a [rows][D] (or [D][rows]) tile

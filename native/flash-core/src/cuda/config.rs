@@ -132,7 +132,7 @@ pub fn variant(spec: &Spec, set: TileSet) -> Variant {
         let t = match k {
             Kernel::BwdDqSm90 => sm90_f32_f16_dq_tiles(d),
             Kernel::BwdSm90 => sm90_f32_f16_dkdv_tiles(d),
-            _ => sm90_f32_f16_tiles(),
+            _ => sm90_f32_f16_tiles(d, spec.tf32_terms),
         };
         return make_variant(spec, tiles(t), set);
     }
@@ -394,9 +394,12 @@ fn sm90_f32_tiles(d: usize, terms: usize) -> (usize, usize, usize, usize, usize)
 /// The Hopper f32 forward on fp16 operands (cuda/fwd_sm90_f32_f16.cu; D = 64 and 128): two consumer
 /// warpgroups of 64 query rows, 64 keys a tile, two K and two V stages (the 4th value, STAGES; the
 /// K ring as deep): under "exact" at D = 128 Q's two parts 64 KiB and the rings 128 KiB. (32 keys
-/// a tile, whose ss products read Q's 64 rows per 32 keys: 15-20 % slower at D = 128, H200.)
-fn sm90_f32_f16_tiles() -> (usize, usize, usize, usize, usize) {
-    (128, 64, 12, 2, 1)
+/// a tile, whose ss products read Q's 64 rows per 32 keys: 15-20 % slower at D = 128, H200.) Under
+/// "tf32" at D = 64 128 keys a tile: its products are small, so each tile's fixed costs (the
+/// exponent's barrier, the mbarriers, the softmax's reductions) weigh; one part leaves the
+/// registers for S's 64 floats a thread.
+fn sm90_f32_f16_tiles(d: usize, terms: usize) -> (usize, usize, usize, usize, usize) {
+    (128, if d <= 64 && terms == 1 { 128 } else { 64 }, 12, 2, 1)
 }
 
 /// The Hopper f32 dQ kernel on fp16 operands (cuda/bwd_dq_sm90_f32_f16.cu): two consumer warpgroups
@@ -413,6 +416,19 @@ fn sm90_f32_f16_dq_tiles(d: usize) -> (usize, usize, usize, usize, usize) {
 fn sm90_f32_f16_dkdv_tiles(d: usize) -> (usize, usize, usize, usize, usize) {
     (32, if d <= 64 { 128 } else { 64 }, 12, 3, 1)
 }
+
+/// The depth of the Hopper f32 forward's ring of raw f32 tiles on fp16 parts (cuda/fwd_sm90_f32_f16.cu:
+/// cp.async copies that many tiles ahead of their conversion; 0: each tile loaded when converted).
+/// Under `"tf32"` the producer's loads bounded the kernel: four tiles ahead measured 4-13 % faster at
+/// S = 2048; `"exact"` is bound by its products (RESULTS.md, session 37). `FLASH_NIF_RAW_STAGES=<n>`
+/// overrides it for measurements (the kernel asserts that its shared memory fits).
+fn sm90_f32_f16_raw_stages(terms: usize) -> usize {
+    if let Some(n) = std::env::var(RAW_STAGES_ENV).ok().and_then(|v| v.trim().parse().ok()) {
+        return n;
+    }
+    if terms == 1 { 4 } else { 0 }
+}
+const RAW_STAGES_ENV: &str = "FLASH_NIF_RAW_STAGES";
 
 /// The depth of the Hopper f32 forward's K ring (see sm90_f32_tiles).
 fn sm90_f32_k_stages(d: usize, terms: usize) -> usize {
@@ -584,6 +600,7 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
             defines.push(("STAGES", t.d_split as i64));
             if f16_parts {
                 defines.push(("K_STAGES", t.d_split as i64));
+                defines.push(("RAW_STAGES", sm90_f32_f16_raw_stages(tf32_terms) as i64));
             } else if dtype == DType::F32 {
                 defines.push(("K_STAGES", sm90_f32_k_stages(head_dim, tf32_terms) as i64));
             } else {
