@@ -57,8 +57,9 @@
 #define CONSUMER_REGS 192
 
 // Shared memory, from a base aligned to the swizzle's period: Q [TERMS][D / 64][BLOCK_M][64];
-// K [K_STAGES][TERMS][D / 64][BLOCK_N][64]; V [STAGES][the same]; the exponents (int): Q's per 32 rows,
-// K's and V's per stage, and the producer's max exchange (2 slots of 4 warps); the mbarriers.
+// K [K_STAGES][TERMS][D / 64][BLOCK_N][64]; V [STAGES][the same]; the raw ring [RAW_STAGES][BLOCK_N][D]
+// f32; the exponents (int): Q's per raw tile (Q_TILES), K's and V's per stage, and the producer's
+// max exchange (2 slots of 4 warps); the mbarriers.
 constexpr u32 SMEM_Q = 0;
 constexpr u32 SMEM_K = SMEM_Q + TERMS * H_PART_BYTES(BLOCK_M);
 constexpr u32 SMEM_V = SMEM_K + K_STAGES * TERMS * H_PART_BYTES(BLOCK_N);
