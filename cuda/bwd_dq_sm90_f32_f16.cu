@@ -171,19 +171,4 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
     store_tile<HEAD_DIM / 8>(p.dq + blk.q_at(p.dq_st), dq, p.scale, p.scale, row0, blk.Sq, 0, p.dq_st.seq);
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_bwd_dq_sm90(const FlashParams p) {
-    extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const SmemAt smem{swizzled_base(smem_raw)};
-    const QueryBlock blk(p);
-    if (threadIdx.x == 0) {
-        mbar_init(smem.qdo_full(), PRODUCER_THREADS);
-#pragma unroll
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(smem.full(s), PRODUCER_THREADS);
-            mbar_init(smem.empty(s), 4 * CONSUMERS);  // every consumer warp's lane 0
-        }
-        mbar_fence_init();
-    }
-    __syncthreads();
-    run_roles<PRODUCER_REGS, CONSUMER_REGS>([&] { produce(p, blk, smem); }, [&](int c) { consume(p, blk, smem, c); });
-}
+#include "bwd_dq_sm90_f32_entry.h"
