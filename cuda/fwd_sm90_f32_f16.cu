@@ -8,13 +8,14 @@
 // The scaling keeps both parts normal fp16: e brings a tile's largest |x| into [2^14, 2^15), so
 // big <= 2^15 < 65504, and every element down to 2^-17 of that largest one keeps a normal small
 // part (fp16's normals start at 2^-14; below, the error stays under 2^-39 of the tile's largest
-// element: absolute, which is what the scores' softmax and o's sums feel). One exponent per 64
-// query rows (Q, a consumer warpgroup's), per key tile (K, V); P = exp2(...) <= 1 takes a fixed 2^15.
+// element: absolute, which is what the scores' softmax and o's sums feel). One exponent per Q tile
+// (BLOCK_N rows: a consumer warpgroup's 64, or at BLOCK_N 128 both's), per key tile (K, V);
+// P = exp2(...) <= 1 takes a fixed 2^15.
 //
 // D = 64 and 128, plain problems (causal or not, GQA), both precisions: TF32_TERMS = 3 ("exact":
 // two parts, three products) or 1 ("tf32": the big part, one product). Grid (ceil(Sq / BLOCK_M), H,
 // B), causal heaviest first; NUM_WARPS = 12:
-// - warpgroup 0, the producer: Q's two 64-row halves, then K_0, V_0, K_1, V_1, ..., each from global
+// - warpgroup 0, the producer: Q's BLOCK_N-row tiles, then K_0, V_0, K_1, V_1, ..., each from global
 //   memory into registers (with RAW_STAGES > 0 through a ring of raw f32 buffers that cp.async fills
 //   that many tiles ahead: RawRing), finds the tile's exponent (a max over the warpgroup), and stores
 //   the parts into 128-byte-swizzled [D / 64][rows][64] column blocks (fwd_sm90.cu's layout: Q and
@@ -63,7 +64,7 @@
 constexpr u32 SMEM_Q = 0;
 constexpr u32 SMEM_K = SMEM_Q + TERMS * H_PART_BYTES(BLOCK_M);
 constexpr u32 SMEM_V = SMEM_K + K_STAGES * TERMS * H_PART_BYTES(BLOCK_N);
-// The producer's ring of raw f32 tiles (Q's two halves, then K_0, V_0, K_1, ...), RAW_STAGES deep
+// The producer's ring of raw f32 tiles (Q's tiles, then K_0, V_0, K_1, ...), RAW_STAGES deep
 // (config.rs chooses; 0: none, each tile loaded when converted).
 #ifndef RAW_STAGES
 #define RAW_STAGES 0
@@ -117,8 +118,8 @@ __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& 
         raw.copy(t, t < raw_tiles, r.src, r.stride, r.r0, r.nrows);
     };
     int slot = 0;
-    // Raw tile t into registers, its exponent, and the ring's next copy into its buffer (every
-    // producer thread is past its reads: tile_exponent's barrier).
+    // Raw tile t into registers, its exponent, and the ring's next copy into its buffer (the
+    // thread's reads of it have returned: the max used them).
     auto take = [&](int t, HalfTile<BLOCK_N>& x) {
         const RawSource r = raw_source(p, blk, t);
         raw.take(t, x, r.src, r.stride, r.r0, r.nrows);

@@ -174,9 +174,9 @@ struct HalfTile {
 // f32 tiles copied raw (cp.async) into a ring of DEPTH [ROWS][D] buffers, tile t into buffer
 // t % DEPTH, DEPTH tiles ahead of its conversion (HalfTile: exponent, parts), so that the copies'
 // latency hides under the conversions before them. Each thread reads back only its own chunks
-// (HalfTile::copy_async / read): no barrier between copy and read. Tile t + DEPTH goes into t's buffer
-// once tile_exponent's barrier has seen every producer thread past its reads of t. DEPTH 0: no
-// ring, each tile loaded into registers when it is taken.
+// (HalfTile::copy_async / read): no barrier between copy and read, nor before a refill: tile t + DEPTH
+// goes into t's buffer after the thread's reads of t have returned (the tile's max used them). DEPTH
+// 0: no ring, each tile loaded into registers when it is taken.
 template <int ROWS, int DEPTH>
 struct RawRing {
     static constexpr int depth = DEPTH;
@@ -187,7 +187,7 @@ struct RawRing {
     // One commit group per call either way, as cp_async_wait counts groups.
     __device__ __forceinline__ void copy(int t, bool any, const float* src, i64 stride, int r0, int nrows) const {
         if (DEPTH == 0) return;
-        if (any) HalfTile<ROWS>::copy_async(base + (t % DEPTH) * TILE_BYTES, src, stride, r0, nrows);
+        if (any) HalfTile<ROWS>::copy_async(base + (t % (DEPTH > 0 ? DEPTH : 1)) * TILE_BYTES, src, stride, r0, nrows);
         cp_async_commit();
     }
     // Tile t (the same source as its copy) into x, once its copy and every earlier one has landed.
