@@ -82,37 +82,46 @@ template <int R>
 struct HalfTile {
     RowTile<R> t;
 
-    // RowTile::load with one running pointer (row r_first + ROWS_PER_STEP i of the thread's column):
-    // its own addresses per chunk, all hoisted, spilled the producer at D = 128.
+    static constexpr int LANES_PER_ROW = HEAD_DIM / 4, ROWS_PER_STEP = PRODUCER_THREADS / LANES_PER_ROW;
+
+    // This thread's walk over its chunks of rows r0.. of src with one running pointer (chunk i: row
+    // r_first + ROWS_PER_STEP i of the thread's column; its own addresses per chunk, all hoisted,
+    // spilled the producer at D = 128): `at` advances by `step`, chunk i is a row of the tensor
+    // while ROWS_PER_STEP i < valid.
+    struct Walk {
+        const float* at;
+        i64 step;
+        int valid;  // rows of this thread's column left, from r_first
+        __device__ __forceinline__ Walk(const float* src, i64 stride, int r0, int nrows) {
+            const int tid = threadIdx.x % PRODUCER_THREADS, r_first = tid / LANES_PER_ROW;
+            at = src + (i64)(r0 + r_first) * stride + 4 * (tid % LANES_PER_ROW);
+            step = ROWS_PER_STEP * stride;
+            valid = nrows - r0 - r_first;
+        }
+    };
+
+    // RowTile::load's chunks (rows >= nrows as zeros) by a Walk.
     __device__ __forceinline__ void load(const float* src, i64 stride, int r0, int nrows) {
-        constexpr int LANES_PER_ROW = HEAD_DIM / 4, ROWS_PER_STEP = PRODUCER_THREADS / LANES_PER_ROW;
-        const int tid = threadIdx.x % PRODUCER_THREADS, r_first = tid / LANES_PER_ROW;
-        const float* at = src + (i64)(r0 + r_first) * stride + 4 * (tid % LANES_PER_ROW);
-        const i64 step = ROWS_PER_STEP * stride;
-        const int valid = nrows - r0 - r_first;  // rows of this thread's column left, from r_first
+        Walk w(src, stride, r0, nrows);
 #pragma unroll
         for (int i = 0; i < RowTile<R>::CHUNKS; ++i) {
-            t.x[i] = ROWS_PER_STEP * i < valid ? ld_global_v4(at) : make_float4(0.f, 0.f, 0.f, 0.f);
-            at += step;
+            t.x[i] = ROWS_PER_STEP * i < w.valid ? ld_global_v4(w.at) : make_float4(0.f, 0.f, 0.f, 0.f);
+            w.at += w.step;
         }
     }
 
-    // The same chunks as load, copied asynchronously (cp.async, one group per call site's commit)
-    // into this thread's own 16-byte slots of a raw [R][D] f32 buffer at `raw` (slot i at
-    // raw + 16 (tid + PRODUCER_THREADS i): conflict-free), rows >= nrows as zeros; read back by the
-    // same thread (`read`), so no barrier sits between the two.
+    // The same chunks, copied asynchronously (cp.async, one group per call site's commit) into this
+    // thread's own 16-byte slots of a raw [R][D] f32 buffer at `raw` (slot i at raw + 16 (tid +
+    // PRODUCER_THREADS i): conflict-free), rows >= nrows as zeros; read back by the same thread
+    // (`read`), so no barrier sits between the two.
     static __device__ __forceinline__ void copy_async(u32 raw, const float* src, i64 stride, int r0, int nrows) {
-        constexpr int LANES_PER_ROW = HEAD_DIM / 4, ROWS_PER_STEP = PRODUCER_THREADS / LANES_PER_ROW;
-        const int tid = threadIdx.x % PRODUCER_THREADS, r_first = tid / LANES_PER_ROW;
-        const float* at = src + (i64)(r0 + r_first) * stride + 4 * (tid % LANES_PER_ROW);
-        const i64 step = ROWS_PER_STEP * stride;
-        const int valid = nrows - r0 - r_first;
-        const u32 slot = raw + 16 * tid;
+        Walk w(src, stride, r0, nrows);
+        const u32 slot = raw + 16 * (threadIdx.x % PRODUCER_THREADS);
 #pragma unroll
         for (int i = 0; i < RowTile<R>::CHUNKS; ++i) {
             // A row past the end copies nothing (src-size 0: no read) and zero-fills.
-            cp_async16_u32(slot + 16 * PRODUCER_THREADS * i, at, ROWS_PER_STEP * i < valid);
-            at += step;
+            cp_async16_u32(slot + 16 * PRODUCER_THREADS * i, w.at, ROWS_PER_STEP * i < w.valid);
+            w.at += w.step;
         }
     }
     __device__ __forceinline__ void read(u32 raw) {
@@ -142,7 +151,6 @@ struct HalfTile {
         // Chunk i: row row_off + tid / LANES_PER_ROW + ROWS_PER_STEP i, columns 4 (tid % LANES_PER_ROW)..;
         // the swizzle (row & 7) repeats every PERIOD chunks (8 rows), so chunk i's address is that of
         // chunk i % PERIOD plus an immediate.
-        constexpr int LANES_PER_ROW = HEAD_DIM / 4, ROWS_PER_STEP = PRODUCER_THREADS / LANES_PER_ROW;
         constexpr int PERIOD = ROWS_PER_STEP >= 8 ? 1 : 8 / ROWS_PER_STEP;
         static_assert(ROWS_PER_STEP * PERIOD % 8 == 0, "HalfTile::store: the swizzle's period");
         const int tid = threadIdx.x % PRODUCER_THREADS, col = 4 * (tid % LANES_PER_ROW);
