@@ -270,6 +270,9 @@ fn tiles((block_m, block_n, num_warps, d_split, min_blocks): (usize, usize, usiz
 /// tools/sweep.py on an H100 (bench/RESULTS.md has the numbers); min_blocks = 2 caps the forward at
 /// 128 registers so that two 8-warp blocks share an SM.
 fn default_tiles(kernel: Kernel, dtype: DType, d: usize) -> (usize, usize, usize, usize, usize) {
+    if kernel == Kernel::BwdPreprocess {
+        return (32, 1, 8, 1, 1); // 8 warps of 4 rows (block_m rows a block)
+    }
     if kernel.is_elementwise() {
         return (8, 1, 8, 1, 1); // 8 warps, one row each
     }
@@ -565,6 +568,9 @@ fn make_variant(spec: &Spec, t: Tiles, tile_set: TileSet) -> Variant {
         vec![("FLASH_DTYPE", dtype_code(dtype)), ("HEAD_DIM", head_dim as i64), ("NUM_WARPS", t.num_warps as i64)];
     if kernel == Kernel::BwdDsinks {
         defines.push(("MASKED", 1)); // the sinks live in the MASKED params
+    }
+    if kernel == Kernel::BwdPreprocess {
+        defines.push(("BLOCK_M", t.block_m as i64)); // rows a block
     }
     if !kernel.is_elementwise() {
         // Masked kernels take causal as a window and mask ragged key tiles at run time.

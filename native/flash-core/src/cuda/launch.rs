@@ -546,7 +546,7 @@ pub(super) unsafe fn backward_kernels(dev: &Device, p: &Problem, s: cu::CUstream
     // preprocess (and the zeroing of dq_accum) before the gradient kernels, the conversion
     // after them and the workspace free after everything.
     unsafe {
-        launch("flash_bwd_preprocess", fp, (grid_over(p.q_rows() * d.heads, vp.tiles.num_warps), 1, 1), s, &rows)?;
+        launch("flash_bwd_preprocess", fp, (grid_over(p.q_rows() * d.heads, vp.tiles.block_m), 1, 1), s, &rows)?;
         if hopper_f32 {
             sm90::backward_f32(dev, p, s, &prm)?;
         } else if atomic_dq {
