@@ -12,6 +12,9 @@
 FLASH_EXPORT_SMEM(0)  // no shared memory
 
 #define ROWS_PER_WARP (BLOCK_M / NUM_WARPS)
+#if BLOCK_M % NUM_WARPS != 0 || ROWS_PER_WARP < 1 || ROWS_PER_WARP > 32
+#error "bwd_preprocess: BLOCK_M a multiple of NUM_WARPS, 1 to 32 rows a warp (a lane writes each row's stats)"
+#endif
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 flash_bwd_preprocess(const FlashParams p) {
