@@ -3,7 +3,11 @@ instructions with the most warp-state samples, and the totals per stall reason.
 
     ncu --kernel-name flash_bwd_sm90 --launch-skip 2 --launch-count 1 --section SourceCounters \\
         --page source --print-source sass --csv python bench/profile_sm90.py backward > prof.csv
-    python bench/ncu_stalls.py prof.csv [top]
+    python bench/ncu_stalls.py prof.csv [top] [--roles]
+
+--roles: in a warp-specialised kernel (run_roles: the consumers' code first, the producer's after
+its `USETMAXREG.DEALLOC`), each role's stall reasons, its top opcodes by samples and by executed
+instructions, and its samples on mbarrier waits (the `BRA` back to a `SYNCS.PHASECHK` try-wait).
 """
 
 import csv
@@ -36,5 +40,52 @@ def main(path: str, top: int = 40) -> None:
         print(f"{r['Address']:>6} {100 * n / total:5.1f}%  {r['Source'][:70]:70s} {detail}")
 
 
+def opcode(source: str) -> str:
+    words = source.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0].split(".")[0] if words else ""
+
+
+def roles(path: str) -> None:
+    text = open(path, encoding="utf-8", errors="replace").read()
+    rows = list(csv.DictReader(io.StringIO(text[text.find('"Address"'):])))
+    total_col = next(c for c in rows[0] if c.startswith("Warp Stall Sampling (All"))
+    exec_col = next((c for c in rows[0] if c == "Instructions Executed"), None)
+    sample_cols = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
+    split = next((i for i, r in enumerate(rows) if "SETMAXREG.DEALLOC" in r["Source"]), None)
+    if split is None:
+        print("no USETMAXREG.DEALLOC: not a warp-specialised kernel")
+        return
+    num = lambda r, c: float(r[c] or 0) if (r[c] or "").replace(".", "", 1).isdigit() else 0.0
+    # An mbarrier wait: the try-wait, and the branch that loops back to it (the samples land there).
+    waits = {r["Address"] for r in rows if "SYNCS.PHASECHK" in r["Source"]}
+    for name, part in (("consumers", rows[:split]), ("producer", rows[split:])):
+        total = sum(num(r, total_col) for r in part) or 1.0
+        print(f"== {name}: {total:.0f} samples")
+        reasons = Counter()
+        for r in part:
+            for c in sample_cols:
+                reasons[c] += num(r, c)
+        for c, n in reasons.most_common(8):
+            print(f"  {c:40s} {100 * n / total:5.1f} %")
+        on_waits = sum(num(r, total_col) for r in part
+                       if r["Address"] in waits or (opcode(r["Source"]) == "BRA" and any(w in r["Source"] for w in waits)))
+        print(f"  on mbarrier waits: {100 * on_waits / total:.1f} %")
+        by_samples, by_exec = Counter(), Counter()
+        for r in part:
+            by_samples[opcode(r["Source"])] += num(r, total_col)
+            if exec_col:
+                by_exec[opcode(r["Source"])] += num(r, exec_col)
+        print("  samples by opcode:", ", ".join(f"{k} {100 * v / total:.1f}" for k, v in by_samples.most_common(10)))
+        if exec_col:
+            n = sum(by_exec.values()) or 1.0
+            print("  executed by opcode:", ", ".join(f"{k} {100 * v / n:.1f}" for k, v in by_exec.most_common(10)))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 40)
+    args = [a for a in sys.argv[1:] if a != "--roles"]
+    if "--roles" in sys.argv:
+        roles(args[0])
+    else:
+        main(args[0], int(args[1]) if len(args) > 1 else 40)
