@@ -140,21 +140,21 @@ __device__ __forceinline__ void produce(const FlashParams& p, const KeyBlock& bl
 
 // ---- the consumers --------------------------------------------------------------------------------------
 // d += A B over the tile's query rows (rs: A the parts of P^T or dS^T, B the stage's dO or Q, MN-major),
-// slice by slice in a fresh accumulator, each row's sum times f0 (row g) or f1 (g + 8) and f.
-__device__ __forceinline__ void add_product(float (&d)[HEAD_DIM / 8][4], const HFrag<BLOCK_M / 16>& a, u32 b, float f0,
-                                            float f1, float f) {
+// slice by slice in a fresh accumulator, each row's sum times 2^-e0 (row g) or 2^-e1 (g + 8) and 2^-e.
+__device__ __forceinline__ void add_product(float (&d)[HEAD_DIM / 8][4], const HFrag<BLOCK_M / 16>& a, u32 b, int e0,
+                                            int e1, int e) {
 #pragma unroll
     for (int cb = 0; cb < COL_BLOCKS; ++cb) {
         float ot[8][4];
         h_ab_slice<BLOCK_M / 16>(ot, a, b, H_PART_BYTES(BLOCK_M), cb);
         wgmma_wait<0>();
         fence_regs(ot);
-        add_slice(d, ot, 8 * cb, f0, f1, f);
+        add_slice(d, ot, 8 * cb, e0, e1, e);
     }
 }
 
-// dS^T's parts, each key row scaled by its own exponent; returns the rows' 2^-e.
-__device__ __forceinline__ float2 dscores_parts(HFrag<BLOCK_M / 16>& a, const float (&ds)[BLOCK_M / 8][4]) {
+// dS^T's parts, each key row scaled by its own exponent; returns the rows' exponents.
+__device__ __forceinline__ int2 dscores_parts(HFrag<BLOCK_M / 16>& a, const float (&ds)[BLOCK_M / 8][4]) {
     float mx[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < BLOCK_M / 8; ++i)
@@ -162,7 +162,7 @@ __device__ __forceinline__ float2 dscores_parts(HFrag<BLOCK_M / 16>& a, const fl
         for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], fabsf(ds[i][e]));
     const int e0 = row_exponent(mx[0]), e1 = row_exponent(mx[1]);
     a.set(ds, exp2i(e0), exp2i(e1));
-    return make_float2(exp2i(-e0), exp2i(-e1));
+    return make_int2(e0, e1);
 }
 
 // The scores' scale with K's and this stage's Q exponents, and dP^T's 2^-(e_v + e_dO).
@@ -172,14 +172,6 @@ __device__ __forceinline__ float scores_scale(const FlashParams& p, const SmemAt
 __device__ __forceinline__ float dp_unscale(const SmemAt smem, u32 st) {
     return exp2i(-ld_shared_s32(smem.exp(EXP_V))) * exp2i(-ld_shared_s32(smem.exp(EXP_DO + st)));
 }
-template <int NT>
-__device__ __forceinline__ void scale_tile(float (&x)[NT][4], float f) {
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) x[i][e] *= f;
-}
-
 #if !ROLES
 __device__ __forceinline__ void consume(const FlashParams& p, const KeyBlock& blk, const SmemAt smem, int c) {
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
@@ -207,14 +199,13 @@ __device__ __forceinline__ void consume(const FlashParams& p, const KeyBlock& bl
         fence_regs(dp);
         const bool masked = key_slice_needs_mask(key0, m0, blk.Sq, blk.Sk);
         probs_t<BLOCK_M / 8>(s, scores_scale(p, smem, st), masked, key0, m0, blk.vis(h), generic(smem.lse(st)));
-        scale_tile(dp, dp_unscale(smem, st));
-        dscores_t<BLOCK_M / 8>(dp, s, generic(smem.delta(st)));
+        dscores_t<BLOCK_M / 8>(dp, s, generic(smem.delta(st)), dp_unscale(smem, st));
         HFrag<BLOCK_M / 16> a;
         a.set(s, exp2i(P_EXP), exp2i(P_EXP));
         const int eq = ld_shared_s32(smem.exp(EXP_Q + st)), edo = ld_shared_s32(smem.exp(EXP_DO + st));
-        add_product(dv, a, opaque(smem.dout(st)), exp2i(-P_EXP), exp2i(-P_EXP), exp2i(-edo));
-        const float2 f = dscores_parts(a, dp);
-        add_product(dk, a, opaque(smem.q(st)), f.x, f.y, exp2i(-eq));
+        add_product(dv, a, opaque(smem.dout(st)), P_EXP, P_EXP, edo);
+        const int2 e = dscores_parts(a, dp);
+        add_product(dk, a, opaque(smem.q(st)), e.x, e.y, eq);
         if (lane == 0) mbar_arrive(smem.empty(st));  // the stage is read
     }
     store_tile<HEAD_DIM / 8>(p.dk + blk.kv_at(p.dk_st), dk, p.scale, p.scale, key0, blk.Sk, 0, p.dk_st.seq);
@@ -254,7 +245,7 @@ __device__ __forceinline__ void consume_role(const FlashParams& p, const KeyBloc
             named_arrive(XCHG_FULL, 256);
             a.set(s, exp2i(P_EXP), exp2i(P_EXP));
             const int edo = ld_shared_s32(smem.exp(EXP_DO + st));
-            add_product(grad, a, opaque(smem.dout(st)), exp2i(-P_EXP), exp2i(-P_EXP), exp2i(-edo));
+            add_product(grad, a, opaque(smem.dout(st)), P_EXP, P_EXP, edo);
         } else {
             float pt[BLOCK_M / 8][4];
             named_sync(XCHG_FULL, 256);
@@ -265,11 +256,10 @@ __device__ __forceinline__ void consume_role(const FlashParams& p, const KeyBloc
                 pt[i][0] = v.x, pt[i][1] = v.y, pt[i][2] = v.z, pt[i][3] = v.w;
             }
             if (j + 1 < w0.n_iter) named_arrive(XCHG_EMPTY, 256);  // consumer 0 syncs on it from its 2nd tile
-            scale_tile(s, dp_unscale(smem, st));
-            dscores_t<BLOCK_M / 8>(s, pt, generic(smem.delta(st)));
-            const float2 f = dscores_parts(a, s);
+            dscores_t<BLOCK_M / 8>(s, pt, generic(smem.delta(st)), dp_unscale(smem, st));
+            const int2 e = dscores_parts(a, s);
             const int eq = ld_shared_s32(smem.exp(EXP_Q + st));
-            add_product(grad, a, opaque(smem.q(st)), f.x, f.y, exp2i(-eq));
+            add_product(grad, a, opaque(smem.q(st)), e.x, e.y, eq);
         }
         if (lane == 0) mbar_arrive(smem.empty(st));  // the stage is read
     }

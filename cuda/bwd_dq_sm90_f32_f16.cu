@@ -184,14 +184,13 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
         const int e0 = row_exponent(mx[0]), e1 = row_exponent(mx[1]);
         HFrag<BLOCK_N / 16> ds;
         ds.set(s, exp2i(e0), exp2i(e1));
-        const float f0 = exp2i(-e0), f1 = exp2i(-e1), fk = exp2i(-ek);
 #pragma unroll
         for (int cb = 0; cb < COL_BLOCKS; ++cb) {
             float ot[8][4];
             h_ab_slice<BLOCK_N / 16>(ot, ds, k, H_PART_BYTES(BLOCK_N), cb);
             wgmma_wait<0>();
             fence_regs(ot);
-            add_slice(dq, ot, 8 * cb, f0, f1, fk);
+            add_slice(dq, ot, 8 * cb, e0, e1, ek);
         }
         if (lane == 0) mbar_arrive(smem.empty(st));  // the stage is read
     }

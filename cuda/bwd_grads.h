@@ -49,14 +49,15 @@ __device__ __forceinline__ void probs_t(float (&s)[NT][4], float scale_log2, boo
         for (int e = 0; e < 4; ++e) s[i][e] = fast_exp2(s[i][e] - lse2[i * 8 + 2 * t + (e % 2)]);
 }
 
-// dP^T -> dS^T = P^T (dP^T - delta).
+// dP^T -> dS^T = P^T (dP^T dp_scale - delta) (dp_scale: a power of two that unscales dP^T, one FMA
+// with the subtraction).
 template <int NT>
-__device__ __forceinline__ void dscores_t(float (&dp)[NT][4], const float (&pt)[NT][4], const float* dlt) {
+__device__ __forceinline__ void dscores_t(float (&dp)[NT][4], const float (&pt)[NT][4], const float* dlt, float dp_scale = 1.f) {
     const int t = threadIdx.x % 4;
 #pragma unroll
     for (int i = 0; i < NT; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dp[i][e] = pt[i][e] * (dp[i][e] - dlt[i * 8 + 2 * t + (e % 2)]);
+        for (int e = 0; e < 4; ++e) dp[i][e] = pt[i][e] * fmaf(dp[i][e], dp_scale, -dlt[i * 8 + 2 * t + (e % 2)]);
 }
 
 // Both: S^T -> P^T and dP^T -> dS^T.

@@ -184,7 +184,7 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
             h_ab_slice<BLOCK_N / 16>(ot, pp, v, H_PART_BYTES(BLOCK_N), cb);
             wgmma_wait<0>();
             fence_regs(ot);
-            add_slice(o, ot, 8 * cb, exp2i(-P_EXP), exp2i(-P_EXP), exp2i(-ev));
+            add_slice(o, ot, 8 * cb, P_EXP, P_EXP, ev);
         }
         if (lane == 0) mbar_arrive(smem.v_empty(vs));
     };

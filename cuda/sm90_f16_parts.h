@@ -287,13 +287,28 @@ __device__ __forceinline__ void h_ab_slice(float (&ot)[8][4], const HFrag<KT>& a
     wgmma_commit();
 }
 
-// d[i][e] += ot[i][e] f_row(e) g for the 8 column blocks of a slice from d's block i0 (rows g and
-// g + 8 of the warp's 16: f0, f1). Two multiplies, so that neither factor alone under- or overflows.
-__device__ __forceinline__ void add_slice(float (&d)[HEAD_DIM / 8][4], const float (&ot)[8][4], int i0, float f0, float f1, float f) {
+// d[i][e] += ot[i][e] 2^-(e_row(e) + e) for the 8 column blocks of a slice from d's block i0 (rows g
+// and g + 8 of the warp's 16: e0, e1). One FMA an element with the combined power of two when every
+// lane's is a normal f32 (2^-k, -127 <= k <= 126); else (the ends of the range, e.g. an all-zero row,
+// whose exponent is clamped to 126) the two factors in turn, so that neither alone under- or
+// overflows. The same bits either way wherever ot 2^-e_row is a normal f32.
+__device__ __forceinline__ void add_slice(float (&d)[HEAD_DIM / 8][4], const float (&ot)[8][4], int i0, int e0, int e1, int e) {
+    const int k0 = e0 + e, k1 = e1 + e;
+    if (__all_sync(0xffffffffu, k0 >= -127 && k0 <= 126 && k1 >= -127 && k1 <= 126)) {
+        const float g0 = exp2i(-k0), g1 = exp2i(-k1);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        float* x = d[i0 + i];
-        x[0] = fmaf(ot[i][0] * f0, f, x[0]), x[1] = fmaf(ot[i][1] * f0, f, x[1]);
-        x[2] = fmaf(ot[i][2] * f1, f, x[2]), x[3] = fmaf(ot[i][3] * f1, f, x[3]);
+        for (int i = 0; i < 8; ++i) {
+            float* x = d[i0 + i];
+            x[0] = fmaf(ot[i][0], g0, x[0]), x[1] = fmaf(ot[i][1], g0, x[1]);
+            x[2] = fmaf(ot[i][2], g1, x[2]), x[3] = fmaf(ot[i][3], g1, x[3]);
+        }
+    } else {
+        const float f0 = exp2i(-e0), f1 = exp2i(-e1), f = exp2i(-e);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            float* x = d[i0 + i];
+            x[0] = fmaf(ot[i][0] * f0, f, x[0]), x[1] = fmaf(ot[i][1] * f0, f, x[1]);
+            x[2] = fmaf(ot[i][2] * f1, f, x[2]), x[3] = fmaf(ot[i][3] * f1, f, x[3]);
+        }
     }
 }
