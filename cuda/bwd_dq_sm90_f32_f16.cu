@@ -38,6 +38,9 @@
 #endif
 
 #define COL_BLOCKS (HEAD_DIM / 64)  // 64-element column blocks of a row: dS K's slices
+// dS K's slices all issued before the first is added (slice cb + 1's product under slice cb's FMAs):
+// one part ("tf32") only, since "exact"'s two parts and a second slice spilled at D = 128.
+constexpr bool SLICES_TOGETHER = TERMS == 1 && COL_BLOCKS > 1;
 // Registers after setmaxnreg (run_roles checks the split): the producer holds a K and a V tile
 // (2 x BLOCK_N x D / 128 floats: 64) and their addresses; a consumer dQ, S, dP, dS's parts and a
 // 64-column slice of the tile's dS K.
@@ -184,13 +187,26 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
         const int e0 = row_exponent(mx[0]), e1 = row_exponent(mx[1]);
         HFrag<BLOCK_N / 16> ds;
         ds.set(s, exp2i(e0), exp2i(e1));
+        if (SLICES_TOGETHER) {
+            float ot[COL_BLOCKS][8][4];
 #pragma unroll
-        for (int cb = 0; cb < COL_BLOCKS; ++cb) {
-            float ot[8][4];
-            h_ab_slice<BLOCK_N / 16>(ot, ds, k, H_PART_BYTES(BLOCK_N), cb);
-            wgmma_wait<0>();
-            fence_regs(ot);
-            add_slice(dq, ot, 8 * cb, e0, e1, ek);
+            for (int cb = 0; cb < COL_BLOCKS; ++cb) h_ab_slice<BLOCK_N / 16>(ot[cb], ds, k, H_PART_BYTES(BLOCK_N), cb);
+#pragma unroll
+            for (int cb = 0; cb < COL_BLOCKS; ++cb) {
+                if (cb == 0) wgmma_wait<COL_BLOCKS - 1>();
+                else wgmma_wait<0>();
+                fence_regs(ot[cb]);
+                add_slice(dq, ot[cb], 8 * cb, e0, e1, ek);
+            }
+        } else {
+#pragma unroll
+            for (int cb = 0; cb < COL_BLOCKS; ++cb) {
+                float ot[8][4];
+                h_ab_slice<BLOCK_N / 16>(ot, ds, k, H_PART_BYTES(BLOCK_N), cb);
+                wgmma_wait<0>();
+                fence_regs(ot);
+                add_slice(dq, ot, 8 * cb, e0, e1, ek);
+            }
         }
         if (lane == 0) mbar_arrive(smem.empty(st));  // the stage is read
     }
