@@ -40,6 +40,9 @@
 #endif
 
 #define COL_BLOCKS (HEAD_DIM / 64)  // 64-element column blocks of a row: the gradients' slices
+// A product's slices all issued before the first is added (slice cb + 1's product under slice cb's
+// FMAs; both precisions fit here, unlike bwd_dq_sm90_f32_f16.cu's "exact").
+constexpr bool SLICES_TOGETHER = COL_BLOCKS > 1;
 #define P_EXP 15                    // P^T's scale: P 2^15 <= 2^15
 // Registers after setmaxnreg (run_roles checks the split): the producer holds K or V (BLOCK_N x D /
 // 128 floats: 64) once, then a Q and a dO tile (2 x 32 x D / 128); a consumer its gradients, S^T,
@@ -143,13 +146,26 @@ __device__ __forceinline__ void produce(const FlashParams& p, const KeyBlock& bl
 // slice by slice in a fresh accumulator, each row's sum times 2^-e0 (row g) or 2^-e1 (g + 8) and 2^-e.
 __device__ __forceinline__ void add_product(float (&d)[HEAD_DIM / 8][4], const HFrag<BLOCK_M / 16>& a, u32 b, int e0,
                                             int e1, int e) {
+    if (SLICES_TOGETHER) {
+        float ot[COL_BLOCKS][8][4];
 #pragma unroll
-    for (int cb = 0; cb < COL_BLOCKS; ++cb) {
-        float ot[8][4];
-        h_ab_slice<BLOCK_M / 16>(ot, a, b, H_PART_BYTES(BLOCK_M), cb);
-        wgmma_wait<0>();
-        fence_regs(ot);
-        add_slice(d, ot, 8 * cb, e0, e1, e);
+        for (int cb = 0; cb < COL_BLOCKS; ++cb) h_ab_slice<BLOCK_M / 16>(ot[cb], a, b, H_PART_BYTES(BLOCK_M), cb);
+#pragma unroll
+        for (int cb = 0; cb < COL_BLOCKS; ++cb) {
+            if (cb == 0) wgmma_wait<COL_BLOCKS - 1>();
+            else wgmma_wait<0>();
+            fence_regs(ot[cb]);
+            add_slice(d, ot[cb], 8 * cb, e0, e1, e);
+        }
+    } else {
+#pragma unroll
+        for (int cb = 0; cb < COL_BLOCKS; ++cb) {
+            float ot[8][4];
+            h_ab_slice<BLOCK_M / 16>(ot, a, b, H_PART_BYTES(BLOCK_M), cb);
+            wgmma_wait<0>();
+            fence_regs(ot);
+            add_slice(d, ot, 8 * cb, e0, e1, e);
+        }
     }
 }
 
