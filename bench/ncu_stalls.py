@@ -3,7 +3,7 @@ instructions with the most warp-state samples, and the totals per stall reason.
 
     ncu --kernel-name flash_bwd_sm90 --launch-skip 2 --launch-count 1 --section SourceCounters \\
         --page source --print-source sass --csv python bench/profile_sm90.py backward > prof.csv
-    python bench/ncu_stalls.py prof.csv [top] [--roles]
+    python bench/ncu_stalls.py prof.csv[.gz] [top] [--roles]
 
 --roles: in a warp-specialised kernel (run_roles: the consumers' code first, the producer's after
 its `USETMAXREG.DEALLOC`), each role's stall reasons, its top opcodes by samples and by executed
@@ -11,13 +11,20 @@ instructions, and its samples on mbarrier waits (the `BRA` back to a `SYNCS.PHAS
 """
 
 import csv
+import gzip
 import io
 import sys
 from collections import Counter
 
 
+def read_text(path: str) -> str:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
 def main(path: str, top: int = 40) -> None:
-    text = open(path, encoding="utf-8", errors="replace").read()
+    text = read_text(path)
     start = text.find('"Address"')  # ncu prints its log lines before the table
     rows = list(csv.DictReader(io.StringIO(text[start:])))
     sample_cols = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
@@ -48,7 +55,7 @@ def opcode(source: str) -> str:
 
 
 def roles(path: str) -> None:
-    text = open(path, encoding="utf-8", errors="replace").read()
+    text = read_text(path)
     rows = list(csv.DictReader(io.StringIO(text[text.find('"Address"'):])))
     total_col = next(c for c in rows[0] if c.startswith("Warp Stall Sampling (All"))
     exec_col = next((c for c in rows[0] if c == "Instructions Executed"), None)

@@ -48,11 +48,11 @@ constexpr bool SLICES_TOGETHER = TERMS == 1 && COL_BLOCKS > 1;
 #define CONSUMER_REGS 192
 
 constexpr u32 TILE_BYTES = TERMS * H_PART_BYTES(BLOCK_N);  // K's or V's parts
-// Q and dO are loaded as 32-row pieces (Q_0, dO_0, Q_1, ...), copied raw QDO_SLOTS pieces ahead of
-// their conversion into the stages' space (free until the first K and V): one after another, their
+// Q and dO are loaded as 32-row pieces (Q_0, dO_0, Q_1, ...) through a raw ring (sm90_f16_parts.h)
+// QDO_SLOTS pieces deep in the stages' space (free until the first K and V): one after another, their
 // loads' latencies made most of a block's start-up (the consumers' waits for Q and dO).
 constexpr int QDO_PIECES = 2 * BLOCK_M / 32;
-constexpr u32 PIECE_BYTES = 32 * HEAD_DIM * 4;
+constexpr u32 PIECE_BYTES = RawRing<32, 1>::TILE_BYTES;
 constexpr u32 EXP_Q = 0, EXP_DO = BLOCK_M / 32, EXP_K = 2 * BLOCK_M / 32, EXP_V = EXP_K + STAGES, EXP_XCHG = EXP_V + STAGES;
 constexpr u32 EXP_BYTES = 4 * ((EXP_XCHG + 8 + 1) / 2 * 2), BAR_BYTES = 8 * (1 + 2 * STAGES);
 // Shared memory, from a base aligned to the swizzle's period: Q, dO [TERMS][D / 64][BLOCK_M][64];
@@ -65,7 +65,8 @@ constexpr u32 SMEM_STAGES = SMEM_DO + TERMS * H_PART_BYTES(BLOCK_M);
 constexpr u32 STAGES_ROOM = SM90_SMEM_MAX - 1024 - SMEM_STAGES - EXP_BYTES - BAR_BYTES;  // SWIZZLED_SMEM_BYTES
 constexpr int QDO_SLOTS = STAGES_ROOM / PIECE_BYTES < QDO_PIECES ? STAGES_ROOM / PIECE_BYTES : QDO_PIECES;
 static_assert(QDO_SLOTS >= 1, "bwd_dq_sm90_f32_f16: no room for a piece of Q");
-constexpr u32 STAGES_BYTES = STAGES * 2 * TILE_BYTES > QDO_SLOTS * PIECE_BYTES ? STAGES * 2 * TILE_BYTES : QDO_SLOTS * PIECE_BYTES;
+using Pieces = RawRing<32, QDO_SLOTS>;
+constexpr u32 STAGES_BYTES = STAGES * 2 * TILE_BYTES > Pieces::BYTES ? STAGES * 2 * TILE_BYTES : Pieces::BYTES;
 constexpr u32 SMEM_EXP = SMEM_STAGES + STAGES_BYTES;
 constexpr u32 SMEM_BARS = SMEM_EXP + EXP_BYTES;
 constexpr u32 SMEM_END = SMEM_BARS + BAR_BYTES;
@@ -78,7 +79,7 @@ struct SmemAt {
     __device__ __forceinline__ u32 dout() const { return base + SMEM_DO; }
     __device__ __forceinline__ u32 k(u32 s) const { return base + SMEM_STAGES + s * 2 * TILE_BYTES; }
     __device__ __forceinline__ u32 v(u32 s) const { return k(s) + TILE_BYTES; }
-    __device__ __forceinline__ u32 piece(int k) const { return base + SMEM_STAGES + (k % QDO_SLOTS) * PIECE_BYTES; }
+    __device__ __forceinline__ Pieces pieces() const { return {base + SMEM_STAGES}; }
     __device__ __forceinline__ u32 exp(u32 i) const { return base + SMEM_EXP + 4 * i; }
     __device__ __forceinline__ u32 qdo_full() const { return base + SMEM_BARS; }
     __device__ __forceinline__ u32 full(u32 s) const { return base + SMEM_BARS + 8 * (1 + s); }
@@ -91,26 +92,22 @@ using StageRing = Ring<STAGES>;  // hopper.h
 __device__ __forceinline__ void produce(const FlashParams& p, const QueryBlock& blk, const SmemAt smem) {
     const float* q = p.q + blk.q_at(p.q_st);
     const float* dout = p.dout + blk.q_at(p.do_st);
-    // Piece k: Q's (k even) or dO's rows 32 (k / 2).. into slot k % QDO_SLOTS, one commit group
-    // (also an empty one past the last: cp_async_wait counts groups).
+    // Piece k: Q's (k even) or dO's rows 32 (k / 2)..
+    const Pieces pieces = smem.pieces();
     auto copy_piece = [&](int k) {
-        if (k < QDO_PIECES) {
-            const bool is_q = k % 2 == 0;
-            HalfTile<32>::copy_async(smem.piece(k), is_q ? q : dout, is_q ? p.q_st.seq : p.do_st.seq, blk.m0 + 32 * (k / 2), blk.Sq);
-        }
-        cp_async_commit();
+        const bool is_q = k % 2 == 0;
+        pieces.copy(k, k < QDO_PIECES, is_q ? q : dout, is_q ? p.q_st.seq : p.do_st.seq, blk.m0 + 32 * (k / 2), blk.Sq);
     };
 #pragma unroll 1
     for (int k = 0; k < QDO_SLOTS; ++k) copy_piece(k);
     int slot = 0;
 #pragma unroll 1
     for (int k = 0; k < QDO_PIECES; ++k) {
-        cp_async_wait<QDO_SLOTS - 1>();
         HalfTile<32> t;
-        t.read(smem.piece(k));
+        pieces.take(k, t, nullptr, 0, 0, 0);  // a ring of depth >= 1 reads its buffer, never the source
         const int e = tile_exponent(t.max_bits(), smem.exp(EXP_XCHG), slot);
-        // Into the slot just read: this thread's own chunks, whose reads the max has waited for. The
-        // stages' first stores come after another exponent's barrier: every thread's reads are done.
+        // Into the buffer just read (the ring's refill rule). The stages' first stores come after
+        // another exponent's barrier: every thread's reads are done.
         copy_piece(k + QDO_SLOTS);
         const int r = 32 * (k / 2);
         t.store<BLOCK_M>(k % 2 == 0 ? smem.q() : smem.dout(), r, e);

@@ -191,11 +191,13 @@ struct RawRing {
     static constexpr u32 TILE_BYTES = ROWS * HEAD_DIM * 4;
     static constexpr u32 BYTES = DEPTH * TILE_BYTES;
     u32 base;
+    // Tile t's buffer (DEPTH 0 has none: the modulus only stays nonzero).
+    __device__ __forceinline__ u32 buffer(int t) const { return base + (t % (DEPTH > 0 ? DEPTH : 1)) * TILE_BYTES; }
     // Tile t's rows r0.. of src (rows >= nrows as zeros; `any` false: past the last tile, nothing).
     // One commit group per call either way, as cp_async_wait counts groups.
     __device__ __forceinline__ void copy(int t, bool any, const float* src, i64 stride, int r0, int nrows) const {
         if (DEPTH == 0) return;
-        if (any) HalfTile<ROWS>::copy_async(base + (t % (DEPTH > 0 ? DEPTH : 1)) * TILE_BYTES, src, stride, r0, nrows);
+        if (any) HalfTile<ROWS>::copy_async(buffer(t), src, stride, r0, nrows);
         cp_async_commit();
     }
     // Tile t (the same source as its copy) into x, once its copy and every earlier one has landed.
@@ -204,7 +206,7 @@ struct RawRing {
             x.load(src, stride, r0, nrows);
         } else {
             cp_async_wait<(DEPTH > 0 ? DEPTH - 1 : 0)>();
-            x.read(base + (t % (DEPTH > 0 ? DEPTH : 1)) * TILE_BYTES);
+            x.read(buffer(t));
         }
     }
 };

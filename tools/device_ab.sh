@@ -19,6 +19,14 @@
 #                  merge kernels' own durations under ncu (clocks left alone; ${NCU_FORMATS:-bf16 8 4})
 #   SASS=NAME:FMT  per-instruction executed counts of the decode kernel (ncu source page, SASS, CSV;
 #                  read it here with tools/sass_regions.py)
+# The f32 attention kernels (issue 17), same conventions:
+#   TF32="a b .."  bench/tf32.py --only exact,tf32,eff per name in that order (TF32_PASSES, default
+#                  bwd; TF32_SEQS, default 2048; TF32_DIMS, default 64,128)
+#   PROF="a b .."  bench/profile_bwd_f32.py per name: each backward kernel's time, for each of
+#                  ${PROF_CASES:-"D=64" "D=64 causal" "D=128 causal"} (semicolon-separated)
+#   NCU_BWD=NAME:KERNEL:ARGS  ncu source counters (SASS, CSV) of one backward kernel (flash_bwd_sm90,
+#                  flash_bwd_dq_sm90) under profile_bwd_f32.py ARGS (e.g. "S=2048 D=128 causal tf32");
+#                  read it here with bench/ncu_stalls.py FILE --roles
 set -u
 : "${OUT:?run on the device machine, where OUT is set}"
 export FLASH_NIF_CACHE_DIR=/tmp/flash_nif_cache
@@ -72,4 +80,30 @@ if [ -n "${SASS:-}" ]; then
         --launch-count 1 --section SourceCounters --page source --print-source sass --csv \
         python3 profile_decode.py 8x8192 "$f" > "$OUT/sass_counts_${w}_$f.csv" 2>&1)
     echo "== sass counts $w $f: $(wc -l < "$OUT/sass_counts_${w}_$f.csv") lines"
+fi
+
+i=0
+for b in ${TF32:-}; do
+    i=$((i + 1))
+    PYTHONPATH="/tmp/site_$b" timeout 240 python3 bench/tf32.py --only exact,tf32,eff --passes "${TF32_PASSES:-bwd}" \
+        --seqs "${TF32_SEQS:-2048}" --dims "${TF32_DIMS:-64,128}" --reps 5 > "$OUT/tf32_${i}_$b.log" 2>&1
+    echo "== tf32 $i $b"; grep -E "^\| [0-9]" "$OUT/tf32_${i}_$b.log" | sort -u
+done
+
+for n in ${PROF:-}; do
+    IFS=';' read -ra cases <<< "${PROF_CASES:-D=64;D=64 causal;D=128 causal}"
+    for c in "${cases[@]}"; do
+        echo "== prof $n $c"
+        # shellcheck disable=SC2086
+        PYTHONPATH="/tmp/site_$n" timeout 120 python3 bench/profile_bwd_f32.py S=2048 $c 2>&1 | grep -E " us|TFLOPS"
+    done
+done
+
+if [ -n "${NCU_BWD:-}" ]; then
+    IFS=':' read -r w k args <<< "$NCU_BWD"
+    # shellcheck disable=SC2086
+    PYTHONPATH="/tmp/site_$w" timeout 300 ncu --kernel-name "$k" --launch-skip 2 --launch-count 1 --section SourceCounters \
+        --page source --print-source sass --csv python3 bench/profile_bwd_f32.py $args noprof > "$OUT/ncu_${w}_$k.csv" 2>&1
+    gzip -f "$OUT/ncu_${w}_$k.csv"
+    echo "== ncu $w $k ($args): $OUT/ncu_${w}_$k.csv.gz"
 fi
