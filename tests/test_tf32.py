@@ -230,7 +230,8 @@ def _check_exact(fa, ref, rel_err, make_inputs, record_error, shape, causal, kw=
           + " ".join(f"{n} {e:.2e}" for n, e in err.items())
           + " | simt " + " ".join(f"{n} {e:.2e}" for n, e in simt.items()))
     for name, e in err.items():
-        record_error(f"f32-{math}" if name in ("o", "lse") else f"f32-{bwd_math}", name, e)
+        kernel_math = math if name in ("o", "lse") else bwd_math
+        record_error(kernel_math if kernel_math.startswith("f32-") else f"f32-{kernel_math}", name, e)
         record_error("f32-simt", name, simt[name])
         assert e <= EXACT_BOUNDS[name], f"{name} {e:.3e} > {EXACT_BOUNDS[name]:.1e} ({shape}, causal={causal}, {kw})"
 
