@@ -146,27 +146,7 @@ __device__ __forceinline__ void produce(const FlashParams& p, const KeyBlock& bl
 // slice by slice in a fresh accumulator, each row's sum times 2^-e0 (row g) or 2^-e1 (g + 8) and 2^-e.
 __device__ __forceinline__ void add_product(float (&d)[HEAD_DIM / 8][4], const HFrag<BLOCK_M / 16>& a, u32 b, int e0,
                                             int e1, int e) {
-    if (SLICES_TOGETHER) {
-        float ot[COL_BLOCKS][8][4];
-#pragma unroll
-        for (int cb = 0; cb < COL_BLOCKS; ++cb) h_ab_slice<BLOCK_M / 16>(ot[cb], a, b, H_PART_BYTES(BLOCK_M), cb);
-#pragma unroll
-        for (int cb = 0; cb < COL_BLOCKS; ++cb) {
-            if (cb == 0) wgmma_wait<COL_BLOCKS - 1>();
-            else wgmma_wait<0>();
-            fence_regs(ot[cb]);
-            add_slice(d, ot[cb], 8 * cb, e0, e1, e);
-        }
-    } else {
-#pragma unroll
-        for (int cb = 0; cb < COL_BLOCKS; ++cb) {
-            float ot[8][4];
-            h_ab_slice<BLOCK_M / 16>(ot, a, b, H_PART_BYTES(BLOCK_M), cb);
-            wgmma_wait<0>();
-            fence_regs(ot);
-            add_slice(d, ot, 8 * cb, e0, e1, e);
-        }
-    }
+    add_sliced_product<BLOCK_M / 16, SLICES_TOGETHER>(d, a, b, e0, e1, e);
 }
 
 // dS^T's parts, each key row scaled by its own exponent; returns the rows' exponents.

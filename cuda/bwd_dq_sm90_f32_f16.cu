@@ -184,27 +184,7 @@ __device__ __forceinline__ void consume(const FlashParams& p, const QueryBlock& 
         const int e0 = row_exponent(mx[0]), e1 = row_exponent(mx[1]);
         HFrag<BLOCK_N / 16> ds;
         ds.set(s, exp2i(e0), exp2i(e1));
-        if (SLICES_TOGETHER) {
-            float ot[COL_BLOCKS][8][4];
-#pragma unroll
-            for (int cb = 0; cb < COL_BLOCKS; ++cb) h_ab_slice<BLOCK_N / 16>(ot[cb], ds, k, H_PART_BYTES(BLOCK_N), cb);
-#pragma unroll
-            for (int cb = 0; cb < COL_BLOCKS; ++cb) {
-                if (cb == 0) wgmma_wait<COL_BLOCKS - 1>();
-                else wgmma_wait<0>();
-                fence_regs(ot[cb]);
-                add_slice(dq, ot[cb], 8 * cb, e0, e1, ek);
-            }
-        } else {
-#pragma unroll
-            for (int cb = 0; cb < COL_BLOCKS; ++cb) {
-                float ot[8][4];
-                h_ab_slice<BLOCK_N / 16>(ot, ds, k, H_PART_BYTES(BLOCK_N), cb);
-                wgmma_wait<0>();
-                fence_regs(ot);
-                add_slice(dq, ot, 8 * cb, e0, e1, ek);
-            }
-        }
+        add_sliced_product<BLOCK_N / 16, SLICES_TOGETHER>(dq, ds, k, e0, e1, ek);
         if (lane == 0) mbar_arrive(smem.empty(st));  // the stage is read
     }
     store_tile<HEAD_DIM / 8>(p.dq + blk.q_at(p.dq_st), dq, p.scale, p.scale, row0, blk.Sq, 0, p.dq_st.seq);

@@ -314,3 +314,34 @@ __device__ __forceinline__ void add_slice(float (&d)[HEAD_DIM / 8][4], const flo
         }
     }
 }
+
+// d += A B (A's parts in registers, KT 16-row contraction tiles; B the [16 KT][D] tile at b), one
+// 64-column slice at a time in a fresh accumulator, each added by add_slice with the row exponents
+// e0, e1 and e. TOGETHER: every slice's product issued before the first is added (slice 1's under
+// slice 0's FMAs), where the kernel's registers allow the second accumulator.
+template <int KT, bool TOGETHER>
+__device__ __forceinline__ void add_sliced_product(float (&d)[HEAD_DIM / 8][4], const HFrag<KT>& a, u32 b, int e0, int e1,
+                                                   int e) {
+    constexpr int SLICES = HEAD_DIM / 64;
+    if (TOGETHER) {
+        float ot[SLICES][8][4];
+#pragma unroll
+        for (int cb = 0; cb < SLICES; ++cb) h_ab_slice<KT>(ot[cb], a, b, H_PART_BYTES(16 * KT), cb);
+#pragma unroll
+        for (int cb = 0; cb < SLICES; ++cb) {
+            if (cb == 0) wgmma_wait<SLICES - 1>();
+            else wgmma_wait<0>();
+            fence_regs(ot[cb]);
+            add_slice(d, ot[cb], 8 * cb, e0, e1, e);
+        }
+    } else {
+#pragma unroll
+        for (int cb = 0; cb < SLICES; ++cb) {
+            float ot[8][4];
+            h_ab_slice<KT>(ot, a, b, H_PART_BYTES(16 * KT), cb);
+            wgmma_wait<0>();
+            fence_regs(ot);
+            add_slice(d, ot, 8 * cb, e0, e1, e);
+        }
+    }
+}
