@@ -83,6 +83,56 @@ __device__ __forceinline__ void merge_columns_f32x4(const MergeParams& p, i64 s,
     }
 }
 
+// Decode's f32 parts, at most 32 of them and Dv a multiple of 4: state s whole, in about one memory
+// round trip. Lane j loads part j's lse while every lane loads its four columns of the first
+// MERGE_CHUNK parts (none of those loads waits for a weight); the max, the weights and their sum
+// come from registers (shuffles), and a part of weight 0 adds nothing by a select (its o is read,
+// never used: decode's parts are finite, and a select keeps even NaN out). Returns the state's lse.
+#define MERGE_CHUNK 16
+
+// This lane's four columns at c of parts q0 .. q0 + MERGE_CHUNK - 1 (zeros past the parts or past Dv).
+__device__ __forceinline__ void load_part_columns(float4 (&x)[MERGE_CHUNK], const MergeParams& p, const float* parts, i64 part_stride,
+                                                  int q0, int c) {
+#pragma unroll
+    for (int j = 0; j < MERGE_CHUNK; ++j)
+        x[j] = c < p.dv && q0 + j < p.parts ? *reinterpret_cast<const float4*>(parts + (q0 + j) * part_stride + c)
+                                            : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+__device__ __forceinline__ float merge_state_f32x4(const MergeParams& p, i64 s, i64 stat, i64 part_stride, i64 stat_stride) {
+    const int lane = threadIdx.x % 32;
+    const float neg_inf = __int_as_float(0xff800000);
+    const float* parts = reinterpret_cast<const float*>(p.o_parts) + s * p.dv;
+    const float mine = lane < p.parts ? p.lse_parts[lane * stat_stride + stat] : neg_inf;
+    float4 x[MERGE_CHUNK];
+    load_part_columns(x, p, parts, part_stride, 0, 4 * lane);
+    const float mx = warp_max(mine);
+    const float w = mx == neg_inf ? 0.f : expf(mine - mx);  // lanes past the parts: exp(-inf) = 0
+    const float total = warp_sum(w);
+    const bool seen = total > 0.f;
+    for (int c = 4 * lane; c - 4 * lane < p.dv; c += 128) {  // passes of 128 columns, every lane in each
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int q0 = 0; q0 < p.parts; q0 += MERGE_CHUNK) {
+            if (q0 > 0 || c >= 128) load_part_columns(x, p, parts, part_stride, q0, c);
+#pragma unroll
+            for (int j = 0; j < MERGE_CHUNK; ++j) {
+                const float wq = __shfl_sync(0xffffffffu, w, (q0 + j) & 31);
+                const bool used = wq != 0.f;  // 0 past the parts
+                acc.x += used ? wq * x[j].x : 0.f, acc.y += used ? wq * x[j].y : 0.f;
+                acc.z += used ? wq * x[j].z : 0.f, acc.w += used ? wq * x[j].w : 0.f;
+            }
+        }
+        if (c < p.dv) {
+            elem_t* out = p.o + s * p.dv + c;
+            out[0] = from_float(seen ? acc.x / total : 0.f);
+            out[1] = from_float(seen ? acc.y / total : 0.f);
+            out[2] = from_float(seen ? acc.z / total : 0.f);
+            out[3] = from_float(seen ? acc.w / total : 0.f);
+        }
+    }
+    return seen ? mx + logf(total) : neg_inf;
+}
+
 // The columns of state s in general (any Dv, elem_t or f32 parts): COLS per lane at a time, 32 apart.
 __device__ __forceinline__ void merge_columns(const MergeParams& p, i64 s, i64 stat, i64 part_stride, i64 stat_stride,
                                               float mx, float total) {
@@ -123,6 +173,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_merge_states(
         const i64 b = bi / p.seq_q;
         const i64 stat = (b * p.heads + h) * p.seq_q + i;  // [B, H, Sq] index
         const i64 stat_stride = states;                    // between parts of lse_parts
+        if (p.parts_f32 && p.dv % 4 == 0 && p.parts <= 32) {
+            const float lse = merge_state_f32x4(p, s, stat, part_stride, stat_stride);
+            if (lane == 0) p.lse[stat] = lse;
+            continue;
+        }
         float mx = neg_inf;
         for (int q = lane; q < p.parts; q += 32) mx = fmaxf(mx, p.lse_parts[q * stat_stride + stat]);
         mx = warp_max(mx);
