@@ -465,7 +465,7 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
 
     const ScaleOffset k_off(p, w, groups_k(p)), v_off(p, w, groups_v(p));
 
-    pipeline(smem, L, p, w, [&](const unsigned char* stage, int key0, int nkeys) {
+    pipeline<KEY_BLOCK>(smem, L, p, w, [&](const unsigned char* stage, int key0, int nkeys) {
         if (!active) return;
         // A warp's blocks: wk, wk + wk_n, ... of the stage; a step takes STEP_BLOCKS of them (the
         // last may lie past nkeys: zero-filled rows, masked).

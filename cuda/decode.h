@@ -378,6 +378,54 @@ struct FastCopy {
             scales(stage + L.off_vs, stage + L.off_vb, p.v_scale, p.v_bias, groups_v(p), L.sw_v, p, w, key0, key_end, n);
         }
     }
+
+    // A warp's own share of the stage when it alone reads its blocks (WS = 1): blocks wk, wk +
+    // NUM_WARPS, ... of ROWS rows each, and their scale words. The stage's regions are then written
+    // and read by one warp only, so a __syncwarp stands for the block's barrier and the warps'
+    // pipelines run apart (no warp waits for the slowest at every stage).
+    template <int ROWS>
+    __device__ __forceinline__ static void load_warp(u32 stage, const StageLayout& L, const DecodeParams& p, const DecodeWork& w,
+                                                     int key0, int key_end) {
+        const int lane = threadIdx.x % 32, units = p.row_bytes / 16;  // a power of 2, at most 32 (ok)
+        const int lg = __ffs(units) - 1;
+        const int i0 = lane >> lg, z = lane & (units - 1), pass = 32 >> lg;  // rows i0, i0 + pass, ... of a block
+        const unsigned char* k0 = p.k + w.row0 * p.row_bytes;
+        const unsigned char* v0 = p.v + w.row0 * p.row_bytes;
+        const u32 stride = (u32)(p.kv_heads * p.row_bytes);
+        for (int rb = w.wk * ROWS; rb < L.tile_keys; rb += NUM_WARPS * ROWS) {
+#pragma unroll 4
+            for (int i = i0; i < ROWS; i += pass) {
+                const int r = rb + i;
+                const bool valid = key0 + r < key_end;
+                const u32 at = valid ? (u32)(key0 + r) * stride + 16 * z : 0u;
+                cp_async16_u32(stage + r * L.srow_k + 16 * z, k0 + at, valid);
+                cp_async16_u32(stage + L.off_v + r * L.srow_v + 16 * z, v0 + at, valid);
+            }
+            if (KV_BITS(p)) {
+                scales_warp<ROWS>(stage + L.off_ks, stage + L.off_kb, p.k_scale, p.k_bias, groups_k(p), L.sw_k, p, w, key0, key_end, rb);
+                scales_warp<ROWS>(stage + L.off_vs, stage + L.off_vb, p.v_scale, p.v_bias, groups_v(p), L.sw_v, p, w, key0, key_end, rb);
+            }
+        }
+    }
+
+    // The scale and bias words (sw a row) of rows rb .. rb + ROWS - 1: lane e takes word e % sw of row
+    // (e / sw) % ROWS of the scales (e < ROWS sw) or the biases.
+    template <int ROWS>
+    __device__ __forceinline__ static void scales_warp(u32 ds, u32 db, const elem_t* s, const elem_t* b, int groups, int sw,
+                                                       const DecodeParams& p, const DecodeWork& w, int key0, int key_end, int rb) {
+        const i64 first = (w.row0 * groups * (i64)sizeof(elem_t)) & ~(i64)3;  // key 0's first scale's word
+        const unsigned char* s0 = reinterpret_cast<const unsigned char*>(s) + first;
+        const unsigned char* b0 = reinterpret_cast<const unsigned char*>(b) + first;
+        const u32 stride = (u32)(p.kv_heads * groups * (int)sizeof(elem_t));
+        for (int e = threadIdx.x % 32; e < 2 * ROWS * sw; e += 32) {
+            const bool bias = e >= ROWS * sw;
+            const int k = bias ? e - ROWS * sw : e;
+            const int r = rb + k / sw, c = k % sw;
+            const bool valid = key0 + r < key_end;
+            const u32 at = valid ? (u32)(key0 + r) * stride + 4 * c : 0u;
+            cp_async4_u32((bias ? db : ds) + 4 * (r * sw + c), (bias ? b0 : s0) + at, valid);
+        }
+    }
 };
 
 // Issues the copies of the stage holding keys [key0, key0 + tile_keys).
@@ -399,23 +447,32 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, const StageLayo
 // pipeline: one group committed per tile slot (empty ones too, so the wait counts stay fixed), and
 // one load site (the first STAGES - 1 turns only load). Returns with every copy landed and every
 // thread past its last compute (the shared memory is free for reuse), the dependent grid released.
-template <typename Compute>
+template <int OWN_ROWS, typename Compute>
 __device__ __forceinline__ void pipeline(unsigned char* smem, const StageLayout& L, const DecodeParams& p,
                                          const DecodeWork& w, Compute&& compute) {
     const StageCopy copy(p, L, copy_unit_bytes(p));
     const FastCopy fast(p, L);
+    // Warp-owned stages (FastCopy::load_warp): the kernel's warps read blocks of OWN_ROWS rows
+    // (0: not this kernel) and one warp per key lane (WS = 1).
+    const bool own = OWN_ROWS > 0 && fast.ok && p.warp_states == 1 && p.row_bytes <= 512;
     const u32 smem_u32 = smem_addr(smem);
     const int tiles = (w.k1 - w.k0 + L.tile_keys - 1) / L.tile_keys;
 #pragma unroll 1
     for (int t = 1 - STAGES; t < tiles; ++t) {
         if (t >= 0) {
             cp_async_wait<STAGES - 2>();
-            __syncthreads();  // tile t landed for every thread; every thread is done with tile t - 1
+            if (own) {
+                __syncwarp();  // the warp's share of tile t landed; the warp is done with tile t - 1
+            } else {
+                __syncthreads();  // tile t landed for every thread; every thread is done with tile t - 1
+            }
         }
         const int next = t + STAGES - 1;
         if (next < tiles) {
             const int stage = next % STAGES, key0 = w.k0 + next * L.tile_keys;
-            if (fast.ok) {
+            if (own) {
+                FastCopy::load_warp<OWN_ROWS>(smem_u32 + stage * L.bytes, L, p, w, key0, w.k1);
+            } else if (fast.ok) {
                 FastCopy::load(smem_u32 + stage * L.bytes, L, p, w, key0, w.k1);
             } else {
                 load_stage(smem + stage * L.bytes, L, p, w, key0, copy);

@@ -114,7 +114,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) flash_deco
         vis[s] = visible_keys(p, w, i);
     }
 
-    pipeline(smem, L, p, w, [&](const unsigned char* stage, int key0, int nkeys) {
+    pipeline<0>(smem, L, p, w, [&](const unsigned char* stage, int key0, int nkeys) {
         if (!active) return;
         for (int blk = w.wk; blk * KEYS < nkeys; blk += wk_n) {
             float sc[KEYS][STATE_TILE];
