@@ -447,13 +447,14 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, const StageLayo
 // pipeline: one group committed per tile slot (empty ones too, so the wait counts stay fixed), and
 // one load site (the first STAGES - 1 turns only load). Returns with every copy landed and every
 // thread past its last compute (the shared memory is free for reuse), the dependent grid released.
+// OWN_ROWS > 0: the kernel's warp wk reads blocks wk, wk + NUM_WARPS, ... of OWN_ROWS rows of each
+// stage, so with one warp per key lane (WS = 1) every warp copies its own blocks and waits for them
+// alone (FastCopy::load_warp); 0, or WS > 1: the block copies each stage together.
 template <int OWN_ROWS, typename Compute>
 __device__ __forceinline__ void pipeline(unsigned char* smem, const StageLayout& L, const DecodeParams& p,
                                          const DecodeWork& w, Compute&& compute) {
     const StageCopy copy(p, L, copy_unit_bytes(p));
     const FastCopy fast(p, L);
-    // Warp-owned stages (FastCopy::load_warp): the kernel's warps read blocks of OWN_ROWS rows
-    // (0: not this kernel) and one warp per key lane (WS = 1).
     const bool own = OWN_ROWS > 0 && fast.ok && p.warp_states == 1 && p.row_bytes <= 512;
     const u32 smem_u32 = smem_addr(smem);
     const int tiles = (w.k1 - w.k0 + L.tile_keys - 1) / L.tile_keys;
