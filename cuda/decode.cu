@@ -465,7 +465,7 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
 
     const ScaleOffset k_off(p, w, groups_k(p)), v_off(p, w, groups_v(p));
 
-    // Quantized caches in warp-owned stages (decode.h pipeline; 2-5 % faster on the H200); plain ones
+    // Quantized caches in warp-owned stages (decode.h pipeline; 2-6 % faster on the H200); plain ones
     // keep the block's shared copies (bf16 1 x 131072 was 2 % slower warp-owned, bench/RESULTS.md).
     pipeline<CACHE_BITS ? KEY_BLOCK : 0>(smem, L, p, w, [&](const unsigned char* stage, int key0, int nkeys) {
         if (!active) return;
