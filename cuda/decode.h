@@ -337,41 +337,67 @@ struct FastCopy {
         return make_int3(threadIdx.x >> lg, NUM_THREADS >> lg, threadIdx.x & ((1 << lg) - 1));
     }
 
+    // The sources of a pair of arrays a stage copies alike: K and V rows (key j's unit z at 16 z + j
+    // stride from key 0's row), or scale and bias rows (key j's word c at 4 c + j stride from the
+    // word holding key 0's first element). u32 offsets: a batch row's cache is within 4 GiB (ok).
+    struct Src {
+        const unsigned char *a, *b;
+        u32 stride;
+        // Byte `off` of key key0 + r's row into da (from a) and db (from b), BYTES of each; keys >=
+        // key_end zero-filled (their source: key 0's row, never read).
+        template <int BYTES>
+        __device__ __forceinline__ void copy(u32 da, u32 db, int key0, int key_end, int r, u32 off) const {
+            const bool valid = key0 + r < key_end;
+            const u32 at = valid ? (u32)(key0 + r) * stride + off : 0u;
+            copy_bytes<BYTES>(da, a + at, valid);
+            copy_bytes<BYTES>(db, b + at, valid);
+        }
+        // The same from one of them (b if second) into d.
+        template <int BYTES>
+        __device__ __forceinline__ void copy_one(u32 d, bool second, int key0, int key_end, int r, u32 off) const {
+            const bool valid = key0 + r < key_end;
+            const u32 at = valid ? (u32)(key0 + r) * stride + off : 0u;
+            copy_bytes<BYTES>(d, (second ? b : a) + at, valid);
+        }
+        template <int BYTES>
+        __device__ __forceinline__ static void copy_bytes(u32 d, const void* src, bool valid) {
+            if constexpr (BYTES == 16) cp_async16_u32(d, src, valid);
+            else cp_async4_u32(d, src, valid);
+        }
+    };
+    __device__ __forceinline__ static Src rows(const DecodeParams& p, const DecodeWork& w) {
+        return {p.k + w.row0 * p.row_bytes, p.v + w.row0 * p.row_bytes, (u32)(p.kv_heads * p.row_bytes)};
+    }
+    __device__ __forceinline__ static Src scale_rows(const elem_t* s, const elem_t* b, int groups, const DecodeParams& p,
+                                                     const DecodeWork& w) {
+        const i64 first = (w.row0 * groups * (i64)sizeof(elem_t)) & ~(i64)3;
+        return {reinterpret_cast<const unsigned char*>(s) + first, reinterpret_cast<const unsigned char*>(b) + first,
+                (u32)(p.kv_heads * groups * (int)sizeof(elem_t))};
+    }
+
     // Scale and bias rows (sw words each, `groups` elements) of the stage.
     __device__ __forceinline__ static void scales(u32 ds, u32 db, const elem_t* s, const elem_t* b, int groups, int sw,
                                                   const DecodeParams& p, const DecodeWork& w, int key0, int key_end, int n) {
         const int3 t = share(sw);
-        const i64 first = (w.row0 * groups * (i64)sizeof(elem_t)) & ~(i64)3;  // key 0's first scale's word
-        const unsigned char* s0 = reinterpret_cast<const unsigned char*>(s) + first;
-        const unsigned char* b0 = reinterpret_cast<const unsigned char*>(b) + first;
-        const u32 stride = (u32)(p.kv_heads * groups * (int)sizeof(elem_t));
+        const Src src = scale_rows(s, b, groups, p, w);
         // Unrolled: a copy's address registers are read after it issues, so a loop that reuses
         // them waits on each copy (long-scoreboard stalls at the loop's branch, ncu).
 #pragma unroll 4
         for (int r = t.x; r < n; r += t.y) {
-            const bool valid = key0 + r < key_end;
-            const u32 at = valid ? (u32)(key0 + r) * stride + 4 * t.z : 0u;
             const u32 d = 4 * (r * sw + t.z);
-            cp_async4_u32(ds + d, s0 + at, valid);
-            cp_async4_u32(db + d, b0 + at, valid);
+            src.copy<4>(ds + d, db + d, key0, key_end, r, 4 * t.z);
         }
     }
 
-    // The stage at shared address `stage` holding keys [key0, key0 + tile_keys); keys >= key_end
-    // are zero-filled (their source: key 0's row, never read).
+    // The stage at shared address `stage` holding keys [key0, key0 + tile_keys).
     __device__ __forceinline__ static void load(u32 stage, const StageLayout& L, const DecodeParams& p, const DecodeWork& w,
                                                 int key0, int key_end) {
         const int n = L.tile_keys;
         const int3 t = share(p.row_bytes / 16);
-        const unsigned char* k0 = p.k + w.row0 * p.row_bytes;
-        const unsigned char* v0 = p.v + w.row0 * p.row_bytes;
-        const u32 stride = (u32)(p.kv_heads * p.row_bytes);
+        const Src src = rows(p, w);
 #pragma unroll 4  // as scales'
         for (int r = t.x; r < n; r += t.y) {
-            const bool valid = key0 + r < key_end;
-            const u32 at = valid ? (u32)(key0 + r) * stride + 16 * t.z : 0u;
-            cp_async16_u32(stage + r * L.srow_k + 16 * t.z, k0 + at, valid);
-            cp_async16_u32(stage + L.off_v + r * L.srow_v + 16 * t.z, v0 + at, valid);
+            src.copy<16>(stage + r * L.srow_k + 16 * t.z, stage + L.off_v + r * L.srow_v + 16 * t.z, key0, key_end, r, 16 * t.z);
         }
         if (KV_BITS(p)) {
             scales(stage + L.off_ks, stage + L.off_kb, p.k_scale, p.k_bias, groups_k(p), L.sw_k, p, w, key0, key_end, n);
@@ -389,21 +415,18 @@ struct FastCopy {
         const int lane = threadIdx.x % 32, units = p.row_bytes / 16;  // a power of 2, at most 32 (ok)
         const int lg = __ffs(units) - 1;
         const int i0 = lane >> lg, z = lane & (units - 1), pass = 32 >> lg;  // rows i0, i0 + pass, ... of a block
-        const unsigned char* k0 = p.k + w.row0 * p.row_bytes;
-        const unsigned char* v0 = p.v + w.row0 * p.row_bytes;
-        const u32 stride = (u32)(p.kv_heads * p.row_bytes);
+        const Src src = rows(p, w);
         for (int rb = w.wk * ROWS; rb < L.tile_keys; rb += NUM_WARPS * ROWS) {
 #pragma unroll 4
             for (int i = i0; i < ROWS; i += pass) {
                 const int r = rb + i;
-                const bool valid = key0 + r < key_end;
-                const u32 at = valid ? (u32)(key0 + r) * stride + 16 * z : 0u;
-                cp_async16_u32(stage + r * L.srow_k + 16 * z, k0 + at, valid);
-                cp_async16_u32(stage + L.off_v + r * L.srow_v + 16 * z, v0 + at, valid);
+                src.copy<16>(stage + r * L.srow_k + 16 * z, stage + L.off_v + r * L.srow_v + 16 * z, key0, key_end, r, 16 * z);
             }
             if (KV_BITS(p)) {
-                scales_warp<ROWS>(stage + L.off_ks, stage + L.off_kb, p.k_scale, p.k_bias, groups_k(p), L.sw_k, p, w, key0, key_end, rb);
-                scales_warp<ROWS>(stage + L.off_vs, stage + L.off_vb, p.v_scale, p.v_bias, groups_v(p), L.sw_v, p, w, key0, key_end, rb);
+                scales_warp<ROWS>(stage + L.off_ks, stage + L.off_kb, scale_rows(p.k_scale, p.k_bias, groups_k(p), p, w), L.sw_k,
+                                  key0, key_end, rb);
+                scales_warp<ROWS>(stage + L.off_vs, stage + L.off_vb, scale_rows(p.v_scale, p.v_bias, groups_v(p), p, w), L.sw_v,
+                                  key0, key_end, rb);
             }
         }
     }
@@ -411,19 +434,12 @@ struct FastCopy {
     // The scale and bias words (sw a row) of rows rb .. rb + ROWS - 1: lane e takes word e % sw of row
     // (e / sw) % ROWS of the scales (e < ROWS sw) or the biases.
     template <int ROWS>
-    __device__ __forceinline__ static void scales_warp(u32 ds, u32 db, const elem_t* s, const elem_t* b, int groups, int sw,
-                                                       const DecodeParams& p, const DecodeWork& w, int key0, int key_end, int rb) {
-        const i64 first = (w.row0 * groups * (i64)sizeof(elem_t)) & ~(i64)3;  // key 0's first scale's word
-        const unsigned char* s0 = reinterpret_cast<const unsigned char*>(s) + first;
-        const unsigned char* b0 = reinterpret_cast<const unsigned char*>(b) + first;
-        const u32 stride = (u32)(p.kv_heads * groups * (int)sizeof(elem_t));
+    __device__ __forceinline__ static void scales_warp(u32 ds, u32 db, const Src& src, int sw, int key0, int key_end, int rb) {
         for (int e = threadIdx.x % 32; e < 2 * ROWS * sw; e += 32) {
             const bool bias = e >= ROWS * sw;
             const int k = bias ? e - ROWS * sw : e;
             const int r = rb + k / sw, c = k % sw;
-            const bool valid = key0 + r < key_end;
-            const u32 at = valid ? (u32)(key0 + r) * stride + 4 * c : 0u;
-            cp_async4_u32((bias ? db : ds) + 4 * (r * sw + c), (bias ? b0 : s0) + at, valid);
+            src.copy_one<4>((bias ? db : ds) + 4 * (r * sw + c), bias, key0, key_end, r, 4 * c);
         }
     }
 };
