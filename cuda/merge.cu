@@ -59,6 +59,16 @@ __device__ __forceinline__ void for_weighted_parts(const MergeParams& p, i64 sta
     }
 }
 
+// o's columns c .. c + 3 of state s: acc / total, or 0 for a state no part saw (total 0).
+__device__ __forceinline__ void store_columns4(const MergeParams& p, i64 s, int c, float4 acc, float total) {
+    const bool seen = total > 0.f;
+    elem_t* out = p.o + s * p.dv + c;
+    out[0] = from_float(seen ? acc.x / total : 0.f);
+    out[1] = from_float(seen ? acc.y / total : 0.f);
+    out[2] = from_float(seen ? acc.z / total : 0.f);
+    out[3] = from_float(seen ? acc.w / total : 0.f);
+}
+
 // The columns of state s for decode's splits (f32 parts, Dv a multiple of 4; mx, total: the parts'
 // max lse and sum of weights): each lane takes four columns of every part (16-byte loads, 8 parts
 // in flight).
@@ -75,11 +85,7 @@ __device__ __forceinline__ void merge_columns_f32x4(const MergeParams& p, i64 s,
                 acc.x += wq * x.x, acc.y += wq * x.y, acc.z += wq * x.z, acc.w += wq * x.w;
             });
         }
-        elem_t* out = p.o + s * p.dv + c;
-        out[0] = from_float(seen ? acc.x / total : 0.f);
-        out[1] = from_float(seen ? acc.y / total : 0.f);
-        out[2] = from_float(seen ? acc.z / total : 0.f);
-        out[3] = from_float(seen ? acc.w / total : 0.f);
+        store_columns4(p, s, c, acc, total);
     }
 }
 
@@ -122,13 +128,7 @@ __device__ __forceinline__ float merge_state_f32x4(const MergeParams& p, i64 s, 
                 acc.z += used ? wq * x[j].z : 0.f, acc.w += used ? wq * x[j].w : 0.f;
             }
         }
-        if (c < p.dv) {
-            elem_t* out = p.o + s * p.dv + c;
-            out[0] = from_float(seen ? acc.x / total : 0.f);
-            out[1] = from_float(seen ? acc.y / total : 0.f);
-            out[2] = from_float(seen ? acc.z / total : 0.f);
-            out[3] = from_float(seen ? acc.w / total : 0.f);
-        }
+        if (c < p.dv) store_columns4(p, s, c, acc, total);
     }
     return seen ? mx + logf(total) : neg_inf;
 }
