@@ -416,6 +416,8 @@ struct FastCopy {
         const int lg = __ffs(units) - 1;
         const int i0 = lane >> lg, z = lane & (units - 1), pass = 32 >> lg;  // rows i0, i0 + pass, ... of a block
         const Src src = rows(p, w);
+        const Src k_scales = scale_rows(p.k_scale, p.k_bias, groups_k(p), p, w);
+        const Src v_scales = scale_rows(p.v_scale, p.v_bias, groups_v(p), p, w);
         for (int rb = w.wk * ROWS; rb < L.tile_keys; rb += NUM_WARPS * ROWS) {
 #pragma unroll 4
             for (int i = i0; i < ROWS; i += pass) {
@@ -423,10 +425,8 @@ struct FastCopy {
                 src.copy<16>(stage + r * L.srow_k + 16 * z, stage + L.off_v + r * L.srow_v + 16 * z, key0, key_end, r, 16 * z);
             }
             if (KV_BITS(p)) {
-                scales_warp<ROWS>(stage + L.off_ks, stage + L.off_kb, scale_rows(p.k_scale, p.k_bias, groups_k(p), p, w), L.sw_k,
-                                  key0, key_end, rb);
-                scales_warp<ROWS>(stage + L.off_vs, stage + L.off_vb, scale_rows(p.v_scale, p.v_bias, groups_v(p), p, w), L.sw_v,
-                                  key0, key_end, rb);
+                scales_warp<ROWS>(stage + L.off_ks, stage + L.off_kb, k_scales, L.sw_k, key0, key_end, rb);
+                scales_warp<ROWS>(stage + L.off_vs, stage + L.off_vb, v_scales, L.sw_v, key0, key_end, rb);
             }
         }
     }
