@@ -47,8 +47,8 @@
 // 8-bit rows on Hopper only: their stages grow to 128 keys (2 x 39 KiB at D = 128; with the
 // dequantizing kernel before decode_q8.h, 2 x 46 KiB, which left an A100 one block per SM; sm_80
 // kept single steps, unmeasured since). A stage holds a multiple of STEP_BLOCKS blocks per warp.
-// (8-bit at D = 256 with both group sizes 32 keeps single steps: the pair spills there.)
-#if (CACHE_BITS == 8 && __CUDA_ARCH__ >= 900 && !(HEAD_DIM == 256 && K_GROUP == 32 && V_GROUP == 32)) || CACHE_BITS == 4
+// (D = 256 with K groups of 32 keeps single steps: the pair spills there, at 255 registers.)
+#if ((CACHE_BITS == 8 && __CUDA_ARCH__ >= 900) || CACHE_BITS == 4) && !(HEAD_DIM == 256 && K_GROUP == 32)
 #define STEP_BLOCKS 2
 #else
 #define STEP_BLOCKS 1
@@ -70,11 +70,10 @@ struct Geom {
         PPW = EPW / 2,                       // pairs per word
         // Row strides in shared memory that keep the reads above free of bank conflicts: the two K
         // rows of a quarter warp (LDS.128) 64 bytes apart mod 128; the four V rows 2t (t = 0..3) of
-        // a warp phase 32 bytes apart. Quantized caches (decode_q4.h, decode_q8.h): K rows an odd
-        // number of 16-byte units apart (ldmatrix), V rows 2t with 2 SROW_V = 32 mod 128 (words of
-        // one lane group).
+        // a warp phase 32 bytes apart. Quantized caches (decode_q4.h, decode_q8.h): K and V rows an
+        // odd number of 16-byte units apart (ldmatrix, ldmatrix.trans).
         SROW_K = BITS != 0 ? ROW + 16 : ROW % 128 == 0 ? ROW + 64 : ROW,
-        SROW_V = BITS == 4 ? ROW + 16 + (64 - ROW % 64) % 64 : ROW + 16,
+        SROW_V = ROW + 16,
     };
 };
 
@@ -238,16 +237,28 @@ __device__ __forceinline__ bool softmax_step(float (&x)[NB][4], float (&m)[2], f
                                              const int2 (&vis)[2]) {
     const int g = (threadIdx.x % 32) / 4;
     scores_log2(p, reinterpret_cast<float(&)[NB * 4]>(x));
+    // Most steps lie inside the stage's keys and every state's visible ones: with several blocks a
+    // step, one vote skips their masks there (the blocks' keys rise with b). Not for a single block
+    // (its four masks cost about what the vote does: the plain cache measured 1 % slower with it,
+    // RESULTS), nor at D = 256 (the two paths' registers spill there).
+    const int kmin = key_base[0], kmax = key_base[NB - 1] + KEY_BLOCK - 1;
+    const bool inside = kmax < key_end && kmin >= max(vis[0].x, vis[1].x) && kmax <= min(vis[0].y, vis[1].y);
+    if (NB == 1 || HEAD_DIM > 128 || !__all_sync(0xffffffffu, inside)) {
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = key_base[b] + g + (e >> 1) * 8, c = e & 1;
+                const bool ok = key < key_end && key >= vis[c].x && key <= vis[c].y;
+                x[b][e] = ok ? x[b][e] : NEG_INF;
+            }
+        }
+    }
     float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int key = key_base[b] + g + (e >> 1) * 8, c = e & 1;
-            const bool ok = key < key_end && key >= vis[c].x && key <= vis[c].y;
-            x[b][e] = ok ? x[b][e] : NEG_INF;
-            mx[c] = fmaxf(mx[c], x[b][e]);
-        }
+        for (int e = 0; e < 4; ++e) mx[e & 1] = fmaxf(mx[e & 1], x[b][e]);
     }
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
@@ -336,6 +347,25 @@ __device__ __forceinline__ void block_step(float (&o)[HEAD_DIM / 16][4], float (
 
 #include "decode_weights.h"
 
+// N consecutive 16-byte chunks of a 16-key block's quantized V rows (decode_q4.h, decode_q8.h):
+// xv[j][h] = the 16-bit column g of chunk j of keys 2t + 8h and 2t + 8h + 1 (low and high half), by
+// ldmatrix.trans; `addr`: this lane's row and chunk (lanes 8j .. 8j + 7: keys 8 (j % 2) .. + 7 of
+// chunk j / 2 from the first, rows an odd number of 16-byte units apart).
+template <int N>
+__device__ __forceinline__ void v_columns(u32 (&xv)[N][2], u32 addr) {
+#pragma unroll
+    for (int j = 0; j + 1 < N; j += 2) {
+        u32 r[4];
+        ldmatrix_x4_trans(r, addr + 16 * j);
+        xv[j][0] = r[0], xv[j][1] = r[1], xv[j + 1][0] = r[2], xv[j + 1][1] = r[3];
+    }
+    if constexpr (N % 2 == 1) {
+        u32 r[2];
+        ldmatrix_x2_trans(r, addr + 16 * (N - 1));  // lanes 0 .. 15's addresses
+        xv[N - 1][0] = r[0], xv[N - 1][1] = r[1];
+    }
+}
+
 // The settle of a quantized step over NB blocks (block b: rows r0[b] .., keys key0 + r0[b] ..; the
 // stage's v scale rows at vs, sw_v words each): where the V weights P s go into fp16, f follows
 // them (decode_weights.h); else the accumulators take the step's factors.
@@ -401,10 +431,10 @@ __device__ __forceinline__ void block_step_quant(float (&o)[HEAD_DIM / 16][4], f
             const int r = r0[b] + g, r8 = r + 8;
             const unsigned char* rows = stage + L.off_v + r0[b] * srow_v;
             if constexpr (q8) {
-                q8_pv<GV>(o, cv, x, w, rows, vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v, vs + r8 * 4 * L.sw_v,
+                q8_pv<GV>(o, cv, x, w, smem_addr(rows), vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v, vs + r8 * 4 * L.sw_v,
                           vb + r8 * 4 * L.sw_v, v_off(key0 + r), v_off(key0 + r8));
             } else {
-                q4_pv<GV>(o, cv, x, w, rows, vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v, vs + r8 * 4 * L.sw_v,
+                q4_pv<GV>(o, cv, x, w, smem_addr(rows), vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v, vs + r8 * 4 * L.sw_v,
                           vb + r8 * 4 * L.sw_v, v_off(key0 + r), v_off(key0 + r8));
             }
         });
@@ -494,7 +524,7 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
         part.m[row + 2 * t + 1] = m[1], part.l[row + 2 * t + 1] = l[1];
     }
     if constexpr (q4) {
-        store_quant_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, wr, [g](int mb) { return make_int2(q4_group<GV>(mb), q4_dim_of<GV>(mb, g)); });
+        store_quant_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, wr, [g](int mb) { return make_int2(q4_group<GV>(mb), q4_dim_of(mb, g)); });
     } else if constexpr (q8) {
         store_quant_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, wr, [g](int mb) { return make_int2(q8_group<GV>(mb), q8_dim_of(mb, g)); });
     } else {

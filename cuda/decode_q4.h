@@ -1,6 +1,6 @@
 // decode_q4.h — decode.cu's block step for 4-bit caches: the codes go into the mma as they are and
 // the scales and biases enter per group afterwards, so that no element is dequantized. decode.cu
-// includes it after its helpers (mma16816, transpose8x8, column_sum, scale_bits, v_row) and before
+// includes it after its helpers (mma16816, transpose8x8, column_sum, scale_bits) and before
 // its kernel, which runs this path at CACHE_BITS 4 with the groups' sizes GK (K) and GV (V) as
 // template arguments (32 or 64, picked per call).
 //
@@ -28,11 +28,11 @@
 //      Chunk c (dims 32c .. 32c + 31, one group or half of one) feeds k steps 2c, 2c + 1: word
 //      W = 4c + t's codes (c0 .. c7) pair as (c0, c4), (c1, c5) -> step 2c's k (2t, 2t+1) and
 //      (2t+8, 2t+9); (c2, c6), (c3, c7) -> step 2c + 1's. Q's B fragment takes the same dims.
-//   V: lane (g, t) takes keys 2t, 2t + 1, 2t + 8, 2t + 9 (v_row) and per unit u four dims of one
-//      word W: GV 64: W = g + 8 (u / 2), dims 4 (u % 2) .. + 3; GV 32: W = 4u + g / 2, dims
-//      4 (g % 2) .. + 3. Keys 2t and 2t + 1's words interleave by one PRMT; then (x >> 4k) & 0xf
-//      of both under M is the pair of dim k. Unit u gives m-blocks 2u (dims 0, 1: rows g, g + 8)
-//      and 2u + 1 (dims 2, 3), all of group GV 64: u / 2, GV 32: u.
+//   V: one ldmatrix.x4.trans gives lane (g, t) the 16-bit column g (dims 32u + 4g .. + 3) of 16-byte
+//      chunks u, u + 1 of keys 2t and 2t + 1 (low and high half) and of keys 2t + 8, 2t + 9: the
+//      two keys' codes of four dims side by side, as the A fragment pairs them. (x >> 4k) & 0xf
+//      of both under M is then the pair of dim 4g + k. Unit (chunk) u gives m-blocks 2u (dims 4g,
+//      4g + 1: rows g, g + 8) and 2u + 1 (4g + 2, 4g + 3), all of group 32u / GV.
 #pragma once
 
 // K's codes: Q4_K_UNIT c under M. fp16 takes them as 16 c (bits 4-7 of the low byte, as cheap to
@@ -114,7 +114,7 @@ __device__ __forceinline__ void q4_load_q(u32 (&qa)[HEAD_DIM / 8], float (&qs)[H
     }
 }
 
-// x += S^T of a 16-key block whose K rows start at shared address `rows`: rows g, g + 8 (keys),
+// x = S^T of a 16-key block whose K rows start at shared address `rows`: rows g, g + 8 (keys),
 // columns states 2t, 2t + 1. sc / bi (sc8 / bi8): the scale rows of key g (g + 8), at ScaleOffset
 // half (half8).
 template <int GK>
@@ -152,37 +152,33 @@ __device__ __forceinline__ void q4_qk(float (&x)[4], const u32 (&qa)[HEAD_DIM / 
         const float s8 = to_float((u16)scale_bits(sc8, half8 + G)) / Q4_K_UNIT;
         const float b = fmaf(-Q4_M, s, to_float((u16)scale_bits(bi, half + G)));
         const float b8 = fmaf(-Q4_M, s8, to_float((u16)scale_bits(bi8, half8 + G)));
-        x[0] += fmaf(s, acc[G][0], b * qs[G][0]);
-        x[1] += fmaf(s, acc[G][1], b * qs[G][1]);
-        x[2] += fmaf(s8, acc[G][2], b8 * qs[G][0]);
-        x[3] += fmaf(s8, acc[G][3], b8 * qs[G][1]);
+        const float z[4] = {fmaf(s, acc[G][0], b * qs[G][0]), fmaf(s, acc[G][1], b * qs[G][1]),
+                            fmaf(s8, acc[G][2], b8 * qs[G][0]), fmaf(s8, acc[G][3], b8 * qs[G][1])};
+        // Assigned, not added to the caller's zeros: 0 + z does not fold (-0), an FADD each.
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[e] = G == 0 ? z[e] : x[e] + z[e];
     }
 }
 
 // The group of m-block mb, and the dim of its row g (row g + 8: the next one).
 template <int GV>
 __device__ __forceinline__ int q4_group(int mb) { return GV == 64 ? mb / 4 : mb / 2; }
-template <int GV>
-__device__ __forceinline__ int q4_dim_of(int mb, int g) {
-    const int u = mb / 2, p = mb % 2;
-    const int word = GV == 64 ? g + 8 * (u / 2) : 4 * u + g / 2;
-    const int quarter = GV == 64 ? u % 2 : g % 2;
-    return 8 * word + 4 * quarter + 2 * p;
-}
+__device__ __forceinline__ int q4_dim_of(int mb, int g) { return 32 * (mb / 2) + 4 * g + 2 * (mb % 2); }
 
-// o += V^T P'^T for a 16-key block whose V rows start at `rows` (stride Q4::SROW_V), and cv[G] += the
-// block's bias sums of group G (b + 8 s: the codes' share is centred). x: P of keys g, g + 8 (rows) and states 2t, 2t + 1 in S^T's
-// layout, f32; sc / bi (sc8 / bi8): the v scale and bias rows of key g (g + 8) at ScaleOffset half
-// (half8). cv[G][j]: sum over this lane's keys of b P for state 2t + j (summed over the lanes at
-// the end). P'_G = P s f goes into B fragments as p_fragment transposes P (w.f: 1 but with fp16
-// queries).
+// o += V^T P'^T for a 16-key block whose V rows start at shared address `rows` (stride Q4::SROW_V),
+// and cv[G] += the block's bias sums of group G (b + 8 s: the codes' share is centred). x: P of keys
+// g, g + 8 (rows) and states 2t, 2t + 1 in S^T's layout, f32; sc / bi (sc8 / bi8): the v scale and
+// bias rows of key g (g + 8) at ScaleOffset half (half8). cv[G][j]: sum over this lane's keys of b P
+// for state 2t + j (summed over the lanes at the end). P'_G = P s f goes into B fragments as
+// p_fragment transposes P (w.f: 1 but with fp16 queries).
 template <int GV>
 __device__ __forceinline__ void q4_pv(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], const float (&x)[4],
-                                      const WeightRange& w, const unsigned char* rows, const unsigned char* sc,
-                                      const unsigned char* bi, const unsigned char* sc8, const unsigned char* bi8, int half,
-                                      int half8) {
+                                      const WeightRange& w, u32 rows, const unsigned char* sc, const unsigned char* bi,
+                                      const unsigned char* sc8, const unsigned char* bi8, int half, int half8) {
     constexpr int NG = HEAD_DIM / GV, UPG = Q4::UNITS / NG;  // units per group
-    const int g = (threadIdx.x % 32) / 4;
+    const int lane = threadIdx.x % 32;
+    // v_columns' address: lanes 8j .. 8j + 7 address keys 8 (j % 2) .. + 7 of chunk j / 2.
+    const u32 addr = rows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * Q4::SROW_V + 16 * (lane >> 4);
     const u32 neg_m8[4] = {Q4_NEG_M8, Q4_NEG_M8, Q4_NEG_M8, Q4_NEG_M8};
     const float xf[4] = {x[0] * w.f[0], x[1] * w.f[1], x[2] * w.f[0], x[3] * w.f[1]};
 #pragma unroll
@@ -193,16 +189,12 @@ __device__ __forceinline__ void q4_pv(float (&o)[HEAD_DIM / 16][4], float (&cv)[
         cv[G][0] = fmaf(b, x[0], fmaf(b8, x[2], cv[G][0]));
         cv[G][1] = fmaf(b, x[1], fmaf(b8, x[3], cv[G][1]));
         const u32 bq0 = transpose8x8(pack2(xf[0] * s, xf[1] * s)), bq1 = transpose8x8(pack2(xf[2] * s8, xf[3] * s8));
+        u32 xv[UPG][2];  // the group's units only (all of them at once spill at D = 256)
+        v_columns<UPG>(xv, addr + 16 * G * UPG);
 #pragma unroll
-        for (int u = G * UPG; u < (G + 1) * UPG; ++u) {
-            const int word = GV == 64 ? g + 8 * (u / 2) : 4 * u + g / 2;
-            const int quarter = GV == 64 ? u % 2 : g % 2;
-            u32 wd[4];
-#pragma unroll
-            for (int n = 0; n < 4; ++n) wd[n] = *reinterpret_cast<const u32*>(rows + v_row(n) * Q4::SROW_V + 4 * word);
-            // Keys 2t, 2t + 1 (and 2t + 8, 2t + 9): half-word `quarter` of each, side by side.
-            const u32 sel = quarter ? 0x7632u : 0x5410u;
-            const u32 x01 = __byte_perm(wd[0], wd[1], sel), x89 = __byte_perm(wd[2], wd[3], sel);
+        for (int j = 0; j < UPG; ++j) {
+            const int u = G * UPG + j;
+            const u32 x01 = xv[j][0], x89 = xv[j][1];
             const u32 a0[4] = {q4_dim<0>(x01), q4_dim<1>(x01), q4_dim<0>(x89), q4_dim<1>(x89)};
             mma16816(o[2 * u], a0, bq0, bq1);
             mma16816(o[2 * u], neg_m8, bq0, bq1);

@@ -2,7 +2,7 @@
 // the scales and biases enter per group afterwards (decode_q4.h's plan), so that no element is
 // dequantized. fp16 for both query dtypes: 2^10 + c holds every 8-bit code exactly, and one PRMT
 // builds two of them (bf16's 8 significant bits hold no 2^k + c for 8-bit c). decode.cu includes
-// it after its helpers (transpose8x8, column_max / column_sum, scale_bits, v_row) and runs this
+// it after its helpers (transpose8x8, column_max / column_sum, scale_bits) and runs this
 // path at CACHE_BITS 8 with the groups' sizes GK (K) and GV (V) as template arguments.
 //
 // With x = s c + b per group G of the head dim and M = 2^10:
@@ -25,10 +25,10 @@
 //      Chunk c (dims 16c .. 16c + 15, in one group) is one k step: word t's codes (c0 .. c3) pair
 //      as (c0, c1) -> k (2t, 2t + 1), (c2, c3) -> (2t + 8, 2t + 9); Q's B fragment takes the same
 //      dims: 16c + 4t + {0, 1} and {2, 3}.
-//   V: lane (g, t) takes keys 2t, 2t + 1, 2t + 8, 2t + 9 (v_row) and per 32-dim unit u word
-//      8u + g of each (dims 32u + 4g .. + 3): keys 2t and 2t + 1's words interleave byte by byte
-//      (one PRMT per two dims), then one PRMT per pair puts them under M. Unit u gives m-blocks 2u
-//      (dims 32u + 4g, + 1: rows g, g + 8) and 2u + 1 (dims + 2, + 3), all in group 32u / GV.
+//   V: one ldmatrix.x4.trans gives lane (g, t) the 16-bit column g (dims 16c + 2g, + 1) of 16-byte
+//      chunks c, c + 1 of keys 2t and 2t + 1 (low and high half) and of keys 2t + 8, 2t + 9; one
+//      PRMT puts a dim's two keys under M. Chunk c is m-block c (dims 16c + 2g, + 1: rows g, g + 8),
+//      in group 16c / GV.
 #pragma once
 
 #define Q8_M 1024.f
@@ -136,17 +136,19 @@ __device__ __forceinline__ void q8_qk(float (&x)[4], const u32 (&qa)[HEAD_DIM / 
     for (int e = 0; e < 4; ++e) x[e] = y[e] * qinv[e & 1];
 }
 
-// o += V^T P'^T for a 16-key block whose V rows start at `rows` (stride Q8::SROW_V), and cv[G] += the
-// block's bias sums of group G (b + 128 s: the codes' share is centred). x: P of keys g, g + 8 (rows)
-// and states 2t, 2t + 1 in S^T's layout, f32; sc / bi (sc8 / bi8): the v scale and bias rows of key g
-// (g + 8) at ScaleOffset half (half8). P'_G = P s f goes into B fragments as p_fragment transposes P.
+// o += V^T P'^T for a 16-key block whose V rows start at shared address `rows` (stride Q8::SROW_V),
+// and cv[G] += the block's bias sums of group G (b + 128 s: the codes' share is centred). x: P of keys
+// g, g + 8 (rows) and states 2t, 2t + 1 in S^T's layout, f32; sc / bi (sc8 / bi8): the v scale and
+// bias rows of key g (g + 8) at ScaleOffset half (half8). P'_G = P s f goes into B fragments as
+// p_fragment transposes P.
 template <int GV>
 __device__ __forceinline__ void q8_pv(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], const float (&x)[4],
-                                      const WeightRange& w, const unsigned char* rows, const unsigned char* sc,
-                                      const unsigned char* bi, const unsigned char* sc8, const unsigned char* bi8, int half,
-                                      int half8) {
-    constexpr int NG = HEAD_DIM / GV, UPG = GV / 32;  // units per group
-    const int g = (threadIdx.x % 32) / 4;
+                                      const WeightRange& w, u32 rows, const unsigned char* sc, const unsigned char* bi,
+                                      const unsigned char* sc8, const unsigned char* bi8, int half, int half8) {
+    constexpr int NG = HEAD_DIM / GV, CPG = GV / 16;  // chunks (m-blocks) per group
+    const int lane = threadIdx.x % 32;
+    // v_columns' address: lanes 8j .. 8j + 7 address keys 8 (j % 2) .. + 7 of chunk j / 2.
+    const u32 addr = rows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * Q8::SROW_V + 16 * (lane >> 4);
     const u32 neg_m128[4] = {Q8_NEG_M128, Q8_NEG_M128, Q8_NEG_M128, Q8_NEG_M128};
     const float xf[4] = {x[0] * w.f[0], x[1] * w.f[1], x[2] * w.f[0], x[3] * w.f[1]};
 #pragma unroll
@@ -157,25 +159,20 @@ __device__ __forceinline__ void q8_pv(float (&o)[HEAD_DIM / 16][4], float (&cv)[
         cv[G][0] = fmaf(b, x[0], fmaf(b8, x[2], cv[G][0]));
         cv[G][1] = fmaf(b, x[1], fmaf(b8, x[3], cv[G][1]));
         const u32 bq0 = transpose8x8(pack2_f16(xf[0] * s, xf[1] * s)), bq1 = transpose8x8(pack2_f16(xf[2] * s8, xf[3] * s8));
+        u32 xv[CPG][2];  // the group's chunks only
+        v_columns<CPG>(xv, addr + 16 * G * CPG);
 #pragma unroll
-        for (int u = G * UPG; u < (G + 1) * UPG; ++u) {
-            u32 wd[4];
-#pragma unroll
-            for (int n = 0; n < 4; ++n) wd[n] = *reinterpret_cast<const u32*>(rows + v_row(n) * Q8::SROW_V + 4 * (8 * u + g));
-            // Keys 2t, 2t + 1 (and 2t + 8, 2t + 9) byte by byte: dims 0, 1 (lo) and 2, 3 (hi) of the word.
-            const u32 lo01 = __byte_perm(wd[0], wd[1], 0x5140), lo89 = __byte_perm(wd[2], wd[3], 0x5140);
-            const u32 hi01 = __byte_perm(wd[0], wd[1], 0x7362), hi89 = __byte_perm(wd[2], wd[3], 0x7362);
-            const u32 a0[4] = {q8_magic(lo01, 0x5140), q8_magic(lo01, 0x5342), q8_magic(lo89, 0x5140), q8_magic(lo89, 0x5342)};
-            mma16816_f16(o[2 * u], a0, bq0, bq1);
-            mma16816_f16(o[2 * u], neg_m128, bq0, bq1);
-            const u32 a1[4] = {q8_magic(hi01, 0x5140), q8_magic(hi01, 0x5342), q8_magic(hi89, 0x5140), q8_magic(hi89, 0x5342)};
-            mma16816_f16(o[2 * u + 1], a1, bq0, bq1);
-            mma16816_f16(o[2 * u + 1], neg_m128, bq0, bq1);
+        for (int j = 0; j < CPG; ++j) {
+            // Bytes 0, 2 of a column pair: dim 16c + 2g of both keys; bytes 1, 3: dim + 1.
+            const u32 a[4] = {q8_magic(xv[j][0], 0x4240), q8_magic(xv[j][0], 0x4341), q8_magic(xv[j][1], 0x4240),
+                              q8_magic(xv[j][1], 0x4341)};
+            mma16816_f16(o[G * CPG + j], a, bq0, bq1);
+            mma16816_f16(o[G * CPG + j], neg_m128, bq0, bq1);
         }
     }
 }
 
 // The group of m-block mb, and the dim of its row g (row g + 8: the next one).
 template <int GV>
-__device__ __forceinline__ int q8_group(int mb) { return (mb / 2) / (GV / 32); }
-__device__ __forceinline__ int q8_dim_of(int mb, int g) { return 32 * (mb / 2) + 4 * g + 2 * (mb % 2); }
+__device__ __forceinline__ int q8_group(int mb) { return 16 * mb / GV; }
+__device__ __forceinline__ int q8_dim_of(int mb, int g) { return 16 * mb + 2 * g; }

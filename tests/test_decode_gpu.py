@@ -155,16 +155,25 @@ def test_windows_softcap_and_scale(fa, ref, lib, assert_close_to_oracle, dtype_n
 
 @pytest.mark.parametrize("quant", [None, (8, 64), (4, 32)], ids=str)
 def test_split_counts_agree(fa, ref, lib, assert_close_to_oracle, quant):
-    """num_splits 1, 2, 7, 64 (more splits than some rows have keys) and the GPU's own choice: each
-    against the oracle, and with one another to rounding."""
+    """num_splits 1, 2, 7, 9 (past a cluster's: the merge kernel for the plain cache too), 64, 129
+    (more splits than some rows have keys) and the GPU's own choice: each against the oracle, and
+    with one another to rounding."""
     outs = []
-    for splits in (None, 1, 2, 7, 64):
+    for splits in (None, 1, 2, 7, 9, 64, 129):
         o, lse = run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name="bf16", d=128, sq=1, group=8, quant=quant,
                             s_cache=700, seqlens=(700, 129, 5), leftpad=(3, 0, 5), num_splits=splits)
         outs.append((o.astype(np.float32), lse))
     for o, lse in outs[1:]:
         np.testing.assert_allclose(o, outs[0][0], rtol=0.02, atol=0.02)
         np.testing.assert_allclose(lse, outs[0][1], rtol=1e-5)
+
+
+@pytest.mark.parametrize("quant", [None, (8, 32), (4, 64)], ids=str)
+def test_splits_of_several_state_chunks(fa, ref, lib, assert_close_to_oracle, quant):
+    """64 query states a kv head (Sq = 16, GQA 4): chunks of states across the grid, each with its
+    own splits."""
+    run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name="bf16", d=128, sq=16, group=4, quant=quant, b=2,
+               s_cache=1000, seqlens=(1000, 300), leftpad=(0, 17), num_splits=3)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
