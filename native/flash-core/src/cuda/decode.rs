@@ -195,18 +195,19 @@ struct Plan {
     cluster: bool,
 }
 
-/// The most splits one cluster takes (CUDA's portable cluster size; cuda/decode.h mirrors it as
-/// MAX_CLUSTER_SPLITS, the bound of cluster_merge's per-split registers).
-const MAX_CLUSTER_SPLITS: usize = 8;
+/// The splits a cluster merges (at most cuda/decode.h's MAX_CLUSTER_SPLITS, the bound of
+/// cluster_merge's per-split registers).
+const CLUSTER_SPLITS: usize = 2;
 
 /// Whether the splits merge inside the kernel, as a cluster: Hopper's tensor-core kernel over a
-/// plain cache (`bits` 0) with 2 .. MAX_CLUSTER_SPLITS splits. Its splits aim at one block per SM
-/// (split_lanes), so a cluster's blocks find room together: bf16 8 x 8192 (2 splits) 2-4 % faster
-/// than with the merge kernel (H200, RESULTS). The quantized kernels' splits fill two blocks per
-/// SM, where clusters of 4 ran 5-47 % slower (a second wave); more splits, older GPUs and the
-/// CUDA-core kernel take the merge kernel too.
+/// plain cache (`bits` 0) with CLUSTER_SPLITS splits. Its splits aim at one block per SM
+/// (split_lanes). H200, bf16, cluster against merge kernel (RESULTS, session 42): 8 x 8192 (2
+/// splits) 73.8-74.4 us against 77.7-79.3, but 4 x 16384 (4 splits) 89.6-92.4 against 75.7-76.8 and
+/// 2 x 32768 (8 splits) 90.2-92.0 against 77.0-77.6. The quantized kernels' splits (two or three
+/// blocks per SM) ran slower as clusters too (8-bit 8 x 8192: 52.5 -> 77.9 us). Older GPUs, other
+/// split counts and the CUDA-core kernel take the merge kernel.
 fn cluster_merges(cc: (i32, i32), kernel: Kernel, bits: usize, splits: usize) -> bool {
-    cc.0 >= 9 && kernel == Kernel::Decode && bits == 0 && (2..=MAX_CLUSTER_SPLITS).contains(&splits)
+    cc.0 >= 9 && kernel == Kernel::Decode && bits == 0 && splits == CLUSTER_SPLITS
 }
 
 /// The states' partition for a kernel of `warps` warps of `state_tile` states each: warp_states
@@ -464,8 +465,9 @@ mod tests {
 
     #[test]
     fn splits_merge_as_a_cluster_on_hopper_only() {
-        assert!(cluster_merges((9, 0), Kernel::Decode, 0, 2) && cluster_merges((9, 0), Kernel::Decode, 0, 8));
-        assert!(!cluster_merges((9, 0), Kernel::Decode, 0, 1) && !cluster_merges((9, 0), Kernel::Decode, 0, 9));
+        assert!(cluster_merges((9, 0), Kernel::Decode, 0, 2));
+        assert!(!cluster_merges((9, 0), Kernel::Decode, 0, 1) && !cluster_merges((9, 0), Kernel::Decode, 0, 4));
+        assert!(!cluster_merges((9, 0), Kernel::Decode, 0, 8) && !cluster_merges((9, 0), Kernel::Decode, 0, 9));
         assert!(!cluster_merges((8, 0), Kernel::Decode, 0, 4) && !cluster_merges((9, 0), Kernel::DecodeSimt, 0, 4));
         assert!(!cluster_merges((9, 0), Kernel::Decode, 8, 4) && !cluster_merges((9, 0), Kernel::Decode, 4, 2));
     }
