@@ -155,9 +155,9 @@ def test_windows_softcap_and_scale(fa, ref, lib, assert_close_to_oracle, dtype_n
 
 @pytest.mark.parametrize("quant", [None, (8, 64), (4, 32)], ids=str)
 def test_split_counts_agree(fa, ref, lib, assert_close_to_oracle, quant):
-    """num_splits 1, 2, 7, 9 (past a cluster's: the merge kernel for the plain cache too), 64, 129
-    (more splits than some rows have keys) and the GPU's own choice: each against the oracle, and
-    with one another to rounding."""
+    """num_splits 1, 2 (a plain cache's splits merge as a cluster on Hopper), 7, 9, 64, 129 (more
+    splits than some rows have keys) and the GPU's own choice: each against the oracle, and with
+    one another to rounding."""
     outs = []
     for splits in (None, 1, 2, 7, 9, 64, 129):
         o, lse = run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name="bf16", d=128, sq=1, group=8, quant=quant,
