@@ -19,6 +19,10 @@
 #                  merge kernels' own durations under ncu (clocks left alone; ${NCU_FORMATS:-bf16 8 4})
 #   SASS=NAME:FMT  per-instruction executed counts of the decode kernel (ncu source page, SASS, CSV;
 #                  read it here with tools/sass_regions.py)
+#   CPU_PROBE="a b .."  the host CPU: dist/NAME/decode_probe (a build of native/flash-core/examples/
+#                  decode_probe carried in dist/NAME, no wheel needed) per name in that order, each of
+#                  ${CPU_FORMATS:-bf16 8/64 4/64} at ${CPU_THREADS:-16} threads, B = 4, S = 65536, best of 5;
+#                  ${CPU_ROUNDS:-3} rounds
 # The f32 attention kernels (issue 17), same conventions:
 #   TF32="a b .."  bench/tf32.py --only exact,tf32,eff per name in that order (TF32_PASSES, default
 #                  bwd; TF32_SEQS, default 2048; TF32_DIMS, default 64,128)
@@ -32,6 +36,7 @@ set -u
 export FLASH_NIF_CACHE_DIR=/tmp/flash_nif_cache
 for w in dist/*/; do
     n=$(basename "$w")
+    compgen -G "$w*.whl" > /dev/null || continue  # a folder of other builds (CPU_PROBE)
     rm -rf "/tmp/site_$n"
     python3 -m pip install -q --no-deps --no-index --target "/tmp/site_$n" "$w"/*.whl
 done
@@ -73,6 +78,15 @@ for n in ${TIMES:-}; do
         grep -E "^  flash_|gpu__time_duration|dram__throughput" "$OUT/ncu_times_${n}_$f.txt" | awk '{print $1, $(NF)}' | paste - - - | tail -4
     done
 done
+
+for r in $(seq "${CPU_ROUNDS:-3}"); do
+    [ -n "${CPU_PROBE:-}" ] || break
+    for n in $CPU_PROBE; do
+        for f in ${CPU_FORMATS:-bf16 8/64 4/64}; do
+            echo "== cpu $r $n $(RAYON_NUM_THREADS=${CPU_THREADS:-16} timeout 120 "dist/$n/decode_probe" "$f" 4 65536 5 2>&1 | tail -1)"
+        done
+    done
+done | tee "$OUT/cpu_probe.log"
 
 if [ -n "${SASS:-}" ]; then
     w=${SASS%%:*} f=${SASS##*:}
