@@ -23,6 +23,9 @@
 #                  decode_probe carried in dist/NAME, no wheel needed) per name in that order, each of
 #                  ${CPU_FORMATS:-bf16 8/64 4/64} at ${CPU_THREADS:-16} threads, B = 4, S = 65536, best of 5;
 #                  ${CPU_ROUNDS:-3} rounds
+#   CPU_PERF=NAME:FMT  perf record of dist/NAME/decode_probe FMT (CPU_THREADS threads), where the host
+#                  has perf: the report's top symbols, and the hottest instructions of the decode task
+#                  (perf_hot.txt: percent of that symbol's samples, address, instruction)
 # The f32 attention kernels (issue 17), same conventions:
 #   TF32="a b .."  bench/tf32.py --only exact,tf32,eff per name in that order (TF32_PASSES, default
 #                  bwd; TF32_SEQS, default 2048; TF32_DIMS, default 64,128)
@@ -87,6 +90,21 @@ for r in $(seq "${CPU_ROUNDS:-3}"); do
         done
     done
 done | tee "$OUT/cpu_probe.log"
+
+if [ -n "${CPU_PERF:-}" ]; then
+    n=${CPU_PERF%%:*} f=${CPU_PERF#*:}
+    if command -v perf > /dev/null; then
+        # 30 calls, so that the decode outweighs the probe's set-up (random caches, quantization).
+        RAYON_NUM_THREADS=${CPU_THREADS:-16} timeout 300 perf record -q -o "$OUT/perf.data" "dist/$n/decode_probe" "$f" 4 65536 30 > /dev/null 2>&1
+        perf report -i "$OUT/perf.data" --no-children --sort symbol --stdio 2> /dev/null | grep -v "^#" | grep -v "^$" | head -30 > "$OUT/perf_report.txt"
+        sym=$(grep -o "flash_core::cpu::decode::[a-z0-9_]*" "$OUT/perf_report.txt" | head -1)
+        perf annotate -i "$OUT/perf.data" --stdio -s "$sym" 2> /dev/null | grep -E "^\s+[0-9]+\.[0-9]+ :" | sort -rn | head -80 > "$OUT/perf_hot.txt"
+        rm -f "$OUT/perf.data"
+        echo "== cpu perf $n $f"; head -12 "$OUT/perf_report.txt"
+    else
+        echo "== cpu perf: no perf on this host"
+    fi
+fi
 
 if [ -n "${SASS:-}" ]; then
     w=${SASS%%:*} f=${SASS##*:}
