@@ -10,7 +10,12 @@ tests' bound is 2):
 Variants: ``exact P`` (no rounding but the output's), ``round P`` (P to bf16, exact values),
 ``dequantize`` (P and the values to bf16: the 8-bit kernel's arithmetic), ``codes`` (P * scale to
 bf16 times the codes, the bias term in f32: the uncentred version), ``centred codes`` (the same
-with codes - 8 and bias + 8 scale: the kernel's).
+with codes - 8 and bias + 8 scale: the kernel's). Then the magic offset M = 128 in f32 accumulators
+(each 16-key block's sum rounded to f32 as it is added): ``per block`` (each block's products take
+(M + 8) off, today's kernel) and ``at the end`` (the codes' products and the sums of P * scale
+accumulated apart, (M + 8) times the sums taken off once: branch decode-q4-endcancel).
+
+    python bench/decode_q4_error.py [head_dim ...] [--long]   (--long: one row of 8192 keys)
 """
 
 from __future__ import annotations
@@ -43,9 +48,23 @@ def parts(x, gs):
     return exact, scale, bias, np.asarray(fa.dequantize_kv(c)).astype(np.float64)
 
 
-def main(dims):
+M = 128.0  # the bf16 magic: codes enter the mma as M + c
+
+
+def f32_blocks(terms):
+    """Sum over axis 0 in f32 accumulators, 16 keys (one mma) at a time, each block exact."""
+    acc = np.zeros(terms.shape[1:], np.float32)
+    for k0 in range(0, terms.shape[0], 16):
+        acc = (acc.astype(np.float64) + terms[k0:k0 + 16].sum(0)).astype(np.float32)
+    return acc.astype(np.float64)
+
+
+def main(dims, long):
     b, s_cache, hkv, group, gs = 3, 300, 2, 4, 64
     seqlens, leftpad = np.array((300, 123, 0), np.int32), np.array((10, 0, 0), np.int32)
+    if long:
+        b, s_cache = 1, 8192
+        seqlens, leftpad = np.array((8192,), np.int32), np.array((0,), np.int32)
     for d in dims:
         seed = d + 1  # the GPU test's seed for Sq = 1
         q = np.random.default_rng(seed).standard_normal((b, 1, hkv * group, d)).astype(BF16)
@@ -76,6 +95,10 @@ def main(dims):
             "dequantize": lambda p, at: (bf16(p) * vr[at]).sum(0),
             "codes": lambda p, at: (bf16(p * vs[at]) * codes[at]).sum(0) + (p * vb[at]).sum(0),
             "centred codes": lambda p, at: (bf16(p * vs[at]) * (codes[at] - 8)).sum(0) + (p * (vb + 8 * vs)[at]).sum(0),
+            "per block": lambda p, at: f32_blocks(bf16(p * vs[at]) * (M + codes[at]) - (M + 8) * bf16(p * vs[at]))
+            + (p * (vb + 8 * vs)[at]).sum(0),
+            "at the end": lambda p, at: f32_blocks(bf16(p * vs[at]) * (M + codes[at])) - (M + 8) * f32_blocks(bf16(p * vs[at]))
+            + (p * (vb + 8 * vs)[at]).sum(0),
         }
         base_x, base_r = rel(bf16(want_x), want_x), rel(bf16(want_r), want_r)
         print(f"D = {d}: output rounding {base_x:.3g} (exact cache), {base_r:.3g} (rounded cache)")
@@ -85,4 +108,4 @@ def main(dims):
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [64, 128])
+    main([int(a) for a in sys.argv[1:] if a != "--long"] or [64, 128], "--long" in sys.argv[1:])
