@@ -543,7 +543,7 @@ struct BlockStates {
 // The block's rank in its cluster, a shared address of the block of rank r, a 4-byte load from
 // another block's shared memory, and a barrier over the cluster's threads (Hopper; the host sets
 // p.cluster nowhere else).
-#define MAX_CLUSTER_SPLITS 8  // the most cluster_merge takes (the portable cluster size): decode.rs uses 2
+#define MAX_CLUSTER_SPLITS 8  // the most cluster_merge takes (the portable cluster size); decode.rs's CLUSTER_SPLITS is at most this
 #if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ u32 cluster_rank() {
     u32 r;

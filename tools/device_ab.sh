@@ -82,14 +82,15 @@ for n in ${TIMES:-}; do
     done
 done
 
-for r in $(seq "${CPU_ROUNDS:-3}"); do
-    [ -n "${CPU_PROBE:-}" ] || break
-    for n in $CPU_PROBE; do
-        for f in ${CPU_FORMATS:-bf16 8/64 4/64}; do
-            echo "== cpu $r $n $(RAYON_NUM_THREADS=${CPU_THREADS:-16} timeout 120 "dist/$n/decode_probe" "$f" 4 65536 5 2>&1 | tail -1)"
+if [ -n "${CPU_PROBE:-}" ]; then
+    for r in $(seq "${CPU_ROUNDS:-3}"); do
+        for n in $CPU_PROBE; do
+            for f in ${CPU_FORMATS:-bf16 8/64 4/64}; do
+                echo "== cpu $r $n $(RAYON_NUM_THREADS=${CPU_THREADS:-16} timeout 120 "dist/$n/decode_probe" "$f" 4 65536 5 2>&1 | tail -1)"
+            done
         done
-    done
-done | tee "$OUT/cpu_probe.log"
+    done | tee "$OUT/cpu_probe.log"
+fi
 
 if [ -n "${CPU_PERF:-}" ]; then
     n=${CPU_PERF%%:*} f=${CPU_PERF#*:}
