@@ -345,6 +345,12 @@ __device__ __forceinline__ void block_step(float (&o)[HEAD_DIM / 16][4], float (
         });
 }
 
+// Quantized caches: the V groups whose weights' sums take the codes' magic offset off once, at
+// the end (o's m-blocks past HEAD_DIM / 16, one per group: decode_q4.h, decode_q8.h), where the
+// registers allow (at most two groups; more spilled at D = 128); else each block's products take it
+// off by a second mma per m-block.
+#define V_SUMS(GV) (HEAD_DIM / (GV) <= 2 ? HEAD_DIM / (GV) : 0)
+
 #include "decode_weights.h"
 
 // N consecutive 16-byte chunks of a 16-key block's quantized V rows (decode_q4.h, decode_q8.h):
@@ -369,9 +375,9 @@ __device__ __forceinline__ void v_columns(u32 (&xv)[N][2], u32 addr) {
 // The settle of a quantized step over NB blocks (block b: rows r0[b] .., keys key0 + r0[b] ..; the
 // stage's v scale rows at vs, sw_v words each): where the V weights P s go into fp16, f follows
 // them (decode_weights.h); else the accumulators take the step's factors.
-template <int GV, int NB>
+template <int GV, int NB, int NO>
 __device__ __forceinline__ void settle_quant(const float (&x)[NB][4], const float (&alpha)[2], bool moved, bool fp16_weights,
-                                             WeightRange& w, float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2],
+                                             WeightRange& w, float (&o)[NO][4], float (&cv)[HEAD_DIM / GV][2],
                                              const unsigned char* vs, int sw_v, const int (&r0)[NB], int key0,
                                              const ScaleOffset& v_off) {
     if (fp16_weights) {
@@ -398,7 +404,7 @@ __device__ __forceinline__ void settle_quant(const float (&x)[NB][4], const floa
 // groups of GV elements; cv: the V groups' bias accumulators, w: the V weights' range (fp16
 // weights: 8-bit, and 4-bit under fp16 queries), qinv: the states' q scaling undone (8-bit).
 template <int BITS, int GK, int GV, int NB>
-__device__ __forceinline__ void block_step_quant(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], WeightRange& w,
+__device__ __forceinline__ void block_step_quant(float (&o)[HEAD_DIM / 16 + V_SUMS(GV)][4], float (&cv)[HEAD_DIM / GV][2], WeightRange& w,
                                                  const float (&qinv)[2], float (&m)[2], float (&l)[2], const u32 (&qa)[Q_REGS],
                                                  const float (&qs)[HEAD_DIM / GK][2], const unsigned char* stage,
                                                  const StageLayout& L, const DecodeParams& p, int key0, int nkeys,
@@ -485,9 +491,11 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
     }
     // This lane's columns of S^T and O^T: states 2t and 2t + 1.
     const int2 vis[2] = {visible_keys(p, w, w.row_of(p, w.state0 + 2 * t)), visible_keys(p, w, w.row_of(p, w.state0 + 2 * t + 1))};
-    float o[HEAD_DIM / 16][4], cv[NGV][2];
+    // Quantized: past HEAD_DIM / 16, each V group's sums of the weights (decode_q4.h, decode_q8.h).
+    constexpr int NO = HEAD_DIM / 16 + (CACHE_BITS ? V_SUMS(GV) : 0);
+    float o[NO][4], cv[NGV][2];
 #pragma unroll
-    for (int mb = 0; mb < HEAD_DIM / 16; ++mb) o[mb][0] = o[mb][1] = o[mb][2] = o[mb][3] = 0.f;
+    for (int mb = 0; mb < NO; ++mb) o[mb][0] = o[mb][1] = o[mb][2] = o[mb][3] = 0.f;
 #pragma unroll
     for (int i = 0; i < NGV; ++i) cv[i][0] = cv[i][1] = 0.f;
     // States 2t, 2t + 1: running max (log2 domain) and this lane's part of the sum.
@@ -524,9 +532,9 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
         part.m[row + 2 * t + 1] = m[1], part.l[row + 2 * t + 1] = l[1];
     }
     if constexpr (q4) {
-        store_quant_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, wr, [g](int mb) { return make_int2(q4_group<GV>(mb), q4_dim_of(mb, g)); });
+        store_quant_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, wr, Q4_MAGIC_SUMS, [g](int mb) { return make_int2(q4_group<GV>(mb), q4_dim_of(mb, g)); });
     } else if constexpr (q8) {
-        store_quant_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, wr, [g](int mb) { return make_int2(q8_group<GV>(mb), q8_dim_of(mb, g)); });
+        store_quant_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, wr, Q8_MAGIC_SUMS, [g](int mb) { return make_int2(q8_group<GV>(mb), q8_dim_of(mb, g)); });
     } else {
         store_partial_o<0>(part.o + row * HEAD_DIM, o);
     }

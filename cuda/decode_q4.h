@@ -13,14 +13,17 @@
 //   V:  O^T[d, st] = sum_k (M + c[k,d]) P'_G[k,st] - (M + 8) sum_k P'_G[k,st] + sum_k (b + 8 s)[k,G] P[k,st],
 //       P'_G = P * s[.,G] rounded once to elem_t (as P alone would be), G the group of d (fp16
 //       queries: P s f, f keeping it in fp16's range, decode_weights.h; the output divides by f). Each
-//       m-block takes the first two terms as two mmas into its accumulators, the codes' and one
-//       whose A is -(M + 8): the magic terms cancel within each block, and what P'_G's rounding
-//       multiplies is s (c - 8), centred as the values are. (Cancelling M once at the end, or
-//       leaving c uncentred so that P'_G's rounding multiplies s c, all positive: both failed the
-//       GPU tests' bound, bench/RESULTS.md.) The third term is summed in f32 from the unrounded P
-//       per lane, and over the lanes at the end.
+//       m-block's mma takes the first term; the second, the same for every m-block of a group, comes
+//       from one mma per group and block whose A is all ones (the sums of P'_G, o's m-blocks past
+//       HEAD_DIM / 16) and is taken off once at the end (V_SUMS groups; with more groups than the
+//       registers allow, each m-block takes it by a second mma whose A is -(M + 8)). Either way
+//       what P'_G's rounding multiplies is s (c - 8), centred as the values are (leaving c
+//       uncentred, so that it multiplies s c, all positive, failed the GPU tests' bound,
+//       bench/RESULTS.md). The third term is summed in f32 from the unrounded P per lane, and over
+//       the lanes at the end.
 // The mma accumulates the magic terms in f32 and they cancel there: about log2(M) bits of f32's 24
-// are lost, far below elem_t's rounding of the dequantized values this replaces.
+// are lost (a few more where they cancel at the end, over a split's keys), far below elem_t's
+// rounding of the dequantized values this replaces.
 //
 // Layouts (g = lane / 4, t = lane % 4; a 16-key block's K rows at stride Q4::SROW_K, V rows at
 // Q4::SROW_V):
@@ -41,14 +44,18 @@
 #if FLASH_DTYPE == 1
 #define Q4_M 128.f
 #define Q4_M2 0x43004300u      // bf16 M in both lanes
+#define Q4_ONES 0x3f803f80u    // bf16 1 in both lanes
 #define Q4_NEG_M8 0xc308c308u  // -(M + 8): bf16 -136
 #define Q4_K_UNIT 1.f
 #else
 #define Q4_M 1024.f
 #define Q4_M2 0x64006400u
+#define Q4_ONES 0x3c003c00u
 #define Q4_NEG_M8 0xe408e408u  // fp16 -1032
 #define Q4_K_UNIT 16.f
 #endif
+// What the V weights' sums take off the codes' products: -(M + 8) (the codes enter centred).
+#define Q4_MAGIC_SUMS (-(Q4_M + 8.f))
 
 struct Q4 {
     enum : int {
@@ -172,13 +179,14 @@ __device__ __forceinline__ int q4_dim_of(int mb, int g) { return 32 * (mb / 2) +
 // for state 2t + j (summed over the lanes at the end). P'_G = P s f goes into B fragments as
 // p_fragment transposes P (w.f: 1 but with fp16 queries).
 template <int GV>
-__device__ __forceinline__ void q4_pv(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], const float (&x)[4],
+__device__ __forceinline__ void q4_pv(float (&o)[HEAD_DIM / 16 + V_SUMS(GV)][4], float (&cv)[HEAD_DIM / GV][2], const float (&x)[4],
                                       const WeightRange& w, u32 rows, const unsigned char* sc, const unsigned char* bi,
                                       const unsigned char* sc8, const unsigned char* bi8, int half, int half8) {
     constexpr int NG = HEAD_DIM / GV, UPG = Q4::UNITS / NG;  // units per group
     const int lane = threadIdx.x % 32;
     // v_columns' address: lanes 8j .. 8j + 7 address keys 8 (j % 2) .. + 7 of chunk j / 2.
     const u32 addr = rows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * Q4::SROW_V + 16 * (lane >> 4);
+    const u32 ones[4] = {Q4_ONES, Q4_ONES, Q4_ONES, Q4_ONES};
     const u32 neg_m8[4] = {Q4_NEG_M8, Q4_NEG_M8, Q4_NEG_M8, Q4_NEG_M8};
     const float xf[4] = {x[0] * w.f[0], x[1] * w.f[1], x[2] * w.f[0], x[3] * w.f[1]};
 #pragma unroll
@@ -189,6 +197,7 @@ __device__ __forceinline__ void q4_pv(float (&o)[HEAD_DIM / 16][4], float (&cv)[
         cv[G][0] = fmaf(b, x[0], fmaf(b8, x[2], cv[G][0]));
         cv[G][1] = fmaf(b, x[1], fmaf(b8, x[3], cv[G][1]));
         const u32 bq0 = transpose8x8(pack2(xf[0] * s, xf[1] * s)), bq1 = transpose8x8(pack2(xf[2] * s8, xf[3] * s8));
+        if constexpr (V_SUMS(GV) > 0) mma16816(o[HEAD_DIM / 16 + (V_SUMS(GV) ? G : 0)], ones, bq0, bq1);  // P' sums, every row alike
         u32 xv[UPG][2];  // the group's units only (all of them at once spill at D = 256)
         v_columns<UPG>(xv, addr + 16 * G * UPG);
 #pragma unroll
@@ -197,10 +206,10 @@ __device__ __forceinline__ void q4_pv(float (&o)[HEAD_DIM / 16][4], float (&cv)[
             const u32 x01 = xv[j][0], x89 = xv[j][1];
             const u32 a0[4] = {q4_dim<0>(x01), q4_dim<1>(x01), q4_dim<0>(x89), q4_dim<1>(x89)};
             mma16816(o[2 * u], a0, bq0, bq1);
-            mma16816(o[2 * u], neg_m8, bq0, bq1);
+            if constexpr (V_SUMS(GV) == 0) mma16816(o[2 * u], neg_m8, bq0, bq1);
             const u32 a1[4] = {q4_dim<2>(x01), q4_dim<3>(x01), q4_dim<2>(x89), q4_dim<3>(x89)};
             mma16816(o[2 * u + 1], a1, bq0, bq1);
-            mma16816(o[2 * u + 1], neg_m8, bq0, bq1);
+            if constexpr (V_SUMS(GV) == 0) mma16816(o[2 * u + 1], neg_m8, bq0, bq1);
         }
     }
 }

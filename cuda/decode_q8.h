@@ -14,10 +14,10 @@
 //   V:  O^T[d, st] f(st) = sum_k (M + c[k,d]) P'_G[k,st] - (M + 128) sum_k P'_G[k,st]
 //                          + f(st) sum_k (b + 128 s)[k,G] P[k,st],
 //       P'_G = P s[.,G] f(st) rounded once to fp16, f keeping it in fp16's range (decode_weights.h).
-//       As in decode_q4.h each m-block takes the first two terms as two mmas (the codes', and one
-//       whose A is -(M + 128)): the magic cancels within the block and P'_G's rounding multiplies
-//       s (c - 128), centred. The third term is summed in f32 from the unrounded P per lane (without
-//       f), and over the lanes at the end.
+//       As in decode_q4.h each m-block's mma takes the first term and the second comes off at the
+//       end from the groups' sums of P'_G (V_SUMS; else a second mma per m-block whose A is
+//       -(M + 128)), so that P'_G's rounding multiplies s (c - 128), centred. The third term is
+//       summed in f32 from the unrounded P per lane (without f), and over the lanes at the end.
 //
 // Layouts (g = lane / 4, t = lane % 4; a 16-key block's K rows at stride Q8::SROW_K, V rows at
 // Q8::SROW_V, both an odd number of 16-byte units apart):
@@ -33,7 +33,10 @@
 
 #define Q8_M 1024.f
 #define Q8_MAGIC 0x64646464u     // fp16 2^10 = 0x6400: its high byte in every byte
+#define Q8_ONES 0x3c003c00u      // fp16 1 in both lanes
 #define Q8_NEG_M128 0xe480e480u  // fp16 -(2^10 + 128) = -1152 in both lanes
+// What the V weights' sums take off the codes' products: -(M + 128) (the codes enter centred).
+#define Q8_MAGIC_SUMS (-(Q8_M + 128.f))
 
 struct Q8 {
     enum : int {
@@ -142,13 +145,14 @@ __device__ __forceinline__ void q8_qk(float (&x)[4], const u32 (&qa)[HEAD_DIM / 
 // bias rows of key g (g + 8) at ScaleOffset half (half8). P'_G = P s f goes into B fragments as
 // p_fragment transposes P.
 template <int GV>
-__device__ __forceinline__ void q8_pv(float (&o)[HEAD_DIM / 16][4], float (&cv)[HEAD_DIM / GV][2], const float (&x)[4],
+__device__ __forceinline__ void q8_pv(float (&o)[HEAD_DIM / 16 + V_SUMS(GV)][4], float (&cv)[HEAD_DIM / GV][2], const float (&x)[4],
                                       const WeightRange& w, u32 rows, const unsigned char* sc, const unsigned char* bi,
                                       const unsigned char* sc8, const unsigned char* bi8, int half, int half8) {
     constexpr int NG = HEAD_DIM / GV, CPG = GV / 16;  // chunks (m-blocks) per group
     const int lane = threadIdx.x % 32;
     // v_columns' address: lanes 8j .. 8j + 7 address keys 8 (j % 2) .. + 7 of chunk j / 2.
     const u32 addr = rows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * Q8::SROW_V + 16 * (lane >> 4);
+    const u32 ones[4] = {Q8_ONES, Q8_ONES, Q8_ONES, Q8_ONES};
     const u32 neg_m128[4] = {Q8_NEG_M128, Q8_NEG_M128, Q8_NEG_M128, Q8_NEG_M128};
     const float xf[4] = {x[0] * w.f[0], x[1] * w.f[1], x[2] * w.f[0], x[3] * w.f[1]};
 #pragma unroll
@@ -159,6 +163,7 @@ __device__ __forceinline__ void q8_pv(float (&o)[HEAD_DIM / 16][4], float (&cv)[
         cv[G][0] = fmaf(b, x[0], fmaf(b8, x[2], cv[G][0]));
         cv[G][1] = fmaf(b, x[1], fmaf(b8, x[3], cv[G][1]));
         const u32 bq0 = transpose8x8(pack2_f16(xf[0] * s, xf[1] * s)), bq1 = transpose8x8(pack2_f16(xf[2] * s8, xf[3] * s8));
+        if constexpr (V_SUMS(GV) > 0) mma16816_f16(o[HEAD_DIM / 16 + (V_SUMS(GV) ? G : 0)], ones, bq0, bq1);  // P' sums, every row alike
         u32 xv[CPG][2];  // the group's chunks only
         v_columns<CPG>(xv, addr + 16 * G * CPG);
 #pragma unroll
@@ -167,7 +172,7 @@ __device__ __forceinline__ void q8_pv(float (&o)[HEAD_DIM / 16][4], float (&cv)[
             const u32 a[4] = {q8_magic(xv[j][0], 0x4240), q8_magic(xv[j][0], 0x4341), q8_magic(xv[j][1], 0x4240),
                               q8_magic(xv[j][1], 0x4341)};
             mma16816_f16(o[G * CPG + j], a, bq0, bq1);
-            mma16816_f16(o[G * CPG + j], neg_m128, bq0, bq1);
+            if constexpr (V_SUMS(GV) == 0) mma16816_f16(o[G * CPG + j], neg_m128, bq0, bq1);
         }
     }
 }

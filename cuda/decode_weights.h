@@ -33,10 +33,10 @@ __device__ __forceinline__ float max_v_scale(const unsigned char* sc, int half) 
 // step's factors, `moved`: whether any is not 1; smax / smax8[b]: max_v_scale of block b's keys
 // g, g + 8): updates f and R, and rescales o by alpha and f's change, cv (the bias sums, taken
 // from P without f) by alpha.
-template <int NB, int NGV>
+template <int NB, int NGV, int NO>
 __device__ __forceinline__ void settle_weights(const float (&x)[NB][4], const float (&alpha)[2], bool moved,
                                                const float (&smax)[NB], const float (&smax8)[NB], WeightRange& w,
-                                               float (&o)[HEAD_DIM / 16][4], float (&cv)[NGV][2]) {
+                                               float (&o)[NO][4], float (&cv)[NGV][2]) {
     float mx[2] = {0.f, 0.f};
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
@@ -71,10 +71,12 @@ __device__ __forceinline__ void settle_weights(const float (&x)[NB][4], const fl
 // The warp's o after its last block (divided by f), plus each group's bias sums (over the lanes of
 // a column), into shared memory as store_partial_o does, for the quantized steps (decode_q4.h,
 // decode_q8.h): at(mb) = (group, dim of row g) of m-block mb in the format's layout (row g + 8:
-// the next dim).
+// the next dim). With V_SUMS, o's m-blocks past HEAD_DIM / 16 hold each group's sums of the V
+// weights, which the codes' magic offset multiplies: `magic` times them comes off the group's.
 template <int GV, typename At>
-__device__ __forceinline__ void store_quant_partial_o(float* dst, const float (&o)[HEAD_DIM / 16][4], const float (&cv)[HEAD_DIM / GV][2],
-                                                      const WeightRange& w, At&& at) {
+__device__ __forceinline__ void store_quant_partial_o(float* dst, const float (&o)[HEAD_DIM / 16 + V_SUMS(GV)][4],
+                                                      const float (&cv)[HEAD_DIM / GV][2], const WeightRange& w, float magic,
+                                                      At&& at) {
     const int t = threadIdx.x % 4;
     float bias[HEAD_DIM / GV][2];
 #pragma unroll
@@ -84,9 +86,12 @@ __device__ __forceinline__ void store_quant_partial_o(float* dst, const float (&
     for (int mb = 0; mb < HEAD_DIM / 16; ++mb) {
         const int2 gd = at(mb);
         const int G = gd.x, d = gd.y;
-        dst[2 * t * HEAD_DIM + d] = fmaf(o[mb][0], inv[0], bias[G][0]);
-        dst[(2 * t + 1) * HEAD_DIM + d] = fmaf(o[mb][1], inv[1], bias[G][1]);
-        dst[2 * t * HEAD_DIM + d + 1] = fmaf(o[mb][2], inv[0], bias[G][0]);
-        dst[(2 * t + 1) * HEAD_DIM + d + 1] = fmaf(o[mb][3], inv[1], bias[G][1]);
+        float x[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[e] = V_SUMS(GV) ? fmaf(magic, o[HEAD_DIM / 16 + (V_SUMS(GV) ? G : 0)][e], o[mb][e]) : o[mb][e];
+        dst[2 * t * HEAD_DIM + d] = fmaf(x[0], inv[0], bias[G][0]);
+        dst[(2 * t + 1) * HEAD_DIM + d] = fmaf(x[1], inv[1], bias[G][1]);
+        dst[2 * t * HEAD_DIM + d + 1] = fmaf(x[2], inv[0], bias[G][0]);
+        dst[(2 * t + 1) * HEAD_DIM + d + 1] = fmaf(x[3], inv[1], bias[G][1]);
     }
 }
