@@ -532,9 +532,9 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
         part.m[row + 2 * t + 1] = m[1], part.l[row + 2 * t + 1] = l[1];
     }
     if constexpr (q4) {
-        store_quant_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, wr, Q4_MAGIC_SUMS, [g](int mb) { return make_int2(q4_group<GV>(mb), q4_dim_of(mb, g)); });
+        store_quant_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, wr, Q4_MAGIC_SUMS, Q4_V_UNIT, [g](int mb) { return make_int2(q4_group<GV>(mb), q4_dim_of(mb, g)); });
     } else if constexpr (q8) {
-        store_quant_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, wr, Q8_MAGIC_SUMS, [g](int mb) { return make_int2(q8_group<GV>(mb), q8_dim_of(mb, g)); });
+        store_quant_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, wr, Q8_MAGIC_SUMS, 1.f, [g](int mb) { return make_int2(q8_group<GV>(mb), q8_dim_of(mb, g)); });
     } else {
         store_partial_o<0>(part.o + row * HEAD_DIM, o);
     }

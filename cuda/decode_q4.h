@@ -45,17 +45,22 @@
 #define Q4_M 128.f
 #define Q4_M2 0x43004300u      // bf16 M in both lanes
 #define Q4_ONES 0x3f803f80u    // bf16 1 in both lanes
-#define Q4_NEG_M8 0xc308c308u  // -(M + 8): bf16 -136
+#define Q4_NEG_M8 0xc308c308u  // -(M + 8 U): bf16 -136
 #define Q4_K_UNIT 1.f
+#define Q4_V_UNIT 1
 #else
 #define Q4_M 1024.f
 #define Q4_M2 0x64006400u
 #define Q4_ONES 0x3c003c00u
-#define Q4_NEG_M8 0xe408e408u  // fp16 -1032
+#define Q4_NEG_M8 0xe480e480u  // fp16 -1152
 #define Q4_K_UNIT 16.f
+#define Q4_V_UNIT 16
 #endif
-// What the V weights' sums take off the codes' products: -(M + 8) (the codes enter centred).
-#define Q4_MAGIC_SUMS (-(Q4_M + 8.f))
+// V's codes: Q4_V_UNIT c under M, for the same reason: where the magic comes off at the end, over a
+// split's keys, fp16's 1024 + c lost too much (the GPU tests' bound, bench/RESULTS.md); 1024 + 16 c
+// outweighs the codes as bf16's 128 + c does. The products then carry U, which the output divides
+// out. What the V weights' sums take off the codes' products: -(M + 8 U) (the codes enter centred).
+#define Q4_MAGIC_SUMS (-(Q4_M + 8.f * Q4_V_UNIT))
 
 struct Q4 {
     enum : int {
@@ -79,11 +84,13 @@ __device__ __forceinline__ void q4_pairs(u32 w, u32 (&out)[4]) {
     out[3] = __byte_perm(hi, MAGIC_BYTES, 0x5341);
 }
 
-// (x >> 4k) & 0xf in both 16-bit lanes under M: dim k of two keys' interleaved half-words.
+// U ((x >> 4k) & 0xf) in both 16-bit lanes under M: dim k of two keys' interleaved half-words.
 template <int K>
 __device__ __forceinline__ u32 q4_dim(u32 x) {
+    constexpr int SHIFT = 4 * K - (Q4_V_UNIT == 16 ? 4 : 0);  // right; negative: left
+    const u32 y = SHIFT >= 0 ? x >> (SHIFT > 0 ? SHIFT : 0) : x << (SHIFT < 0 ? -SHIFT : 0);
     u32 d;
-    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(x >> (4 * K)), "r"(0x000f000fu), "r"(Q4_M2));  // (a & b) | c
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(y), "r"(0x000f000fu * Q4_V_UNIT), "r"(Q4_M2));  // (a & b) | c
     return d;
 }
 

@@ -72,16 +72,17 @@ __device__ __forceinline__ void settle_weights(const float (&x)[NB][4], const fl
 // a column), into shared memory as store_partial_o does, for the quantized steps (decode_q4.h,
 // decode_q8.h): at(mb) = (group, dim of row g) of m-block mb in the format's layout (row g + 8:
 // the next dim). With V_SUMS, o's m-blocks past HEAD_DIM / 16 hold each group's sums of the V
-// weights, which the codes' magic offset multiplies: `magic` times them comes off the group's.
+// weights, which the codes' magic offset multiplies: `magic` times them comes off the group's. The
+// products carry the codes' unit (`unit`, decode_q4.h's Q4_V_UNIT), divided out with f.
 template <int GV, typename At>
 __device__ __forceinline__ void store_quant_partial_o(float* dst, const float (&o)[HEAD_DIM / 16 + V_SUMS(GV)][4],
-                                                      const float (&cv)[HEAD_DIM / GV][2], const WeightRange& w, float magic,
+                                                      const float (&cv)[HEAD_DIM / GV][2], const WeightRange& w, float magic, float unit,
                                                       At&& at) {
     const int t = threadIdx.x % 4;
     float bias[HEAD_DIM / GV][2];
 #pragma unroll
     for (int G = 0; G < HEAD_DIM / GV; ++G) bias[G][0] = column_sum(cv[G][0]), bias[G][1] = column_sum(cv[G][1]);
-    const float inv[2] = {1.f / w.f[0], 1.f / w.f[1]};
+    const float inv[2] = {1.f / (w.f[0] * unit), 1.f / (w.f[1] * unit)};
 #pragma unroll
     for (int mb = 0; mb < HEAD_DIM / 16; ++mb) {
         const int2 gd = at(mb);
