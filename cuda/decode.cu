@@ -87,7 +87,17 @@ struct Geom {
 #define STAGE_BYTES (PLAIN_STAGE_BYTES > STEP_STAGE_BYTES ? PLAIN_STAGE_BYTES : STEP_STAGE_BYTES)
 static_assert(PARTIALS_BYTES(HEAD_DIM) + BLOCK_STATES_BYTES(HEAD_DIM) <= STAGES * STAGE_BYTES, "the epilogue reuses the stages");
 
-FLASH_EXPORT_SMEM(STAGES * STAGE_BYTES)
+// The stages, with WarpCopy's table after them (quantized D <= 128; where the stages leave room,
+// within STAGES * STAGE_BYTES: the 4-bit kernel at D = 128 keeps three blocks per SM).
+#if CACHE_BITS
+#define DECODE_LAYOUT_BYTES \
+    layout_of(Geom<CACHE_BITS>::SROW_K, Geom<CACHE_BITS>::SROW_V, scale_words(HEAD_DIM / K_GROUP), scale_words(HEAD_DIM / V_GROUP), \
+              STAGE_BYTES, KEY_BLOCK * STEP_BLOCKS * NUM_WARPS).bytes
+#else
+#define DECODE_LAYOUT_BYTES STAGE_BYTES
+#endif
+#define DECODE_TABLE_END (STAGES * DECODE_LAYOUT_BYTES + WARP_COPY_TABLE_BYTES(KEY_BLOCK))
+FLASH_EXPORT_SMEM(DECODE_TABLE_END > STAGES * STAGE_BYTES ? DECODE_TABLE_END : STAGES * STAGE_BYTES)
 
 // Elements (within its u32 word) of pair k of the word.
 template <int BITS>

@@ -180,32 +180,39 @@ struct StageLayout {
 
 // Words that hold a row of `groups` scales (see copy_scales): 16-bit scales, an even count starts
 // every row on a word (the tensor is 4-byte aligned); an odd one from any 2-byte boundary.
-__device__ __forceinline__ int scale_words(int groups) {
+__host__ __device__ constexpr int scale_words(int groups) {
     return sizeof(elem_t) == 4 ? groups : groups % 2 == 0 ? groups / 2 : (2 * groups + 5) / 4;
 }
 
-__device__ __forceinline__ int round16(int x) { return (x + 15) & ~15; }
+__host__ __device__ constexpr int round16(int x) { return (x + 15) & ~15; }
 
-// The layout of a stage of at most `budget` bytes for rows padded to srow_k / srow_v.
-__device__ __forceinline__ StageLayout stage_layout(const DecodeParams& p, int srow_k, int srow_v, int budget,
-                                                    int key_round) {
-    StageLayout L;
+// The layout of a stage of at most `budget` bytes for rows padded to srow_k / srow_v and scale rows
+// of sw_k / sw_v words (0: a plain cache). Constant where its arguments are (decode.cu sizes its
+// shared memory by it).
+__host__ __device__ constexpr StageLayout layout_of(int srow_k, int srow_v, int sw_k, int sw_v, int budget, int key_round) {
+    StageLayout L{};
     L.srow_k = srow_k;
     L.srow_v = srow_v;
-    L.sw_k = scale_words(groups_k(p));  // 0 for a plain cache
-    L.sw_v = scale_words(groups_v(p));
+    L.sw_k = sw_k;
+    L.sw_v = sw_v;
     // Per key, with 16 bytes of slack per scale array for the rounding of its offset.
-    const int per_key = srow_k + srow_v + 8 * (L.sw_k + L.sw_v);
-    const int slack = KV_BITS(p) ? 4 * 16 : 0;
-    L.tile_keys = max((budget - slack) / per_key / key_round, 1) * key_round;
+    const int per_key = srow_k + srow_v + 8 * (sw_k + sw_v);
+    const int slack = sw_k + sw_v ? 4 * 16 : 0;
+    const int blocks = (budget - slack) / per_key / key_round;
+    L.tile_keys = (blocks > 1 ? blocks : 1) * key_round;
     const int n = L.tile_keys;
     L.off_v = n * srow_k;
     L.off_ks = round16(L.off_v + n * srow_v);
-    L.off_kb = round16(L.off_ks + n * 4 * L.sw_k);
-    L.off_vs = round16(L.off_kb + n * 4 * L.sw_k);
-    L.off_vb = round16(L.off_vs + n * 4 * L.sw_v);
-    L.bytes = round16(L.off_vb + n * 4 * L.sw_v);
+    L.off_kb = round16(L.off_ks + n * 4 * sw_k);
+    L.off_vs = round16(L.off_kb + n * 4 * sw_k);
+    L.off_vb = round16(L.off_vs + n * 4 * sw_v);
+    L.bytes = round16(L.off_vb + n * 4 * sw_v);
     return L;
+}
+
+__device__ __forceinline__ StageLayout stage_layout(const DecodeParams& p, int srow_k, int srow_v, int budget,
+                                                    int key_round) {
+    return layout_of(srow_k, srow_v, scale_words(groups_k(p)), scale_words(groups_v(p)), budget, key_round);
 }
 
 // cp.async of 8 and 4 bytes (through L1; 16 bytes is ptx.h's cp_async16). When !valid the bytes
@@ -218,6 +225,13 @@ __device__ __forceinline__ void cp_async4_u32(u32 dst, const void* src, bool val
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
 }
 __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) { cp_async4_u32(smem_addr(dst), src, valid); }
+// Unpredicated: every byte read (no source-size operand).
+__device__ __forceinline__ void cp_async4_u32_all(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async16_u32_all(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+}
 
 // Copies `unit` bytes (16, 8 or 4: cp.async; 2: a plain load and store, for rows whose size or
 // address allows nothing wider).
@@ -444,6 +458,157 @@ struct FastCopy {
     }
 };
 
+// A type picked at compile time (no <type_traits> under NVRTC), and pipeline's stand-in for
+// WarpCopy where there is none.
+template <bool C, typename A, typename B>
+struct Pick {
+    using type = A;
+};
+template <typename A, typename B>
+struct Pick<false, A, B> {
+    using type = B;
+};
+struct NoCopy {
+    enum : int { TABLE_BYTES = 0 };
+    __device__ __forceinline__ NoCopy(unsigned char*, const StageLayout&, const DecodeParams&, const DecodeWork&) {}
+    __device__ __forceinline__ void load(u32, const StageLayout&, const DecodeWork&, int, int) const {}
+};
+
+#if defined(CACHE_BITS) && defined(K_GROUP) && defined(V_GROUP)
+// FastCopy::load_warp for a quantized kernel, whose rows and scale rows have sizes fixed at compile
+// time. Each lane's sources at key 0 are found once per call and kept in shared memory (a table
+// of 64-bit pointers only that lane reads: no barrier), so that a block's copy is a table load, a
+// 32-bit offset added to the pointer and the cp.async. load_warp rebuilt every address from the
+// parameters: ~80 instructions a 16-key block at 4 bits, 28 % of the kernel's stall samples (ncu,
+// bench/RESULTS.md); registers would not hold the pointers (ptxas rebuilt them). A block wholly
+// inside the keys takes its copies unpredicated. ROWS rows a block; where pipeline's `own` holds.
+template <int ROWS>
+struct WarpCopy {
+    template <int GROUPS>
+    struct ScaleRows {
+        enum : int {
+            SW = sizeof(elem_t) == 4 ? GROUPS : GROUPS % 2 == 0 ? GROUPS / 2 : (2 * GROUPS + 5) / 4,  // scale_words
+            COPIES = 2 * ROWS * SW / 32,  // a lane's words of a block's scale and bias rows
+        };
+        static_assert(2 * ROWS * SW % 32 == 0, "every lane copies as many scale words");
+    };
+    using KS = ScaleRows<HEAD_DIM / K_GROUP>;
+    using VS = ScaleRows<HEAD_DIM / V_GROUP>;
+    enum : int {
+        ROW_BYTES = HEAD_DIM * CACHE_BITS / 8,
+        UNITS = ROW_BYTES / 16,  // 16-byte units of a row
+        PASS = 32 / UNITS,       // rows one pass of the warp copies
+        ROW_COPIES = ROWS / PASS,
+        // The table, per warp: ROW_COPIES pairs (K, V) of row pointers, then KS::COPIES k and
+        // VS::COPIES v scale pointers, each entry for all 32 lanes side by side.
+        TABLE_WARP_BYTES = 32 * (16 * ROW_COPIES + 8 * (KS::COPIES + VS::COPIES)),
+        TABLE_BYTES = NUM_WARPS * TABLE_WARP_BYTES,
+    };
+
+    unsigned char* table;  // this lane's first entry
+    u32 stride, k_stride, v_stride;  // bytes between keys: rows, k and v scale rows
+
+    // Scale entry e of a block (scale_warp's order): its row, and its word in the stage's array.
+    template <typename S>
+    __device__ __forceinline__ static int2 scale_entry(int e) {
+        const bool bias = e >= ROWS * S::SW;
+        const int k = bias ? e - ROWS * S::SW : e;
+        return make_int2(k / S::SW, (bias ? 1 : 0) * 0x10000 + k);  // y: bias flag, word within the block
+    }
+
+    __device__ __forceinline__ WarpCopy(unsigned char* table_base, const StageLayout&, const DecodeParams& p, const DecodeWork& w) {
+        const int lane = threadIdx.x % 32, z = lane % UNITS, i0 = lane / UNITS;
+        const int warp = threadIdx.x / 32;
+        table = table_base + warp * TABLE_WARP_BYTES;
+        const FastCopy::Src rows = FastCopy::rows(p, w);
+        const FastCopy::Src ks = FastCopy::scale_rows(p.k_scale, p.k_bias, HEAD_DIM / K_GROUP, p, w);
+        const FastCopy::Src vs = FastCopy::scale_rows(p.v_scale, p.v_bias, HEAD_DIM / V_GROUP, p, w);
+        stride = rows.stride, k_stride = ks.stride, v_stride = vs.stride;
+        unsigned char* t = table + 16 * lane;
+#pragma unroll
+        for (int i = 0; i < ROW_COPIES; ++i) {
+            const u32 off = (u32)(i0 + i * PASS) * stride + 16 * z;
+            ulonglong2 e;
+            e.x = reinterpret_cast<unsigned long long>(rows.a + off);
+            e.y = reinterpret_cast<unsigned long long>(rows.b + off);
+            *reinterpret_cast<ulonglong2*>(t + 32 * 16 * i) = e;
+        }
+        fill_scales<KS>(table + 32 * 16 * ROW_COPIES, ks);
+        fill_scales<VS>(table + 32 * (16 * ROW_COPIES + 8 * KS::COPIES), vs);
+    }
+    template <typename S>
+    __device__ __forceinline__ void fill_scales(unsigned char* t, const FastCopy::Src& src) const {
+        const int lane = threadIdx.x % 32;
+#pragma unroll
+        for (int j = 0; j < S::COPIES; ++j) {
+            const int e = lane + 32 * j, bias = e >= ROWS * S::SW, k = bias ? e - ROWS * S::SW : e;
+            const unsigned char* a = (bias ? src.b : src.a) + (u32)(k / S::SW) * src.stride + 4 * (k % S::SW);
+            *reinterpret_cast<unsigned long long*>(t + 8 * (lane + 32 * j)) = reinterpret_cast<unsigned long long>(a);
+        }
+    }
+
+    // This warp's blocks of the stage at shared address `stage` holding keys [key0, key0 +
+    // tile_keys) (keys from key_end on zero-filled): blocks wk, wk + NUM_WARPS, ... (as
+    // FastCopy::load_warp).
+    __device__ __forceinline__ void load(u32 stage, const StageLayout& L, const DecodeWork& w, int key0, int key_end) const {
+        for (int r0 = w.wk * ROWS; r0 < L.tile_keys; r0 += NUM_WARPS * ROWS) {
+            const int valid = key_end - key0 - r0;  // rows of the block inside the keys
+            if (valid >= ROWS) {
+                block<true>(stage, L, key0, r0, valid);
+            } else {
+                block<false>(stage, L, key0, r0, valid);
+            }
+        }
+    }
+
+    template <bool FULL>
+    __device__ __forceinline__ void block(u32 stage, const StageLayout& L, int key0, int r0, int valid) const {
+        const int lane = threadIdx.x % 32, z = lane % UNITS, i0 = lane / UNITS;
+        const u32 at = (u32)(key0 + r0) * stride;
+        const unsigned char* t = table + 16 * lane;
+#pragma unroll
+        for (int i = 0; i < ROW_COPIES; ++i) {
+            const ulonglong2 e = *reinterpret_cast<const ulonglong2*>(t + 32 * 16 * i);
+            const unsigned char* k = reinterpret_cast<const unsigned char*>(e.x);
+            const unsigned char* v = reinterpret_cast<const unsigned char*>(e.y);
+            const int r = r0 + i0 + i * PASS;
+            const u32 dk = stage + r * L.srow_k + 16 * z, dv = stage + L.off_v + r * L.srow_v + 16 * z;
+            if (FULL) {
+                cp_async16_u32_all(dk, k + at);
+                cp_async16_u32_all(dv, v + at);
+            } else {
+                const bool ok = i0 + i * PASS < valid;
+                cp_async16_u32(dk, ok ? k + at : k, ok);
+                cp_async16_u32(dv, ok ? v + at : v, ok);
+            }
+        }
+        scales<KS, FULL>(table + 32 * 16 * ROW_COPIES, stage + L.off_ks, stage + L.off_kb, (u32)(key0 + r0) * k_stride, r0, valid);
+        scales<VS, FULL>(table + 32 * (16 * ROW_COPIES + 8 * KS::COPIES), stage + L.off_vs, stage + L.off_vb,
+                         (u32)(key0 + r0) * v_stride, r0, valid);
+    }
+    // The block's scale and bias words (rows r0 .., S::SW words each) into the stage arrays at ds / db.
+    template <typename S, bool FULL>
+    __device__ __forceinline__ static void scales(const unsigned char* t, u32 ds, u32 db, u32 at, int r0, int valid) {
+        const int lane = threadIdx.x % 32;
+#pragma unroll
+        for (int j = 0; j < S::COPIES; ++j) {
+            const int e = lane + 32 * j, bias = e >= ROWS * S::SW, k = bias ? e - ROWS * S::SW : e;
+            const unsigned char* src = reinterpret_cast<const unsigned char*>(*reinterpret_cast<const unsigned long long*>(t + 8 * e));
+            const u32 d = (bias ? db : ds) + 4 * (r0 * S::SW + k);
+            if (FULL) {
+                cp_async4_u32_all(d, src + at);
+            } else {
+                const bool ok = k / S::SW < valid;
+                cp_async4_u32(d, ok ? src + at : src, ok);
+            }
+        }
+    }
+};
+#define WARP_COPY_TABLE_BYTES(OWN_ROWS) (CACHE_BITS > 0 && HEAD_DIM <= 128 ? WarpCopy<OWN_ROWS>::TABLE_BYTES : 0)
+#else
+#define WARP_COPY_TABLE_BYTES(OWN_ROWS) 0
+#endif
+
 // Issues the copies of the stage holding keys [key0, key0 + tile_keys).
 __device__ __forceinline__ void load_stage(unsigned char* stage, const StageLayout& L, const DecodeParams& p,
                                            const DecodeWork& w, int key0, const StageCopy& c) {
@@ -472,6 +637,18 @@ __device__ __forceinline__ void pipeline(unsigned char* smem, const StageLayout&
     const StageCopy copy(p, L, copy_unit_bytes(p));
     const FastCopy fast(p, L);
     const bool own = OWN_ROWS > 0 && fast.ok && p.warp_states == 1 && p.row_bytes <= 512;
+    // Quantized rows up to D = 128: WarpCopy's table after the stages (WARP_COPY_TABLE_BYTES).
+#if defined(CACHE_BITS) && defined(K_GROUP) && defined(V_GROUP)
+    constexpr bool WARP_COPY = OWN_ROWS > 0 && CACHE_BITS > 0 && HEAD_DIM <= 128;
+#else
+    constexpr bool WARP_COPY = false;
+#endif
+#if defined(CACHE_BITS) && defined(K_GROUP) && defined(V_GROUP)
+    using Copier = typename Pick<WARP_COPY, WarpCopy<OWN_ROWS>, NoCopy>::type;
+#else
+    using Copier = NoCopy;
+#endif
+    const Copier warp_copy(smem + STAGES * L.bytes, L, p, w);  // its table after the stages
     const u32 smem_u32 = smem_addr(smem);
     const int tiles = (w.k1 - w.k0 + L.tile_keys - 1) / L.tile_keys;
 #pragma unroll 1
@@ -487,7 +664,9 @@ __device__ __forceinline__ void pipeline(unsigned char* smem, const StageLayout&
         const int next = t + STAGES - 1;
         if (next < tiles) {
             const int stage = next % STAGES, key0 = w.k0 + next * L.tile_keys;
-            if (own) {
+            if (own && WARP_COPY) {
+                warp_copy.load(smem_u32 + stage * L.bytes, L, w, key0, w.k1);
+            } else if (own) {
                 FastCopy::load_warp<OWN_ROWS>(smem_u32 + stage * L.bytes, L, p, w, key0, w.k1);
             } else if (fast.ok) {
                 FastCopy::load(smem_u32 + stage * L.bytes, L, p, w, key0, w.k1);
