@@ -508,14 +508,6 @@ struct WarpCopy {
     unsigned char* table;  // this lane's first entry
     u32 stride, k_stride, v_stride;  // bytes between keys: rows, k and v scale rows
 
-    // Scale entry e of a block (scale_warp's order): its row, and its word in the stage's array.
-    template <typename S>
-    __device__ __forceinline__ static int2 scale_entry(int e) {
-        const bool bias = e >= ROWS * S::SW;
-        const int k = bias ? e - ROWS * S::SW : e;
-        return make_int2(k / S::SW, (bias ? 1 : 0) * 0x10000 + k);  // y: bias flag, word within the block
-    }
-
     __device__ __forceinline__ WarpCopy(unsigned char* table_base, const StageLayout&, const DecodeParams& p, const DecodeWork& w) {
         const int lane = threadIdx.x % 32, z = lane % UNITS, i0 = lane / UNITS;
         const int warp = threadIdx.x / 32;
@@ -547,30 +539,50 @@ struct WarpCopy {
         }
     }
 
+    // The lane's table entries, read once per stage: used at once, an entry waited for its load
+    // (short scoreboard), and address registers reused at once waited for the copy to read them
+    // (long scoreboard; ncu).
+    struct Entries {
+        ulonglong2 rows[ROW_COPIES];  // K, V
+        unsigned long long ks[KS::COPIES], vs[VS::COPIES];
+    };
+    __device__ __forceinline__ Entries entries() const {
+        const int lane = threadIdx.x % 32;
+        Entries e;
+#pragma unroll
+        for (int i = 0; i < ROW_COPIES; ++i) e.rows[i] = *reinterpret_cast<const ulonglong2*>(table + 16 * (lane + 32 * i));
+        const unsigned char* ks = table + 32 * 16 * ROW_COPIES;
+        const unsigned char* vs = ks + 32 * 8 * KS::COPIES;
+#pragma unroll
+        for (int j = 0; j < KS::COPIES; ++j) e.ks[j] = *reinterpret_cast<const unsigned long long*>(ks + 8 * (lane + 32 * j));
+#pragma unroll
+        for (int j = 0; j < VS::COPIES; ++j) e.vs[j] = *reinterpret_cast<const unsigned long long*>(vs + 8 * (lane + 32 * j));
+        return e;
+    }
+
     // This warp's blocks of the stage at shared address `stage` holding keys [key0, key0 +
     // tile_keys) (keys from key_end on zero-filled): blocks wk, wk + NUM_WARPS, ... (as
     // FastCopy::load_warp).
     __device__ __forceinline__ void load(u32 stage, const StageLayout& L, const DecodeWork& w, int key0, int key_end) const {
+        const Entries e = entries();
         for (int r0 = w.wk * ROWS; r0 < L.tile_keys; r0 += NUM_WARPS * ROWS) {
             const int valid = key_end - key0 - r0;  // rows of the block inside the keys
             if (valid >= ROWS) {
-                block<true>(stage, L, key0, r0, valid);
+                block<true>(e, stage, L, key0, r0, valid);
             } else {
-                block<false>(stage, L, key0, r0, valid);
+                block<false>(e, stage, L, key0, r0, valid);
             }
         }
     }
 
     template <bool FULL>
-    __device__ __forceinline__ void block(u32 stage, const StageLayout& L, int key0, int r0, int valid) const {
+    __device__ __forceinline__ void block(const Entries& e, u32 stage, const StageLayout& L, int key0, int r0, int valid) const {
         const int lane = threadIdx.x % 32, z = lane % UNITS, i0 = lane / UNITS;
         const u32 at = (u32)(key0 + r0) * stride;
-        const unsigned char* t = table + 16 * lane;
 #pragma unroll
         for (int i = 0; i < ROW_COPIES; ++i) {
-            const ulonglong2 e = *reinterpret_cast<const ulonglong2*>(t + 32 * 16 * i);
-            const unsigned char* k = reinterpret_cast<const unsigned char*>(e.x);
-            const unsigned char* v = reinterpret_cast<const unsigned char*>(e.y);
+            const unsigned char* k = reinterpret_cast<const unsigned char*>(e.rows[i].x);
+            const unsigned char* v = reinterpret_cast<const unsigned char*>(e.rows[i].y);
             const int r = r0 + i0 + i * PASS;
             const u32 dk = stage + r * L.srow_k + 16 * z, dv = stage + L.off_v + r * L.srow_v + 16 * z;
             if (FULL) {
@@ -582,24 +594,23 @@ struct WarpCopy {
                 cp_async16_u32(dv, ok ? v + at : v, ok);
             }
         }
-        scales<KS, FULL>(table + 32 * 16 * ROW_COPIES, stage + L.off_ks, stage + L.off_kb, (u32)(key0 + r0) * k_stride, r0, valid);
-        scales<VS, FULL>(table + 32 * (16 * ROW_COPIES + 8 * KS::COPIES), stage + L.off_vs, stage + L.off_vb,
-                         (u32)(key0 + r0) * v_stride, r0, valid);
+        scales<KS, FULL>(e.ks, stage + L.off_ks, stage + L.off_kb, (u32)(key0 + r0) * k_stride, r0, valid);
+        scales<VS, FULL>(e.vs, stage + L.off_vs, stage + L.off_vb, (u32)(key0 + r0) * v_stride, r0, valid);
     }
     // The block's scale and bias words (rows r0 .., S::SW words each) into the stage arrays at ds / db.
     template <typename S, bool FULL>
-    __device__ __forceinline__ static void scales(const unsigned char* t, u32 ds, u32 db, u32 at, int r0, int valid) {
+    __device__ __forceinline__ static void scales(const unsigned long long (&src)[S::COPIES], u32 ds, u32 db, u32 at, int r0, int valid) {
         const int lane = threadIdx.x % 32;
 #pragma unroll
         for (int j = 0; j < S::COPIES; ++j) {
             const int e = lane + 32 * j, bias = e >= ROWS * S::SW, k = bias ? e - ROWS * S::SW : e;
-            const unsigned char* src = reinterpret_cast<const unsigned char*>(*reinterpret_cast<const unsigned long long*>(t + 8 * e));
+            const unsigned char* a = reinterpret_cast<const unsigned char*>(src[j]);
             const u32 d = (bias ? db : ds) + 4 * (r0 * S::SW + k);
             if (FULL) {
-                cp_async4_u32_all(d, src + at);
+                cp_async4_u32_all(d, a + at);
             } else {
                 const bool ok = k / S::SW < valid;
-                cp_async4_u32(d, ok ? src + at : src, ok);
+                cp_async4_u32(d, ok ? a + at : a, ok);
             }
         }
     }
