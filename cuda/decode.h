@@ -487,7 +487,7 @@ struct WarpCopy {
     template <int GROUPS>
     struct ScaleRows {
         enum : int {
-            SW = sizeof(elem_t) == 4 ? GROUPS : GROUPS % 2 == 0 ? GROUPS / 2 : (2 * GROUPS + 5) / 4,  // scale_words
+            SW = scale_words(GROUPS),
             COPIES = 2 * ROWS * SW / 32,  // a lane's words of a block's scale and bias rows
         };
         static_assert(2 * ROWS * SW % 32 == 0, "every lane copies as many scale words");
@@ -651,12 +651,9 @@ __device__ __forceinline__ void pipeline(unsigned char* smem, const StageLayout&
     // Quantized rows up to D = 128: WarpCopy's table after the stages (WARP_COPY_TABLE_BYTES).
 #if defined(CACHE_BITS) && defined(K_GROUP) && defined(V_GROUP)
     constexpr bool WARP_COPY = OWN_ROWS > 0 && CACHE_BITS > 0 && HEAD_DIM <= 128;
-#else
-    constexpr bool WARP_COPY = false;
-#endif
-#if defined(CACHE_BITS) && defined(K_GROUP) && defined(V_GROUP)
     using Copier = typename Pick<WARP_COPY, WarpCopy<OWN_ROWS>, NoCopy>::type;
 #else
+    constexpr bool WARP_COPY = false;
     using Copier = NoCopy;
 #endif
     const Copier warp_copy(smem + STAGES * L.bytes, L, p, w);  // its table after the stages
