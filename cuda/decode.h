@@ -793,41 +793,57 @@ __device__ __forceinline__ void cluster_merge(const DecodeParams& p, const Decod
 __device__ __forceinline__ void cluster_merge(const DecodeParams&, const DecodeWork&, unsigned char*) {}
 #endif
 
-// Called by every thread after the warps' partials are in place (and a __syncthreads).
+// Called by every thread after the warps' partials are in place (and a __syncthreads). A warp
+// takes whole states (slots warp, warp + NUM_WARPS, ...) and its lanes the columns, so that a
+// state's merge weights and output offsets are found once, not once per element (per element,
+// the divisions by D and the GQA group took ~40 instructions of 8 a thread: ncu, bench/RESULTS.md).
 __device__ __forceinline__ void store_states(const DecodeParams& p, const DecodeWork& w, const Partials& part) {
     const int d = p.head_dim, ws_n = p.warp_states, wk_n = NUM_WARPS / ws_n;
-    const int total = ws_n * STATE_TILE * d;
-    for (int e = threadIdx.x; e < total; e += NUM_THREADS) {
-        const int col = e % d, slot = e / d;  // slot = ws * STATE_TILE + state in the tile
+    const int lane = threadIdx.x % 32;
+    for (int slot = threadIdx.x / 32; slot < ws_n * STATE_TILE; slot += NUM_WARPS) {  // ws * STATE_TILE + state in the tile
         const int ws = slot / STATE_TILE, sl = slot % STATE_TILE;
         const int st = (w.chunk * ws_n + ws) * STATE_TILE + sl;
         if (st >= p.states) continue;
         float mx = NEG_INF;
         for (int k = 0; k < wk_n; ++k) mx = fmaxf(mx, part.m[(k * ws_n + ws) * STATE_TILE + sl]);
-        float l = 0.f, acc = 0.f;
-        if (mx != NEG_INF) {
-            for (int k = 0; k < wk_n; ++k) {
-                const int at = (k * ws_n + ws) * STATE_TILE + sl;
-                const float f = fast_exp2(part.m[at] - mx);
-                l += f * part.l[at];
-                acc += f * part.o[at * d + col];
-            }
+        float l = 0.f, f[NUM_WARPS];  // the key lanes' weights
+#pragma unroll
+        for (int k = 0; k < NUM_WARPS; ++k) {
+            const int at = (k * ws_n + ws) * STATE_TILE + sl;
+            f[k] = k < wk_n && mx != NEG_INF ? fast_exp2(part.m[at] - mx) : 0.f;
+            if (k < wk_n) l += f[k] * part.l[at];
         }
         const bool seen = l > 0.f;
-        const float out = seen ? acc / l : 0.f;
         const float lse = seen ? (mx + fast_log2(l)) * LN2 : NEG_INF;
         const int i = st / p.group, h = w.kvh * p.group + st % p.group;
-        if (p.cluster) {
-            const BlockStates mine(reinterpret_cast<unsigned char*>(part.o), d);
-            mine.o[slot * d + col] = out;
-            if (col == 0) mine.lse[slot] = lse;
-        } else if (p.splits == 1) {
-            p.o[(((i64)w.b * p.seq_q + i) * p.heads + h) * d + col] = from_float(out);
-            if (col == 0) p.lse[((i64)w.b * p.heads + h) * p.seq_q + i] = lse;
-        } else {
-            const i64 sb = (i64)w.split * p.batch + w.b;
-            p.o_part[((sb * p.seq_q + i) * p.heads + h) * d + col] = out;
-            if (col == 0) p.lse_part[(sb * p.heads + h) * p.seq_q + i] = lse;
+        const BlockStates mine(reinterpret_cast<unsigned char*>(part.o), d);
+        const i64 sb = (i64)w.split * p.batch + w.b;
+        const i64 row = p.cluster ? (i64)slot * d
+                        : p.splits == 1 ? (((i64)w.b * p.seq_q + i) * p.heads + h) * d
+                                        : ((sb * p.seq_q + i) * p.heads + h) * d;
+        for (int col = lane; col < d; col += 32) {
+            float acc = 0.f;
+#pragma unroll
+            for (int k = 0; k < NUM_WARPS; ++k) {
+                if (k < wk_n) acc += f[k] * part.o[((k * ws_n + ws) * STATE_TILE + sl) * d + col];
+            }
+            const float out = seen ? acc / l : 0.f;
+            if (p.cluster) {
+                mine.o[row + col] = out;
+            } else if (p.splits == 1) {
+                p.o[row + col] = from_float(out);
+            } else {
+                p.o_part[row + col] = out;
+            }
+        }
+        if (lane == 0) {
+            if (p.cluster) {
+                mine.lse[slot] = lse;
+            } else if (p.splits == 1) {
+                p.lse[((i64)w.b * p.heads + h) * p.seq_q + i] = lse;
+            } else {
+                p.lse_part[(sb * p.heads + h) * p.seq_q + i] = lse;
+            }
         }
     }
 }
