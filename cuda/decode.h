@@ -752,40 +752,43 @@ __device__ __forceinline__ void cluster_sync() {
 }
 
 // With p.cluster, called by every thread of every block of the cluster after store_states: the
-// splits' states merged by their logsumexp, each block taking every splits-th element, written
-// as o and lse (f32 expf / logf, as merge.cu). The barriers: every block's states are in place
-// before any is read, and no block leaves (its shared memory with it) before all have read.
+// splits' states merged by their logsumexp, written as o and lse (f32 expf / logf, as merge.cu).
+// As store_states, a warp takes whole states (the cluster's warps in turn) and its lanes the
+// columns: the states' lse are read once, not per element. The barriers: every block's states are
+// in place before any is read, and no block leaves (its shared memory with it) before all have read.
 __device__ __forceinline__ void cluster_merge(const DecodeParams& p, const DecodeWork& w, unsigned char* smem) {
     cluster_sync();
-    const int d = p.head_dim, n = p.splits, rank = (int)cluster_rank();
+    const int d = p.head_dim, n = p.splits, rank = (int)cluster_rank(), lane = threadIdx.x % 32;
     const BlockStates mine(smem, d);
     const u32 o_at = smem_addr(mine.o), lse_at = smem_addr(mine.lse);
-    const int total = p.warp_states * STATE_TILE * d;
-    for (int e = rank * NUM_THREADS + threadIdx.x; e < total; e += n * NUM_THREADS) {
-        const int col = e % d, slot = e / d;
-        const int st = w.chunk * p.warp_states * STATE_TILE + slot;
+    const int slots = p.warp_states * STATE_TILE;
+    for (int slot = rank * NUM_WARPS + threadIdx.x / 32; slot < slots; slot += n * NUM_WARPS) {
+        const int st = w.chunk * slots + slot;
         if (st >= p.states) continue;
-        float lse_k[MAX_CLUSTER_SPLITS], mx = NEG_INF;  // each split's lse, read once
+        float f[MAX_CLUSTER_SPLITS], mx = NEG_INF;  // each split's lse, then its weight
 #pragma unroll
         for (int k = 0; k < MAX_CLUSTER_SPLITS; ++k) {
-            lse_k[k] = k < n ? ld_cluster_f32(cluster_map(lse_at + 4 * slot, k)) : NEG_INF;
-            mx = fmaxf(mx, lse_k[k]);
+            f[k] = k < n ? ld_cluster_f32(cluster_map(lse_at + 4 * slot, k)) : NEG_INF;
+            mx = fmaxf(mx, f[k]);
         }
-        float l = 0.f, acc = 0.f;
-        if (mx != NEG_INF) {
+        float l = 0.f;
 #pragma unroll
-            for (int k = 0; k < MAX_CLUSTER_SPLITS; ++k) {
-                if (k < n) {
-                    const float f = expf(lse_k[k] - mx);
-                    l += f;
-                    acc += f * ld_cluster_f32(cluster_map(o_at + 4 * e, k));
-                }
-            }
+        for (int k = 0; k < MAX_CLUSTER_SPLITS; ++k) {
+            f[k] = k < n && mx != NEG_INF ? expf(f[k] - mx) : 0.f;
+            l += f[k];
         }
         const bool seen = l > 0.f;
         const int i = st / p.group, h = w.kvh * p.group + st % p.group;
-        p.o[(((i64)w.b * p.seq_q + i) * p.heads + h) * d + col] = from_float(seen ? acc / l : 0.f);
-        if (col == 0) p.lse[((i64)w.b * p.heads + h) * p.seq_q + i] = seen ? mx + logf(l) : NEG_INF;
+        elem_t* o = p.o + (((i64)w.b * p.seq_q + i) * p.heads + h) * d;
+        for (int col = lane; col < d; col += 32) {
+            float acc = 0.f;
+#pragma unroll
+            for (int k = 0; k < MAX_CLUSTER_SPLITS; ++k) {
+                if (k < n && mx != NEG_INF) acc += f[k] * ld_cluster_f32(cluster_map(o_at + 4 * (slot * d + col), k));
+            }
+            o[col] = from_float(seen ? acc / l : 0.f);
+        }
+        if (lane == 0) p.lse[((i64)w.b * p.heads + h) * p.seq_q + i] = seen ? mx + logf(l) : NEG_INF;
     }
     cluster_sync();
 }
