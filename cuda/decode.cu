@@ -82,17 +82,19 @@ struct Geom {
 // word each, plus stage_layout's 64 bytes of slack).
 #define SCALE_KEY_BYTES (CACHE_BITS == 0 ? 0 : HEAD_DIM / 4 > 16 ? HEAD_DIM / 4 : 16)
 #define PLAIN_STAGE_BYTES (KEY_BLOCK * NUM_WARPS * (Geom<0>::SROW_K + Geom<0>::SROW_V))
+// A stage's keys are whole steps of every warp (stage_layout's key_round).
+#define STAGE_KEY_ROUND (KEY_BLOCK * STEP_BLOCKS * NUM_WARPS)
 #define STEP_STAGE_BYTES \
-    (KEY_BLOCK * STEP_BLOCKS * NUM_WARPS * (Geom<CACHE_BITS>::SROW_K + Geom<CACHE_BITS>::SROW_V + SCALE_KEY_BYTES) + (CACHE_BITS ? 64 : 0))
+    (STAGE_KEY_ROUND * (Geom<CACHE_BITS>::SROW_K + Geom<CACHE_BITS>::SROW_V + SCALE_KEY_BYTES) + (CACHE_BITS ? 64 : 0))
 #define STAGE_BYTES (PLAIN_STAGE_BYTES > STEP_STAGE_BYTES ? PLAIN_STAGE_BYTES : STEP_STAGE_BYTES)
 static_assert(PARTIALS_BYTES(HEAD_DIM) + BLOCK_STATES_BYTES(HEAD_DIM) <= STAGES * STAGE_BYTES, "the epilogue reuses the stages");
 
-// The stages, with WarpCopy's table after them (quantized D <= 128; where the stages leave room,
+// The stages, with WarpCopy's table after them (WARP_COPY_KERNEL; where the stages leave room,
 // within STAGES * STAGE_BYTES: the 4-bit kernel at D = 128 keeps three blocks per SM).
 #if CACHE_BITS
 #define DECODE_LAYOUT_BYTES \
     layout_of(Geom<CACHE_BITS>::SROW_K, Geom<CACHE_BITS>::SROW_V, scale_words(HEAD_DIM / K_GROUP), scale_words(HEAD_DIM / V_GROUP), \
-              STAGE_BYTES, KEY_BLOCK * STEP_BLOCKS * NUM_WARPS).bytes
+              STAGE_BYTES, STAGE_KEY_ROUND).bytes
 #else
 #define DECODE_LAYOUT_BYTES STAGE_BYTES
 #endif
@@ -482,7 +484,7 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
     const DecodeWork w(p);
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
     using G = Geom<CACHE_BITS>;
-    const StageLayout L = stage_layout(p, G::SROW_K, G::SROW_V, STAGE_BYTES, KEY_BLOCK * STEP_BLOCKS * NUM_WARPS);
+    const StageLayout L = stage_layout(p, G::SROW_K, G::SROW_V, STAGE_BYTES, STAGE_KEY_ROUND);
     const bool active = w.state0 < p.states;
     const int wk_n = NUM_WARPS / p.warp_states;
     constexpr bool q4 = CACHE_BITS == 4, q8 = CACHE_BITS == 8;

@@ -470,7 +470,7 @@ struct Pick<false, A, B> {
 };
 struct NoCopy {
     enum : int { TABLE_BYTES = 0 };
-    __device__ __forceinline__ NoCopy(unsigned char*, const StageLayout&, const DecodeParams&, const DecodeWork&) {}
+    __device__ __forceinline__ NoCopy(unsigned char*, const DecodeParams&, const DecodeWork&) {}
     __device__ __forceinline__ void load(u32, const StageLayout&, const DecodeWork&, int, int) const {}
 };
 
@@ -491,6 +491,12 @@ struct WarpCopy {
             COPIES = 2 * ROWS * SW / 32,  // a lane's words of a block's scale and bias rows
         };
         static_assert(2 * ROWS * SW % 32 == 0, "every lane copies as many scale words");
+        // Lane `lane`'s copy j: a bias word or a scale one, and its word k of the block's rows
+        // (row k / SW, word k % SW), as FastCopy::scales_warp orders them.
+        __device__ __forceinline__ static int2 entry(int lane, int j) {
+            const int e = lane + 32 * j, bias = e >= ROWS * SW;
+            return make_int2(bias, bias ? e - ROWS * SW : e);
+        }
     };
     using KS = ScaleRows<HEAD_DIM / K_GROUP>;
     using VS = ScaleRows<HEAD_DIM / V_GROUP>;
@@ -508,7 +514,7 @@ struct WarpCopy {
     unsigned char* table;  // this lane's first entry
     u32 stride, k_stride, v_stride;  // bytes between keys: rows, k and v scale rows
 
-    __device__ __forceinline__ WarpCopy(unsigned char* table_base, const StageLayout&, const DecodeParams& p, const DecodeWork& w) {
+    __device__ __forceinline__ WarpCopy(unsigned char* table_base, const DecodeParams& p, const DecodeWork& w) {
         const int lane = threadIdx.x % 32, z = lane % UNITS, i0 = lane / UNITS;
         const int warp = threadIdx.x / 32;
         table = table_base + warp * TABLE_WARP_BYTES;
@@ -533,8 +539,9 @@ struct WarpCopy {
         const int lane = threadIdx.x % 32;
 #pragma unroll
         for (int j = 0; j < S::COPIES; ++j) {
-            const int e = lane + 32 * j, bias = e >= ROWS * S::SW, k = bias ? e - ROWS * S::SW : e;
-            const unsigned char* a = (bias ? src.b : src.a) + (u32)(k / S::SW) * src.stride + 4 * (k % S::SW);
+            const int2 bk = S::entry(lane, j);
+            const int k = bk.y;
+            const unsigned char* a = (bk.x ? src.b : src.a) + (u32)(k / S::SW) * src.stride + 4 * (k % S::SW);
             *reinterpret_cast<unsigned long long*>(t + 8 * (lane + 32 * j)) = reinterpret_cast<unsigned long long>(a);
         }
     }
@@ -603,9 +610,10 @@ struct WarpCopy {
         const int lane = threadIdx.x % 32;
 #pragma unroll
         for (int j = 0; j < S::COPIES; ++j) {
-            const int e = lane + 32 * j, bias = e >= ROWS * S::SW, k = bias ? e - ROWS * S::SW : e;
+            const int2 bk = S::entry(lane, j);
+            const int k = bk.y;
             const unsigned char* a = reinterpret_cast<const unsigned char*>(src[j]);
-            const u32 d = (bias ? db : ds) + 4 * (r0 * S::SW + k);
+            const u32 d = (bk.x ? db : ds) + 4 * (r0 * S::SW + k);
             if (FULL) {
                 cp_async4_u32_all(d, a + at);
             } else {
@@ -615,7 +623,9 @@ struct WarpCopy {
         }
     }
 };
-#define WARP_COPY_TABLE_BYTES(OWN_ROWS) (CACHE_BITS > 0 && HEAD_DIM <= 128 ? WarpCopy<OWN_ROWS>::TABLE_BYTES : 0)
+// Where WarpCopy serves: quantized rows up to D = 128 (more pointers spilled at D = 256).
+#define WARP_COPY_KERNEL (CACHE_BITS > 0 && HEAD_DIM <= 128)
+#define WARP_COPY_TABLE_BYTES(OWN_ROWS) (WARP_COPY_KERNEL ? WarpCopy<OWN_ROWS>::TABLE_BYTES : 0)
 #else
 #define WARP_COPY_TABLE_BYTES(OWN_ROWS) 0
 #endif
@@ -648,15 +658,15 @@ __device__ __forceinline__ void pipeline(unsigned char* smem, const StageLayout&
     const StageCopy copy(p, L, copy_unit_bytes(p));
     const FastCopy fast(p, L);
     const bool own = OWN_ROWS > 0 && fast.ok && p.warp_states == 1 && p.row_bytes <= 512;
-    // Quantized rows up to D = 128: WarpCopy's table after the stages (WARP_COPY_TABLE_BYTES).
+    // WarpCopy where it serves (WARP_COPY_KERNEL), its table after the stages.
 #if defined(CACHE_BITS) && defined(K_GROUP) && defined(V_GROUP)
-    constexpr bool WARP_COPY = OWN_ROWS > 0 && CACHE_BITS > 0 && HEAD_DIM <= 128;
+    constexpr bool WARP_COPY = OWN_ROWS > 0 && WARP_COPY_KERNEL;
     using Copier = typename Pick<WARP_COPY, WarpCopy<OWN_ROWS>, NoCopy>::type;
 #else
     constexpr bool WARP_COPY = false;
     using Copier = NoCopy;
 #endif
-    const Copier warp_copy(smem + STAGES * L.bytes, L, p, w);  // its table after the stages
+    const Copier warp_copy(smem + STAGES * L.bytes, p, w);  // its table after the stages
     const u32 smem_u32 = smem_addr(smem);
     const int tiles = (w.k1 - w.k0 + L.tile_keys - 1) / L.tile_keys;
 #pragma unroll 1
