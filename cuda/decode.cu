@@ -136,9 +136,21 @@ __device__ __forceinline__ void load_unit(u32 (&w)[U / 4], const unsigned char* 
     }
 }
 
-// A scale row's element, raw 16-bit.
-__device__ __forceinline__ u32 scale_bits(const unsigned char* row, int index) {
-    return reinterpret_cast<const u16*>(row)[index];
+// Element G of a key's scale row of N 16-bit elements, as f32; `half`: the row's ScaleOffset. Rows
+// of an even N start at a word (ScaleOffset is 0 there), so one 32-bit load serves two elements
+// (16-bit loads and a shift each cost the 4-bit kernel 4 instructions a block, bench/RESULTS.md).
+template <int N>
+__device__ __forceinline__ float scale_value(const unsigned char* row, int half, int G) {
+    if constexpr (N % 2 == 0) {
+        const u32 w = reinterpret_cast<const u32*>(row)[G / 2];
+#if FLASH_DTYPE == 1
+        return __uint_as_float(G % 2 ? w & 0xffff0000u : w << 16);
+#else
+        return to_float((u16)(G % 2 ? w >> 16 : w & 0xffffu));
+#endif
+    } else {
+        return to_float(reinterpret_cast<const u16*>(row)[half + G]);
+    }
 }
 
 // Q^T's B fragments of this lane, the same shape for every format: [(unit j, step r), b0 | b1] as
@@ -239,6 +251,18 @@ __device__ __forceinline__ float column_sum(float x) {
     return x;
 }
 
+// How far (log2 units) a state's running maximum may lag behind its scores: the maximum moves only
+// when a step's exceeds it by more than this, so after the first steps the accumulators seldom take
+// a rescale (it measured half the 4-bit kernel's steps with random scores and exact moves). Exact
+// either way: P = 2^(s - m) then lies below 2^MAX_LAG, which bf16 / fp16 P, f32 sums and o hold.
+// Not where the V weights go into fp16 scaled to their range (decode_weights.h: 8-bit caches and
+// 4-bit ones under fp16 queries), which tracks P's range itself.
+#if CACHE_BITS == 0 || (CACHE_BITS == 4 && FLASH_DTYPE == 1)
+#define MAX_LAG 8.f
+#else
+#define MAX_LAG 0.f
+#endif
+
 // The softmax step of NB 16-key blocks in S^T's layout (x[b]: keys g, g + 8 of states 2t, 2t + 1;
 // block b's keys key_base[b] + g ..; the stage's keys end at key_end), one max and one rescale for
 // all of them: masks, updates m and l of the lane's states and leaves P in x and the factors the
@@ -274,7 +298,8 @@ __device__ __forceinline__ bool softmax_step(float (&x)[NB][4], float (&m)[2], f
     }
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-        const float m_new = fmaxf(m[c], column_max(mx[c]));
+        const float m_step = column_max(mx[c]);
+        const float m_new = m_step > m[c] + MAX_LAG ? m_step : m[c];
         const float m_use = m_new == NEG_INF ? 0.f : m_new;  // no -inf - -inf
         alpha[c] = fast_exp2(m[c] - m_use);
         float sum = 0.f;
@@ -419,7 +444,7 @@ template <int BITS, int GK, int GV, int NB>
 __device__ __forceinline__ void block_step_quant(float (&o)[HEAD_DIM / 16 + V_SUMS(GV)][4], float (&cv)[HEAD_DIM / GV][2], WeightRange& w,
                                                  const float (&qinv)[2], float (&m)[2], float (&l)[2], const u32 (&qa)[Q_REGS],
                                                  const float (&qs)[HEAD_DIM / GK][2], const unsigned char* stage,
-                                                 const StageLayout& L, const DecodeParams& p, int key0, int nkeys,
+                                                 u32 stage_s, const StageLayout& L, const DecodeParams& p, int key0, int nkeys,
                                                  const int (&r0)[NB], const int2 (&vis)[2], const ScaleOffset& k_off,
                                                  const ScaleOffset& v_off) {
     constexpr bool q8 = BITS == 8;
@@ -433,7 +458,7 @@ __device__ __forceinline__ void block_step_quant(float (&o)[HEAD_DIM / 16 + V_SU
         m, l, p, key0, nkeys, r0, vis,
         [&](int b, float (&x)[4]) {
             const int r = r0[b] + g, r8 = r + 8;
-            const u32 rows = smem_addr(stage + r0[b] * srow_k);
+            const u32 rows = stage_s + r0[b] * srow_k;
             if constexpr (q8) {
                 q8_qk<GK>(x, qa, qs, qinv, rows, ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k, ks + r8 * 4 * L.sw_k,
                           kb + r8 * 4 * L.sw_k, k_off(key0 + r), k_off(key0 + r8));
@@ -447,12 +472,12 @@ __device__ __forceinline__ void block_step_quant(float (&o)[HEAD_DIM / 16 + V_SU
         },
         [&](int b, const float (&x)[4]) {
             const int r = r0[b] + g, r8 = r + 8;
-            const unsigned char* rows = stage + L.off_v + r0[b] * srow_v;
+            const u32 rows = stage_s + L.off_v + r0[b] * srow_v;
             if constexpr (q8) {
-                q8_pv<GV>(o, cv, x, w, smem_addr(rows), vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v, vs + r8 * 4 * L.sw_v,
+                q8_pv<GV>(o, cv, x, w, rows, vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v, vs + r8 * 4 * L.sw_v,
                           vb + r8 * 4 * L.sw_v, v_off(key0 + r), v_off(key0 + r8));
             } else {
-                q4_pv<GV>(o, cv, x, w, smem_addr(rows), vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v, vs + r8 * 4 * L.sw_v,
+                q4_pv<GV>(o, cv, x, w, rows, vs + r * 4 * L.sw_v, vb + r * 4 * L.sw_v, vs + r8 * 4 * L.sw_v,
                           vb + r8 * 4 * L.sw_v, v_off(key0 + r), v_off(key0 + r8));
             }
         });
@@ -519,6 +544,7 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
     // keep the block's shared copies (bf16 1 x 131072 was 2 % slower warp-owned, bench/RESULTS.md).
     pipeline<CACHE_BITS ? KEY_BLOCK : 0>(smem, L, p, w, [&](const unsigned char* stage, int key0, int nkeys) {
         if (!active) return;
+        const u32 stage_s = smem_addr(stage);  // the stage's shared-space address, once per stage
         // A warp's blocks: wk, wk + wk_n, ... of the stage; a step takes STEP_BLOCKS of them (the
         // last may lie past nkeys: zero-filled rows, masked).
         for (int r0 = w.wk * KEY_BLOCK; r0 < nkeys; r0 += STEP_BLOCKS * wk_n * KEY_BLOCK) {
@@ -526,7 +552,7 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
 #pragma unroll
             for (int b = 0; b < STEP_BLOCKS; ++b) rows[b] = r0 + b * wk_n * KEY_BLOCK;
             if constexpr (CACHE_BITS != 0) {
-                block_step_quant<CACHE_BITS, GK, GV, STEP_BLOCKS>(o, cv, wr, qinv, m, l, qa, qs, stage, L, p, key0, nkeys, rows,
+                block_step_quant<CACHE_BITS, GK, GV, STEP_BLOCKS>(o, cv, wr, qinv, m, l, qa, qs, stage, stage_s, L, p, key0, nkeys, rows,
                                                                   vis, k_off, v_off);
             } else {
                 block_step<STEP_BLOCKS>(o, m, l, qa, stage, L, p, key0, nkeys, rows, vis);

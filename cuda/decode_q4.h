@@ -1,6 +1,6 @@
 // decode_q4.h — decode.cu's block step for 4-bit caches: the codes go into the mma as they are and
 // the scales and biases enter per group afterwards, so that no element is dequantized. decode.cu
-// includes it after its helpers (mma16816, transpose8x8, column_sum, scale_bits) and before
+// includes it after its helpers (mma16816, transpose8x8, column_sum, scale_value) and before
 // its kernel, which runs this path at CACHE_BITS 4 with the groups' sizes GK (K) and GV (V) as
 // template arguments (32 or 64, picked per call).
 //
@@ -162,10 +162,10 @@ __device__ __forceinline__ void q4_qk(float (&x)[4], const u32 (&qa)[HEAD_DIM / 
 #pragma unroll
     for (int G = 0; G < NG; ++G) {
         // The codes' scale per unit of acc (exact: a power of two).
-        const float s = to_float((u16)scale_bits(sc, half + G)) / Q4_K_UNIT;
-        const float s8 = to_float((u16)scale_bits(sc8, half8 + G)) / Q4_K_UNIT;
-        const float b = fmaf(-Q4_M, s, to_float((u16)scale_bits(bi, half + G)));
-        const float b8 = fmaf(-Q4_M, s8, to_float((u16)scale_bits(bi8, half8 + G)));
+        const float s = scale_value<NG>(sc, half, G) / Q4_K_UNIT;
+        const float s8 = scale_value<NG>(sc8, half8, G) / Q4_K_UNIT;
+        const float b = fmaf(-Q4_M, s, scale_value<NG>(bi, half, G));
+        const float b8 = fmaf(-Q4_M, s8, scale_value<NG>(bi8, half8, G));
         const float z[4] = {fmaf(s, acc[G][0], b * qs[G][0]), fmaf(s, acc[G][1], b * qs[G][1]),
                             fmaf(s8, acc[G][2], b8 * qs[G][0]), fmaf(s8, acc[G][3], b8 * qs[G][1])};
         // Assigned, not added to the caller's zeros: 0 + z does not fold (-0), an FADD each.
@@ -198,9 +198,9 @@ __device__ __forceinline__ void q4_pv(float (&o)[HEAD_DIM / 16 + V_SUMS(GV)][4],
     const float xf[4] = {x[0] * w.f[0], x[1] * w.f[1], x[2] * w.f[0], x[3] * w.f[1]};
 #pragma unroll
     for (int G = 0; G < NG; ++G) {
-        const float s = to_float((u16)scale_bits(sc, half + G)), s8 = to_float((u16)scale_bits(sc8, half8 + G));
-        const float b = fmaf(8.f, s, to_float((u16)scale_bits(bi, half + G)));
-        const float b8 = fmaf(8.f, s8, to_float((u16)scale_bits(bi8, half8 + G)));
+        const float s = scale_value<NG>(sc, half, G), s8 = scale_value<NG>(sc8, half8, G);
+        const float b = fmaf(8.f, s, scale_value<NG>(bi, half, G));
+        const float b8 = fmaf(8.f, s8, scale_value<NG>(bi8, half8, G));
         cv[G][0] = fmaf(b, x[0], fmaf(b8, x[2], cv[G][0]));
         cv[G][1] = fmaf(b, x[1], fmaf(b8, x[3], cv[G][1]));
         const u32 bq0 = transpose8x8(pack2(xf[0] * s, xf[1] * s)), bq1 = transpose8x8(pack2(xf[2] * s8, xf[3] * s8));

@@ -2,7 +2,7 @@
 // the scales and biases enter per group afterwards (decode_q4.h's plan), so that no element is
 // dequantized. fp16 for both query dtypes: 2^10 + c holds every 8-bit code exactly, and one PRMT
 // builds two of them (bf16's 8 significant bits hold no 2^k + c for 8-bit c). decode.cu includes
-// it after its helpers (transpose8x8, column_max / column_sum, scale_bits) and runs this
+// it after its helpers (transpose8x8, column_max / column_sum, scale_value) and runs this
 // path at CACHE_BITS 8 with the groups' sizes GK (K) and GV (V) as template arguments.
 //
 // With x = s c + b per group G of the head dim and M = 2^10:
@@ -127,9 +127,9 @@ __device__ __forceinline__ void q8_qk(float (&x)[4], const u32 (&qa)[HEAD_DIM / 
     float y[4];
 #pragma unroll
     for (int G = 0; G < NG; ++G) {
-        const float s = to_float((u16)scale_bits(sc, half + G)), s8 = to_float((u16)scale_bits(sc8, half8 + G));
-        const float b = fmaf(-Q8_M, s, to_float((u16)scale_bits(bi, half + G)));
-        const float b8 = fmaf(-Q8_M, s8, to_float((u16)scale_bits(bi8, half8 + G)));
+        const float s = scale_value<NG>(sc, half, G), s8 = scale_value<NG>(sc8, half8, G);
+        const float b = fmaf(-Q8_M, s, scale_value<NG>(bi, half, G));
+        const float b8 = fmaf(-Q8_M, s8, scale_value<NG>(bi8, half8, G));
         const float z[4] = {fmaf(s, acc[G][0], b * qs[G][0]), fmaf(s, acc[G][1], b * qs[G][1]),
                             fmaf(s8, acc[G][2], b8 * qs[G][0]), fmaf(s8, acc[G][3], b8 * qs[G][1])};
 #pragma unroll
@@ -157,9 +157,9 @@ __device__ __forceinline__ void q8_pv(float (&o)[HEAD_DIM / 16 + V_SUMS(GV)][4],
     const float xf[4] = {x[0] * w.f[0], x[1] * w.f[1], x[2] * w.f[0], x[3] * w.f[1]};
 #pragma unroll
     for (int G = 0; G < NG; ++G) {
-        const float s = to_float((u16)scale_bits(sc, half + G)), s8 = to_float((u16)scale_bits(sc8, half8 + G));
-        const float b = fmaf(128.f, s, to_float((u16)scale_bits(bi, half + G)));
-        const float b8 = fmaf(128.f, s8, to_float((u16)scale_bits(bi8, half8 + G)));
+        const float s = scale_value<NG>(sc, half, G), s8 = scale_value<NG>(sc8, half8, G);
+        const float b = fmaf(128.f, s, scale_value<NG>(bi, half, G));
+        const float b8 = fmaf(128.f, s8, scale_value<NG>(bi8, half8, G));
         cv[G][0] = fmaf(b, x[0], fmaf(b8, x[2], cv[G][0]));
         cv[G][1] = fmaf(b, x[1], fmaf(b8, x[3], cv[G][1]));
         const u32 bq0 = transpose8x8(pack2_f16(xf[0] * s, xf[1] * s)), bq1 = transpose8x8(pack2_f16(xf[2] * s8, xf[3] * s8));

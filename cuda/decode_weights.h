@@ -6,7 +6,7 @@
 // [1/64, 64], f and the state's accumulators take a power of two (exact) that brings R into
 // [1, 2). The largest P' seen is then never below 2^-6 nor above 2^6, the weights that matter keep
 // fp16's 11 bits, and what underflows is below 2^-20 of the largest. The output divides by f.
-// decode.cu includes it after its helpers (column_max, rescale, rescale_pairs, scale_bits).
+// decode.cu includes it after its helpers (column_max, rescale, rescale_pairs, scale_value).
 #pragma once
 
 #define WEIGHT_RANGE_HI 64.f
@@ -25,7 +25,7 @@ template <int GV>
 __device__ __forceinline__ float max_v_scale(const unsigned char* sc, int half) {
     float m = 0.f;
 #pragma unroll
-    for (int G = 0; G < HEAD_DIM / GV; ++G) m = fmaxf(m, fabsf(to_float((u16)scale_bits(sc, half + G))));
+    for (int G = 0; G < HEAD_DIM / GV; ++G) m = fmaxf(m, fabsf(scale_value<HEAD_DIM / GV>(sc, half, G)));
     return m;
 }
 
