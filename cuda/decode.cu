@@ -138,7 +138,7 @@ __device__ __forceinline__ void load_unit(u32 (&w)[U / 4], const unsigned char* 
 
 // Element G of a key's scale row of N 16-bit elements, as f32; `half`: the row's ScaleOffset. Rows
 // of an even N start at a word (ScaleOffset is 0 there), so one 32-bit load serves two elements
-// (16-bit loads and a shift each cost the 4-bit kernel 4 instructions a block, bench/RESULTS.md).
+// and bf16's high one needs only a mask (was a 16-bit load and a shift each).
 template <int N>
 __device__ __forceinline__ float scale_value(const unsigned char* row, int half, int G) {
     if constexpr (N % 2 == 0) {
