@@ -6,10 +6,11 @@ defmodule FlashNif.SchedulerTest do
   @moduletag :slow
   @moduletag timeout: 300_000
   @target_seconds 3.0
-  # The ticker sleeps 1 ms at a time; anything near the call's duration would mean a stall.
-  # The allowance covers OS time-slicing on a small machine, where the kernel threads occupy
-  # every core while the scheduler thread wants one too.
-  @max_delay_ms 100
+  # The ticker sleeps 1 ms at a time; a stall delays it by the whole call. The allowance, a
+  # quarter of the call, covers OS time-slicing on a small shared machine, where the kernel
+  # threads occupy every core while the scheduler thread wants one too (CI's 2-core VM once
+  # delayed it by 136 ms during a 2.2 s call).
+  @max_delay_fraction 0.25
 
   test "a multi-second backward leaves the only normal scheduler free (+S 1)" do
     ebin = Path.join(:code.lib_dir(:flash_nif), "ebin")
@@ -34,7 +35,7 @@ defmodule FlashNif.SchedulerTest do
 
     assert r.schedulers == 1
     assert r.backward_s >= 1.0, "the backward was too short to show a stall: #{inspect(r)}"
-    assert r.worst_tick_delay_ms < @max_delay_ms, inspect(r)
+    assert r.worst_tick_delay_ms < @max_delay_fraction * r.backward_s * 1000, inspect(r)
     # The ticker kept its pace through the call (at least half its idle rate, per second).
     assert r.ticks / r.backward_s >= 0.5 * r.baseline_ticks, inspect(r)
   end
