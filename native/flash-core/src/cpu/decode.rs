@@ -4,7 +4,7 @@
 //! widened or dequantized there), scored against all states (dot products finished LANES at a
 //! time by `Vector::sum_each`) and folded into the states by simd's online softmax; states go
 //! through the block in register-held groups of up to 8. bf16 queries over plain bf16 caches take
-//! both products as AVX512-BF16 dot products where the CPU has them (decode_bf16.rs).
+//! both products as AVX512-BF16 dot products where the CPU has them at full rate (decode_bf16.rs).
 
 use std::f32::consts::{LN_2, LOG2_E};
 
@@ -41,7 +41,7 @@ pub(crate) fn task(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut
     unsafe {
         match isa() {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 if decode_bf16::paths(p, k, v).any() => avx512_bf16(p, q, k, v, t, po, pl),
+            Isa::Avx512 if decode_bf16::preferred() && decode_bf16::paths(p, k, v).any() => avx512_bf16(p, q, k, v, t, po, pl),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => avx512(p, q, k, v, t, po, pl),
             #[cfg(target_arch = "x86_64")]
@@ -109,7 +109,7 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
                 p.dtype.load(q, ((t.b * sq + i) * h + kv * group + g) * d, &mut row[..d]);
                 let dst = &mut qs[kv * states * dp..][..states * dp];
                 for (e, &x) in row[..d].iter().enumerate() {
-                    dst[at(g * sq + i, position(k, V::LANES, e))] = x * p.scale * LOG2_E;
+                    dst[at(g * sq + i, position(k, p, V::LANES, e))] = x * p.scale * LOG2_E;
                 }
             }
         }
@@ -222,7 +222,7 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
         if l[st] > 0.0 {
             let (a, inv) = (&acc[st / states * states * dp..][..states * dp], 1.0 / l[st]);
             for (e, o) in out.iter_mut().enumerate() {
-                *o = a[at(st % states, v_position(dot, v, V::LANES, e))] * inv;
+                *o = a[at(st % states, v_position(dot, p, v, V::LANES, e))] * inv;
             }
             pl[st] = (m[st] + l[st].log2()) * LN_2;
         } else {
@@ -233,46 +233,48 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
 }
 
 /// Where V's head-dim element e sits in the accumulators (decode_bf16.rs's orders for its paths).
-fn v_position(dot: DotPaths, v: &Cache, lanes: usize, e: usize) -> usize {
+fn v_position(dot: DotPaths, p: &Decode, v: &Cache, lanes: usize, e: usize) -> usize {
     #[cfg(target_arch = "x86_64")]
     if dot.v_plain {
         return decode_bf16::v_position(e);
     }
     let _ = dot;
-    position(v, lanes, e)
+    position(v, p, lanes, e)
 }
 
 /// Calls `$f::<V, Format, N>` for the reader's format over the states in groups of N = 8, 4, 2, 1
 /// (register-held; one pass over the block's rows per group): `$f(rows, first state, args..)`.
+/// NV: the row's vector count when known at compile time (the loops over a row then unroll),
+/// else 0. (NV = 8 is D = 128 under AVX-512, D = 64 under AVX2.)
 macro_rules! by_format_and_group {
-    ($f:ident, $reader:expr, $states:expr, $($arg:expr),*) => {
+    ($f:ident, $nv:tt, $reader:expr, $states:expr, $($arg:expr),*) => {
         match $reader {
-            Reader::F32(r) => groups!($f, Plain<'_, 0>, r, $states, $($arg),*),
-            Reader::F16(r) => groups!($f, Plain<'_, 1>, r, $states, $($arg),*),
-            Reader::Bf16(r) => groups!($f, Plain<'_, 2>, r, $states, $($arg),*),
-            Reader::Q8(r) => groups!($f, Quant<'_, 8>, r, $states, $($arg),*),
-            Reader::Q4(r) => groups!($f, Quant<'_, 4>, r, $states, $($arg),*),
+            Reader::F32(r) => groups!($f, $nv, Plain<'_, 0>, r, $states, $($arg),*),
+            Reader::F16(r) => groups!($f, $nv, Plain<'_, 1>, r, $states, $($arg),*),
+            Reader::Bf16(r) => groups!($f, $nv, Plain<'_, 2>, r, $states, $($arg),*),
+            Reader::Q8(r) => groups!($f, $nv, Quant<'_, 8>, r, $states, $($arg),*),
+            Reader::Q4(r) => groups!($f, $nv, Quant<'_, 4>, r, $states, $($arg),*),
         }
     };
 }
 
 macro_rules! groups {
-    ($f:ident, $fmt:ty, $r:expr, $states:expr, $($arg:expr),*) => {{
+    ($f:ident, $nv:tt, $fmt:ty, $r:expr, $states:expr, $($arg:expr),*) => {{
         let mut st = 0;
         while $states - st >= 8 {
-            $f::<V, $fmt, 8>($r, st, $($arg),*);
+            $f::<V, $fmt, 8, $nv>($r, st, $($arg),*);
             st += 8;
         }
         if $states - st >= 4 {
-            $f::<V, $fmt, 4>($r, st, $($arg),*);
+            $f::<V, $fmt, 4, $nv>($r, st, $($arg),*);
             st += 4;
         }
         if $states - st >= 2 {
-            $f::<V, $fmt, 2>($r, st, $($arg),*);
+            $f::<V, $fmt, 2, $nv>($r, st, $($arg),*);
             st += 2;
         }
         if $states - st >= 1 {
-            $f::<V, $fmt, 1>($r, st, $($arg),*);
+            $f::<V, $fmt, 1, $nv>($r, st, $($arg),*);
         }
     }};
 }
@@ -282,13 +284,17 @@ macro_rules! groups {
 #[inline(always)]
 unsafe fn scores<V: Vector>(kr: &Reader, qs: &[f32], states: usize, nvec: usize, nk: usize, s: &mut [f32]) {
     assert!(qs.len() == nvec * states * V::LANES && s.len() == states * KEY_BLOCK && nk <= KEY_BLOCK);
-    by_format_and_group!(score_group, kr, states, qs.as_ptr(), states, nvec, nk, s.as_mut_ptr());
+    match nvec {
+        8 => by_format_and_group!(score_group, 8, kr, states, qs.as_ptr(), states, nvec, nk, s.as_mut_ptr()),
+        _ => by_format_and_group!(score_group, 0, kr, states, qs.as_ptr(), states, nvec, nk, s.as_mut_ptr()),
+    }
 }
 
 /// States st0 .. st0 + N of [`scores`]: per key, N dot products in registers, the row's vectors
 /// read once (in pairs); every LANES keys, their partial sums reduced together.
 #[inline(always)]
-unsafe fn score_group<V: Vector, F: Rows, const N: usize>(rows: &F, st0: usize, qs: *const f32, states: usize, nvec: usize, nk: usize, s: *mut f32) {
+unsafe fn score_group<V: Vector, F: Rows, const N: usize, const NV: usize>(rows: &F, st0: usize, qs: *const f32, states: usize, nvec: usize, nk: usize, s: *mut f32) {
+    let nvec = if NV > 0 { NV } else { nvec };
     let q = |i: usize| qs.add((i * states + st0) * V::LANES); // state st0's vector i; the group's follow
     let mut part = [[V::zero(); MAX_LANES]; N];
     let mut x0 = 0;
@@ -325,13 +331,16 @@ unsafe fn score_group<V: Vector, F: Rows, const N: usize>(rows: &F, st0: usize, 
 #[inline(always)]
 unsafe fn accumulate<V: Vector>(vr: &Reader, p: &[f32], alpha: &[f32], states: usize, nvec: usize, nk: usize, acc: &mut [f32]) {
     assert!(acc.len() == nvec * states * V::LANES && p.len() == states * KEY_BLOCK && alpha.len() == states && nk <= KEY_BLOCK);
-    by_format_and_group!(accumulate_group, vr, states, p.as_ptr(), alpha.as_ptr(), states, nvec, nk, acc.as_mut_ptr());
+    match nvec {
+        8 => by_format_and_group!(accumulate_group, 8, vr, states, p.as_ptr(), alpha.as_ptr(), states, nvec, nk, acc.as_mut_ptr()),
+        _ => by_format_and_group!(accumulate_group, 0, vr, states, p.as_ptr(), alpha.as_ptr(), states, nvec, nk, acc.as_mut_ptr()),
+    }
 }
 
 /// States st0 .. st0 + N of [`accumulate`], two vector columns of acc at a time in registers.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn accumulate_group<V: Vector, F: Rows, const N: usize>(
+unsafe fn accumulate_group<V: Vector, F: Rows, const N: usize, const NV: usize>(
     rows: &F,
     st0: usize,
     p: *const f32,
@@ -341,6 +350,7 @@ unsafe fn accumulate_group<V: Vector, F: Rows, const N: usize>(
     nk: usize,
     acc: *mut f32,
 ) {
+    let nvec = if NV > 0 { NV } else { nvec };
     let a_at = |i: usize| acc.add((i * states + st0) * V::LANES);
     let p = p.add(st0 * KEY_BLOCK);
     let mut al = [V::zero(); N];
@@ -502,21 +512,35 @@ mod tests {
                 };
                 // SAFETY: each set runs only where isa() reports it.
                 let want = go(&|po, pl| unsafe { run::<Scalar, false>(&p, &q, &k, &v, t, po, pl) });
-                let mut got = vec![go(&|po, pl| task(&p, &q, &k, &v, t, po, pl))];
-                #[cfg(target_arch = "x86_64")]
-                if matches!(isa(), Isa::Avx512 | Isa::Avx2) {
-                    got.push(go(&|po, pl| unsafe { avx2(&p, &q, &k, &v, t, po, pl) }));
-                }
-                // The bf16 dot products (decode_bf16.rs) round P to bf16 over a plain V: task()'s
-                // states then agree to that rounding (norm-wise; a misplaced element would be off by
-                // O(1)). Over a 4-bit K the magic offset cancels in f32 (~7 bits of 24): 1e-4.
+                // The bf16 dot products (decode_bf16.rs) where the CPU has them, whether or not
+                // task() prefers them here.
                 #[cfg(target_arch = "x86_64")]
                 let paths = if matches!(isa(), Isa::Avx512) { super::decode_bf16::paths(&p, &k, &v) } else { DotPaths::default() };
                 #[cfg(not(target_arch = "x86_64"))]
                 let paths = DotPaths::default();
-                let (dot, tol) = (paths.v_plain, if paths.k_q4 { 1e-4 } else { 1e-5 });
-                for (j, (po, pl)) in got.into_iter().enumerate() {
-                    if dot && j == 0 {
+                #[cfg(target_arch = "x86_64")]
+                let task_dot = paths.any() && super::decode_bf16::preferred();
+                #[cfg(not(target_arch = "x86_64"))]
+                let task_dot = false;
+                // (states, by the dot products)
+                let mut got = vec![(go(&|po, pl| task(&p, &q, &k, &v, t, po, pl)), task_dot)];
+                #[cfg(target_arch = "x86_64")]
+                {
+                    if matches!(isa(), Isa::Avx512 | Isa::Avx2) {
+                        got.push((go(&|po, pl| unsafe { avx2(&p, &q, &k, &v, t, po, pl) }), false));
+                    }
+                    if matches!(isa(), Isa::Avx512) {
+                        got.push((go(&|po, pl| unsafe { avx512(&p, &q, &k, &v, t, po, pl) }), false));
+                    }
+                    if paths.any() {
+                        got.push((go(&|po, pl| unsafe { avx512_bf16(&p, &q, &k, &v, t, po, pl) }), true));
+                    }
+                }
+                // The dot products round P to bf16 over a plain V: their states then agree to that
+                // rounding (norm-wise; a misplaced element would be off by O(1)). Over a 4-bit K the
+                // magic offset cancels in f32 (~7 bits of 24): 1e-4.
+                for ((po, pl), dot) in got {
+                    if dot && paths.v_plain {
                         let err = po.iter().zip(&want.0).map(|(a, w)| (a - w) * (a - w)).sum::<f32>().sqrt();
                         let norm = want.0.iter().map(|w| w * w).sum::<f32>().sqrt();
                         assert!(err <= 4e-3 * norm, "{dtype:?} d={d} sq={sq} (bf16 dot products): o's relative error {}", err / norm);
@@ -525,27 +549,42 @@ mod tests {
                         }
                         continue;
                     }
-                    let tol = if j == 0 { tol } else { 1e-5 };
+                    let tol = if dot && paths.k_q4 { 1e-4 } else { 1e-5 };
                     for (i, (a, w)) in po.iter().zip(&want.0).chain(pl.iter().zip(&want.1)).enumerate() {
-                        assert!((a - w).abs() <= tol * (1.0 + w.abs()), "{dtype:?} d={d} {quant:?} sq={sq}: [{i}] {a} vs {w}");
+                        assert!((a - w).abs() <= tol * (1.0 + w.abs()), "{dtype:?} d={d} {quant:?} sq={sq} (dot products: {dot}): [{i}] {a} vs {w}");
                     }
                 }
             }
         }
     }
 
+    /// 4-bit rows and bf16 rows read in pairs of vectors put the head dim in a permuted order.
     #[test]
-    fn four_bit_positions_are_a_permutation() {
+    fn positions_are_permutations() {
+        use crate::dtype::DType;
         let fmt = crate::quant::QuantFormat::new(4, 32, 128).unwrap();
-        let c = Cache::Quant { fmt, values: &[], scales: &[], biases: &[] };
+        let q4 = Cache::Quant { fmt, values: &[], scales: &[], biases: &[] };
+        let p = |dtype: DType, d: usize| Decode {
+            dtype, batch: 1, seq_q: 1, s_cache: 1, heads: 1, kv_heads: 1, head_dim: d, causal: false, scale: 1.0,
+            left: None, right: None, softcap: None, num_splits: None,
+        };
+        let (bf16, f16, plain) = (p(DType::BF16, 128), p(DType::F16, 128), Cache::Plain(&[]));
         for lanes in [1, 8, 16] {
-            let mut seen = [false; 128];
-            for e in 0..128 {
-                seen[position(&c, lanes, e)] = true;
+            for (c, p) in [(&q4, &bf16), (&plain, &bf16), (&plain, &f16)] {
+                let mut seen = [false; 128];
+                for e in 0..128 {
+                    seen[position(c, p, lanes, e)] = true;
+                }
+                assert!(seen.iter().all(|&s| s), "{lanes} lanes");
             }
-            assert!(seen.iter().all(|&s| s), "{lanes} lanes");
         }
-        assert_eq!((position(&c, 16, 0), position(&c, 16, 1), position(&c, 16, 2), position(&c, 16, 33)), (0, 16, 1, 48));
-        assert_eq!((position(&c, 1, 5), position(&c, 8, 1), position(&c, 8, 17)), (5, 8, 24));
+        let at = |c: &Cache, p: &Decode, lanes: usize, es: [usize; 4]| es.map(|e| position(c, p, lanes, e));
+        assert_eq!(at(&q4, &bf16, 16, [0, 1, 2, 33]), [0, 16, 1, 48]);
+        assert_eq!(at(&q4, &bf16, 1, [5, 1, 2, 3]), [5, 1, 2, 3]);
+        assert_eq!(at(&q4, &bf16, 8, [1, 17, 2, 3]), [8, 24, 1, 9]);
+        // bf16 pairs as the 4-bit order; f16, and bf16 whose D is not a multiple of 2 · LANES, in order.
+        assert_eq!(at(&plain, &bf16, 16, [0, 1, 2, 33]), [0, 16, 1, 48]);
+        assert_eq!(at(&plain, &f16, 16, [0, 1, 2, 33]), [0, 1, 2, 33]);
+        assert_eq!(at(&plain, &p(DType::BF16, 48), 16, [0, 1, 2, 33]), [0, 1, 2, 33]);
     }
 }

@@ -69,6 +69,18 @@ pub(crate) fn paths(p: &Decode, k: &Cache, v: &Cache) -> DotPaths {
     DotPaths { k_plain: plain(k), k_q4: q4, v_plain: plain(v) }
 }
 
+/// Whether decode takes [`paths`] on this CPU: where `vdpbf16ps` runs at the FMA's rate, so that
+/// its 32 products per instruction beat widening and 16 per FMA: AMD's Zen 4 / 5. Intel's cores
+/// issue it once per 2 cycles (half the FMAs' products; measured on a Xeon with AVX512-BF16,
+/// bench/RESULTS.md), where the general path's widening (one operation per 16 bf16) is faster.
+pub(crate) fn preferred() -> bool {
+    static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FAST.get_or_init(|| {
+        let id = __cpuid(0); // the vendor string
+        [id.ebx, id.edx, id.ecx] == [0x6874_7541, 0x6974_6e65, 0x444d_4163] // "AuthenticAMD"
+    })
+}
+
 /// Where head-dim element e of V sits in the accumulators (vector e' / 16, lane e' % 16, as
 /// decode_rows' `position`): of each 32, unpack's order — elements 8j + m (m < 4) in lanes 4j + m
 /// of the first vector, 8j + 4 + m in lanes 4j + m of the second.

@@ -37,11 +37,19 @@ pub(crate) trait Rows {
 }
 
 /// Where head-dim element `e` of a row of `cache` sits among a row's vectors of `lanes` lanes.
-pub(crate) fn position(cache: &Cache, lanes: usize, e: usize) -> usize {
+pub(crate) fn position(cache: &Cache, p: &Decode, lanes: usize, e: usize) -> usize {
+    let split = |e: usize| e / (2 * lanes) * (2 * lanes) + (e % 2) * lanes + (e % (2 * lanes)) / 2;
     match cache {
-        Cache::Quant { fmt, .. } if fmt.bits == 4 => e / (2 * lanes) * (2 * lanes) + (e % 2) * lanes + (e % (2 * lanes)) / 2,
+        Cache::Quant { fmt, .. } if fmt.bits == 4 => split(e),
+        Cache::Plain(_) if bf16_pairs(p, lanes) => split(e),
         _ => e,
     }
+}
+
+/// Whether plain bf16 rows are read 2·LANES elements at a time, even elements in one vector and
+/// odd ones in the next (`Vector::load_bf16_pair`): where D is a multiple of 2·LANES.
+fn bf16_pairs(p: &Decode, lanes: usize) -> bool {
+    p.dtype == DType::BF16 && p.head_dim.is_multiple_of(2 * lanes)
 }
 
 /// Plain rows; KIND 0: f32, 1: f16, 2: bf16. Where D is not a multiple of LANES, `head` copies
@@ -56,6 +64,7 @@ pub(crate) struct Plain<'a, const KIND: u8> {
     first: *const u8, // the head's first row
     stride: usize,    // bytes from one key's row to the next
     staging: Vec<u8>, // [KEY_BLOCK, padded D], or empty
+    pairs: bool,      // bf16_pairs: vectors 2c and 2c + 1 split elements 2c·LANES .. by parity
 }
 
 impl<'a, const KIND: u8> Plain<'a, KIND> {
@@ -64,7 +73,8 @@ impl<'a, const KIND: u8> Plain<'a, KIND> {
     fn new(p: &Decode, bytes: &'a [u8], lanes: usize) -> Self {
         let d = p.head_dim;
         let staging = if d.is_multiple_of(lanes) { Vec::new() } else { vec![0u8; KEY_BLOCK * d.next_multiple_of(lanes) * Self::ES] };
-        Plain { bytes, heads: p.kv_heads, row_bytes: d * Self::ES, block: 0, nk: 0, first: bytes.as_ptr(), stride: 0, staging }
+        let pairs = KIND == 2 && bf16_pairs(p, lanes);
+        Plain { bytes, heads: p.kv_heads, row_bytes: d * Self::ES, block: 0, nk: 0, first: bytes.as_ptr(), stride: 0, staging, pairs }
     }
 
     fn head(&mut self, kv: usize) {
@@ -107,7 +117,21 @@ impl<const KIND: u8> Plain<'_, KIND> {
 impl<const KIND: u8> Rows for Plain<'_, KIND> {
     #[inline(always)]
     unsafe fn vector<V: Vector>(&self, x: usize, i: usize) -> V {
+        if KIND == 2 && self.pairs {
+            let (a, b) = self.pair::<V>(x, i / 2);
+            return if i.is_multiple_of(2) { a } else { b };
+        }
         Self::widen(self.first.add(x * self.stride + i * V::LANES * Self::ES))
+    }
+
+    #[inline(always)]
+    unsafe fn pair<V: Vector>(&self, x: usize, c: usize) -> (V, V) {
+        let at = self.first.add(x * self.stride + 2 * c * V::LANES * Self::ES);
+        if KIND == 2 && self.pairs {
+            V::load_bf16_pair(at)
+        } else {
+            (Self::widen(at), Self::widen(at.add(V::LANES * Self::ES)))
+        }
     }
 }
 
@@ -203,16 +227,15 @@ impl<const BITS: usize> Rows for Quant<'_, BITS> {
     #[inline(always)]
     unsafe fn pair<V: Vector>(&self, x: usize, c: usize) -> (V, V) {
         let row = self.first.add(x * self.stride);
-        let (lo, hi) = if BITS == 8 {
-            let p = row.add(2 * c * V::LANES);
-            (V::load_u8(p), V::load_u8(p.add(V::LANES)))
-        } else {
-            // LANES bytes: 2 · LANES codes, the even elements' then the odd ones'.
-            V::load_u4(row.add(c * V::LANES))
-        };
         let at = x * self.heads * self.groups + self.head + ((2 * c * V::LANES) >> self.group_shift);
         let (s, b) = (V::splat(*self.scale.get_unchecked(at)), V::splat(*self.bias.get_unchecked(at)));
-        (b.fma(lo, s), b.fma(hi, s))
+        if BITS == 8 {
+            let p = row.add(2 * c * V::LANES);
+            (b.fma(V::load_u8(p), s), b.fma(V::load_u8(p.add(V::LANES)), s))
+        } else {
+            // LANES bytes: 2 · LANES codes, the even elements' then the odd ones'.
+            V::load_u4_dequant(row.add(c * V::LANES), s, b)
+        }
     }
 }
 

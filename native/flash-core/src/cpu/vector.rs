@@ -60,6 +60,15 @@ pub trait Vector: Copy {
     unsafe fn load_u8(p: *const u8) -> Self;
     /// LANES bytes at `p`: their low nibbles and their high nibbles as unsigned integers.
     unsafe fn load_u4(p: *const u8) -> (Self, Self);
+    /// 2·LANES bf16 at `p` (any alignment), widened: (the even elements, the odd ones) — one
+    /// shift and one mask where a widening load per LANES would take two operations each.
+    unsafe fn load_bf16_pair(p: *const u8) -> (Self, Self);
+    /// [`load_u4`](Vector::load_u4)'s nibbles dequantized: `bias + code · scale` (one rounding).
+    #[inline(always)]
+    unsafe fn load_u4_dequant(p: *const u8, scale: Self, bias: Self) -> (Self, Self) {
+        let (lo, hi) = Self::load_u4(p);
+        (bias.fma(lo, scale), bias.fma(hi, scale))
+    }
 }
 
 /// The 1-lane fallback for machines without AVX2.
@@ -151,6 +160,10 @@ impl Vector for Scalar {
     #[inline(always)]
     unsafe fn load_u4(p: *const u8) -> (Self, Self) {
         (Scalar((*p & 15) as f32), Scalar((*p >> 4) as f32))
+    }
+    #[inline(always)]
+    unsafe fn load_bf16_pair(p: *const u8) -> (Self, Self) {
+        (Self::load_bf16(p), Self::load_bf16(p.add(2)))
     }
 }
 
@@ -336,6 +349,22 @@ pub mod x86 {
             let lo = _mm512_and_si512(x, _mm512_set1_epi32(15));
             (Avx512(_mm512_cvtepi32_ps(lo)), Avx512(_mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(x))))
         }
+        #[inline(always)]
+        unsafe fn load_bf16_pair(p: *const u8) -> (Self, Self) {
+            // Little-endian: 32-bit word i holds element 2i in its low half, 2i + 1 in its high.
+            let x = _mm512_loadu_si512(p as *const __m512i);
+            let odd = _mm512_and_si512(x, _mm512_set1_epi32(0xffff_0000u32 as i32));
+            (Avx512(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(x))), Avx512(_mm512_castsi512_ps(odd)))
+        }
+        /// By a 16-entry table per call (`bias + c · scale` for c < 16, the same fma per entry as
+        /// per element): a nibble indexes it directly (`vpermps` reads an index's low 4 bits).
+        #[inline(always)]
+        unsafe fn load_u4_dequant(p: *const u8, scale: Self, bias: Self) -> (Self, Self) {
+            let x = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+            let codes = _mm512_set_ps(15.0, 14.0, 13.0, 12.0, 11.0, 10.0, 9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.0);
+            let table = _mm512_fmadd_ps(codes, scale.0, bias.0);
+            (Avx512(_mm512_permutexvar_ps(x, table)), Avx512(_mm512_permutexvar_ps(_mm512_srli_epi32::<4>(x), table)))
+        }
     }
 
     impl Vector for Avx2 {
@@ -452,6 +481,12 @@ pub mod x86 {
             let x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
             let lo = _mm256_and_si256(x, _mm256_set1_epi32(15));
             (Avx2(_mm256_cvtepi32_ps(lo)), Avx2(_mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(x))))
+        }
+        #[inline(always)]
+        unsafe fn load_bf16_pair(p: *const u8) -> (Self, Self) {
+            let x = _mm256_loadu_si256(p as *const __m256i);
+            let odd = _mm256_and_si256(x, _mm256_set1_epi32(0xffff_0000u32 as i32));
+            (Avx2(_mm256_castsi256_ps(_mm256_slli_epi32::<16>(x))), Avx2(_mm256_castsi256_ps(odd)))
         }
     }
 }
