@@ -70,9 +70,9 @@ pub(crate) fn paths(p: &Decode, k: &Cache, v: &Cache) -> DotPaths {
 }
 
 /// Whether decode takes [`paths`] on this CPU: where `vdpbf16ps` runs at the FMA's rate, so that
-/// its 32 products per instruction beat widening and 16 per FMA: AMD's Zen 4 / 5. Intel's cores
-/// issue it once per 2 cycles (half the FMAs' products; measured on a Xeon with AVX512-BF16,
-/// bench/RESULTS.md), where the general path's widening (one operation per 16 bf16) is faster.
+/// its 32 products per instruction beat widening and 16 per FMA: AMD's Zen 4 / 5. The Intel Xeon
+/// measured issues it once per 2 cycles (half the FMAs' products; bench/RESULTS.md, session 45),
+/// and the general path's widening (one operation per 16 bf16) was faster there.
 pub(crate) fn preferred() -> bool {
     static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *FAST.get_or_init(|| {
