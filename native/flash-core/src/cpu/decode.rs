@@ -18,6 +18,10 @@ use super::vector::{Scalar, Vector};
 use crate::decode::{Cache, Decode};
 use crate::problem::MAX_HEAD_DIM;
 
+/// Pieces of a head's share of the next block's prefetch, asked for between its steps (scores,
+/// mask, softmax, P V).
+const AHEAD_PARTS: usize = 4;
+
 /// The widest vector (f32 lanes) of any instruction set here.
 const MAX_LANES: usize = 16;
 const _: () = assert!(KEY_BLOCK.is_multiple_of(MAX_LANES));
@@ -87,9 +91,9 @@ impl DotPaths {
 
 /// The task's keys go block by block, and within a block kv head by kv head: a block's rows (all
 /// heads of KEY_BLOCK consecutive keys) are one contiguous stretch of the cache, read while the
-/// next block's is prefetched, so memory is read as one stream (a kv head's rows alone are
-/// strided by the other heads', which measured ~3x slower to read). DOT: both products by bf16 dot
-/// products (decode_bf16.rs; x86 AVX-512 only).
+/// next block's is prefetched (a share per head, in AHEAD_PARTS pieces), so memory is read as one
+/// stream (a kv head's rows alone are strided by the other heads', which measured ~3x slower to
+/// read). DOT: both products by bf16 dot products (decode_bf16.rs; x86 AVX-512 only).
 #[inline(always)]
 unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
     let (sq, h, hkv, d) = (p.seq_q, p.heads, p.kv_heads, p.head_dim);
@@ -177,9 +181,16 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
         kr.block(rows.clone());
         vr.block(rows);
         for kv in 0..hkv {
+            // This head's share of the next block, asked for in AHEAD_PARTS pieces between its
+            // steps rather than at once (a burst of prefetches stalls the core on its fill
+            // buffers before the products start).
             let share = ahead.0 + ahead.1 * kv / hkv..ahead.0 + ahead.1 * (kv + 1) / hkv;
-            kr.prefetch(share.clone());
-            vr.prefetch(share);
+            let ask = |i: usize, kr: &Reader, vr: &Reader| {
+                let part = share.start + share.len() * i / AHEAD_PARTS..share.start + share.len() * (i + 1) / AHEAD_PARTS;
+                kr.prefetch(part.clone());
+                vr.prefetch(part);
+            };
+            ask(0, &kr, &vr);
             let (qs, acc) = (&qs[kv * states * dp..][..states * dp], &mut acc[kv * states * dp..][..states * dp]);
             let (m, l) = (&mut m[kv * states..][..states], &mut l[kv * states..][..states]);
             kr.head(kv);
@@ -194,6 +205,7 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
                 }
                 _ => scores::<V>(&kr, qs, states, nvec, nk, &mut s),
             }
+            ask(1, &kr, &vr);
             for st in 0..states {
                 let row = &mut s[st * KEY_BLOCK..][..nk];
                 if let Some(c2) = softcap2 {
@@ -208,12 +220,14 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
                 row[end..].fill(f32::NEG_INFINITY);
             }
             simd::online_softmax(&mut s, nk, KEY_BLOCK, m, l, &mut alpha);
+            ask(2, &kr, &vr);
             vr.head(kv);
             match &vr {
                 #[cfg(target_arch = "x86_64")]
                 Reader::Bf16(r) if dot.v_plain => decode_bf16::accumulate(r, &s, &alpha, states, d / 32, nk, acc, &mut pw),
                 _ => accumulate::<V>(&vr, &s, &alpha, states, nvec, nk, acc),
             }
+            ask(3, &kr, &vr);
         }
         j0 += nk;
     }
