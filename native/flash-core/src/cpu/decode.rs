@@ -18,9 +18,9 @@ use super::vector::{Scalar, Vector};
 use crate::decode::{Cache, Decode};
 use crate::problem::MAX_HEAD_DIM;
 
-/// Pieces of a head's share of the next block's prefetch, asked for between its steps (scores,
-/// mask, softmax, P V).
-const AHEAD_PARTS: usize = 4;
+/// Pieces of a head's share of the next block's prefetch, asked for as its work goes: two in the
+/// scores, one after them, one after the softmax, four in P V (`run`'s `ask`).
+const AHEAD_PARTS: usize = 8;
 
 /// The widest vector (f32 lanes) of any instruction set here.
 const MAX_LANES: usize = 16;
@@ -185,15 +185,23 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
             // steps rather than at once (a burst of prefetches stalls the core on its fill
             // buffers before the products start).
             let share = ahead.0 + ahead.1 * kv / hkv..ahead.0 + ahead.1 * (kv + 1) / hkv;
-            let ask = |i: usize, kr: &Reader, vr: &Reader| {
-                let part = share.start + share.len() * i / AHEAD_PARTS..share.start + share.len() * (i + 1) / AHEAD_PARTS;
-                kr.prefetch(part.clone());
-                vr.prefetch(part);
-            };
-            ask(0, &kr, &vr);
             let (qs, acc) = (&qs[kv * states * dp..][..states * dp], &mut acc[kv * states * dp..][..states * dp]);
             let (m, l) = (&mut m[kv * states..][..states], &mut l[kv * states..][..states]);
             kr.head(kv);
+            vr.head(kv);
+            // Parts 0..=i not yet asked for (the products ask inside their loops; other paths get
+            // theirs at the steps' ends).
+            let asked = std::cell::Cell::new(0usize);
+            let ask = |i: usize| {
+                while asked.get() <= i.min(AHEAD_PARTS - 1) {
+                    let j = asked.get();
+                    let part = share.start + share.len() * j / AHEAD_PARTS..share.start + share.len() * (j + 1) / AHEAD_PARTS;
+                    kr.prefetch(part.clone());
+                    vr.prefetch(part);
+                    asked.set(j + 1);
+                }
+            };
+            ask(0);
             let qb = &qb[kv * states * ops * 32..][..states * ops * 32];
             match &kr {
                 #[cfg(target_arch = "x86_64")]
@@ -203,9 +211,9 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
                     let qsum = &qsum[kv * states * k_groups..][..states * k_groups];
                     decode_bf16::scores_q4(r, qb, qsum, k_gs, d, states, nk, p.scale * LOG2_E, &mut s)
                 }
-                _ => scores::<V>(&kr, qs, states, nvec, nk, &mut s),
+                _ => scores::<V>(&kr, qs, states, nvec, nk, &mut s, &ask),
             }
-            ask(1, &kr, &vr);
+            ask(2);
             for st in 0..states {
                 let row = &mut s[st * KEY_BLOCK..][..nk];
                 if let Some(c2) = softcap2 {
@@ -220,14 +228,13 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
                 row[end..].fill(f32::NEG_INFINITY);
             }
             simd::online_softmax(&mut s, nk, KEY_BLOCK, m, l, &mut alpha);
-            ask(2, &kr, &vr);
-            vr.head(kv);
+            ask(3);
             match &vr {
                 #[cfg(target_arch = "x86_64")]
                 Reader::Bf16(r) if dot.v_plain => decode_bf16::accumulate(r, &s, &alpha, states, d / 32, nk, acc, &mut pw),
-                _ => accumulate::<V>(&vr, &s, &alpha, states, nvec, nk, acc),
+                _ => accumulate::<V>(&vr, &s, &alpha, states, nvec, nk, acc, &ask),
             }
-            ask(3, &kr, &vr);
+            ask(AHEAD_PARTS - 1);
         }
         j0 += nk;
     }
@@ -296,18 +303,19 @@ macro_rules! groups {
 /// s[st, x] = qs[st] · k[x] for the block's keys x < nk (columns past nk, up to the next multiple
 /// of LANES, hold finite leftovers nobody reads); qs `[nvec, states, LANES]`.
 #[inline(always)]
-unsafe fn scores<V: Vector>(kr: &Reader, qs: &[f32], states: usize, nvec: usize, nk: usize, s: &mut [f32]) {
+unsafe fn scores<V: Vector>(kr: &Reader, qs: &[f32], states: usize, nvec: usize, nk: usize, s: &mut [f32], ask: &dyn Fn(usize)) {
     assert!(qs.len() == nvec * states * V::LANES && s.len() == states * KEY_BLOCK && nk <= KEY_BLOCK);
     match nvec {
-        8 => by_format_and_group!(score_group, 8, kr, states, qs.as_ptr(), states, nvec, nk, s.as_mut_ptr()),
-        _ => by_format_and_group!(score_group, 0, kr, states, qs.as_ptr(), states, nvec, nk, s.as_mut_ptr()),
+        8 => by_format_and_group!(score_group, 8, kr, states, qs.as_ptr(), states, nvec, nk, s.as_mut_ptr(), ask),
+        _ => by_format_and_group!(score_group, 0, kr, states, qs.as_ptr(), states, nvec, nk, s.as_mut_ptr(), ask),
     }
 }
 
 /// States st0 .. st0 + N of [`scores`]: per key, N dot products in registers, the row's vectors
 /// read once (in pairs); every LANES keys, their partial sums reduced together.
 #[inline(always)]
-unsafe fn score_group<V: Vector, F: Rows, const N: usize, const NV: usize>(rows: &F, st0: usize, qs: *const f32, states: usize, nvec: usize, nk: usize, s: *mut f32) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn score_group<V: Vector, F: Rows, const N: usize, const NV: usize>(rows: &F, st0: usize, qs: *const f32, states: usize, nvec: usize, nk: usize, s: *mut f32, ask: &dyn Fn(usize)) {
     let nvec = if NV > 0 { NV } else { nvec };
     let q = |i: usize| qs.add((i * states + st0) * V::LANES); // state st0's vector i; the group's follow
     let mut part = [[V::zero(); MAX_LANES]; N];
@@ -337,17 +345,22 @@ unsafe fn score_group<V: Vector, F: Rows, const N: usize, const NV: usize>(rows:
         for (n, part) in part.iter().enumerate() {
             V::sum_each(&part[..V::LANES]).store(s.add((st0 + n) * KEY_BLOCK + x0));
         }
+        // The next block's prefetch: part 1 halfway through the first group's keys.
+        if st0 == 0 && 2 * (x0 + V::LANES) >= nk {
+            ask(1);
+        }
         x0 += V::LANES;
     }
 }
 
 /// acc[st] = alpha[st] · acc[st] + sum over x < nk of p[st, x] · v[x]; acc `[nvec, states, LANES]`.
 #[inline(always)]
-unsafe fn accumulate<V: Vector>(vr: &Reader, p: &[f32], alpha: &[f32], states: usize, nvec: usize, nk: usize, acc: &mut [f32]) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn accumulate<V: Vector>(vr: &Reader, p: &[f32], alpha: &[f32], states: usize, nvec: usize, nk: usize, acc: &mut [f32], ask: &dyn Fn(usize)) {
     assert!(acc.len() == nvec * states * V::LANES && p.len() == states * KEY_BLOCK && alpha.len() == states && nk <= KEY_BLOCK);
     match nvec {
-        8 => by_format_and_group!(accumulate_group, 8, vr, states, p.as_ptr(), alpha.as_ptr(), states, nvec, nk, acc.as_mut_ptr()),
-        _ => by_format_and_group!(accumulate_group, 0, vr, states, p.as_ptr(), alpha.as_ptr(), states, nvec, nk, acc.as_mut_ptr()),
+        8 => by_format_and_group!(accumulate_group, 8, vr, states, p.as_ptr(), alpha.as_ptr(), states, nvec, nk, acc.as_mut_ptr(), ask),
+        _ => by_format_and_group!(accumulate_group, 0, vr, states, p.as_ptr(), alpha.as_ptr(), states, nvec, nk, acc.as_mut_ptr(), ask),
     }
 }
 
@@ -363,6 +376,7 @@ unsafe fn accumulate_group<V: Vector, F: Rows, const N: usize, const NV: usize>(
     nvec: usize,
     nk: usize,
     acc: *mut f32,
+    ask: &dyn Fn(usize),
 ) {
     let nvec = if NV > 0 { NV } else { nvec };
     let a_at = |i: usize| acc.add((i * states + st0) * V::LANES);
@@ -372,6 +386,10 @@ unsafe fn accumulate_group<V: Vector, F: Rows, const N: usize, const NV: usize>(
         *a = V::splat(*alpha.add(st0 + n));
     }
     for c in 0..nvec / 2 {
+        // The next block's prefetch: parts 4..8 across the first group's columns.
+        if st0 == 0 {
+            ask(4 + 4 * c / (nvec / 2));
+        }
         let (c0, c1) = (a_at(2 * c), a_at(2 * c + 1));
         let (mut a0, mut a1) = ([V::zero(); N], [V::zero(); N]);
         for n in 0..N {
