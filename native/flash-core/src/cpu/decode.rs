@@ -181,9 +181,9 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
         kr.block(rows.clone());
         vr.block(rows);
         for kv in 0..hkv {
-            // This head's share of the next block, asked for in AHEAD_PARTS pieces between its
-            // steps rather than at once (a burst of prefetches stalls the core on its fill
-            // buffers before the products start).
+            // This head's share of the next block, asked for in AHEAD_PARTS pieces as its work
+            // goes rather than at once (a burst of prefetches stalls the core on its fill buffers
+            // before the products start).
             let share = ahead.0 + ahead.1 * kv / hkv..ahead.0 + ahead.1 * (kv + 1) / hkv;
             let (qs, acc) = (&qs[kv * states * dp..][..states * dp], &mut acc[kv * states * dp..][..states * dp]);
             let (m, l) = (&mut m[kv * states..][..states], &mut l[kv * states..][..states]);
