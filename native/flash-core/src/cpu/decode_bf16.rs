@@ -1,6 +1,7 @@
 //! Decode's products for bf16 queries on CPUs with AVX512-BF16, by `vdpbf16ps` (32 products per
 //! instruction) straight from the cache's bytes, where decode.rs's general path widens (or
-//! dequantizes) each row to f32 and takes 16 per FMA (`paths` says which products of a call):
+//! dequantizes) each row to f32 and takes 16 per FMA (`paths` says which products of a call;
+//! decode.rs takes them where [`preferred`], i.e. where the instruction runs at the FMA's rate):
 //! - scores: q . k, products of two bf16 exact in f32 and f32 sums, so the general path's up to
 //!   summation order (and subnormals, which `vdpbf16ps` flushes to zero). q is kept as raw bf16
 //!   `[D / 32, states, 32]` per kv head in the cache's element order, unscaled: the scale ·
