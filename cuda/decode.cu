@@ -71,9 +71,10 @@ struct Geom {
         // Row strides in shared memory that keep the reads above free of bank conflicts: the two K
         // rows of a quarter warp (LDS.128) 64 bytes apart mod 128; the four V rows 2t (t = 0..3) of
         // a warp phase 32 bytes apart. Quantized caches (decode_q4.h, decode_q8.h): K and V rows an
-        // odd number of 16-byte units apart (ldmatrix, ldmatrix.trans).
-        SROW_K = BITS != 0 ? ROW + 16 : ROW % 128 == 0 ? ROW + 64 : ROW,
-        SROW_V = ROW + 16,
+        // odd number of 16-byte units apart (ldmatrix, ldmatrix.trans), or DECODE_TMA's swizzled
+        // 64-byte rows (decode.h row_offset).
+        SROW_K = BITS != 0 ? (DECODE_TMA ? ROW : ROW + 16) : ROW % 128 == 0 ? ROW + 64 : ROW,
+        SROW_V = BITS != 0 && DECODE_TMA ? ROW : ROW + 16,
     };
 };
 
@@ -86,7 +87,9 @@ struct Geom {
 #define STAGE_KEY_ROUND (KEY_BLOCK * STEP_BLOCKS * NUM_WARPS)
 #define STEP_STAGE_BYTES \
     (STAGE_KEY_ROUND * (Geom<CACHE_BITS>::SROW_K + Geom<CACHE_BITS>::SROW_V + SCALE_KEY_BYTES) + (CACHE_BITS ? 64 : 0))
-#define STAGE_BYTES (PLAIN_STAGE_BYTES > STEP_STAGE_BYTES ? PLAIN_STAGE_BYTES : STEP_STAGE_BYTES)
+// DECODE_TMA: a step's keys exactly (128 keys of 64-byte rows: 18-20 KiB, 1024-byte multiples, so
+// that every stage's rows start 1024-byte aligned for the swizzle).
+#define STAGE_BYTES (DECODE_TMA ? STEP_STAGE_BYTES : PLAIN_STAGE_BYTES > STEP_STAGE_BYTES ? PLAIN_STAGE_BYTES : STEP_STAGE_BYTES)
 static_assert(PARTIALS_BYTES(HEAD_DIM) + BLOCK_STATES_BYTES(HEAD_DIM) <= STAGES * STAGE_BYTES, "the epilogue reuses the stages");
 
 // The stages, with WarpCopy's table after them (WARP_COPY_KERNEL; where the stages leave room,
@@ -99,7 +102,11 @@ static_assert(PARTIALS_BYTES(HEAD_DIM) + BLOCK_STATES_BYTES(HEAD_DIM) <= STAGES 
 #define DECODE_LAYOUT_BYTES STAGE_BYTES
 #endif
 #define DECODE_TABLE_END (STAGES * DECODE_LAYOUT_BYTES + WARP_COPY_TABLE_BYTES(KEY_BLOCK))
-FLASH_EXPORT_SMEM(DECODE_TABLE_END > STAGES * STAGE_BYTES ? DECODE_TABLE_END : STAGES * STAGE_BYTES)
+// DECODE_TMA: its barriers after the table (which the epilogue's partials stay below), and 1024
+// bytes to align the stages for the swizzle.
+#define DECODE_SMEM_END (DECODE_TABLE_END + DECODE_TMA_BARRIER_BYTES)
+static_assert(!DECODE_TMA || PARTIALS_BYTES(HEAD_DIM) + BLOCK_STATES_BYTES(HEAD_DIM) <= DECODE_TABLE_END, "the epilogue leaves the barriers be");
+FLASH_EXPORT_SMEM((DECODE_SMEM_END > STAGES * STAGE_BYTES ? DECODE_SMEM_END : STAGES * STAGE_BYTES) + (DECODE_TMA ? 1024 : 0))
 
 // Elements (within its u32 word) of pair k of the word.
 template <int BITS>
@@ -390,21 +397,38 @@ __device__ __forceinline__ void block_step(float (&o)[HEAD_DIM / 16][4], float (
 
 #include "decode_weights.h"
 
-// N consecutive 16-byte chunks of a 16-key block's quantized V rows (decode_q4.h, decode_q8.h):
-// xv[j][h] = the 16-bit column g of chunk j of keys 2t + 8h and 2t + 8h + 1 (low and high half), by
-// ldmatrix.trans; `addr`: this lane's row and chunk (lanes 8j .. 8j + 7: keys 8 (j % 2) .. + 7 of
-// chunk j / 2 from the first, rows an odd number of 16-byte units apart).
+// This lane's row in an ldmatrix over a 16-row block whose rows start at shared address `rows`,
+// `srow` bytes apart: lanes 8j .. 8j + 7 address rows 8 (j % 2) .. + 7.
+__device__ __forceinline__ u32 lane_row(u32 rows, int srow) {
+    const int lane = threadIdx.x % 32;
+    return rows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * srow;
+}
+// The address of unit u + j / 2 of that row (lanes 8j ..: matrix j of an .x4 takes unit u + j / 2),
+// where decode.h's row_offset lays it (the block's rows 1024-byte aligned under DECODE_TMA).
+__device__ __forceinline__ u32 lane_unit(u32 row, int u) {
+    const int lane = threadIdx.x % 32;
+#if DECODE_TMA
+    return row + row_offset(lane & 7, 16 * (u + (lane >> 4)));
+#else
+    return row + 16 * (lane >> 4) + 16 * u;  // u an immediate offset
+#endif
+}
+
+// N consecutive 16-byte chunks u0 .. u0 + N - 1 of a 16-key block's quantized V rows (decode_q4.h,
+// decode_q8.h): xv[j][h] = the 16-bit column g of chunk u0 + j of keys 2t + 8h and 2t + 8h + 1 (low
+// and high half), by ldmatrix.trans; `row`: this lane's (lane_row; rows an odd number of 16-byte
+// units apart, or DECODE_TMA's swizzled ones).
 template <int N>
-__device__ __forceinline__ void v_columns(u32 (&xv)[N][2], u32 addr) {
+__device__ __forceinline__ void v_columns(u32 (&xv)[N][2], u32 row, int u0) {
 #pragma unroll
     for (int j = 0; j + 1 < N; j += 2) {
         u32 r[4];
-        ldmatrix_x4_trans(r, addr + 16 * j);
+        ldmatrix_x4_trans(r, lane_unit(row, u0 + j));
         xv[j][0] = r[0], xv[j][1] = r[1], xv[j + 1][0] = r[2], xv[j + 1][1] = r[3];
     }
     if constexpr (N % 2 == 1) {
         u32 r[2];
-        ldmatrix_x2_trans(r, addr + 16 * (N - 1));  // lanes 0 .. 15's addresses
+        ldmatrix_x2_trans(r, lane_unit(row, u0 + N - 1));  // lanes 0 .. 15's addresses
         xv[N - 1][0] = r[0], xv[N - 1][1] = r[1];
     }
 }
@@ -504,8 +528,11 @@ __device__ __forceinline__ void store_partial_o(float* dst, const float (&o)[HEA
 
 // The kernel's work for K and V groups of GK and GV elements (quantized caches; 0 for plain ones).
 template <int GK, int GV>
-__device__ __forceinline__ void decode_block(const DecodeParams& p) {
+__device__ __forceinline__ void decode_block(const DecodeParams& p, const void* tma = nullptr) {
     unsigned char* smem = &shared_memory<unsigned char>();
+#if DECODE_TMA
+    smem += (1024 - smem_addr(smem) % 1024) % 1024;  // the swizzled stages: 1024-byte aligned
+#endif
     const DecodeWork w(p);
     const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
     using G = Geom<CACHE_BITS>;
@@ -558,7 +585,7 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
                 block_step<STEP_BLOCKS>(o, m, l, qa, stage, L, p, key0, nkeys, rows, vis);
             }
         }
-    });
+    }, tma);
 
     // Partials: m, l and o of states 2t, 2t + 1 (lanes g = 0 write m and l; o undoes the V pairs).
     l[0] = column_sum(l[0]);
@@ -581,6 +608,11 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p) {
     if (p.cluster) cluster_merge(p, w, smem);
 }
 
+#if DECODE_TMA
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) flash_decode(const __grid_constant__ DecodeTmaParams tp) {
+    decode_block<K_GROUP, V_GROUP>(tp.p, &tp);  // the maps are read where they lie, in the parameter space
+}
+#else
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) flash_decode(const DecodeParams p) {
 #if CACHE_BITS != 0
     decode_block<K_GROUP, V_GROUP>(p);  // the host picks the kernel by the caches' group sizes
@@ -588,3 +620,4 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) flash_deco
     decode_block<0, 0>(p);
 #endif
 }
+#endif

@@ -42,6 +42,33 @@
 #define KV_BITS(p) ((p).bits)
 #endif
 
+// DECODE_TMA: the 4-bit kernel at D = 128 on Hopper fills its warp-owned stages' K and V rows by the
+// tensor copy engine: one box a 16-key block for K and one for V, which a warp's lane 0 issues (a
+// block's 32 rows by cp.async took ~31 warp instructions, and the engine filled such stages with
+// no compute in 22 % less time, tools/probe_decode_copy.py, bench/RESULTS.md). The rows land dense,
+// 64 bytes, with the engine's 64-byte swizzle (row_offset), which keeps the ldmatrix reads free of
+// bank conflicts (decode.cu's lane_unit); boxes of 80 bytes that would have kept the padded rows
+// were no faster than cp.async. The host (cuda/decode.rs decode_tma) builds the maps where the
+// kernel is compiled for sm_90+.
+#if defined(CACHE_BITS) && CACHE_BITS == 4 && HEAD_DIM == 128 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define DECODE_TMA 1
+#include "hopper.h"
+#else
+#define DECODE_TMA 0
+#endif
+
+// Where byte o of row r of a stage's K or V rows lies: DECODE_TMA's rows are the copy engine's, 64
+// bytes with its 64-byte swizzle (16-byte unit o / 16 at unit o / 16 ^ ((r >> 1) & 3), the rows'
+// start 1024-byte aligned), so that every copy path lays them alike; elsewhere at o.
+__device__ __forceinline__ int row_offset(int r, int o) {
+#if DECODE_TMA
+    return (((o >> 4) ^ ((r >> 1) & 3)) << 4) | (o & 15);
+#else
+    (void)r;
+    return o;
+#endif
+}
+
 // The host caps unbounded window sides here (and the cache below it), so that index sums fit an int.
 #define WINDOW_INF (1 << 30)
 
@@ -86,6 +113,17 @@ struct DecodeParams {
     int pad;
 };
 static_assert(sizeof(DecodeParams) == 13 * 8 + 22 * 4, "decode.rs mirrors this layout");
+
+#if DECODE_TMA
+// The kernel's parameter where DECODE_TMA: the K and V codes as 2-d u8 tensors [B * S_cache rows,
+// x0 + Hkv * row_bytes] (x0: the bytes the map's base lies below the cache's, which must be 16-byte
+// aligned), boxes of 64 bytes x 16 rows, 64-byte swizzle. Mirrored by decode.rs (DecodeTmaParams).
+struct DecodeTmaParams {
+    TensorMap k, v;
+    DecodeParams p;
+    int k_x0, v_x0;
+};
+#endif
 
 // Scale groups per row of k and of v (0: plain caches): constants in a kernel built per pair of
 // group sizes (decode.cu's quantized kernels: K_GROUP, V_GROUP), so that its stage layout, scale
@@ -276,7 +314,7 @@ __device__ __forceinline__ void copy_rows(unsigned char* dst, int srow, const un
     for (int r = m.r0; r < nrows; r += m.rstep) {
         const bool valid = key0 + r < key_end;
         const unsigned char* src = valid ? cache + (w.row0 + (i64)(key0 + r) * p.kv_heads) * p.row_bytes : cache;
-        for (int c = m.c0; c < m.chunks; c += m.cstep) copy_unit(dst + r * srow + c * unit, valid ? src + c * unit : cache, unit, valid);
+        for (int c = m.c0; c < m.chunks; c += m.cstep) copy_unit(dst + r * srow + row_offset(r, c * unit), valid ? src + c * unit : cache, unit, valid);
     }
 }
 
@@ -411,7 +449,7 @@ struct FastCopy {
         const Src src = rows(p, w);
 #pragma unroll 4  // as scales'
         for (int r = t.x; r < n; r += t.y) {
-            src.copy<16>(stage + r * L.srow_k + 16 * t.z, stage + L.off_v + r * L.srow_v + 16 * t.z, key0, key_end, r, 16 * t.z);
+            src.copy<16>(stage + r * L.srow_k + row_offset(r, 16 * t.z), stage + L.off_v + r * L.srow_v + row_offset(r, 16 * t.z), key0, key_end, r, 16 * t.z);
         }
         if (KV_BITS(p)) {
             scales(stage + L.off_ks, stage + L.off_kb, p.k_scale, p.k_bias, groups_k(p), L.sw_k, p, w, key0, key_end, n);
@@ -436,7 +474,7 @@ struct FastCopy {
 #pragma unroll 4
             for (int i = i0; i < ROWS; i += pass) {
                 const int r = rb + i;
-                src.copy<16>(stage + r * L.srow_k + 16 * z, stage + L.off_v + r * L.srow_v + 16 * z, key0, key_end, r, 16 * z);
+                src.copy<16>(stage + r * L.srow_k + row_offset(r, 16 * z), stage + L.off_v + r * L.srow_v + row_offset(r, 16 * z), key0, key_end, r, 16 * z);
             }
             if (KV_BITS(p)) {
                 scales_warp<ROWS>(stage + L.off_ks, stage + L.off_kb, k_scales, L.sw_k, key0, key_end, rb);
@@ -524,7 +562,7 @@ struct WarpCopy {
         stride = rows.stride, k_stride = ks.stride, v_stride = vs.stride;
         unsigned char* t = table + 16 * lane;
 #pragma unroll
-        for (int i = 0; i < ROW_COPIES; ++i) {
+        for (int i = 0; i < (DECODE_TMA ? 0 : ROW_COPIES); ++i) {  // DECODE_TMA: the rows come by boxes
             const u32 off = (u32)(i0 + i * PASS) * stride + 16 * z;
             ulonglong2 e;
             e.x = reinterpret_cast<unsigned long long>(rows.a + off);
@@ -587,11 +625,11 @@ struct WarpCopy {
         const int lane = threadIdx.x % 32, z = lane % UNITS, i0 = lane / UNITS;
         const u32 at = (u32)(key0 + r0) * stride;
 #pragma unroll
-        for (int i = 0; i < ROW_COPIES; ++i) {
+        for (int i = 0; i < (DECODE_TMA ? 0 : ROW_COPIES); ++i) {  // DECODE_TMA: the rows come by boxes
             const unsigned char* k = reinterpret_cast<const unsigned char*>(e.rows[i].x);
             const unsigned char* v = reinterpret_cast<const unsigned char*>(e.rows[i].y);
             const int r = r0 + i0 + i * PASS;
-            const u32 dk = stage + r * L.srow_k + 16 * z, dv = stage + L.off_v + r * L.srow_v + 16 * z;
+            const u32 dk = stage + r * L.srow_k + row_offset(r, 16 * z), dv = stage + L.off_v + r * L.srow_v + row_offset(r, 16 * z);
             if (FULL) {
                 cp_async16_u32_all(dk, k + at);
                 cp_async16_u32_all(dv, v + at);
@@ -645,6 +683,27 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, const StageLayo
     }
 }
 
+#if DECODE_TMA
+// Lane 0 of warp wk: the K and V boxes of the warp's blocks wk, wk + NUM_WARPS, ... (ROWS rows each)
+// of the stage at shared address `stage`, holding keys [key0, ..), completing on mbarrier `bar`.
+// Rows past the split's keys arrive too (the next keys, or zeros past the tensor): masked, as
+// zero-filled rows are, and their scale words are zero.
+template <int ROWS>
+__device__ __forceinline__ void tma_rows(const DecodeTmaParams& tp, u32 stage, const StageLayout& L, const DecodeWork& w, int key0,
+                                         u32 bar) {
+    if (threadIdx.x % 32 != 0) return;
+    constexpr int BOX = ROWS * 64;  // a box: ROWS rows of 64 bytes
+    mbar_expect_tx(bar, 2 * BOX * (L.tile_keys / (ROWS * NUM_WARPS)));
+    const int y = w.b * tp.p.s_cache + key0, xk = tp.k_x0 + w.kvh * tp.p.row_bytes, xv = tp.v_x0 + w.kvh * tp.p.row_bytes;
+    for (int r0 = w.wk * ROWS; r0 < L.tile_keys; r0 += NUM_WARPS * ROWS) {
+        tma_load_2d(stage + r0 * L.srow_k, &tp.k, xk, y + r0, bar);
+        tma_load_2d(stage + L.off_v + r0 * L.srow_v, &tp.v, xv, y + r0, bar);
+    }
+}
+#endif
+// The mbarriers DECODE_TMA's warps wait on, one per warp and stage, after WarpCopy's table.
+#define DECODE_TMA_BARRIER_BYTES (DECODE_TMA ? 8 * NUM_WARPS * STAGES : 0)
+
 // Runs compute(stage, key0, nkeys) over the split's tiles, each brought in by a STAGES-deep cp.async
 // pipeline: one group committed per tile slot (empty ones too, so the wait counts stay fixed), and
 // one load site (the first STAGES - 1 turns only load). Returns with every copy landed and every
@@ -654,7 +713,7 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, const StageLayo
 // alone (FastCopy::load_warp); 0, or WS > 1: the block copies each stage together.
 template <int OWN_ROWS, typename Compute>
 __device__ __forceinline__ void pipeline(unsigned char* smem, const StageLayout& L, const DecodeParams& p,
-                                         const DecodeWork& w, Compute&& compute) {
+                                         const DecodeWork& w, Compute&& compute, const void* tma = nullptr) {
     const StageCopy copy(p, L, copy_unit_bytes(p));
     const FastCopy fast(p, L);
     const bool own = OWN_ROWS > 0 && fast.ok && p.warp_states == 1 && p.row_bytes <= 512;
@@ -669,10 +728,27 @@ __device__ __forceinline__ void pipeline(unsigned char* smem, const StageLayout&
     const Copier warp_copy(smem + STAGES * L.bytes, p, w);  // its table after the stages
     const u32 smem_u32 = smem_addr(smem);
     const int tiles = (w.k1 - w.k0 + L.tile_keys - 1) / L.tile_keys;
+    // DECODE_TMA with warp-owned stages (WarpCopy then copies the scale words only): this warp's
+    // barriers, after the table; elsewhere the rows come by cp.async as everywhere.
+    const bool boxes = DECODE_TMA && own && WARP_COPY;
+    const u32 bars = smem_u32 + STAGES * L.bytes + Copier::TABLE_BYTES + 8 * STAGES * (threadIdx.x / 32);
+#if DECODE_TMA
+    const DecodeTmaParams& tp = *static_cast<const DecodeTmaParams*>(tma);
+    if (boxes && threadIdx.x % 32 == 0) {
+        for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s, 1);
+        mbar_fence_init();
+    }
+    __syncwarp();
+#else
+    (void)tma;
+#endif
 #pragma unroll 1
     for (int t = 1 - STAGES; t < tiles; ++t) {
         if (t >= 0) {
             cp_async_wait<STAGES - 2>();
+#if DECODE_TMA
+            if (boxes) mbar_wait(bars + 8 * (t % STAGES), (t / STAGES) & 1);
+#endif
             if (own) {
                 __syncwarp();  // the warp's share of tile t landed; the warp is done with tile t - 1
             } else {
@@ -684,6 +760,9 @@ __device__ __forceinline__ void pipeline(unsigned char* smem, const StageLayout&
             const int stage = next % STAGES, key0 = w.k0 + next * L.tile_keys;
             if (own && WARP_COPY) {
                 warp_copy.load(smem_u32 + stage * L.bytes, L, w, key0, w.k1);
+#if DECODE_TMA
+                tma_rows<OWN_ROWS>(tp, smem_u32 + stage * L.bytes, L, w, key0, bars + 8 * stage);
+#endif
             } else if (own) {
                 FastCopy::load_warp<OWN_ROWS>(smem_u32 + stage * L.bytes, L, p, w, key0, w.k1);
             } else if (fast.ok) {

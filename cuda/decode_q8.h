@@ -106,16 +106,15 @@ __device__ __forceinline__ void q8_qk(float (&x)[4], const u32 (&qa)[HEAD_DIM / 
                                       const float (&qinv)[2], u32 rows, const unsigned char* sc, const unsigned char* bi,
                                       const unsigned char* sc8, const unsigned char* bi8, int half, int half8) {
     constexpr int NG = HEAD_DIM / GK, CPG = GK / 16;
-    const int lane = threadIdx.x % 32;
     // ldmatrix.x4: lanes 8j .. 8j + 7 address matrix j = rows 8 (j % 2) .. + 7 of chunk c + j / 2.
-    const u32 addr = rows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * Q8::SROW_K + 16 * (lane >> 4);
+    const u32 row = lane_row(rows, Q8::SROW_K);
     float acc[NG][4];
 #pragma unroll
     for (int G = 0; G < NG; ++G) acc[G][0] = acc[G][1] = acc[G][2] = acc[G][3] = 0.f;
 #pragma unroll
     for (int c = 0; c < Q8::CHUNKS; c += 2) {
         u32 r[4];  // rows g, g + 8 of chunk c; rows g, g + 8 of chunk c + 1
-        ldmatrix_x4(r, addr + 16 * c);
+        ldmatrix_x4(r, lane_unit(row, c));
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const int ch = c + e;
@@ -149,9 +148,7 @@ __device__ __forceinline__ void q8_pv(float (&o)[HEAD_DIM / 16 + V_SUMS(GV)][4],
                                       const WeightRange& w, u32 rows, const unsigned char* sc, const unsigned char* bi,
                                       const unsigned char* sc8, const unsigned char* bi8, int half, int half8) {
     constexpr int NG = HEAD_DIM / GV, CPG = GV / 16;  // chunks (m-blocks) per group
-    const int lane = threadIdx.x % 32;
-    // v_columns' address: lanes 8j .. 8j + 7 address keys 8 (j % 2) .. + 7 of chunk j / 2.
-    const u32 addr = rows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * Q8::SROW_V + 16 * (lane >> 4);
+    const u32 row = lane_row(rows, Q8::SROW_V);  // v_columns' row
     const u32 ones[4] = {Q8_ONES, Q8_ONES, Q8_ONES, Q8_ONES};
     const u32 neg_m128[4] = {Q8_NEG_M128, Q8_NEG_M128, Q8_NEG_M128, Q8_NEG_M128};
     const float xf[4] = {x[0] * w.f[0], x[1] * w.f[1], x[2] * w.f[0], x[3] * w.f[1]};
@@ -165,7 +162,7 @@ __device__ __forceinline__ void q8_pv(float (&o)[HEAD_DIM / 16 + V_SUMS(GV)][4],
         const u32 bq0 = transpose8x8(pack2_f16(xf[0] * s, xf[1] * s)), bq1 = transpose8x8(pack2_f16(xf[2] * s8, xf[3] * s8));
         if constexpr (V_SUMS(GV) > 0) mma16816_f16(o[HEAD_DIM / 16 + (V_SUMS(GV) ? G : 0)], ones, bq0, bq1);  // P' sums, every row alike
         u32 xv[CPG][2];  // the group's chunks only
-        v_columns<CPG>(xv, addr + 16 * G * CPG);
+        v_columns<CPG>(xv, row, G * CPG);
 #pragma unroll
         for (int j = 0; j < CPG; ++j) {
             // Bytes 0, 2 of a column pair: dim 16c + 2g of both keys; bytes 1, 3: dim + 1.
