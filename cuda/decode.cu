@@ -101,6 +101,11 @@ static_assert(PARTIALS_BYTES(HEAD_DIM) + BLOCK_STATES_BYTES(HEAD_DIM) <= STAGES 
 #else
 #define DECODE_LAYOUT_BYTES STAGE_BYTES
 #endif
+#if DECODE_TMA
+static_assert(layout_of(Geom<4>::SROW_K, Geom<4>::SROW_V, scale_words(HEAD_DIM / K_GROUP), scale_words(HEAD_DIM / V_GROUP), STAGE_BYTES,
+                        STAGE_KEY_ROUND).tile_keys == DECODE_TMA_WARP_BLOCKS * KEY_BLOCK * NUM_WARPS,
+              "DECODE_TMA: a stage holds DECODE_TMA_WARP_BLOCKS blocks a warp (decode.h tma_rows)");
+#endif
 #define DECODE_TABLE_END (STAGES * DECODE_LAYOUT_BYTES + WARP_COPY_TABLE_BYTES(KEY_BLOCK))
 // DECODE_TMA: its barriers after the table (which the epilogue's partials stay below), and 1024
 // bytes to align the stages for the swizzle.

@@ -37,6 +37,13 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     } while (!done);
 }
 
+// One lane of the (converged) warp: true there, false in the others.
+__device__ __forceinline__ bool elect_one() {
+    u32 pred;
+    asm volatile("{ .reg .pred p; elect.sync _|p, 0xffffffff; selp.u32 %0, 1, 0, p; }" : "=r"(pred));
+    return pred != 0;
+}
+
 // ---- the tensor copy engine ---------------------------------------------------------------------
 // Box at coordinates (c0 innermost .. c3) of the 4-d tensor `map` -> shared memory at dst, completing
 // on mbarrier bar (which must expect the box's bytes). Elements outside the tensor arrive as zeros.
