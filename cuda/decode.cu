@@ -87,8 +87,8 @@ struct Geom {
 #define STAGE_KEY_ROUND (KEY_BLOCK * STEP_BLOCKS * NUM_WARPS)
 #define STEP_STAGE_BYTES \
     (STAGE_KEY_ROUND * (Geom<CACHE_BITS>::SROW_K + Geom<CACHE_BITS>::SROW_V + SCALE_KEY_BYTES) + (CACHE_BITS ? 64 : 0))
-// DECODE_TMA: a step's keys exactly (128 keys of 64-byte rows: 18-20 KiB, 1024-byte multiples, so
-// that every stage's rows start 1024-byte aligned for the swizzle).
+// DECODE_TMA: a step's keys exactly (128 keys of 64- or 128-byte rows: 18-20 or 34-36 KiB,
+// 1024-byte multiples, so that every stage's rows start 1024-byte aligned for the swizzle).
 #define STAGE_BYTES (DECODE_TMA ? STEP_STAGE_BYTES : PLAIN_STAGE_BYTES > STEP_STAGE_BYTES ? PLAIN_STAGE_BYTES : STEP_STAGE_BYTES)
 static_assert(PARTIALS_BYTES(HEAD_DIM) + BLOCK_STATES_BYTES(HEAD_DIM) <= STAGES * STAGE_BYTES, "the epilogue reuses the stages");
 
@@ -102,7 +102,7 @@ static_assert(PARTIALS_BYTES(HEAD_DIM) + BLOCK_STATES_BYTES(HEAD_DIM) <= STAGES 
 #define DECODE_LAYOUT_BYTES STAGE_BYTES
 #endif
 #if DECODE_TMA
-static_assert(layout_of(Geom<4>::SROW_K, Geom<4>::SROW_V, scale_words(HEAD_DIM / K_GROUP), scale_words(HEAD_DIM / V_GROUP), STAGE_BYTES,
+static_assert(layout_of(Geom<CACHE_BITS>::SROW_K, Geom<CACHE_BITS>::SROW_V, scale_words(HEAD_DIM / K_GROUP), scale_words(HEAD_DIM / V_GROUP), STAGE_BYTES,
                         STAGE_KEY_ROUND).tile_keys == DECODE_TMA_WARP_BLOCKS * KEY_BLOCK * NUM_WARPS,
               "DECODE_TMA: a stage holds DECODE_TMA_WARP_BLOCKS blocks a warp (decode.h tma_rows)");
 #endif

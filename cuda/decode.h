@@ -42,31 +42,34 @@
 #define KV_BITS(p) ((p).bits)
 #endif
 
-// DECODE_TMA: the 4-bit kernel at D = 128 on Hopper fills its warp-owned stages' K and V rows by the
-// tensor copy engine: one box a 16-key block for K and one for V, which a warp's lane 0 issues (a
-// block's 32 rows by cp.async took ~31 warp instructions, and the engine filled such stages with
-// no compute in 22 % less time, tools/probe_decode_copy.py, bench/RESULTS.md). The rows land dense,
-// 64 bytes, with the engine's 64-byte swizzle (row_offset), which keeps the ldmatrix reads free of
-// bank conflicts (decode.cu's lane_unit); boxes of 80 bytes that would have kept the padded rows
-// were no faster than cp.async. The host (cuda/decode.rs decode_tma) builds the maps where the
-// kernel is compiled for sm_90+.
-#if defined(CACHE_BITS) && CACHE_BITS == 4 && HEAD_DIM == 128 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// DECODE_TMA: the quantized kernels at D = 128 on Hopper fill their warp-owned stages' K and V rows
+// by the tensor copy engine: one box a 16-key block for K and one for V, which one lane of the warp
+// issues (a block's rows by cp.async took ~20 warp instructions; the engine filled 4-bit stages
+// with no compute in 22 % less time, tools/probe_decode_copy.py, bench/RESULTS.md). The rows land
+// dense (DECODE_TMA_ROW bytes: 64 at 4 bits, 128 at 8) with the engine's swizzle of that span
+// (row_offset), which keeps the ldmatrix reads free of bank conflicts (decode.cu's lane_unit);
+// 80-byte boxes that would have kept the padded rows were no faster than cp.async. The host
+// (cuda/decode.rs decode_tma) builds the maps where the kernel is compiled for sm_90+.
+#if defined(CACHE_BITS) && (CACHE_BITS == 4 || CACHE_BITS == 8) && HEAD_DIM == 128 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define DECODE_TMA 1
+#define DECODE_TMA_ROW (HEAD_DIM * CACHE_BITS / 8)
 #include "hopper.h"
 #else
 #define DECODE_TMA 0
+#define DECODE_TMA_ROW 0
 #endif
 // A warp's 16-key blocks of a DECODE_TMA stage (decode.cu sizes the stage to a step's keys, two
 // blocks a warp, and checks it).
 #define DECODE_TMA_WARP_BLOCKS 2
 
-
-// Where byte o of row r of a stage's K or V rows lies: DECODE_TMA's rows are the copy engine's, 64
-// bytes with its 64-byte swizzle (16-byte unit o / 16 at unit o / 16 ^ ((r >> 1) & 3), the rows'
-// start 1024-byte aligned), so that every copy path lays them alike; elsewhere at o.
+// Where byte o of row r of a stage's K or V rows lies: DECODE_TMA's rows are the copy engine's,
+// DECODE_TMA_ROW bytes with its swizzle of that span (16-byte unit o / 16 at unit o / 16 ^ ((r >> 1)
+// & 3) in 64-byte rows, ^ (r & 7) in 128-byte ones; the rows' start 1024-byte aligned), so that
+// every copy path lays them alike; elsewhere at o.
 __device__ __forceinline__ int row_offset(int r, int o) {
 #if DECODE_TMA
-    return (((o >> 4) ^ ((r >> 1) & 3)) << 4) | (o & 15);
+    const int swizzle = DECODE_TMA_ROW == 64 ? (r >> 1) & 3 : r & 7;
+    return (((o >> 4) ^ swizzle) << 4) | (o & 15);
 #else
     (void)r;
     return o;
@@ -121,7 +124,7 @@ static_assert(sizeof(DecodeParams) == 13 * 8 + 22 * 4, "decode.rs mirrors this l
 #if DECODE_TMA
 // The kernel's parameter where DECODE_TMA: the K and V codes as 2-d u8 tensors [B * S_cache rows,
 // x0 + Hkv * row_bytes] (x0: the bytes the map's base lies below the cache's, which must be 16-byte
-// aligned), boxes of 64 bytes x 16 rows, 64-byte swizzle. Mirrored by decode.rs (DecodeTmaParams).
+// aligned), boxes of DECODE_TMA_ROW bytes x 16 rows, swizzled. Mirrored by decode.rs (DecodeTmaParams).
 struct DecodeTmaParams {
     TensorMap k, v;
     DecodeParams p;
@@ -703,7 +706,7 @@ __device__ __forceinline__ void tma_rows(const DecodeTmaParams& tp, u32 stage, c
     const int first = __shfl_sync(0xffffffffu, w.wk * ROWS, 0);
     const u32 dst = __shfl_sync(0xffffffffu, stage, 0), b = __shfl_sync(0xffffffffu, bar, 0);
     if (elect_one()) {
-        mbar_expect_tx(b, 2 * ROWS * 64 * DECODE_TMA_WARP_BLOCKS);  // boxes of ROWS rows of 64 bytes
+        mbar_expect_tx(b, 2 * ROWS * DECODE_TMA_ROW * DECODE_TMA_WARP_BLOCKS);  // boxes of ROWS rows
 #pragma unroll
         for (int j = 0; j < DECODE_TMA_WARP_BLOCKS; ++j) {
             const int r0 = first + j * NUM_WARPS * ROWS;

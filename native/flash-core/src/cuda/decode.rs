@@ -75,28 +75,34 @@ struct DecodeTmaParams {
     v_x0: i32,
 }
 
-/// DECODE_TMA's boxes (cuda/decode.h tma_rows): a head's 64-byte rows of 16 keys, written with the
-/// 64-byte swizzle (decode.h row_offset).
-const TMA_BOX: [u32; 2] = [64, 16];
+/// Keys of one of DECODE_TMA's boxes (cuda/decode.h tma_rows): a head's rows of 16 keys.
+const TMA_BOX_ROWS: u32 = 16;
 
 /// Whether the decode kernel `kernel` over caches of `bits` at `head_dim` takes [`DecodeTmaParams`]
-/// on a GPU of compute capability `cc`: cuda/decode.h's DECODE_TMA (4-bit caches at D = 128,
+/// on a GPU of compute capability `cc`: cuda/decode.h's DECODE_TMA (4- and 8-bit caches at D = 128,
 /// compiled for sm_90 or later, which every such GPU gets).
 fn decode_tma(cc: (i32, i32), kernel: Kernel, bits: usize, head_dim: usize) -> bool {
-    cc.0 >= 9 && kernel == Kernel::Decode && bits == 4 && head_dim == 128
+    cc.0 >= 9 && kernel == Kernel::Decode && (bits == 4 || bits == 8) && head_dim == 128
 }
 
 /// The 2-d tensor map of a cache's codes at `ptr` (`rows` rows of `row_bytes` bytes, u8) for
-/// DECODE_TMA's boxes, and x0: the map starts at the 16-byte boundary at or below `ptr` (the copy
+/// DECODE_TMA's boxes (`head_bytes` of a row, a head's: 64 or 128, swizzled over that span), and x0: the map starts at the 16-byte boundary at or below `ptr` (the copy
 /// engine's alignment), x0 bytes before it, and each row spans x0 bytes more, so that the last
 /// row ends where the cache does.
-fn codes_map(ptr: u64, rows: usize, row_bytes: usize) -> Result<(cu::CUtensorMap, i32)> {
+fn codes_map(ptr: u64, rows: usize, row_bytes: usize, head_bytes: usize) -> Result<(cu::CUtensorMap, i32)> {
+    use cu::CUtensorMapSwizzle as Sw;
     let x0 = ptr % 16;
+    let swizzle = match head_bytes {
+        64 => Sw::CU_TENSOR_MAP_SWIZZLE_64B,
+        128 => Sw::CU_TENSOR_MAP_SWIZZLE_128B,
+        _ => return Err(FlashError::Internal(format!("decode: no tensor map for {head_bytes}-byte rows"))),
+    };
     if row_bytes % 16 != 0 || rows > i32::MAX as usize {
         return Err(FlashError::Internal(format!("decode: no tensor map for {rows} rows of {row_bytes} bytes")));
     }
     let dims = [x0 + row_bytes as u64, rows as u64];
     let strides = [row_bytes as u64];
+    let boxes = [head_bytes as u32, TMA_BOX_ROWS];
     let elem_strides = [1u32; 2];
     let mut map = std::mem::MaybeUninit::<cu::CUtensorMap>::zeroed();
     // SAFETY: out-pointer to a zeroed map; the arrays hold rank (2) entries (strides rank - 1).
@@ -108,10 +114,10 @@ fn codes_map(ptr: u64, rows: usize, row_bytes: usize) -> Result<(cu::CUtensorMap
             (ptr - x0) as *mut std::ffi::c_void,
             dims.as_ptr(),
             strides.as_ptr(),
-            TMA_BOX.as_ptr(),
+            boxes.as_ptr(),
             elem_strides.as_ptr(),
             cu::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            cu::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
+            swizzle,
             cu::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
             cu::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
@@ -365,7 +371,8 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
         unsafe { device::launch_cluster(v.kernel.entry(), f, grid, splits as u32, s, &prm)? };
     } else if decode_tma(dev.cc, v.kernel, bits, p.head_dim) {
         let (rows, row_bytes) = (p.batch * p.s_cache, p.kv_heads * prm.row_bytes as usize);
-        let ((k, k_x0), (v_map, v_x0)) = (codes_map(prm.k, rows, row_bytes)?, codes_map(prm.v, rows, row_bytes)?);
+        let head = prm.row_bytes as usize;
+        let ((k, k_x0), (v_map, v_x0)) = (codes_map(prm.k, rows, row_bytes, head)?, codes_map(prm.v, rows, row_bytes, head)?);
         let tp = DecodeTmaParams { k, v: v_map, p: prm, k_x0, v_x0 };
         // SAFETY: as below; the maps span the caches' codes exactly.
         unsafe { launch(v.kernel.entry(), f, grid, s, &tp)? };
