@@ -303,6 +303,31 @@ def test_the_torch_fast_path_is_the_general_one(fa, gpu, monkeypatch, quant):
     assert torch.equal(o2, general[0]) and torch.equal(lse2, general[1])
 
 
+@pytest.mark.skipif(not HAVE_TORCH_GPU, reason="torch without CUDA")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("words", [1, 2, 3])
+def test_codes_off_the_copy_engines_alignment(fa, gpu, bits, words):
+    """Codes that start 4, 8 or 12 bytes past a 16-byte boundary (a view into a larger buffer): the
+    Hopper kernels' tensor maps start at the boundary below (cuda/decode.rs codes_map) and must read
+    the same bits as from an aligned copy, with nothing read before the codes or past them."""
+    env = Env("torch")
+    q = env.put(rand(11, (2, 1, 32, 128), ml_dtypes.bfloat16))
+    k, v = (put_cache(fa, env, rand(12 + i, (2, 300, 8, 128), ml_dtypes.bfloat16), (bits, 64)) for i in range(2))
+
+    def shifted(c):
+        buf = torch.zeros(c.values.numel() + words, dtype=torch.int32, device="cuda")
+        codes = buf[words:].view(c.values.shape)
+        codes.copy_(c.values.view(torch.int32))
+        assert codes.data_ptr() % 16 == 4 * words
+        return fa.QuantizedKV(codes.view(c.values.dtype), c.scales, c.biases, c.bits, c.group_size)
+
+    seqlens = torch.tensor([300, 123], dtype=torch.int32, device="cuda")
+    aligned = fa.decode(q, k, v, cache_seqlens=seqlens)
+    off = fa.decode(q, shifted(k), shifted(v), cache_seqlens=seqlens)
+    for a, b in zip(aligned, off):
+        assert torch.equal(a, b)
+
+
 # --- the cache format and merge_states on the GPU ---------------------------------------------------
 
 @pytest.mark.parametrize("where", GPU_LIBS)
