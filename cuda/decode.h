@@ -617,6 +617,16 @@ struct WarpCopy {
     // FastCopy::load_warp).
     __device__ __forceinline__ void load(u32 stage, const StageLayout& L, const DecodeWork& w, int key0, int key_end) const {
         const Entries e = entries();
+#if DECODE_TMA
+        // The copy engine's stages hold DECODE_TMA_WARP_BLOCKS blocks a warp (decode.cu checks the
+        // layout): a stage wholly inside the keys (all but a split's last) takes them unrolled and
+        // unpredicated, one test a stage (the loop below cost ~75 instructions a stage, ncu).
+        if (key_end - key0 >= L.tile_keys) {
+#pragma unroll
+            for (int j = 0; j < DECODE_TMA_WARP_BLOCKS; ++j) block<true>(e, stage, L, key0, (w.wk + j * NUM_WARPS) * ROWS, ROWS);
+            return;
+        }
+#endif
         for (int r0 = w.wk * ROWS; r0 < L.tile_keys; r0 += NUM_WARPS * ROWS) {
             const int valid = key_end - key0 - r0;  // rows of the block inside the keys
             if (valid >= ROWS) {
