@@ -197,9 +197,13 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
             let ask = |i: usize| {
                 while asked.get() <= i.min(AHEAD_PARTS - 1) {
                     let j = asked.get();
+                    if j == 0 {
+                        kr.prefetch(share.clone(), true);
+                        vr.prefetch(share.clone(), true);
+                    }
                     let part = share.start + share.len() * j / AHEAD_PARTS..share.start + share.len() * (j + 1) / AHEAD_PARTS;
-                    kr.prefetch(part.clone());
-                    vr.prefetch(part);
+                    kr.prefetch(part.clone(), false);
+                    vr.prefetch(part, false);
                     asked.set(j + 1);
                 }
             };

@@ -281,9 +281,12 @@ impl<'a> Reader<'a> {
     }
 
     /// Asks for the lines of cache rows `rows` ahead of their use, so that the cache streams in
-    /// while a block is computed.
-    pub(crate) fn prefetch(&self, rows: Range<usize>) {
-        for (bytes, rb) in self.parts() {
+    /// while a block is computed: their values (`scales` false) or their scales and biases (true;
+    /// a few bytes a row, so asked for once per stretch of rows, not per piece of it).
+    #[inline]
+    pub(crate) fn prefetch(&self, rows: Range<usize>, scales: bool) {
+        let parts = self.parts();
+        for &(bytes, rb) in if scales { &parts[1..] } else { &parts[..1] } {
             let end = (rows.end * rb).min(bytes.len());
             prefetch(&bytes[(rows.start * rb).min(end)..end]);
         }
