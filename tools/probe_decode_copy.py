@@ -69,17 +69,11 @@ def run(cubin: str) -> None:
     src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
 
-    def timed(f, reps=20, rounds=5):
-        ts = []
-        for _ in range(rounds):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(reps):
-                f()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b) * 1e3 / reps)
-        return sorted(ts)[rounds // 2]
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from decode import gpu_time  # CUDA events around back-to-back calls, the median of the rounds
+
+    def timed(f):
+        return gpu_time(torch, f, 20, 5) * 1e6  # us
 
     copy_us = timed(lambda: dst.copy_(src))
     copy_rate = 2 * src.numel() / copy_us / 1e3
