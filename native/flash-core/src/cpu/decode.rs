@@ -269,12 +269,18 @@ fn v_position(dot: DotPaths, p: &Decode, v: &Cache, lanes: usize, e: usize) -> u
     position(v, p, lanes, e)
 }
 
-/// Calls `$f::<V, Format, N>` for the reader's format over the states in groups of N = 8, 4, 2, 1
-/// (register-held; one pass over the block's rows per group): `$f(rows, first state, args..)`.
-/// NV: the row's vector count when known at compile time (the loops over a row then unroll),
-/// else 0. (NV = 8 is D = 128 under AVX-512, D = 64 under AVX2.)
+/// Calls `$f::<V, Format, N, NV>` for the reader's format over the states in groups of N = 8, 4,
+/// 2, 1 (register-held; one pass over the block's rows per group): `$f(rows, first state, args..)`.
+/// NV: the row's vector count `$nvec` where it is 8 (a compile-time count: the loops over a row
+/// unroll; D = 128 under AVX-512, D = 64 under AVX2), else 0 (`$f` reads its nvec argument).
 macro_rules! by_format_and_group {
-    ($f:ident, $nv:tt, $reader:expr, $states:expr, $($arg:expr),*) => {
+    ($f:ident, $nvec:expr, $reader:expr, $states:expr, $($arg:expr),*) => {
+        match $nvec {
+            8 => by_format_and_group!(@format $f, 8, $reader, $states, $($arg),*),
+            _ => by_format_and_group!(@format $f, 0, $reader, $states, $($arg),*),
+        }
+    };
+    (@format $f:ident, $nv:tt, $reader:expr, $states:expr, $($arg:expr),*) => {
         match $reader {
             Reader::F32(r) => groups!($f, $nv, Plain<'_, 0>, r, $states, $($arg),*),
             Reader::F16(r) => groups!($f, $nv, Plain<'_, 1>, r, $states, $($arg),*),
@@ -311,10 +317,7 @@ macro_rules! groups {
 #[inline(always)]
 unsafe fn scores<V: Vector>(kr: &Reader, qs: &[f32], states: usize, nvec: usize, nk: usize, s: &mut [f32], ask: &dyn Fn(usize)) {
     assert!(qs.len() == nvec * states * V::LANES && s.len() == states * KEY_BLOCK && nk <= KEY_BLOCK);
-    match nvec {
-        8 => by_format_and_group!(score_group, 8, kr, states, qs.as_ptr(), states, nvec, nk, s.as_mut_ptr(), ask),
-        _ => by_format_and_group!(score_group, 0, kr, states, qs.as_ptr(), states, nvec, nk, s.as_mut_ptr(), ask),
-    }
+    by_format_and_group!(score_group, nvec, kr, states, qs.as_ptr(), states, nvec, nk, s.as_mut_ptr(), ask);
 }
 
 /// States st0 .. st0 + N of [`scores`]: per key, N dot products in registers, the row's vectors
@@ -364,10 +367,7 @@ unsafe fn score_group<V: Vector, F: Rows, const N: usize, const NV: usize>(rows:
 #[allow(clippy::too_many_arguments)]
 unsafe fn accumulate<V: Vector>(vr: &Reader, p: &[f32], alpha: &[f32], states: usize, nvec: usize, nk: usize, acc: &mut [f32], ask: &dyn Fn(usize)) {
     assert!(acc.len() == nvec * states * V::LANES && p.len() == states * KEY_BLOCK && alpha.len() == states && nk <= KEY_BLOCK);
-    match nvec {
-        8 => by_format_and_group!(accumulate_group, 8, vr, states, p.as_ptr(), alpha.as_ptr(), states, nvec, nk, acc.as_mut_ptr(), ask),
-        _ => by_format_and_group!(accumulate_group, 0, vr, states, p.as_ptr(), alpha.as_ptr(), states, nvec, nk, acc.as_mut_ptr(), ask),
-    }
+    by_format_and_group!(accumulate_group, nvec, vr, states, p.as_ptr(), alpha.as_ptr(), states, nvec, nk, acc.as_mut_ptr(), ask);
 }
 
 /// States st0 .. st0 + N of [`accumulate`], two vector columns of acc at a time in registers.
