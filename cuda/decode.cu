@@ -534,6 +534,7 @@ __device__ __forceinline__ void store_partial_o(float* dst, const float (&o)[HEA
 // The kernel's work for K and V groups of GK and GV elements (quantized caches; 0 for plain ones).
 template <int GK, int GV>
 __device__ __forceinline__ void decode_block(const DecodeParams& p, const void* tma = nullptr) {
+    wait_for_prior_grid();  // launched dependent (decode.rs): the stream's previous kernel may write q or the caches
     unsigned char* smem = &shared_memory<unsigned char>();
 #if DECODE_TMA
     smem += (1024 - smem_addr(smem) % 1024) % 1024;  // the swizzled stages: 1024-byte aligned

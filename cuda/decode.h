@@ -804,8 +804,9 @@ __device__ __forceinline__ void pipeline(unsigned char* smem, const StageLayout&
     }
     cp_async_wait<0>();
     __syncthreads();
-    // Only the epilogue is left: the splits' merge (launched dependent on this kernel) may be
-    // scheduled now and wait there for this grid's end instead of being launched after it.
+    // Only the epilogue is left: the next kernel (the splits' merge, or the next call's decode: both
+    // launched dependent) may be scheduled now and wait for this grid's end instead of being
+    // launched after it.
     release_dependent_grid();
 }
 

@@ -86,6 +86,7 @@ __device__ __forceinline__ void row_elements(float (&x)[NI], int bits, const uns
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) flash_decode_simt(const DecodeParams p) {
+    wait_for_prior_grid();  // launched dependent (decode.rs): the stream's previous kernel may write q or the caches
     unsigned char* smem = &shared_memory<unsigned char>();
     const DecodeWork w(p);
     const int d = p.head_dim, lane = threadIdx.x % 32;

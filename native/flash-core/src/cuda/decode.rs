@@ -11,7 +11,7 @@
 
 use cudarc::driver::sys as cu;
 
-use super::device::{self, launch, ContextGuard, Device, DeviceBuffer};
+use super::device::{self, ContextGuard, Device, DeviceBuffer};
 use super::host::{download, upload, Stream};
 use super::kv::{self, bytes_of, bytes_of_mut, MergePtrs};
 use super::kv_variants::decode_candidates;
@@ -375,10 +375,11 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
         let ((k, k_x0), (v_map, v_x0)) = (codes_map(prm.k, rows, row_bytes, head)?, codes_map(prm.v, rows, row_bytes, head)?);
         let tp = DecodeTmaParams { k, v: v_map, p: prm, k_x0, v_x0 };
         // SAFETY: as below; the maps span the caches' codes exactly.
-        unsafe { launch(v.kernel.entry(), f, grid, s, &tp)? };
+        unsafe { device::launch_dependent(dev, v.kernel.entry(), f, grid, s, &tp)? };
     } else {
-        // SAFETY: the caller's pointers and the workspace, of the sizes p implies; the params mirror the kernel's.
-        unsafe { launch(v.kernel.entry(), f, grid, s, &prm)? };
+        // SAFETY: the caller's pointers and the workspace, of the sizes p implies; the params mirror
+        // the kernel's, which waits for the stream's previous kernel before it reads (decode.h).
+        unsafe { device::launch_dependent(dev, v.kernel.entry(), f, grid, s, &prm)? };
     }
     if let Some((o_part, lse_part)) = &work {
         let mp = MergePtrs { o_parts: o_part.ptr, lse_parts: lse_part.ptr, o: ptrs.o, lse: ptrs.lse };

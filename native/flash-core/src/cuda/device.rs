@@ -313,37 +313,43 @@ pub unsafe fn launch_dependent<P>(dev: &Device, name: &str, f: Function, grid: (
         // SAFETY: the caller's guarantees.
         return unsafe { launch(name, f, grid, stream, params) };
     }
+    // SAFETY: the caller's guarantees.
+    unsafe { launch_with(name, f, grid, stream, params, &mut [dependent_attribute()]) }
+}
+
+/// The launch attribute that lets a kernel start while the stream's previous kernel finishes.
+fn dependent_attribute() -> cu::CUlaunchAttribute {
     // SAFETY: a plain C union; the attribute reads only programmaticStreamSerializationAllowed.
     let mut value: cu::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
     value.programmaticStreamSerializationAllowed = 1;
-    // SAFETY: the caller's guarantees.
-    unsafe { launch_with(name, f, grid, stream, params, cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value) }
+    cu::CUlaunchAttribute { id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, pad: [0; 4], value }
 }
 
 /// As [`launch`], with the grid's blocks in clusters of `cluster_x` consecutive blocks along x
-/// (Hopper and later; the kernel may then use the cluster's barriers and shared memory).
+/// (Hopper and later; the kernel may then use the cluster's barriers and shared memory), and
+/// launched dependent as [`launch_dependent`] (clusters exist only where that does).
 ///
 /// # Safety
-/// As [`launch`].
+/// As [`launch_dependent`].
 pub unsafe fn launch_cluster<P>(name: &str, f: Function, grid: (u32, u32, u32), cluster_x: u32, stream: cu::CUstream, params: &P) -> Result<()> {
     // SAFETY: a plain C union; the attribute reads only clusterDim.
     let mut value: cu::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
     value.clusterDim.x = cluster_x;
     value.clusterDim.y = 1;
     value.clusterDim.z = 1;
+    let cluster = cu::CUlaunchAttribute { id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, pad: [0; 4], value };
     // SAFETY: the caller's guarantees.
-    unsafe { launch_with(name, f, grid, stream, params, cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, value) }
+    unsafe { launch_with(name, f, grid, stream, params, &mut [cluster, dependent_attribute()]) }
 }
 
-/// As [`launch`], through cuLaunchKernelEx with one launch attribute.
+/// As [`launch`], through cuLaunchKernelEx with these launch attributes.
 ///
 /// # Safety
 /// As [`launch`].
-unsafe fn launch_with<P>(name: &str, f: Function, grid: (u32, u32, u32), stream: cu::CUstream, params: &P, id: cu::CUlaunchAttributeID, value: cu::CUlaunchAttributeValue) -> Result<()> {
+unsafe fn launch_with<P>(name: &str, f: Function, grid: (u32, u32, u32), stream: cu::CUstream, params: &P, attrs: &mut [cu::CUlaunchAttribute]) -> Result<()> {
     if !launches_blocks(name, grid)? {
         return Ok(());
     }
-    let mut attr = [cu::CUlaunchAttribute { id, pad: [0; 4], value }];
     let config = cu::CUlaunchConfig {
         gridDimX: grid.0,
         gridDimY: grid.1,
@@ -353,8 +359,8 @@ unsafe fn launch_with<P>(name: &str, f: Function, grid: (u32, u32, u32), stream:
         blockDimZ: 1,
         sharedMemBytes: f.smem,
         hStream: stream,
-        attrs: attr.as_mut_ptr(),
-        numAttrs: 1,
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: attrs.len() as u32,
     };
     let mut args = [params as *const P as *mut c_void];
     // SAFETY: the config and its attribute outlive the call; the caller's guarantees for the rest.
