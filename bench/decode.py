@@ -11,7 +11,7 @@ two CUDA events, median of --reps of those (GPU), after warm-up.
 On the CPU the reference is memcpy measured in the same run (np.copyto of --copy-mb MiB, bytes read
 plus written, on 1 thread and on all the library's threads) and a read-only sum for scale; the
 percentages are of the all-threads memcpy. The target is >= 50 % of it for every cache format.
-    python bench/decode.py --device cuda [--shapes 8x8192,1x131072]  # GPU: torch tensors
+    python bench/decode.py --device cuda [--shapes 8x8192,1x131072] [--graph]  # GPU: torch tensors
 
 On the GPU each shape B x S_cache also runs torch's scaled_dot_product_attention (GQA, its fastest
 backend that takes the call) on the same bf16 cache in its own layout [B, Hkv, S, D], and prints
@@ -126,17 +126,38 @@ def cpu(args):
 
 # --- GPU ----------------------------------------------------------------------------------------------
 
+GRAPH = False  # --graph: time CUDA-graph replays of the calls (no host work between them)
+
+
 def gpu_time(torch, fn, iters, reps):
-    """Seconds per call: CUDA events around `iters` back-to-back calls, the median of `reps`."""
+    """Seconds per call: CUDA events around `iters` back-to-back calls, the median of `reps`; with
+    GRAPH, around a replay of those calls captured once in a CUDA graph."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+
+    def calls():
+        for _ in range(iters):
+            fn()
+
+    run = calls
+    if GRAPH:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # warm on the capture's stream too
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            calls()
+        run = graph.replay
+        run()
+        torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for _ in range(iters):
-            fn()
+        run()
         b.record()
         b.synchronize()
         ts.append(a.elapsed_time(b) / 1e3 / iters)
@@ -147,7 +168,12 @@ def copy_rate(torch, nbytes, iters, reps):
     """A device-to-device copy's traffic (bytes read + written per second) on `nbytes` buffers."""
     src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    t = gpu_time(torch, lambda: dst.copy_(src), iters, reps)
+    global GRAPH
+    graph, GRAPH = GRAPH, False  # captured, copy_ becomes a copy-engine node (~2.8 TB/s, not the SMs' rate)
+    try:
+        t = gpu_time(torch, lambda: dst.copy_(src), iters, reps)
+    finally:
+        GRAPH = graph
     return 2 * src.numel() * 2 / t
 
 
@@ -177,7 +203,8 @@ def gpu(args):
     splits = [None] + [int(x) for x in args.splits.split(",") if x]
     print(f"{dev.name} ({dev.multi_processor_count} SMs), torch {torch.__version__}, flash_nif {flash_nif.info()['version']} "
           f"(NVRTC {info.get('nvrtc_version')}, {info.get('arch')})")
-    print(f"Hkv={HKV} H={H} D={D}, Sq=1, bf16 q, groups of 64; per call: CUDA events around {args.iters} calls, "
+    how = "replayed from a CUDA graph" if GRAPH else "back to back"
+    print(f"Hkv={HKV} H={H} D={D}, Sq=1, bf16 q, groups of 64; per call: CUDA events around {args.iters} calls {how}, "
           f"median of {args.reps}")
     rate = copy_rate(torch, args.copy_mb * 2**20, args.iters, args.reps)
     print(f"copy: {rate / 1e9:.0f} GB/s (read + written, {args.copy_mb} MiB)\n")
@@ -221,7 +248,12 @@ def main():
     ap.add_argument("--formats", default="bf16,8-bit/64,4-bit/64",
                     help="CPU: caches, comma separated: bf16, f16, f32 (q in that dtype) or BITS-bit/GROUP "
                          "(quantized from bf16, bf16 q)")
+    ap.add_argument("--graph", action="store_true",
+                    help="GPU: time CUDA-graph replays of the calls (ours, SDPA and the copy alike): the GPU's time "
+                         "without the host's between calls")
     args = ap.parse_args()
+    global GRAPH
+    GRAPH = args.graph
     gpu(args) if args.device == "cuda" else cpu(args)
 
 
