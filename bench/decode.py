@@ -140,8 +140,24 @@ def gpu_time(torch, fn, iters, reps):
         for _ in range(iters):
             fn()
 
-    run = calls
-    if GRAPH:
+    def median_of(run):
+        ts = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            run()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) / 1e3 / iters)
+        return statistics.median(ts)
+
+    if not GRAPH:
+        return median_of(calls)
+    # The lower median of two captures: on the H200 the first graph timed after another library's
+    # capture (SDPA's) ran up to 25 % slow for all its replays, the next capture of the same calls
+    # not (bench/RESULTS.md, session 47); ours and SDPA's are timed alike.
+    best = float("inf")
+    for _ in range(2):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -150,18 +166,11 @@ def gpu_time(torch, fn, iters, reps):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             calls()
-        run = graph.replay
-        run()
+        graph.replay()
         torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3 / iters)
-    return statistics.median(ts)
+        best = min(best, median_of(graph.replay))
+        del graph
+    return best
 
 
 def copy_rate(torch, nbytes, iters, reps):
