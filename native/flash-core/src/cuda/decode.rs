@@ -358,12 +358,11 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
     // With splits, each split's state lands in the workspace and the merge writes o and lse (or,
     // as a cluster, the kernel merges them).
     let states = p.batch * p.seq_q * p.heads;
-    let work = if splits > 1 && !cluster {
-        Some((DeviceBuffer::alloc(splits * states * p.head_dim * 4, s)?, DeviceBuffer::alloc(splits * states * 4, s)?))
-    } else {
-        None
-    };
-    let work_ptrs = work.as_ref().map_or((0, 0), |(o, l)| (o.ptr, l.ptr));
+    // One allocation for both (each is a stream-ordered call on the host's per-call path): o_part
+    // [splits, B, Sq, H, D] f32, then lse_part [splits, B, H, Sq] f32 at a 256-byte boundary.
+    let lse_at = (splits * states * p.head_dim * 4).next_multiple_of(256);
+    let work = if splits > 1 && !cluster { Some(DeviceBuffer::alloc(lse_at + splits * states * 4, s)?) } else { None };
+    let work_ptrs = work.as_ref().map_or((0, 0), |w| (w.ptr, w.ptr + lse_at as u64));
     let prm = params(p, bits, gs(formats[0]), gs(formats[1]), plan, &ptrs, work_ptrs);
     let grid = (grid_x as u32, p.batch as u32, 1);
     if cluster {
@@ -381,8 +380,8 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
         // the kernel's, which waits for the stream's previous kernel before it reads (decode.h).
         unsafe { device::launch_dependent(dev, v.kernel.entry(), f, grid, s, &prm)? };
     }
-    if let Some((o_part, lse_part)) = &work {
-        let mp = MergePtrs { o_parts: o_part.ptr, lse_parts: lse_part.ptr, o: ptrs.o, lse: ptrs.lse };
+    if work.is_some() {
+        let mp = MergePtrs { o_parts: work_ptrs.0, lse_parts: work_ptrs.1, o: ptrs.o, lse: ptrs.lse };
         // SAFETY: the workspace just written on s, and the caller's outputs.
         unsafe { kv::merge(dev, p.dtype, [splits, p.batch, p.seq_q, p.heads, p.head_dim], mp, true, s)? };
     }
