@@ -304,6 +304,46 @@ def test_the_torch_fast_path_is_the_general_one(fa, gpu, monkeypatch, quant):
 
 
 @pytest.mark.skipif(not HAVE_TORCH_GPU, reason="torch without CUDA")
+@pytest.mark.parametrize("quant", [None, (4, 64), (8, 32)], ids=str)
+@pytest.mark.parametrize("s_cache", [64, 4096])
+def test_back_to_back_and_in_a_cuda_graph(fa, gpu, quant, s_cache):
+    """Decode starts while the stream's previous kernel finishes (launched dependent) and must still
+    read what that kernel wrote: a decode whose q is the previous decode's o, and a captured loop
+    (write q and a cache row, decode) replayed with new inputs, give the bits of synchronised calls.
+    4096 keys split (the merge kernel, or a plain cache's cluster on Hopper); 64 do not."""
+    env = Env("torch")
+    q0 = env.put(rand(21, (2, 1, 32, 128), ml_dtypes.bfloat16))
+    k, v = (put_cache(fa, env, rand(22 + i, (2, s_cache, 8, 128), ml_dtypes.bfloat16), quant) for i in range(2))
+    o1, _ = fa.decode(q0, k, v)
+    o2, lse2 = fa.decode(o1, k, v)  # reads o1 right behind the kernels that write it
+    torch.cuda.synchronize()
+    want = fa.decode(o1.clone(), k, v)
+    torch.cuda.synchronize()
+    assert torch.equal(o2, want[0]) and torch.equal(lse2, want[1])
+
+    # A captured step: q written by a copy kernel, then decode, then its output copied out.
+    q_in, out = torch.empty_like(q0), torch.empty_like(q0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fa.decode(q_in.copy_(q0), k, v)  # warm-up off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    src = torch.empty_like(q0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q_in.copy_(src)
+        o, lse = fa.decode(q_in, k, v)
+        out.copy_(o)
+    for seed in (31, 32, 33):
+        src.copy_(env.put(rand(seed, (2, 1, 32, 128), ml_dtypes.bfloat16)))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = fa.decode(src.clone(), k, v)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+
+
+@pytest.mark.skipif(not HAVE_TORCH_GPU, reason="torch without CUDA")
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("words", [1, 2, 3])
 def test_codes_off_the_copy_engines_alignment(fa, gpu, bits, words):
