@@ -258,7 +258,7 @@ def main():
                     help="CPU: caches, comma separated: bf16, f16, f32 (q in that dtype) or BITS-bit/GROUP "
                          "(quantized from bf16, bf16 q)")
     ap.add_argument("--graph", action="store_true",
-                    help="GPU: time CUDA-graph replays of the calls (ours, SDPA and the copy alike): the GPU's time "
+                    help="GPU: time CUDA-graph replays of the calls (ours and SDPA alike; the copy stays eager): the GPU's time "
                          "without the host's between calls")
     args = ap.parse_args()
     global GRAPH
