@@ -94,6 +94,8 @@ __device__ __forceinline__ void merge_columns_f32x4(const MergeParams& p, i64 s,
 // MERGE_CHUNK parts (none of those loads waits for a weight); the max, the weights and their sum
 // come from registers (shuffles), and a part of weight 0 adds nothing by a select (its o is read,
 // never used: decode's parts are finite, and a select keeps even NaN out). Returns the state's lse.
+// (decode.rs's MERGE_ONE_TRIP_PARTS is this, which a unit test checks: decode's splits stay within
+// one trip where the 4-bit kernel would take more.)
 #define MERGE_CHUNK 16
 
 // This lane's four columns at c of parts q0 .. q0 + MERGE_CHUNK - 1 (zeros past the parts or past Dv).
