@@ -474,6 +474,48 @@ mod tests {
         }
     }
 
+    /// reduce_max on every instruction set this machine has: the largest lane, NaN lanes skipped
+    /// (all NaN: -inf), as a scalar fold.
+    #[test]
+    fn reduce_max_skips_nan() {
+        unsafe fn check<V: Vector>() {
+            let n = V::LANES;
+            for case in 0..4 * n {
+                let mut data: Vec<f32> = (0..n).map(|i| (((i + case) * 7919) % 1009) as f32 - 500.0).collect();
+                if case >= n {
+                    data[case % n] = f32::NAN; // one NaN lane, anywhere
+                }
+                if case >= 3 * n {
+                    data.fill(f32::NAN);
+                }
+                let want = data.iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+                assert_eq!(V::load(data.as_ptr()).reduce_max(), want, "case {case} of {n} lanes");
+            }
+        }
+        unsafe {
+            check::<Scalar>();
+            #[cfg(target_arch = "x86_64")]
+            {
+                if matches!(isa(), Isa::Avx512) {
+                    max_avx512();
+                }
+                if matches!(isa(), Isa::Avx512 | Isa::Avx2) {
+                    max_avx2();
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
+        unsafe fn max_avx512() {
+            check::<x86::Avx512>()
+        }
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn max_avx2() {
+            check::<x86::Avx2>()
+        }
+    }
+
     /// One task on every instruction set this machine has (and the scalar one) gives the same
     /// states: plain f16 and bf16 rows with D = 40 (a partial vector), bf16 rows at D = 64 / 96 (the
     /// bf16 dot products where the CPU has them, which round P to bf16: o to that rounding), 4-bit

@@ -47,6 +47,7 @@ pub trait Vector: Copy {
     /// through exp2 instead).
     unsafe fn max(self, b: Self) -> Self;
     unsafe fn exp2(self) -> Self;
+    /// The largest lane; NaN lanes are skipped (all NaN: -inf).
     unsafe fn reduce_max(self) -> f32;
     unsafe fn reduce_add(self) -> f32;
     /// `x` holds LANES vectors; lane i of the result is the sum of x[i]'s lanes (LANES dot
@@ -135,7 +136,11 @@ impl Vector for Scalar {
     }
     #[inline(always)]
     unsafe fn reduce_max(self) -> f32 {
-        self.0
+        if self.0.is_nan() {
+            f32::NEG_INFINITY // as the vectors' reductions: NaN lanes skipped
+        } else {
+            self.0
+        }
     }
     #[inline(always)]
     unsafe fn reduce_add(self) -> f32 {
@@ -297,8 +302,10 @@ pub mod x86 {
         }
         #[inline(always)]
         unsafe fn reduce_max(self) -> f32 {
-            let a: [f32; 16] = std::mem::transmute(self.0);
-            a.iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+            // NaN lanes as -inf (the max of the others, as a scalar fold skipping NaN), then a
+            // halving tree: four steps, where the fold was a chain of sixteen (online_softmax).
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(self.0, self.0);
+            _mm512_reduce_max_ps(_mm512_mask_blend_ps(nan, self.0, _mm512_set1_ps(f32::NEG_INFINITY)))
         }
         #[inline(always)]
         unsafe fn reduce_add(self) -> f32 {
@@ -435,8 +442,11 @@ pub mod x86 {
         }
         #[inline(always)]
         unsafe fn reduce_max(self) -> f32 {
-            let a: [f32; 8] = std::mem::transmute(self.0);
-            a.iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+            // NaN lanes as -inf, then a halving tree (as the AVX-512 one).
+            let x = _mm256_blendv_ps(self.0, _mm256_set1_ps(f32::NEG_INFINITY), _mm256_cmp_ps::<_CMP_UNORD_Q>(self.0, self.0));
+            let h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
+            let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps::<0b01>(h, h)))
         }
         #[inline(always)]
         unsafe fn reduce_add(self) -> f32 {
