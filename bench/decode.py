@@ -126,12 +126,23 @@ def cpu(args):
 
 # --- GPU ----------------------------------------------------------------------------------------------
 
-GRAPH = False  # --graph: time CUDA-graph replays of the calls (no host work between them)
+def capture_graph(torch, calls):
+    """A CUDA graph of calls(), run once first on the capture's own stream (the warm-up a capture
+    needs: lazy initialisation must not land inside it)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        calls()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    return graph
 
 
-def gpu_time(torch, fn, iters, reps):
+def gpu_time(torch, fn, iters, reps, graph=False):
     """Seconds per call: CUDA events around `iters` back-to-back calls, the median of `reps`; with
-    GRAPH, around a replay of those calls captured once in a CUDA graph."""
+    `graph`, around a replay of those calls captured in a CUDA graph."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -151,38 +162,27 @@ def gpu_time(torch, fn, iters, reps):
             ts.append(a.elapsed_time(b) / 1e3 / iters)
         return statistics.median(ts)
 
-    if not GRAPH:
+    if not graph:
         return median_of(calls)
     # The lower median of two captures: on the H200 the first graph timed after another library's
     # capture (SDPA's) ran up to 25 % slow for all its replays, the next capture of the same calls
     # not (bench/RESULTS.md, session 47); ours and SDPA's are timed alike.
     best = float("inf")
     for _ in range(2):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()  # warm on the capture's stream too
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            calls()
-        graph.replay()
+        g = capture_graph(torch, calls)
+        g.replay()
         torch.cuda.synchronize()
-        best = min(best, median_of(graph.replay))
-        del graph
+        best = min(best, median_of(g.replay))
+        del g
     return best
 
 
 def copy_rate(torch, nbytes, iters, reps):
-    """A device-to-device copy's traffic (bytes read + written per second) on `nbytes` buffers."""
+    """A device-to-device copy's traffic (bytes read + written per second) on `nbytes` buffers,
+    always eager: captured, copy_ becomes a copy-engine node (~2.8 TB/s, not the SMs' rate)."""
     src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    global GRAPH
-    graph, GRAPH = GRAPH, False  # captured, copy_ becomes a copy-engine node (~2.8 TB/s, not the SMs' rate)
-    try:
-        t = gpu_time(torch, lambda: dst.copy_(src), iters, reps)
-    finally:
-        GRAPH = graph
+    t = gpu_time(torch, lambda: dst.copy_(src), iters, reps)
     return 2 * src.numel() * 2 / t
 
 
@@ -196,7 +196,7 @@ def sdpa_time(torch, q, k, v, args):
                     SDPBackend.MATH):
         try:
             with sdpa_kernel([backend]):
-                t = gpu_time(torch, lambda: sdpa(q, k, v, enable_gqa=True), args.iters, args.reps)
+                t = gpu_time(torch, lambda: sdpa(q, k, v, enable_gqa=True), args.iters, args.reps, args.graph)
         except RuntimeError:  # this backend does not take the call
             continue
         best = min(best, (t, backend.name))
@@ -212,7 +212,7 @@ def gpu(args):
     splits = [None] + [int(x) for x in args.splits.split(",") if x]
     print(f"{dev.name} ({dev.multi_processor_count} SMs), torch {torch.__version__}, flash_nif {flash_nif.info()['version']} "
           f"(NVRTC {info.get('nvrtc_version')}, {info.get('arch')})")
-    how = "replayed from a CUDA graph" if GRAPH else "back to back"
+    how = "replayed from a CUDA graph" if args.graph else "back to back"
     print(f"Hkv={HKV} H={H} D={D}, Sq=1, bf16 q, groups of 64; per call: CUDA events around {args.iters} calls {how}, "
           f"median of {args.reps}")
     rate = copy_rate(torch, args.copy_mb * 2**20, args.iters, args.reps)
@@ -234,7 +234,7 @@ def gpu(args):
             kc, vc = (k, v) if bits is None else (flash_nif.quantize_kv(x, bits=bits, group_size=64) for x in (k, v))
             nbytes = cache_bytes(kc) + cache_bytes(vc)
             for n in splits:
-                t = gpu_time(torch, lambda: flash_nif.decode(q, kc, vc, num_splits=n), args.iters, args.reps)
+                t = gpu_time(torch, lambda: flash_nif.decode(q, kc, vc, num_splits=n), args.iters, args.reps, args.graph)
                 eff = nbytes / t
                 print(f"| {b} x {s} | {name} | {'auto' if n is None else n} | {nbytes / 1e6:.0f} | {t * 1e6:.1f} | "
                       f"{eff / 1e9:.0f} | {100 * eff / rate:.0f} % | {t_sdpa * 1e6:.1f} | {t_sdpa / t:.2f} | "
@@ -261,8 +261,6 @@ def main():
                     help="GPU: time CUDA-graph replays of the calls (ours and SDPA alike; the copy stays eager): the GPU's time "
                          "without the host's between calls")
     args = ap.parse_args()
-    global GRAPH
-    GRAPH = args.graph
     gpu(args) if args.device == "cuda" else cpu(args)
 
 

@@ -21,6 +21,7 @@ import tempfile
 import torch
 
 import flash_nif
+from decode import capture_graph  # bench/decode.py (this script's folder is on the path)
 
 HKV, H, D = 8, 32, 128
 
@@ -94,14 +95,7 @@ def main():
                     flash_nif.decode(q, kc, vc, num_splits=ns)
 
             eager()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                eager()  # warm on the capture stream too
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                eager()
+            graph = capture_graph(torch, eager)
             modes = (("eager", eager), ("graph", graph.replay))
             for mode, fn in modes[1:] if args.graph_only else modes:
                 t = event_time(fn, n)
