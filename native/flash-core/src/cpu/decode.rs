@@ -437,6 +437,36 @@ unsafe fn accumulate_group<V: Vector, F: Rows, const N: usize, const NV: usize>(
 mod tests {
     use super::*;
 
+    /// Runs the generic `$check::<V>()` for the scalar vector and for each instruction set this
+    /// machine has (inside a function compiled for that set).
+    macro_rules! on_every_vector {
+        ($check:ident) => {{
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
+            unsafe fn on_avx512() {
+                $check::<x86::Avx512>()
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn on_avx2() {
+                $check::<x86::Avx2>()
+            }
+            // SAFETY: each set runs only where isa() reports it.
+            unsafe {
+                $check::<Scalar>();
+                #[cfg(target_arch = "x86_64")]
+                {
+                    if matches!(isa(), Isa::Avx512) {
+                        on_avx512();
+                    }
+                    if matches!(isa(), Isa::Avx512 | Isa::Avx2) {
+                        on_avx2();
+                    }
+                }
+            }
+        }};
+    }
+
     /// sum_each on every instruction set this machine has: lane i is the sum of input i.
     #[test]
     fn sum_each_sums_each_input() {
@@ -450,28 +480,7 @@ mod tests {
                 assert_eq!(out[i], data[i * n..(i + 1) * n].iter().sum::<f32>(), "lane {i} of {n}");
             }
         }
-        unsafe {
-            check::<Scalar>();
-            #[cfg(target_arch = "x86_64")]
-            {
-                if matches!(isa(), Isa::Avx512) {
-                    sum_each_avx512();
-                }
-                if matches!(isa(), Isa::Avx512 | Isa::Avx2) {
-                    sum_each_avx2();
-                }
-            }
-        }
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
-        unsafe fn sum_each_avx512() {
-            check::<x86::Avx512>()
-        }
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn sum_each_avx2() {
-            check::<x86::Avx2>()
-        }
+        on_every_vector!(check);
     }
 
     /// reduce_max on every instruction set this machine has: the largest lane, NaN lanes skipped
@@ -492,28 +501,7 @@ mod tests {
                 assert_eq!(V::load(data.as_ptr()).reduce_max(), want, "case {case} of {n} lanes");
             }
         }
-        unsafe {
-            check::<Scalar>();
-            #[cfg(target_arch = "x86_64")]
-            {
-                if matches!(isa(), Isa::Avx512) {
-                    max_avx512();
-                }
-                if matches!(isa(), Isa::Avx512 | Isa::Avx2) {
-                    max_avx2();
-                }
-            }
-        }
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
-        unsafe fn max_avx512() {
-            check::<x86::Avx512>()
-        }
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn max_avx2() {
-            check::<x86::Avx2>()
-        }
+        on_every_vector!(check);
     }
 
     /// One task on every instruction set this machine has (and the scalar one) gives the same
