@@ -10,7 +10,8 @@
 // lse = -inf. One warp per state (b, i, h), grid-stride: its lanes find the max and the sum over
 // the parts, then the columns (merge_columns: COLS per lane at a time; decode's f32 parts:
 // merge_columns_f32x4, 16-byte loads, more in flight), the parts' weights broadcast from the lanes
-// that computed them (for_weighted_parts).
+// that computed them (for_weighted_parts). Decode's f32 parts past one warp's trip: a block per
+// state (MERGE_BY_BLOCK, merge_state_block).
 // Arithmetic is f32 (expf / logf, not the approximations).
 #include "types.h"
 #include "warp_reduce.h"
@@ -32,6 +33,13 @@ struct MergeParams {
     int parts, batch, seq_q, heads, dv, parts_f32;
 };
 static_assert(sizeof(MergeParams) == 4 * 8 + 6 * 4, "kv.rs mirrors this layout");
+
+// MERGE_BY_BLOCK 1: the kernel takes a block per state (merge_state_block), which kv.rs launches for
+// decode's f32 parts past one warp's trip; 0: a warp per state (every other merge). Two variants,
+// so that neither path's registers bound the other's.
+#ifndef MERGE_BY_BLOCK
+#define MERGE_BY_BLOCK 0
+#endif
 
 // Columns a lane accumulates at once (per chunk of 32 * COLS columns): independent loads in flight.
 #define COLS 8
@@ -94,8 +102,8 @@ __device__ __forceinline__ void merge_columns_f32x4(const MergeParams& p, i64 s,
 // MERGE_CHUNK parts (none of those loads waits for a weight); the max, the weights and their sum
 // come from registers (shuffles), and a part of weight 0 adds nothing by a select (its o is read,
 // never used: decode's parts are finite, and a select keeps even NaN out). Returns the state's lse.
-// (decode.rs's MERGE_ONE_TRIP_PARTS is this, which a unit test checks: decode's splits stay within
-// one trip where the 4-bit kernel would take more.)
+// (kv.rs's MERGE_CHUNK is this, which a unit test checks; decode's splits stay within one trip of
+// merge_state_block, MERGE_BLOCK_PARTS, where the 4-bit kernel would take more.)
 #define MERGE_CHUNK 16
 
 // This lane's four columns at c of parts q0 .. q0 + MERGE_CHUNK - 1 (zeros past the parts or past Dv).
@@ -135,6 +143,66 @@ __device__ __forceinline__ float merge_state_f32x4(const MergeParams& p, i64 s, 
     return seen ? mx + logf(total) : neg_inf;
 }
 
+// Decode's f32 parts, MERGE_CHUNK < P <= MERGE_BLOCK_PARTS and Dv a multiple of 4: state s by a whole
+// block, in about one memory round trip where merge_state_f32x4 takes one per MERGE_CHUNK parts (and
+// past 32 parts the general path three). Warp k takes parts MERGE_CHUNK k .. + MERGE_CHUNK - 1: its
+// lanes load their four columns of them while each lane also loads the lse of parts lane, lane +
+// 32, ... (every warp finds the max and the total itself); the warps' weighted sums meet in shared
+// memory, where warp 0 adds them in order. For few states with many parts (a long row split for a
+// small batch: 32 warps merged 32 parts each at B = 1), so that more of the GPU takes the merge.
+// Returns the state's lse.
+#define MERGE_BLOCK_PARTS (NUM_WARPS * MERGE_CHUNK)
+
+__device__ __forceinline__ float merge_state_block(const MergeParams& p, i64 s, i64 stat, i64 part_stride, i64 stat_stride) {
+    __shared__ float4 partial[NUM_WARPS][32];  // each warp's sums of its lanes' four columns
+    constexpr int LSE_PER_LANE = MERGE_BLOCK_PARTS / 32;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, q0 = warp * MERGE_CHUNK;
+    const float neg_inf = __int_as_float(0xff800000);
+    const float* parts = reinterpret_cast<const float*>(p.o_parts) + s * p.dv;
+    float l[LSE_PER_LANE];
+    float mx = neg_inf;
+#pragma unroll
+    for (int k = 0; k < LSE_PER_LANE; ++k) {
+        const int q = lane + 32 * k;
+        l[k] = q < p.parts ? p.lse_parts[q * stat_stride + stat] : neg_inf;
+        mx = fmaxf(mx, l[k]);
+    }
+    float4 x[MERGE_CHUNK];
+    load_part_columns(x, p, parts, part_stride, q0, 4 * lane);
+    mx = warp_max(mx);
+    float total = 0.f, mine = 0.f;  // mine: the weight of part 32 (q0 / 32) + lane (the warp's parts lie in that row of 32)
+#pragma unroll
+    for (int k = 0; k < LSE_PER_LANE; ++k) {
+        const float w = mx == neg_inf ? 0.f : expf(l[k] - mx);  // lanes past the parts: exp(-inf) = 0
+        total += w;
+        mine = k == q0 / 32 ? w : mine;
+    }
+    total = warp_sum(total);
+    for (int c = 4 * lane; c - 4 * lane < p.dv; c += 128) {  // passes of 128 columns, every lane in each
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (c >= 128) load_part_columns(x, p, parts, part_stride, q0, c);
+#pragma unroll
+        for (int j = 0; j < MERGE_CHUNK; ++j) {
+            const float wq = __shfl_sync(0xffffffffu, mine, (q0 + j) & 31);
+            const bool used = q0 + j < p.parts && wq != 0.f;
+            acc.x += used ? wq * x[j].x : 0.f, acc.y += used ? wq * x[j].y : 0.f;
+            acc.z += used ? wq * x[j].z : 0.f, acc.w += used ? wq * x[j].w : 0.f;
+        }
+        partial[warp][lane] = acc;
+        __syncthreads();
+        if (warp == 0) {
+            float4 sum = partial[0][lane];
+            for (int k = 1; k < NUM_WARPS && k * MERGE_CHUNK < p.parts; ++k) {
+                const float4 y = partial[k][lane];
+                sum.x += y.x, sum.y += y.y, sum.z += y.z, sum.w += y.w;
+            }
+            if (c < p.dv) store_columns4(p, s, c, sum, total);
+        }
+        __syncthreads();  // partial is rewritten by the next pass (or state)
+    }
+    return total > 0.f ? mx + logf(total) : neg_inf;
+}
+
 // The columns of state s in general (any Dv, elem_t or f32 parts): COLS per lane at a time, 32 apart.
 __device__ __forceinline__ void merge_columns(const MergeParams& p, i64 s, i64 stat, i64 part_stride, i64 stat_stride,
                                               float mx, float total) {
@@ -168,6 +236,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_merge_states(
     const i64 states = (i64)p.batch * p.seq_q * p.heads;  // (b, i, h) in o's order
     const i64 part_stride = states * p.dv;                  // elements between parts of o_parts
     const i64 warps = (i64)gridDim.x * NUM_WARPS;
+#if MERGE_BY_BLOCK
+    for (i64 s = blockIdx.x; s < states; s += gridDim.x) {
+        const i64 b = s / p.heads / p.seq_q, i = s / p.heads % p.seq_q, h = s % p.heads;
+        const i64 stat = (b * p.heads + h) * p.seq_q + i;  // [B, H, Sq] index
+        const float lse = merge_state_block(p, s, stat, part_stride, states);
+        if (threadIdx.x == 0) p.lse[stat] = lse;
+    }
+    return;
+#endif
     for (i64 s = (i64)blockIdx.x * NUM_WARPS + threadIdx.x / 32; s < states; s += warps) {
         const int h = (int)(s % p.heads);
         const i64 bi = s / p.heads;  // b * Sq + i

@@ -155,17 +155,26 @@ def test_windows_softcap_and_scale(fa, ref, lib, assert_close_to_oracle, dtype_n
 
 @pytest.mark.parametrize("quant", [None, (8, 64), (4, 32)], ids=str)
 def test_split_counts_agree(fa, ref, lib, assert_close_to_oracle, quant):
-    """num_splits 1, 2 (a plain cache's splits merge as a cluster on Hopper), 7, 9, 64, 129 (more
-    splits than some rows have keys) and the GPU's own choice: each against the oracle, and with
-    one another to rounding."""
+    """num_splits 1, 2 (a plain cache's splits merge as a cluster on Hopper), 7, 9, 40 and 64 (past
+    one warp's trip the merge takes a block per state), 129 (more splits than some rows have keys,
+    and past the block's trip) and the GPU's own choice: each against the oracle, and with one
+    another to rounding."""
     outs = []
-    for splits in (None, 1, 2, 7, 9, 64, 129):
+    for splits in (None, 1, 2, 7, 9, 40, 64, 129):
         o, lse = run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name="bf16", d=128, sq=1, group=8, quant=quant,
                             s_cache=700, seqlens=(700, 129, 5), leftpad=(3, 0, 5), num_splits=splits)
         outs.append((o.astype(np.float32), lse))
     for o, lse in outs[1:]:
         np.testing.assert_allclose(o, outs[0][0], rtol=0.02, atol=0.02)
         np.testing.assert_allclose(lse, outs[0][1], rtol=1e-5)
+
+
+@pytest.mark.parametrize("d", [64, 256])
+def test_block_merges_at_other_head_dims(fa, ref, lib, assert_close_to_oracle, d):
+    """40 splits at D = 64 (half the lanes' columns past Dv) and D = 256 (two passes of columns) by
+    the merge's block per state, three sequences of ragged length."""
+    run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name="bf16", d=d, sq=2, group=2, quant=None, b=3,
+               s_cache=900, seqlens=(900, 333, 41), leftpad=(0, 7, 0), num_splits=40)
 
 
 @pytest.mark.parametrize("quant", [None, (8, 32), (4, 64)], ids=str)

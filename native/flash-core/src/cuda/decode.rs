@@ -248,21 +248,18 @@ fn split_lanes(plain_mma: bool, blocks_per_sm: u32) -> usize {
     (if plain_mma { 1 } else { 2 }).min(blocks_per_sm.max(1) as usize)
 }
 
-/// Parts the merge kernel takes in one memory trip (cuda/merge.cu's MERGE_CHUNK; a unit test
-/// reads it there): past it the merge's tail grows (H200, 4-bit: 2.3 us at 16 parts or fewer, 3.4
-/// at 24, 7.4 at 48, where 32 and more take its general path; RESULTS, session 47).
-const MERGE_ONE_TRIP_PARTS: usize = 16;
-
 /// The splits of a call that leaves the count to the library: choose_splits at split_lanes'
 /// blocks per SM, but the 4-bit tensor-core kernel (`q4_mma`) at three where they fit and the
-/// splits stay within one trip of the merge (H200, the same kernel with the count forced, graph
-/// periods: 8 x 8192 6 splits 31.8-32.0 us against 32.6 at 4, 4 x 16384 12 splits 31.6 against
-/// 32.2-32.4 at 8; 2 x 32768 24 splits 32.8 against 32.3-32.4 at 16, 1 x 131072 48 splits 57.9-58.0
-/// against 56.2-56.3 at 32, so those keep two).
-fn auto_splits(plain_mma: bool, q4_mma: bool, blocks_per_sm: u32, blocks: usize, sms: usize, max_keys: usize) -> usize {
+/// splits stay within one trip of the merge (`one_trip`: kv.rs merge_one_trip_parts; past it the
+/// merge's tail grows: 7.4 us at 48 parts by a warp per state, RESULTS, session 47). H200, the same
+/// kernel with the count forced, graph periods: 8 x 8192 6 splits 31.8-32.0 us against 32.6 at 4,
+/// 4 x 16384 12 splits 31.6 against 32.2-32.4 at 8 (session 47); with the merge's block per state,
+/// 2 x 32768 24 splits 31.9-32.0 against 32.4-32.5 at 16, 1 x 131072 48 splits 53.1-53.2 against
+/// 55.4-55.9 at 32 (session 48).
+fn auto_splits(plain_mma: bool, q4_mma: bool, blocks_per_sm: u32, blocks: usize, sms: usize, max_keys: usize, one_trip: usize) -> usize {
     if q4_mma && blocks_per_sm >= 3 {
         let splits = choose_splits(blocks, sms, 3, max_keys);
-        if splits <= MERGE_ONE_TRIP_PARTS {
+        if splits <= one_trip {
             return splits;
         }
     }
@@ -369,7 +366,8 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
         None => {
             let mma = v.kernel == Kernel::Decode;
             let keys = max_visible_keys(p, rows.0, rows.1);
-            auto_splits(bits == 0 && mma, bits == 4 && mma, f.blocks_per_sm, p.batch * blocks, dev.sm_count.max(1) as usize, keys)
+            let sms = dev.sm_count.max(1) as usize;
+            auto_splits(bits == 0 && mma, bits == 4 && mma, f.blocks_per_sm, p.batch * blocks, sms, keys, kv::merge_one_trip_parts())
         }
     };
     let grid_x = blocks.checked_mul(splits).filter(|&n| n <= i32::MAX as usize).ok_or_else(|| {
@@ -532,21 +530,18 @@ mod tests {
 
     #[test]
     fn four_bit_splits_take_three_blocks_an_sm_within_one_merge_trip() {
-        // Hkv = 8 on 132 SMs; (plain_mma, q4_mma, blocks_per_sm, blocks, sms, keys).
-        assert_eq!(auto_splits(false, true, 3, 64, 132, 8192), 6); // 8 x 8192
-        assert_eq!(auto_splits(false, true, 3, 32, 132, 16384), 12); // 4 x 16384
-        assert_eq!(auto_splits(false, true, 3, 16, 132, 32768), 16); // 24 would pass one trip
-        assert_eq!(auto_splits(false, true, 3, 8, 132, 131072), 32);
-        assert_eq!(auto_splits(false, true, 2, 64, 132, 8192), 4); // only two fit
-        assert_eq!(auto_splits(false, false, 2, 64, 132, 8192), 4); // 8-bit
-        assert_eq!(auto_splits(true, false, 2, 64, 132, 8192), 2); // plain
-        assert_eq!(auto_splits(false, true, 3, 512, 132, 1024), 1); // the rows fill the GPU
-    }
-
-    #[test]
-    fn the_merge_trip_is_the_kernels() {
-        let src = super::super::sources::FILES.iter().find(|(n, _)| *n == "merge.cu").expect("merge.cu is embedded").1;
-        assert!(src.contains(&format!("#define MERGE_CHUNK {MERGE_ONE_TRIP_PARTS}\n")), "cuda/merge.cu's MERGE_CHUNK is MERGE_ONE_TRIP_PARTS");
+        // Hkv = 8 on 132 SMs; (plain_mma, q4_mma, blocks_per_sm, blocks, sms, keys, one_trip).
+        let trip = kv::merge_one_trip_parts();
+        assert_eq!(trip, 128);
+        assert_eq!(auto_splits(false, true, 3, 64, 132, 8192, trip), 6); // 8 x 8192
+        assert_eq!(auto_splits(false, true, 3, 32, 132, 16384, trip), 12); // 4 x 16384
+        assert_eq!(auto_splits(false, true, 3, 16, 132, 32768, trip), 24); // 2 x 32768
+        assert_eq!(auto_splits(false, true, 3, 8, 132, 131072, trip), 48); // 1 x 131072
+        assert_eq!(auto_splits(false, true, 3, 16, 132, 32768, 16), 16); // 24 would pass a trip of 16
+        assert_eq!(auto_splits(false, true, 2, 64, 132, 8192, trip), 4); // only two fit
+        assert_eq!(auto_splits(false, false, 2, 64, 132, 8192, trip), 4); // 8-bit
+        assert_eq!(auto_splits(true, false, 2, 64, 132, 8192, trip), 2); // plain
+        assert_eq!(auto_splits(false, true, 3, 512, 132, 1024, trip), 1); // the rows fill the GPU
     }
 
     #[test]

@@ -6,7 +6,7 @@ use cudarc::driver::sys as cu;
 
 use super::device::{self, launch, ContextGuard, Device, DeviceBuffer};
 use super::host::{download, upload, Stream};
-use super::kv_variants::elementwise_variant;
+use super::kv_variants::{elementwise_variant, merge_block_variant};
 use super::libs;
 use super::variant::Kernel;
 use crate::dtype::DType;
@@ -188,6 +188,22 @@ fn check_merge_dims(dims: [usize; 5]) -> Result<()> {
 ///
 /// # Safety
 /// As [`merge_states_device`].
+/// Parts a warp of cuda/merge.cu takes in one memory trip (its MERGE_CHUNK; a unit test reads it
+/// there).
+pub(super) const MERGE_CHUNK: usize = 16;
+
+/// Parts the merge takes in about one memory trip: a warp's trip for each warp of a block
+/// (merge_block_variant's kernel, cuda/merge.cu merge_state_block).
+pub(super) fn merge_one_trip_parts() -> usize {
+    merge_block_variant(DType::F32).tiles.num_warps * MERGE_CHUNK
+}
+
+/// Whether the merge takes a block per state (decode's f32 parts, more than one warp's trip and at
+/// most one trip of the block), else a warp per state.
+fn merges_by_block(parts: usize, dv: usize, parts_f32: bool) -> bool {
+    parts_f32 && dv % 4 == 0 && parts > MERGE_CHUNK && parts <= merge_one_trip_parts()
+}
+
 pub(super) unsafe fn merge(dev: &Device, dtype: DType, dims: [usize; 5], ptrs: MergePtrs, parts_f32: bool, s: cu::CUstream) -> Result<()> {
     check_merge_dims(dims)?;
     let [parts, batch, seq_q, heads, dv] = dims;
@@ -195,7 +211,8 @@ pub(super) unsafe fn merge(dev: &Device, dtype: DType, dims: [usize; 5], ptrs: M
     if states == 0 {
         return Ok(());
     }
-    let v = elementwise_variant(Kernel::MergeStates, dtype);
+    let block_per_state = merges_by_block(parts, dv, parts_f32);
+    let v = if block_per_state { merge_block_variant(dtype) } else { elementwise_variant(Kernel::MergeStates, dtype) };
     let f = device::function(dev, &v)?;
     let prm = MergeParams {
         o_parts: ptrs.o_parts,
@@ -209,11 +226,13 @@ pub(super) unsafe fn merge(dev: &Device, dtype: DType, dims: [usize; 5], ptrs: M
         dv: dv as i32,
         parts_f32: parts_f32 as i32,
     };
-    // A warp per state, launched dependent on the kernel before it on s (decode's, which releases it
-    // before its epilogue; the merge waits for that kernel's end before reading the parts).
+    // A warp per state (a block with block_per_state), launched dependent on the kernel before it on
+    // s (decode's, which releases it before its epilogue; the merge waits for that kernel's end
+    // before reading the parts).
+    let grid = grid_for(states, if block_per_state { 1 } else { v.tiles.num_warps });
     // SAFETY: the caller's pointers, of the sizes dims imply; the params mirror the kernel's, which
     // waits for the prior grid.
-    unsafe { device::launch_dependent(dev, "flash_merge_states", f, grid_for(states, v.tiles.num_warps), s, &prm) }
+    unsafe { device::launch_dependent(dev, "flash_merge_states", f, grid, s, &prm) }
 }
 
 /// Merges `dims` = [P, B, Sq, H, Dv] partial states on GPU `device`, queued on `stream`.
@@ -252,6 +271,15 @@ mod tests {
         // 4 pointers, an i64, 4 ints (cuda/kv_quant.h); 4 pointers, 6 ints (cuda/merge.cu).
         assert_eq!(std::mem::size_of::<QuantParams>(), 4 * 8 + 8 + 4 * 4);
         assert_eq!(std::mem::size_of::<MergeParams>(), 4 * 8 + 6 * 4);
+    }
+
+    #[test]
+    fn the_merge_chunk_is_the_kernels() {
+        let src = super::super::sources::FILES.iter().find(|(n, _)| *n == "merge.cu").expect("merge.cu is embedded").1;
+        assert!(src.contains(&format!("#define MERGE_CHUNK {MERGE_CHUNK}\n")), "cuda/merge.cu's MERGE_CHUNK is kv.rs's");
+        assert!(merges_by_block(17, 128, true) && merges_by_block(128, 4, true));
+        assert!(!merges_by_block(16, 128, true) && !merges_by_block(129, 128, true));
+        assert!(!merges_by_block(40, 128, false) && !merges_by_block(40, 126, true));
     }
 
     #[test]

@@ -113,6 +113,14 @@ pub fn elementwise_variant(kernel: Kernel, dtype: DType) -> Variant {
     Variant { kernel, dtype, head_dim: ANY_HEAD_DIM, source: source(kernel), tiles, tile_set: TileSet::Default, defines }
 }
 
+/// The merge kernel that takes a block per state (cuda/merge.cu MERGE_BY_BLOCK), for decode's f32
+/// parts past one warp's trip (kv.rs).
+pub fn merge_block_variant(dtype: DType) -> Variant {
+    let mut v = elementwise_variant(Kernel::MergeStates, dtype);
+    v.defines.push(("MERGE_BY_BLOCK", 1));
+    v
+}
+
 /// Every KV-cache variant: the tensor-core decode kernels of `head_dims` (those it takes), one per
 /// cache format; then per dtype the SIMT decode kernel, the merge and the conversions (which take
 /// any head dim).
@@ -136,6 +144,7 @@ pub fn all(head_dims: &[usize]) -> Vec<Variant> {
         for kernel in [Kernel::MergeStates, Kernel::QuantizeKv, Kernel::DequantizeKv] {
             out.push(elementwise_variant(kernel, dtype));
         }
+        out.push(merge_block_variant(dtype));
     }
     out
 }
@@ -172,8 +181,8 @@ mod tests {
         names.dedup();
         assert_eq!(names.len(), n);
         // 2 dtypes x 3 head dims x (plain, 4 group pairs of 8-bit and of 4-bit), + the plain D =
-        // 128 fallback; 3 dtypes x (simt, merge, quantize, dequantize).
-        assert_eq!(n, 2 * (3 * 9 + 1) + 3 * 4);
+        // 128 fallback; 3 dtypes x (simt, merge, quantize, dequantize, merge by block).
+        assert_eq!(n, 2 * (3 * 9 + 1) + 3 * 5);
         assert!(all.iter().all(|v| v.tiles.block_m == state_tile(v.kernel) || !v.kernel.is_decode()));
     }
 }
