@@ -6,7 +6,7 @@ use cudarc::driver::sys as cu;
 
 use super::device::{self, launch, ContextGuard, Device, DeviceBuffer};
 use super::host::{download, upload, Stream};
-use super::kv_variants::{elementwise_variant, merge_block_variant};
+use super::kv_variants::{elementwise_variant, merge_block_variant, ELEMENTWISE_WARPS};
 use super::libs;
 use super::variant::Kernel;
 use crate::dtype::DType;
@@ -194,14 +194,14 @@ pub(super) const MERGE_CHUNK: usize = 16;
 
 /// Parts the merge takes in about one memory trip: a warp's trip for each warp of a block
 /// (merge_block_variant's kernel, cuda/merge.cu merge_state_block).
-pub(super) fn merge_one_trip_parts() -> usize {
-    merge_block_variant(DType::F32).tiles.num_warps * MERGE_CHUNK
+pub(super) const fn merge_one_trip_parts() -> usize {
+    ELEMENTWISE_WARPS * MERGE_CHUNK
 }
 
 /// Whether the merge takes a block per state (decode's f32 parts, more than one warp's trip and at
 /// most one trip of the block), else a warp per state.
 fn merges_by_block(parts: usize, dv: usize, parts_f32: bool) -> bool {
-    parts_f32 && dv % 4 == 0 && parts > MERGE_CHUNK && parts <= merge_one_trip_parts()
+    parts_f32 && dv.is_multiple_of(4) && parts > MERGE_CHUNK && parts <= merge_one_trip_parts()
 }
 
 pub(super) unsafe fn merge(dev: &Device, dtype: DType, dims: [usize; 5], ptrs: MergePtrs, parts_f32: bool, s: cu::CUstream) -> Result<()> {
@@ -280,6 +280,7 @@ mod tests {
         assert!(merges_by_block(17, 128, true) && merges_by_block(128, 4, true));
         assert!(!merges_by_block(16, 128, true) && !merges_by_block(129, 128, true));
         assert!(!merges_by_block(40, 128, false) && !merges_by_block(40, 126, true));
+        assert_eq!(merge_block_variant(DType::F32).tiles.num_warps * MERGE_CHUNK, merge_one_trip_parts());
     }
 
     #[test]

@@ -40,7 +40,7 @@ fn decode_shapes(d: usize, bits: usize) -> Vec<(usize, usize, usize)> {
 pub const DECODE_MMA_BITS: [usize; 3] = [0, 4, 8];
 
 /// Warps of the merge and conversion kernels (grid-stride; no shared memory).
-const ELEMENTWISE_WARPS: usize = 8;
+pub const ELEMENTWISE_WARPS: usize = 8;
 
 /// The kernel's source file.
 pub(super) fn source(kernel: Kernel) -> &'static str {
