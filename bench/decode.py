@@ -151,16 +151,11 @@ def gpu_time(torch, fn, iters, reps, graph=False):
         for _ in range(iters):
             fn()
 
+    # bench/gpu.py's CUDA-event median (imported here: it needs torch, the CPU runs do not).
+    from gpu import timed
+
     def median_of(run):
-        ts = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            run()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b) / 1e3 / iters)
-        return statistics.median(ts)
+        return timed(run, 0, reps) / 1e3 / iters
 
     if not graph:
         return median_of(calls)
