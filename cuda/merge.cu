@@ -229,29 +229,32 @@ __device__ __forceinline__ void merge_columns(const MergeParams& p, i64 s, i64 s
     }
 }
 
+// The [B, H, Sq] index (lse's) of state s, which counts (b, i, h) in o's order.
+__device__ __forceinline__ i64 stat_of(const MergeParams& p, i64 s) {
+    const int h = (int)(s % p.heads);
+    const i64 bi = s / p.heads;  // b * Sq + i
+    const int i = (int)(bi % p.seq_q);
+    const i64 b = bi / p.seq_q;
+    return (b * p.heads + h) * p.seq_q + i;
+}
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_merge_states(const MergeParams p) {
     wait_for_prior_grid();  // launched dependent on the kernel that wrote the parts (kv.rs)
-    const int lane = threadIdx.x % 32;
-    const float neg_inf = __int_as_float(0xff800000);
     const i64 states = (i64)p.batch * p.seq_q * p.heads;  // (b, i, h) in o's order
     const i64 part_stride = states * p.dv;                  // elements between parts of o_parts
-    const i64 warps = (i64)gridDim.x * NUM_WARPS;
+    const i64 stat_stride = states;                         // between parts of lse_parts
 #if MERGE_BY_BLOCK
     for (i64 s = blockIdx.x; s < states; s += gridDim.x) {
-        const i64 b = s / p.heads / p.seq_q, i = s / p.heads % p.seq_q, h = s % p.heads;
-        const i64 stat = (b * p.heads + h) * p.seq_q + i;  // [B, H, Sq] index
-        const float lse = merge_state_block(p, s, stat, part_stride, states);
+        const i64 stat = stat_of(p, s);
+        const float lse = merge_state_block(p, s, stat, part_stride, stat_stride);
         if (threadIdx.x == 0) p.lse[stat] = lse;
     }
-    return;
-#endif
+#else
+    const int lane = threadIdx.x % 32;
+    const float neg_inf = __int_as_float(0xff800000);
+    const i64 warps = (i64)gridDim.x * NUM_WARPS;
     for (i64 s = (i64)blockIdx.x * NUM_WARPS + threadIdx.x / 32; s < states; s += warps) {
-        const int h = (int)(s % p.heads);
-        const i64 bi = s / p.heads;  // b * Sq + i
-        const int i = (int)(bi % p.seq_q);
-        const i64 b = bi / p.seq_q;
-        const i64 stat = (b * p.heads + h) * p.seq_q + i;  // [B, H, Sq] index
-        const i64 stat_stride = states;                    // between parts of lse_parts
+        const i64 stat = stat_of(p, s);
         if (p.parts_f32 && p.dv % 4 == 0 && p.parts <= 32) {
             const float lse = merge_state_f32x4(p, s, stat, part_stride, stat_stride);
             if (lane == 0) p.lse[stat] = lse;
@@ -273,4 +276,5 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) flash_merge_states(
         const bool seen = total > 0.f;
         if (lane == 0) p.lse[stat] = seen ? mx + logf(total) : neg_inf;
     }
+#endif
 }
