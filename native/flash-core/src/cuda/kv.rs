@@ -183,11 +183,6 @@ fn check_merge_dims(dims: [usize; 5]) -> Result<()> {
     Ok(())
 }
 
-/// Queues the merge of `dims` = [P, B, Sq, H, Dv] on `s`; `parts_f32`: o_parts holds f32 (decode's
-/// partial states), else the dtype.
-///
-/// # Safety
-/// As [`merge_states_device`].
 /// Parts a warp of cuda/merge.cu takes in one memory trip (its MERGE_CHUNK; a unit test reads it
 /// there).
 pub(super) const MERGE_CHUNK: usize = 16;
@@ -204,6 +199,11 @@ fn merges_by_block(parts: usize, dv: usize, parts_f32: bool) -> bool {
     parts_f32 && dv.is_multiple_of(4) && parts > MERGE_CHUNK && parts <= merge_one_trip_parts()
 }
 
+/// Queues the merge of `dims` = [P, B, Sq, H, Dv] on `s`; `parts_f32`: o_parts holds f32 (decode's
+/// partial states), else the dtype.
+///
+/// # Safety
+/// As [`merge_states_device`].
 pub(super) unsafe fn merge(dev: &Device, dtype: DType, dims: [usize; 5], ptrs: MergePtrs, parts_f32: bool, s: cu::CUstream) -> Result<()> {
     check_merge_dims(dims)?;
     let [parts, batch, seq_q, heads, dv] = dims;
