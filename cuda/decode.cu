@@ -462,6 +462,17 @@ __device__ __forceinline__ void settle_quant(const float (&x)[NB][4], const floa
     }
 }
 
+// x (S^T of a 16-key block: rows keys g, g + 8, columns states 2t, 2t + 1) takes a head-dim group's
+// terms s acc + b qs of a quantized cache (s, b: key g's, s8, b8: key g + 8's; qs: the states').
+// The first group assigns (0 + z does not fold: -0); the others chain into it by FFMAs (an FADD
+// each summed the groups' terms).
+__device__ __forceinline__ void group_scores(float (&x)[4], const float (&acc)[4], float s, float s8, float b, float b8,
+                                             const float (&qs)[2], bool first) {
+    const float sr[4] = {s, s, s8, s8}, br[4] = {b, b, b8, b8};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[e] = fmaf(sr[e], acc[e], first ? br[e] * qs[e % 2] : fmaf(br[e], qs[e % 2], x[e]));
+}
+
 #include "decode_q4.h"
 
 #include "decode_q8.h"

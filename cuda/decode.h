@@ -550,9 +550,10 @@ struct WarpCopy {
         UNITS = ROW_BYTES / 16,  // 16-byte units of a row
         PASS = 32 / UNITS,       // rows one pass of the warp copies
         ROW_COPIES = ROWS / PASS,
-        // The table, per warp: ROW_COPIES pairs (K, V) of row pointers, then KS::COPIES k and
+        TABLE_ROWS = DECODE_TMA ? 0 : ROW_COPIES,  // DECODE_TMA: the rows come by boxes
+        // The table, per warp: TABLE_ROWS pairs (K, V) of row pointers, then KS::COPIES k and
         // VS::COPIES v scale pointers, each entry for all 32 lanes side by side.
-        TABLE_WARP_BYTES = 32 * (16 * ROW_COPIES + 8 * (KS::COPIES + VS::COPIES)),
+        TABLE_WARP_BYTES = 32 * (16 * TABLE_ROWS + 8 * (KS::COPIES + VS::COPIES)),
         TABLE_BYTES = NUM_WARPS * TABLE_WARP_BYTES,
     };
 
@@ -569,15 +570,15 @@ struct WarpCopy {
         stride = rows.stride, k_stride = ks.stride, v_stride = vs.stride;
         unsigned char* t = table + 16 * lane;
 #pragma unroll
-        for (int i = 0; i < (DECODE_TMA ? 0 : ROW_COPIES); ++i) {  // DECODE_TMA: the rows come by boxes
+        for (int i = 0; i < TABLE_ROWS; ++i) {
             const u32 off = (u32)(i0 + i * PASS) * stride + 16 * z;
             ulonglong2 e;
             e.x = reinterpret_cast<unsigned long long>(rows.a + off);
             e.y = reinterpret_cast<unsigned long long>(rows.b + off);
             *reinterpret_cast<ulonglong2*>(t + 32 * 16 * i) = e;
         }
-        fill_scales<KS>(table + 32 * 16 * ROW_COPIES, ks);
-        fill_scales<VS>(table + 32 * (16 * ROW_COPIES + 8 * KS::COPIES), vs);
+        fill_scales<KS>(table + 32 * 16 * TABLE_ROWS, ks);
+        fill_scales<VS>(table + 32 * (16 * TABLE_ROWS + 8 * KS::COPIES), vs);
     }
     template <typename S>
     __device__ __forceinline__ void fill_scales(unsigned char* t, const FastCopy::Src& src) const {
@@ -595,15 +596,15 @@ struct WarpCopy {
     // (short scoreboard), and address registers reused at once waited for the copy to read them
     // (long scoreboard; ncu).
     struct Entries {
-        ulonglong2 rows[ROW_COPIES];  // K, V
+        ulonglong2 rows[TABLE_ROWS ? TABLE_ROWS : 1];  // K, V
         unsigned long long ks[KS::COPIES], vs[VS::COPIES];
     };
     __device__ __forceinline__ Entries entries() const {
         const int lane = threadIdx.x % 32;
         Entries e;
 #pragma unroll
-        for (int i = 0; i < ROW_COPIES; ++i) e.rows[i] = *reinterpret_cast<const ulonglong2*>(table + 16 * (lane + 32 * i));
-        const unsigned char* ks = table + 32 * 16 * ROW_COPIES;
+        for (int i = 0; i < TABLE_ROWS; ++i) e.rows[i] = *reinterpret_cast<const ulonglong2*>(table + 16 * (lane + 32 * i));
+        const unsigned char* ks = table + 32 * 16 * TABLE_ROWS;
         const unsigned char* vs = ks + 32 * 8 * KS::COPIES;
 #pragma unroll
         for (int j = 0; j < KS::COPIES; ++j) e.ks[j] = *reinterpret_cast<const unsigned long long*>(ks + 8 * (lane + 32 * j));
@@ -642,7 +643,7 @@ struct WarpCopy {
         const int lane = threadIdx.x % 32, z = lane % UNITS, i0 = lane / UNITS;
         const u32 at = (u32)(key0 + r0) * stride;
 #pragma unroll
-        for (int i = 0; i < (DECODE_TMA ? 0 : ROW_COPIES); ++i) {  // DECODE_TMA: the rows come by boxes
+        for (int i = 0; i < TABLE_ROWS; ++i) {
             const unsigned char* k = reinterpret_cast<const unsigned char*>(e.rows[i].x);
             const unsigned char* v = reinterpret_cast<const unsigned char*>(e.rows[i].y);
             const int r = r0 + i0 + i * PASS;

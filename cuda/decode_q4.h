@@ -1,8 +1,8 @@
 // decode_q4.h — decode.cu's block step for 4-bit caches: the codes go into the mma as they are and
 // the scales and biases enter per group afterwards, so that no element is dequantized. decode.cu
-// includes it after its helpers (mma16816, transpose8x8, column_sum, scale_value) and before
-// its kernel, which runs this path at CACHE_BITS 4 with the groups' sizes GK (K) and GV (V) as
-// template arguments (32 or 64, picked per call).
+// includes it after its helpers (mma16816, transpose8x8, column_sum, scale_value, group_scores)
+// and before its kernel, which runs this path at CACHE_BITS 4 with the groups' sizes GK (K) and GV
+// (V) as template arguments (32 or 64, picked per call).
 //
 // Magic codes. A 4-bit code c under the high byte of M (bf16 2^7, fp16 2^10) reads as M + c, exact;
 // one PRMT per pair of codes builds them. With x = s c + b per group G of the head dim:
@@ -165,11 +165,7 @@ __device__ __forceinline__ void q4_qk(float (&x)[4], const u32 (&qa)[HEAD_DIM / 
         const float s8 = scale_value<NG>(sc8, half8, G) / Q4_K_UNIT;
         const float b = fmaf(-Q4_M, s, scale_value<NG>(bi, half, G));
         const float b8 = fmaf(-Q4_M, s8, scale_value<NG>(bi8, half8, G));
-        const float z[4] = {fmaf(s, acc[G][0], b * qs[G][0]), fmaf(s, acc[G][1], b * qs[G][1]),
-                            fmaf(s8, acc[G][2], b8 * qs[G][0]), fmaf(s8, acc[G][3], b8 * qs[G][1])};
-        // Assigned, not added to the caller's zeros: 0 + z does not fold (-0), an FADD each.
-#pragma unroll
-        for (int e = 0; e < 4; ++e) x[e] = G == 0 ? z[e] : x[e] + z[e];
+        group_scores(x, acc[G], s, s8, b, b8, qs[G], G == 0);
     }
 }
 

@@ -2,8 +2,8 @@
 // the scales and biases enter per group afterwards (decode_q4.h's plan), so that no element is
 // dequantized. fp16 for both query dtypes: 2^10 + c holds every 8-bit code exactly, and one PRMT
 // builds two of them (bf16's 8 significant bits hold no 2^k + c for 8-bit c). decode.cu includes
-// it after its helpers (transpose8x8, column_max / column_sum, scale_value) and runs this
-// path at CACHE_BITS 8 with the groups' sizes GK (K) and GV (V) as template arguments.
+// it after its helpers (transpose8x8, column_max / column_sum, scale_value, group_scores) and runs
+// this path at CACHE_BITS 8 with the groups' sizes GK (K) and GV (V) as template arguments.
 //
 // With x = s c + b per group G of the head dim and M = 2^10:
 //   K:  S^T[key, st] = 2^-k(st) sum_G  s[key,G] A_G[key, st] + (b[key,G] - M s[key,G]) qs_G[st],
@@ -129,10 +129,7 @@ __device__ __forceinline__ void q8_qk(float (&x)[4], const u32 (&qa)[HEAD_DIM / 
         const float s = scale_value<NG>(sc, half, G), s8 = scale_value<NG>(sc8, half8, G);
         const float b = fmaf(-Q8_M, s, scale_value<NG>(bi, half, G));
         const float b8 = fmaf(-Q8_M, s8, scale_value<NG>(bi8, half8, G));
-        const float z[4] = {fmaf(s, acc[G][0], b * qs[G][0]), fmaf(s, acc[G][1], b * qs[G][1]),
-                            fmaf(s8, acc[G][2], b8 * qs[G][0]), fmaf(s8, acc[G][3], b8 * qs[G][1])};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) y[e] = G == 0 ? z[e] : y[e] + z[e];
+        group_scores(y, acc[G], s, s8, b, b8, qs[G], G == 0);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) x[e] = y[e] * qinv[e & 1];
