@@ -47,8 +47,9 @@
 // 8-bit rows on Hopper only: their stages grow to 128 keys (2 x 39 KiB at D = 128; with the
 // dequantizing kernel before decode_q8.h, 2 x 46 KiB, which left an A100 one block per SM; sm_80
 // kept single steps, unmeasured since). A stage holds a multiple of STEP_BLOCKS blocks per warp.
-// (D = 256 with K groups of 32 keeps single steps: the pair spills there, at 255 registers.)
-#if ((CACHE_BITS == 8 && __CUDA_ARCH__ >= 900) || CACHE_BITS == 4) && !(HEAD_DIM == 256 && K_GROUP == 32)
+// (D = 256 with K groups of 32 keeps single steps: the pair spills there, at 255 registers; so does
+// the four-block 4-bit kernel at 128, kv_variants.rs decode_one_wave.)
+#if ((CACHE_BITS == 8 && __CUDA_ARCH__ >= 900) || CACHE_BITS == 4) && !(HEAD_DIM == 256 && K_GROUP == 32) && MIN_BLOCKS < 4
 #define STEP_BLOCKS 2
 #else
 #define STEP_BLOCKS 1
@@ -83,8 +84,9 @@ struct Geom {
 // word each, plus stage_layout's 64 bytes of slack).
 #define SCALE_KEY_BYTES (CACHE_BITS == 0 ? 0 : HEAD_DIM / 4 > 16 ? HEAD_DIM / 4 : 16)
 #define PLAIN_STAGE_BYTES (KEY_BLOCK * NUM_WARPS * (Geom<0>::SROW_K + Geom<0>::SROW_V))
-// A stage's keys are whole steps of every warp (stage_layout's key_round).
-#define STAGE_KEY_ROUND (KEY_BLOCK * STEP_BLOCKS * NUM_WARPS)
+// A stage's keys are whole steps of every warp (stage_layout's key_round); DECODE_TMA's, the copy
+// engine's blocks of every warp.
+#define STAGE_KEY_ROUND (KEY_BLOCK * (DECODE_TMA ? DECODE_TMA_WARP_BLOCKS : STEP_BLOCKS) * NUM_WARPS)
 #define STEP_STAGE_BYTES \
     (STAGE_KEY_ROUND * (Geom<CACHE_BITS>::SROW_K + Geom<CACHE_BITS>::SROW_V + SCALE_KEY_BYTES) + (CACHE_BITS ? 64 : 0))
 // DECODE_TMA: a step's keys exactly (128 keys of 64- or 128-byte rows: 18-20 or 34-36 KiB,

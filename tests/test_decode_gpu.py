@@ -212,6 +212,23 @@ def test_more_items_than_resident_blocks(fa, ref, lib, assert_close_to_oracle, d
                num_splits=splits)
 
 
+@pytest.mark.parametrize("dtype_name", ["bf16", "f16"])
+@pytest.mark.parametrize("quant, v_quant", [((4, 64), (4, 64)), ((4, 32), (4, 32)), ((4, 64), (4, 32)), ((4, 32), (4, 64))],
+                         ids=str)
+def test_the_one_wave_kernel(fa, ref, lib, gpu, assert_close_to_oracle, dtype_name, quant, v_quant):
+    """4-bit caches at D = 128 whose grid needs one block an SM more than the three-block kernel
+    holds (3.5 an SM here) take the four-block kernel (decode.rs) where K and V share a group size,
+    the three-block one otherwise; ragged rows, empty ones too."""
+    sms = gpu.get("multiprocessors")
+    if not sms:
+        pytest.skip("the GPU's multiprocessor count is unknown")
+    b = 3 * sms + sms // 2
+    seqlens = np.random.default_rng(11).integers(0, 64, b)
+    seqlens[::9] = 0
+    run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name=dtype_name, d=128, sq=1, group=4, quant=quant,
+               v_quant=v_quant, b=b, s_cache=64, hkv=1, seqlens=tuple(int(x) for x in seqlens), leftpad=None)
+
+
 def test_scales_ending_mid_word(fa, ref, lib, assert_close_to_oracle):
     """B * S * Hkv odd with one 16-bit scale per row: the last scale is the first half of a word past
     the tensor's end (read by a plain load, never past it)."""

@@ -14,7 +14,7 @@ use cudarc::driver::sys as cu;
 use super::device::{self, ContextGuard, Device, DeviceBuffer};
 use super::host::{download, upload, Stream};
 use super::kv::{self, bytes_of, bytes_of_mut, MergePtrs};
-use super::kv_variants::decode_candidates;
+use super::kv_variants::{decode_candidates, decode_one_wave};
 use super::variant::Kernel;
 use super::libs;
 use crate::decode::{Cache, Decode};
@@ -266,6 +266,13 @@ fn auto_splits(plain_mma: bool, q4_mma: bool, blocks_per_sm: u32, blocks: usize,
     choose_splits(blocks, sms, split_lanes(plain_mma, blocks_per_sm), max_keys)
 }
 
+/// Whether `grid` blocks need more than one wave at `blocks_per_sm` blocks an SM but fit one at a
+/// block more (decode_one_wave's kernel).
+fn needs_one_wave_kernel(grid: usize, sms: usize, blocks_per_sm: u32) -> bool {
+    let slots = sms * blocks_per_sm as usize;
+    grid > slots && grid <= slots + sms
+}
+
 /// How a call runs: the states' partition, the splits, and whether the splits of a group are one
 /// thread-block cluster that merges them in the kernel (no merge kernel).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -369,6 +376,14 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
             let sms = dev.sm_count.max(1) as usize;
             auto_splits(bits == 0 && mma, bits == 4 && mma, f.blocks_per_sm, p.batch * blocks, sms, keys, kv::merge_one_trip_parts())
         }
+    };
+    // The grid in one wave of the four-block 4-bit kernel where the chosen one needs two.
+    let (v, f) = match decode_one_wave(p.dtype, p.head_dim, bits, (gs(formats[0]), gs(formats[1]))) {
+        Some(v4) if needs_one_wave_kernel(p.batch * blocks * splits, dev.sm_count.max(1) as usize, f.blocks_per_sm) => {
+            let f4 = device::function(dev, &v4)?;
+            if f4.blocks_per_sm > f.blocks_per_sm { (v4, f4) } else { (v, f) }
+        }
+        _ => (v, f),
     };
     let grid_x = blocks.checked_mul(splits).filter(|&n| n <= i32::MAX as usize).ok_or_else(|| {
         FlashError::Unsupported(format!("decode: {splits} splits of {blocks} blocks exceed the CUDA grid; ask for fewer num_splits"))
@@ -567,6 +582,13 @@ mod tests {
         assert_eq!(cache_bits(&p, Some(&f4), Some(&f4b)).unwrap(), 4);
         assert!(matches!(cache_bits(&p, Some(&f4), Some(&f8)), Err(FlashError::Unsupported(_))));
         assert!(matches!(cache_bits(&p, None, Some(&f8)), Err(FlashError::Unsupported(_))));
+    }
+
+    #[test]
+    fn the_one_wave_kernel_serves_grids_one_block_an_sm_past_a_wave() {
+        // H200: 132 SMs, three 4-bit blocks each; 64 x 1024 (Hkv 8) is 512 blocks.
+        assert!(needs_one_wave_kernel(512, 132, 3) && needs_one_wave_kernel(397, 132, 3) && needs_one_wave_kernel(528, 132, 3));
+        assert!(!needs_one_wave_kernel(396, 132, 3) && !needs_one_wave_kernel(529, 132, 3) && !needs_one_wave_kernel(768, 132, 3));
     }
 
     #[test]
