@@ -273,6 +273,18 @@ fn needs_one_wave_kernel(grid: usize, sms: usize, blocks_per_sm: u32) -> bool {
     grid > slots && grid <= slots + sms
 }
 
+/// The splits with which `items` (b, kv head, chunk) groups take decode_one_wave's kernel, or None:
+/// where `splits` need more than one wave at `blocks_per_sm`, those splits if they fit one at a
+/// block more, else (the count left to the library) choose_splits' at a block more, if those do
+/// (32 x 2048 at Hkv 8 on 132 SMs: 3 splits, 768 blocks, become 2 splits, 512 blocks).
+fn one_wave_splits(items: usize, splits: usize, asked: bool, sms: usize, blocks_per_sm: u32, keys: usize, one_trip: usize) -> Option<usize> {
+    if items * splits <= sms * blocks_per_sm as usize {
+        return None;
+    }
+    let splits = if asked { splits } else { choose_splits(items, sms, blocks_per_sm as usize + 1, keys).min(one_trip) };
+    needs_one_wave_kernel(items * splits, sms, blocks_per_sm).then_some(splits)
+}
+
 /// How a call runs: the states' partition, the splits, and whether the splits of a group are one
 /// thread-block cluster that merges them in the kernel (no merge kernel).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -368,22 +380,25 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
     let group = p.heads / p.kv_heads;
     let (warp_states, chunks) = partition(group * p.seq_q, v.tiles.block_m, v.tiles.num_warps);
     let blocks = p.kv_heads * chunks;
+    let (sms, keys, one_trip) = (dev.sm_count.max(1) as usize, max_visible_keys(p, rows.0, rows.1), kv::merge_one_trip_parts());
     let splits = match p.num_splits {
         Some(n) => n,
         None => {
             let mma = v.kernel == Kernel::Decode;
-            let keys = max_visible_keys(p, rows.0, rows.1);
-            let sms = dev.sm_count.max(1) as usize;
-            auto_splits(bits == 0 && mma, bits == 4 && mma, f.blocks_per_sm, p.batch * blocks, sms, keys, kv::merge_one_trip_parts())
+            auto_splits(bits == 0 && mma, bits == 4 && mma, f.blocks_per_sm, p.batch * blocks, sms, keys, one_trip)
         }
     };
-    // The grid in one wave of the four-block 4-bit kernel where the chosen one needs two.
-    let (v, f) = match decode_one_wave(p.dtype, p.head_dim, bits, (gs(formats[0]), gs(formats[1]))) {
-        Some(v4) if needs_one_wave_kernel(p.batch * blocks * splits, dev.sm_count.max(1) as usize, f.blocks_per_sm) => {
-            let f4 = device::function(dev, &v4)?;
-            if f4.blocks_per_sm > f.blocks_per_sm { (v4, f4) } else { (v, f) }
-        }
-        _ => (v, f),
+    // The grid in one wave of the four-block 4-bit kernel where the chosen one needs more: with the
+    // splits asked for, or those of one more block an SM.
+    let (v, f, splits) = match decode_one_wave(p.dtype, p.head_dim, bits, (gs(formats[0]), gs(formats[1]))) {
+        Some(v4) => match one_wave_splits(p.batch * blocks, splits, p.num_splits.is_some(), sms, f.blocks_per_sm, keys, one_trip) {
+            Some(splits4) => {
+                let f4 = device::function(dev, &v4)?;
+                if f4.blocks_per_sm > f.blocks_per_sm { (v4, f4, splits4) } else { (v, f, splits) }
+            }
+            None => (v, f, splits),
+        },
+        None => (v, f, splits),
     };
     let grid_x = blocks.checked_mul(splits).filter(|&n| n <= i32::MAX as usize).ok_or_else(|| {
         FlashError::Unsupported(format!("decode: {splits} splits of {blocks} blocks exceed the CUDA grid; ask for fewer num_splits"))
@@ -589,6 +604,19 @@ mod tests {
         // H200: 132 SMs, three 4-bit blocks each; 64 x 1024 (Hkv 8) is 512 blocks.
         assert!(needs_one_wave_kernel(512, 132, 3) && needs_one_wave_kernel(397, 132, 3) && needs_one_wave_kernel(528, 132, 3));
         assert!(!needs_one_wave_kernel(396, 132, 3) && !needs_one_wave_kernel(529, 132, 3) && !needs_one_wave_kernel(768, 132, 3));
+    }
+
+    #[test]
+    fn the_one_wave_kernel_takes_the_splits_that_fit_it() {
+        // H200 (132 SMs, three 4-bit blocks each), Hkv 8: 64 x 1024 unsplit; 32 x 2048 from 3
+        // splits to 2; 8 x 8192 (6 splits, 384 blocks) and 128 x 512 (1024 blocks) keep theirs.
+        assert_eq!(one_wave_splits(512, 1, false, 132, 3, 1024, 16), Some(1));
+        assert_eq!(one_wave_splits(256, 3, false, 132, 3, 2048, 16), Some(2));
+        assert_eq!(one_wave_splits(64, 6, false, 132, 3, 8192, 16), None);
+        assert_eq!(one_wave_splits(1024, 1, false, 132, 3, 512, 16), None);
+        // A count asked for is kept: the kernel only where it fits those splits.
+        assert_eq!(one_wave_splits(256, 3, true, 132, 3, 2048, 16), None);
+        assert_eq!(one_wave_splits(256, 2, true, 132, 3, 2048, 16), Some(2));
     }
 
     #[test]
