@@ -389,8 +389,10 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
         }
     };
     // The grid in one wave of the four-block 4-bit kernel where the chosen one needs more: with the
-    // splits asked for, or those of one more block an SM.
-    let (v, f, splits) = match decode_one_wave(p.dtype, p.head_dim, bits, (gs(formats[0]), gs(formats[1]))) {
+    // splits asked for, or those of one more block an SM. Hopper only (measured on the H200; the
+    // copy engine's stages there, cp.async elsewhere).
+    let one_wave = if dev.cc.0 >= 9 { decode_one_wave(p.dtype, p.head_dim, bits, (gs(formats[0]), gs(formats[1]))) } else { None };
+    let (v, f, splits) = match one_wave {
         Some(v4) => match one_wave_splits(p.batch * blocks, splits, p.num_splits.is_some(), sms, f.blocks_per_sm, keys, one_trip) {
             Some(splits4) => {
                 let f4 = device::function(dev, &v4)?;
