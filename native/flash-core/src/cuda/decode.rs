@@ -391,15 +391,15 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
     // The grid in one wave of the four-block 4-bit kernel where the chosen one needs more: with the
     // splits asked for, or those of one more block an SM. Hopper only (measured on the H200; the
     // copy engine's stages there, cp.async elsewhere).
-    let one_wave = if dev.cc.0 >= 9 { decode_one_wave(p.dtype, p.head_dim, bits, (gs(formats[0]), gs(formats[1]))) } else { None };
+    let one_wave = (dev.cc.0 >= 9)
+        .then(|| decode_one_wave(p.dtype, p.head_dim, bits, (gs(formats[0]), gs(formats[1]))))
+        .flatten()
+        .and_then(|v4| Some((v4, one_wave_splits(p.batch * blocks, splits, p.num_splits.is_some(), sms, f.blocks_per_sm, keys, one_trip)?)));
     let (v, f, splits) = match one_wave {
-        Some(v4) => match one_wave_splits(p.batch * blocks, splits, p.num_splits.is_some(), sms, f.blocks_per_sm, keys, one_trip) {
-            Some(splits4) => {
-                let f4 = device::function(dev, &v4)?;
-                if f4.blocks_per_sm > f.blocks_per_sm { (v4, f4, splits4) } else { (v, f, splits) }
-            }
-            None => (v, f, splits),
-        },
+        Some((v4, splits4)) => {
+            let f4 = device::function(dev, &v4)?;
+            if f4.blocks_per_sm > f.blocks_per_sm { (v4, f4, splits4) } else { (v, f, splits) }
+        }
         None => (v, f, splits),
     };
     let grid_x = blocks.checked_mul(splits).filter(|&n| n <= i32::MAX as usize).ok_or_else(|| {
@@ -612,13 +612,14 @@ mod tests {
     fn the_one_wave_kernel_takes_the_splits_that_fit_it() {
         // H200 (132 SMs, three 4-bit blocks each), Hkv 8: 64 x 1024 unsplit; 32 x 2048 from 3
         // splits to 2; 8 x 8192 (6 splits, 384 blocks) and 128 x 512 (1024 blocks) keep theirs.
-        assert_eq!(one_wave_splits(512, 1, false, 132, 3, 1024, 16), Some(1));
-        assert_eq!(one_wave_splits(256, 3, false, 132, 3, 2048, 16), Some(2));
-        assert_eq!(one_wave_splits(64, 6, false, 132, 3, 8192, 16), None);
-        assert_eq!(one_wave_splits(1024, 1, false, 132, 3, 512, 16), None);
+        let trip = kv::merge_one_trip_parts();
+        assert_eq!(one_wave_splits(512, 1, false, 132, 3, 1024, trip), Some(1));
+        assert_eq!(one_wave_splits(256, 3, false, 132, 3, 2048, trip), Some(2));
+        assert_eq!(one_wave_splits(64, 6, false, 132, 3, 8192, trip), None);
+        assert_eq!(one_wave_splits(1024, 1, false, 132, 3, 512, trip), None);
         // A count asked for is kept: the kernel only where it fits those splits.
-        assert_eq!(one_wave_splits(256, 3, true, 132, 3, 2048, 16), None);
-        assert_eq!(one_wave_splits(256, 2, true, 132, 3, 2048, 16), Some(2));
+        assert_eq!(one_wave_splits(256, 3, true, 132, 3, 2048, trip), None);
+        assert_eq!(one_wave_splits(256, 2, true, 132, 3, 2048, trip), Some(2));
     }
 
     #[test]

@@ -89,7 +89,7 @@ pub fn decode_candidates(dtype: DType, head_dim: usize, bits: usize, groups: (us
 
 /// The 4-bit tensor-core kernel at D = 128 with four blocks an SM (MIN_BLOCKS 4: 128 registers,
 /// one 16-key block a softmax step, decode.cu STEP_BLOCKS), which decode.rs takes only on Hopper
-/// where it fits a grid in one wave that the three-block kernel needs two for; elsewhere the
+/// where it fits a grid in one wave that the three-block kernel needs more for; elsewhere the
 /// 128-register code, slower per block, loses (H200, bf16 q, graph, us, two steps a block at 128
 /// registers / three blocks: 64 x 1024 32.1-32.3 / 33.9-34.4, but 8 x 8192 36.6-36.8 / 32.2-32.3;
 /// RESULTS, session 50). Equal K and V group sizes only: the mixed pairs spill at 128 registers.
