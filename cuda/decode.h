@@ -60,7 +60,11 @@
 #endif
 // A warp's 16-key blocks of a DECODE_TMA stage (decode.cu sizes the stage to a step's keys, two
 // blocks a warp, and checks it).
+#if defined(MIN_BLOCKS) && MIN_BLOCKS >= 4 && CACHE_BITS == 8
+#define DECODE_TMA_WARP_BLOCKS 1  // four 8-bit blocks an SM: 64-key stages fit the shared memory
+#else
 #define DECODE_TMA_WARP_BLOCKS 2
+#endif
 
 // Where byte o of row r of a stage's K or V rows lies: DECODE_TMA's rows are the copy engine's,
 // DECODE_TMA_ROW bytes with its swizzle of that span (16-byte unit o / 16 at unit o / 16 ^ ((r >> 1)

@@ -213,12 +213,13 @@ def test_more_items_than_resident_blocks(fa, ref, lib, assert_close_to_oracle, d
 
 
 @pytest.mark.parametrize("dtype_name", ["bf16", "f16"])
-@pytest.mark.parametrize("quant, v_quant", [((4, 64), (4, 64)), ((4, 32), (4, 32)), ((4, 64), (4, 32)), ((4, 32), (4, 64))],
-                         ids=str)
+@pytest.mark.parametrize("quant, v_quant", [((4, 64), (4, 64)), ((4, 32), (4, 32)), ((4, 64), (4, 32)), ((4, 32), (4, 64)),
+                                             ((8, 64), (8, 64)), ((8, 32), (8, 32))], ids=str)
 def test_the_one_wave_kernel(fa, ref, lib, gpu, assert_close_to_oracle, dtype_name, quant, v_quant):
-    """4-bit caches at D = 128 whose grid needs one block an SM more than the three-block kernel
-    holds (3.5 an SM here) take the four-block kernel (decode.rs) where K and V share a group size,
-    the three-block one otherwise; ragged rows, empty ones too."""
+    """Quantized caches at D = 128 whose grid needs more than one wave of the chosen kernel (three
+    4-bit blocks an SM, two 8-bit ones) but fits one of four blocks an SM (3.5 an SM here) take the
+    four-block kernel (decode.rs) where it is compiled (4-bit: K and V share a group size; 8-bit:
+    groups of 64), the chosen one otherwise; ragged rows, empty ones too."""
     sms = gpu.get("multiprocessors")
     if not sms:
         pytest.skip("the GPU's multiprocessor count is unknown")

@@ -266,23 +266,25 @@ fn auto_splits(plain_mma: bool, q4_mma: bool, blocks_per_sm: u32, blocks: usize,
     choose_splits(blocks, sms, split_lanes(plain_mma, blocks_per_sm), max_keys)
 }
 
-/// Whether `grid` blocks need more than one wave at `blocks_per_sm` blocks an SM but fit one at a
-/// block more (decode_one_wave's kernel).
-fn needs_one_wave_kernel(grid: usize, sms: usize, blocks_per_sm: u32) -> bool {
-    let slots = sms * blocks_per_sm as usize;
-    grid > slots && grid <= slots + sms
+/// Whether `grid` blocks need more than one wave at `blocks_per_sm` blocks an SM but fit one at
+/// `one_wave_blocks` (decode_one_wave's kernel: four, where the 4-bit kernel runs three and the
+/// 8-bit one two).
+fn needs_one_wave_kernel(grid: usize, sms: usize, blocks_per_sm: u32, one_wave_blocks: usize) -> bool {
+    grid > sms * blocks_per_sm as usize && grid <= sms * one_wave_blocks
 }
 
 /// The splits with which `items` (b, kv head, chunk) groups take decode_one_wave's kernel, or None:
-/// where `splits` need more than one wave at `blocks_per_sm`, those splits if they fit one at a
-/// block more, else (the count left to the library) choose_splits' at a block more, if those do
-/// (32 x 2048 at Hkv 8 on 132 SMs: 3 splits, 768 blocks, become 2 splits, 512 blocks).
-fn one_wave_splits(items: usize, splits: usize, asked: bool, sms: usize, blocks_per_sm: u32, keys: usize, one_trip: usize) -> Option<usize> {
+/// where `splits` need more than one wave at `blocks_per_sm` (the chosen kernel's), those splits if
+/// they fit one at `one_wave_blocks`, else (the count left to the library) choose_splits' at
+/// `one_wave_blocks`, if those do (32 x 2048 4-bit at Hkv 8 on 132 SMs: 3 splits, 768 blocks,
+/// become 2 splits, 512 blocks).
+fn one_wave_splits(items: usize, splits: usize, asked: bool, sms: usize, (blocks_per_sm, one_wave_blocks): (u32, usize),
+                   keys: usize, one_trip: usize) -> Option<usize> {
     if items * splits <= sms * blocks_per_sm as usize {
         return None;
     }
-    let splits = if asked { splits } else { choose_splits(items, sms, blocks_per_sm as usize + 1, keys).min(one_trip) };
-    needs_one_wave_kernel(items * splits, sms, blocks_per_sm).then_some(splits)
+    let splits = if asked { splits } else { choose_splits(items, sms, one_wave_blocks, keys).min(one_trip) };
+    needs_one_wave_kernel(items * splits, sms, blocks_per_sm, one_wave_blocks).then_some(splits)
 }
 
 /// How a call runs: the states' partition, the splits, and whether the splits of a group are one
@@ -388,13 +390,16 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
             auto_splits(bits == 0 && mma, bits == 4 && mma, f.blocks_per_sm, p.batch * blocks, sms, keys, one_trip)
         }
     };
-    // The grid in one wave of the four-block 4-bit kernel where the chosen one needs more: with the
-    // splits asked for, or those of one more block an SM. Hopper only (measured on the H200; the
+    // The grid in one wave of the four-block kernel (4- or 8-bit) where the chosen one needs more:
+    // with the splits asked for, or those of four blocks an SM. Hopper only (measured on the H200; the
     // copy engine's stages there, cp.async elsewhere).
     let one_wave = (dev.cc.0 >= 9)
         .then(|| decode_one_wave(p.dtype, p.head_dim, bits, (gs(formats[0]), gs(formats[1]))))
         .flatten()
-        .and_then(|v4| Some((v4, one_wave_splits(p.batch * blocks, splits, p.num_splits.is_some(), sms, f.blocks_per_sm, keys, one_trip)?)));
+        .and_then(|v4| {
+            let lanes = (f.blocks_per_sm, v4.tiles.min_blocks);
+            Some((v4, one_wave_splits(p.batch * blocks, splits, p.num_splits.is_some(), sms, lanes, keys, one_trip)?))
+        });
     let (v, f, splits) = match one_wave {
         Some((v4, splits4)) => {
             let f4 = device::function(dev, &v4)?;
@@ -604,8 +609,11 @@ mod tests {
     #[test]
     fn the_one_wave_kernel_serves_grids_one_block_an_sm_past_a_wave() {
         // H200: 132 SMs, three 4-bit blocks each; 64 x 1024 (Hkv 8) is 512 blocks.
-        assert!(needs_one_wave_kernel(512, 132, 3) && needs_one_wave_kernel(397, 132, 3) && needs_one_wave_kernel(528, 132, 3));
-        assert!(!needs_one_wave_kernel(396, 132, 3) && !needs_one_wave_kernel(529, 132, 3) && !needs_one_wave_kernel(768, 132, 3));
+        assert!(needs_one_wave_kernel(512, 132, 3, 4) && needs_one_wave_kernel(397, 132, 3, 4) && needs_one_wave_kernel(528, 132, 3, 4));
+        assert!(!needs_one_wave_kernel(396, 132, 3, 4) && !needs_one_wave_kernel(529, 132, 3, 4) && !needs_one_wave_kernel(768, 132, 3, 4));
+        // The 8-bit kernel's two blocks an SM: from 265 to 528 blocks.
+        assert!(needs_one_wave_kernel(265, 132, 2, 4) && needs_one_wave_kernel(512, 132, 2, 4));
+        assert!(!needs_one_wave_kernel(264, 132, 2, 4) && !needs_one_wave_kernel(529, 132, 2, 4));
     }
 
     #[test]
@@ -613,13 +621,16 @@ mod tests {
         // H200 (132 SMs, three 4-bit blocks each), Hkv 8: 64 x 1024 unsplit; 32 x 2048 from 3
         // splits to 2; 8 x 8192 (6 splits, 384 blocks) and 128 x 512 (1024 blocks) keep theirs.
         let trip = kv::merge_one_trip_parts();
-        assert_eq!(one_wave_splits(512, 1, false, 132, 3, 1024, trip), Some(1));
-        assert_eq!(one_wave_splits(256, 3, false, 132, 3, 2048, trip), Some(2));
-        assert_eq!(one_wave_splits(64, 6, false, 132, 3, 8192, trip), None);
-        assert_eq!(one_wave_splits(1024, 1, false, 132, 3, 512, trip), None);
+        assert_eq!(one_wave_splits(512, 1, false, 132, (3, 4), 1024, trip), Some(1));
+        assert_eq!(one_wave_splits(256, 3, false, 132, (3, 4), 2048, trip), Some(2));
+        assert_eq!(one_wave_splits(64, 6, false, 132, (3, 4), 8192, trip), None);
+        assert_eq!(one_wave_splits(1024, 1, false, 132, (3, 4), 512, trip), None);
+        // 8-bit (two blocks an SM): 64 x 1024 unsplit, 512 blocks; 8 x 8192's 4 splits fit a wave.
+        assert_eq!(one_wave_splits(512, 1, false, 132, (2, 4), 1024, trip), Some(1));
+        assert_eq!(one_wave_splits(64, 4, false, 132, (2, 4), 8192, trip), None);
         // A count asked for is kept: the kernel only where it fits those splits.
-        assert_eq!(one_wave_splits(256, 3, true, 132, 3, 2048, trip), None);
-        assert_eq!(one_wave_splits(256, 2, true, 132, 3, 2048, trip), Some(2));
+        assert_eq!(one_wave_splits(256, 3, true, 132, (3, 4), 2048, trip), None);
+        assert_eq!(one_wave_splits(256, 2, true, 132, (3, 4), 2048, trip), Some(2));
     }
 
     #[test]

@@ -93,8 +93,15 @@ pub fn decode_candidates(dtype: DType, head_dim: usize, bits: usize, groups: (us
 /// 128-register code, slower per block, loses (H200, bf16 q, graph, us, two steps a block at 128
 /// registers / three blocks: 64 x 1024 32.1-32.3 / 33.9-34.4, but 8 x 8192 36.6-36.8 / 32.2-32.3;
 /// RESULTS, session 50). Equal K and V group sizes only: the mixed pairs spill at 128 registers.
+/// The 8-bit one (two blocks an SM become four) takes 64-key stages (decode.h
+/// DECODE_TMA_WARP_BLOCKS) and groups of 64 only: groups of 32 spill.
 pub fn decode_one_wave(dtype: DType, head_dim: usize, bits: usize, groups: (usize, usize)) -> Option<Variant> {
-    (decode_uses_mma(dtype, head_dim) && head_dim == 128 && bits == 4 && groups.0 == groups.1)
+    let fits = match bits {
+        4 => groups.0 == groups.1,
+        8 => groups == (64, 64),
+        _ => false,
+    };
+    (decode_uses_mma(dtype, head_dim) && head_dim == 128 && fits)
         .then(|| decode_variant(dtype, head_dim, bits, groups, (4, 2, 4), TileSet::Default))
 }
 
@@ -178,7 +185,7 @@ mod tests {
         assert_eq!(decode_candidates(DType::F16, 256, 4, (32, 32))[0].name(), "decode_f16_d256_cache_bits4_k_group32_v_group32_num_warps2_state_tile8_stages2_min_blocks1");
         assert_eq!(decode_candidates(DType::BF16, 128, 8, (32, 64))[0].name(), "decode_bf16_d128_cache_bits8_k_group32_v_group64_num_warps4_state_tile8_stages2_min_blocks2");
         assert_eq!(decode_one_wave(DType::BF16, 128, 4, (64, 64)).unwrap().name(), "decode_bf16_d128_cache_bits4_k_group64_v_group64_num_warps4_state_tile8_stages2_min_blocks4");
-        assert!(decode_one_wave(DType::BF16, 128, 8, (64, 64)).is_none() && decode_one_wave(DType::BF16, 64, 4, (64, 64)).is_none());
+        assert!(decode_one_wave(DType::BF16, 128, 8, (32, 32)).is_none() && decode_one_wave(DType::BF16, 64, 4, (64, 64)).is_none());
         assert!(decode_one_wave(DType::F16, 128, 4, (64, 32)).is_none());
         for (dtype, d) in [(DType::F32, 128), (DType::BF16, 96), (DType::F16, 40)] {
             let v = decode_candidates(dtype, d, 4, (32, 32));
@@ -196,9 +203,9 @@ mod tests {
         names.dedup();
         assert_eq!(names.len(), n);
         // 2 dtypes x 3 head dims x (plain, 4 group pairs of 8-bit and of 4-bit), + the plain D =
-        // 128 fallback and the 4-bit D = 128 one-wave kernels (2 equal group pairs); 3 dtypes x
+        // 128 fallback and the D = 128 one-wave kernels (4-bit: 2 equal group pairs; 8-bit: 64/64); 3 dtypes x
         // (simt, merge, quantize, dequantize, merge by block).
-        assert_eq!(n, 2 * (3 * 9 + 1 + 2) + 3 * 5);
+        assert_eq!(n, 2 * (3 * 9 + 1 + 3) + 3 * 5);
         assert!(all.iter().all(|v| v.tiles.block_m == state_tile(v.kernel) || !v.kernel.is_decode()));
     }
 }
