@@ -107,6 +107,10 @@ static_assert(PARTIALS_BYTES(HEAD_DIM) + BLOCK_STATES_BYTES(HEAD_DIM) <= STAGES 
 static_assert(layout_of(Geom<CACHE_BITS>::SROW_K, Geom<CACHE_BITS>::SROW_V, scale_words(HEAD_DIM / K_GROUP), scale_words(HEAD_DIM / V_GROUP), STAGE_BYTES,
                         STAGE_KEY_ROUND).tile_keys == DECODE_TMA_WARP_BLOCKS * KEY_BLOCK * NUM_WARPS,
               "DECODE_TMA: a stage holds DECODE_TMA_WARP_BLOCKS blocks a warp (decode.h tma_rows)");
+static_assert(DECODE_LAYOUT_BYTES % 1024 == 0 &&
+                  layout_of(Geom<CACHE_BITS>::SROW_K, Geom<CACHE_BITS>::SROW_V, scale_words(HEAD_DIM / K_GROUP), scale_words(HEAD_DIM / V_GROUP),
+                            STAGE_BYTES, STAGE_KEY_ROUND).off_v % 1024 == 0,
+              "DECODE_TMA: every stage's K and V rows start 1024-byte aligned (the swizzle, decode.h row_offset)");
 #endif
 #define DECODE_TABLE_END (STAGES * DECODE_LAYOUT_BYTES + WARP_COPY_TABLE_BYTES(KEY_BLOCK))
 // DECODE_TMA: its barriers after the table (which the epilogue's partials stay below), and 1024

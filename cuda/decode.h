@@ -256,6 +256,11 @@ __host__ __device__ constexpr StageLayout layout_of(int srow_k, int srow_v, int 
     L.off_vs = round16(L.off_kb + n * 4 * sw_k);
     L.off_vb = round16(L.off_vs + n * 4 * sw_v);
     L.bytes = round16(L.off_vb + n * 4 * sw_v);
+#if DECODE_TMA
+    // Every stage's rows 1024-byte aligned, as the copy engine's swizzle needs (row_offset): 32-key
+    // 8-bit stages (8704 bytes) are not by themselves.
+    L.bytes = (L.bytes + 1023) / 1024 * 1024;
+#endif
     return L;
 }
 

@@ -215,15 +215,17 @@ def test_more_items_than_resident_blocks(fa, ref, lib, assert_close_to_oracle, d
 @pytest.mark.parametrize("dtype_name", ["bf16", "f16"])
 @pytest.mark.parametrize("quant, v_quant", [((4, 64), (4, 64)), ((4, 32), (4, 32)), ((4, 64), (4, 32)), ((4, 32), (4, 64)),
                                              ((8, 64), (8, 64)), ((8, 32), (8, 32))], ids=str)
-def test_the_one_wave_kernel(fa, ref, lib, gpu, assert_close_to_oracle, dtype_name, quant, v_quant):
+@pytest.mark.parametrize("per_sm", [3.5, 6], ids=["3.5-an-sm", "6-an-sm"])
+def test_the_one_wave_kernel(fa, ref, lib, gpu, assert_close_to_oracle, dtype_name, quant, v_quant, per_sm):
     """Quantized caches at D = 128 whose grid needs more than one wave of the chosen kernel (three
-    4-bit blocks an SM, two 8-bit ones) but fits one of four blocks an SM (3.5 an SM here) take the
-    four-block kernel (decode.rs) where it is compiled (4-bit: K and V share a group size; 8-bit:
-    groups of 64), the chosen one otherwise; ragged rows, empty ones too."""
+    4-bit blocks an SM, two 8-bit ones) but fits one of four blocks an SM (3.5 an SM) or of eight (6
+    an SM) take the four- or eight-block kernel (decode.rs) where it is compiled (four: 4-bit K and
+    V sharing a group size, 8-bit groups of 64; eight: groups of 64), the chosen one otherwise;
+    ragged rows, empty ones too."""
     sms = gpu.get("multiprocessors")
     if not sms:
         pytest.skip("the GPU's multiprocessor count is unknown")
-    b = 3 * sms + sms // 2
+    b = int(per_sm * sms)
     seqlens = np.random.default_rng(11).integers(0, 64, b)
     seqlens[::9] = 0
     run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name=dtype_name, d=128, sq=1, group=4, quant=quant,

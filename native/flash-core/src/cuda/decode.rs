@@ -390,23 +390,28 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
             auto_splits(bits == 0 && mma, bits == 4 && mma, f.blocks_per_sm, p.batch * blocks, sms, keys, one_trip)
         }
     };
-    // The grid in one wave of the four-block kernel (4- or 8-bit) where the chosen one needs more:
-    // with the splits asked for, or those of four blocks an SM. Hopper only (measured on the H200; the
-    // copy engine's stages there, cp.async elsewhere).
-    let one_wave = (dev.cc.0 >= 9)
-        .then(|| decode_one_wave(p.dtype, p.head_dim, bits, (gs(formats[0]), gs(formats[1]))))
-        .flatten()
-        .and_then(|v4| {
-            let lanes = (f.blocks_per_sm, v4.tiles.min_blocks);
-            Some((v4, one_wave_splits(p.batch * blocks, splits, p.num_splits.is_some(), sms, lanes, keys, one_trip)?))
-        });
-    let (v, f, splits) = match one_wave {
-        Some((v4, splits4)) => {
-            let f4 = device::function(dev, &v4)?;
-            if f4.blocks_per_sm > f.blocks_per_sm { (v4, f4, splits4) } else { (v, f, splits) }
+    // The grid in one wave of a one-wave kernel (4- or 8-bit; four blocks an SM, else eight) where
+    // the chosen one needs more: with the splits asked for, or those of its blocks an SM; the same
+    // blocks a split (its warps may partition the states otherwise). Hopper only (measured on the
+    // H200; the copy engine's stages there, cp.async elsewhere).
+    let (mut v, mut f, mut warp_states, mut splits) = (v, f, warp_states, splits);
+    if dev.cc.0 >= 9 {
+        for v1 in decode_one_wave(p.dtype, p.head_dim, bits, (gs(formats[0]), gs(formats[1]))) {
+            let (ws1, chunks1) = partition(group * p.seq_q, v1.tiles.block_m, v1.tiles.num_warps);
+            let lanes = (f.blocks_per_sm, v1.tiles.min_blocks);
+            let Some(splits1) = (chunks1 == chunks)
+                .then(|| one_wave_splits(p.batch * blocks, splits, p.num_splits.is_some(), sms, lanes, keys, one_trip))
+                .flatten()
+            else {
+                continue;
+            };
+            let f1 = device::function(dev, &v1)?;
+            if f1.blocks_per_sm as usize >= v1.tiles.min_blocks {
+                (v, f, warp_states, splits) = (v1, f1, ws1, splits1);
+                break;
+            }
         }
-        None => (v, f, splits),
-    };
+    }
     let grid_x = blocks.checked_mul(splits).filter(|&n| n <= i32::MAX as usize).ok_or_else(|| {
         FlashError::Unsupported(format!("decode: {splits} splits of {blocks} blocks exceed the CUDA grid; ask for fewer num_splits"))
     })?;

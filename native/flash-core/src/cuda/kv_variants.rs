@@ -87,23 +87,36 @@ pub fn decode_candidates(dtype: DType, head_dim: usize, bits: usize, groups: (us
     shapes.into_iter().enumerate().map(|(i, shape)| decode_variant(dtype, head_dim, bits, groups, shape, set(i))).collect()
 }
 
-/// The 4-bit tensor-core kernel at D = 128 with four blocks an SM (MIN_BLOCKS 4: 128 registers,
-/// one 16-key block a softmax step, decode.cu STEP_BLOCKS), which decode.rs takes only on Hopper
-/// where it fits a grid in one wave that the three-block kernel needs more for; elsewhere the
+/// The quantized tensor-core kernels at D = 128 with four or eight blocks an SM (ONE_WAVE_SHAPES;
+/// 128 registers, one 16-key block a softmax step, decode.cu STEP_BLOCKS), in order of blocks an
+/// SM, which decode.rs takes only on Hopper where one fits a grid in one wave that the chosen
+/// kernel needs more for (eight: 128 x 512 4-bit 39.3 -> 32.0-32.3 us, 8-bit 54.7 -> 42.9-43.1;
+/// RESULTS, session 51); elsewhere the
 /// 128-register code, slower per block, loses (H200, bf16 q, graph, us, two steps a block at 128
 /// registers / three blocks: 64 x 1024 32.1-32.3 / 33.9-34.4, but 8 x 8192 36.6-36.8 / 32.2-32.3;
 /// RESULTS, session 50). Equal K and V group sizes only: the mixed pairs spill at 128 registers.
 /// The 8-bit one (two blocks an SM become four) takes 64-key stages (decode.h
 /// DECODE_TMA_WARP_BLOCKS) and groups of 64 only: groups of 32 spill.
-pub fn decode_one_wave(dtype: DType, head_dim: usize, bits: usize, groups: (usize, usize)) -> Option<Variant> {
+pub fn decode_one_wave(dtype: DType, head_dim: usize, bits: usize, groups: (usize, usize)) -> Vec<Variant> {
     let fits = match bits {
         4 => groups.0 == groups.1,
         8 => groups == (64, 64),
         _ => false,
     };
-    (decode_uses_mma(dtype, head_dim) && head_dim == 128 && fits)
-        .then(|| decode_variant(dtype, head_dim, bits, groups, (4, 2, 4), TileSet::Default))
+    if !(decode_uses_mma(dtype, head_dim) && head_dim == 128 && fits) {
+        return Vec::new();
+    }
+    ONE_WAVE_SHAPES
+        .iter()
+        .filter(|&&(warps, _, _)| warps == 4 || groups == (64, 64))
+        .map(|&shape| decode_variant(dtype, head_dim, bits, groups, shape, TileSet::Default))
+        .collect()
 }
+
+/// decode_one_wave's kernels, (warps, stages, blocks an SM) in order of blocks an SM: the same 16
+/// warps an SM as four blocks of four or eight of two, so that twice the grid fits a wave. Eight
+/// blocks take groups of 64 only (the fp16 4-bit groups of 32 spill 40 bytes on sm_80).
+const ONE_WAVE_SHAPES: [(usize, usize, usize); 2] = [(4, 2, 4), (2, 2, 8)];
 
 fn decode_variant(dtype: DType, head_dim: usize, bits: usize, (k_group, v_group): (usize, usize),
                   (warps, stages, min_blocks): (usize, usize, usize), tile_set: TileSet) -> Variant {
@@ -184,9 +197,13 @@ mod tests {
         assert_eq!(sets, [TileSet::Default, TileSet::Small]);
         assert_eq!(decode_candidates(DType::F16, 256, 4, (32, 32))[0].name(), "decode_f16_d256_cache_bits4_k_group32_v_group32_num_warps2_state_tile8_stages2_min_blocks1");
         assert_eq!(decode_candidates(DType::BF16, 128, 8, (32, 64))[0].name(), "decode_bf16_d128_cache_bits8_k_group32_v_group64_num_warps4_state_tile8_stages2_min_blocks2");
-        assert_eq!(decode_one_wave(DType::BF16, 128, 4, (64, 64)).unwrap().name(), "decode_bf16_d128_cache_bits4_k_group64_v_group64_num_warps4_state_tile8_stages2_min_blocks4");
-        assert!(decode_one_wave(DType::BF16, 128, 8, (32, 32)).is_none() && decode_one_wave(DType::BF16, 64, 4, (64, 64)).is_none());
-        assert!(decode_one_wave(DType::F16, 128, 4, (64, 32)).is_none());
+        let names: Vec<String> = decode_one_wave(DType::BF16, 128, 4, (64, 64)).iter().map(Variant::name).collect();
+        assert_eq!(names, ["decode_bf16_d128_cache_bits4_k_group64_v_group64_num_warps4_state_tile8_stages2_min_blocks4",
+                           "decode_bf16_d128_cache_bits4_k_group64_v_group64_num_warps2_state_tile8_stages2_min_blocks8"]);
+        assert!(decode_one_wave(DType::BF16, 128, 8, (32, 32)).is_empty() && decode_one_wave(DType::BF16, 64, 4, (64, 64)).is_empty());
+        assert!(decode_one_wave(DType::F16, 128, 4, (64, 32)).is_empty());
+        assert_eq!(decode_one_wave(DType::F16, 128, 4, (32, 32)).len(), 1);
+        assert_eq!(decode_one_wave(DType::F16, 128, 8, (64, 64)).len(), 2);
         for (dtype, d) in [(DType::F32, 128), (DType::BF16, 96), (DType::F16, 40)] {
             let v = decode_candidates(dtype, d, 4, (32, 32));
             assert_eq!((v.len(), v[0].kernel, v[0].head_dim), (1, Kernel::DecodeSimt, ANY_HEAD_DIM));
@@ -203,9 +220,10 @@ mod tests {
         names.dedup();
         assert_eq!(names.len(), n);
         // 2 dtypes x 3 head dims x (plain, 4 group pairs of 8-bit and of 4-bit), + the plain D =
-        // 128 fallback and the D = 128 one-wave kernels (4-bit: 2 equal group pairs; 8-bit: 64/64); 3 dtypes x
+        // 128 fallback and the D = 128 one-wave kernels (four blocks an SM: 4-bit 2 equal group pairs,
+        // 8-bit 64/64; eight: 4- and 8-bit 64/64); 3 dtypes x
         // (simt, merge, quantize, dequantize, merge by block).
-        assert_eq!(n, 2 * (3 * 9 + 1 + 3) + 3 * 5);
+        assert_eq!(n, 2 * (3 * 9 + 1 + 3 + 2) + 3 * 5);
         assert!(all.iter().all(|v| v.tiles.block_m == state_tile(v.kernel) || !v.kernel.is_decode()));
     }
 }
