@@ -114,9 +114,10 @@ pub fn decode_one_wave(dtype: DType, head_dim: usize, bits: usize, groups: (usiz
 }
 
 /// decode_one_wave's kernels, (warps, stages, blocks an SM) in order of blocks an SM: the same 16
-/// warps an SM as four blocks of four or eight of two, so that twice the grid fits a wave. Eight
-/// blocks take groups of 64 only (the fp16 4-bit groups of 32 spill 40 bytes on sm_80).
-const ONE_WAVE_SHAPES: [(usize, usize, usize); 2] = [(4, 2, 4), (2, 2, 8)];
+/// warps an SM as four blocks of four, eight of two or sixteen of one, so that twice or four times
+/// the grid fits a wave. Eight and sixteen blocks take groups of 64 only (the fp16 4-bit groups of
+/// 32 spill 40 bytes on sm_80 at two warps).
+const ONE_WAVE_SHAPES: [(usize, usize, usize); 3] = [(4, 2, 4), (2, 2, 8), (1, 2, 16)];
 
 fn decode_variant(dtype: DType, head_dim: usize, bits: usize, (k_group, v_group): (usize, usize),
                   (warps, stages, min_blocks): (usize, usize, usize), tile_set: TileSet) -> Variant {
@@ -199,11 +200,12 @@ mod tests {
         assert_eq!(decode_candidates(DType::BF16, 128, 8, (32, 64))[0].name(), "decode_bf16_d128_cache_bits8_k_group32_v_group64_num_warps4_state_tile8_stages2_min_blocks2");
         let names: Vec<String> = decode_one_wave(DType::BF16, 128, 4, (64, 64)).iter().map(Variant::name).collect();
         assert_eq!(names, ["decode_bf16_d128_cache_bits4_k_group64_v_group64_num_warps4_state_tile8_stages2_min_blocks4",
-                           "decode_bf16_d128_cache_bits4_k_group64_v_group64_num_warps2_state_tile8_stages2_min_blocks8"]);
+                           "decode_bf16_d128_cache_bits4_k_group64_v_group64_num_warps2_state_tile8_stages2_min_blocks8",
+                           "decode_bf16_d128_cache_bits4_k_group64_v_group64_num_warps1_state_tile8_stages2_min_blocks16"]);
         assert!(decode_one_wave(DType::BF16, 128, 8, (32, 32)).is_empty() && decode_one_wave(DType::BF16, 64, 4, (64, 64)).is_empty());
         assert!(decode_one_wave(DType::F16, 128, 4, (64, 32)).is_empty());
         assert_eq!(decode_one_wave(DType::F16, 128, 4, (32, 32)).len(), 1);
-        assert_eq!(decode_one_wave(DType::F16, 128, 8, (64, 64)).len(), 2);
+        assert_eq!(decode_one_wave(DType::F16, 128, 8, (64, 64)).len(), 3);
         for (dtype, d) in [(DType::F32, 128), (DType::BF16, 96), (DType::F16, 40)] {
             let v = decode_candidates(dtype, d, 4, (32, 32));
             assert_eq!((v.len(), v[0].kernel, v[0].head_dim), (1, Kernel::DecodeSimt, ANY_HEAD_DIM));
@@ -221,9 +223,9 @@ mod tests {
         assert_eq!(names.len(), n);
         // 2 dtypes x 3 head dims x (plain, 4 group pairs of 8-bit and of 4-bit), + the plain D =
         // 128 fallback and the D = 128 one-wave kernels (four blocks an SM: 4-bit 2 equal group pairs,
-        // 8-bit 64/64; eight: 4- and 8-bit 64/64); 3 dtypes x
+        // 8-bit 64/64; eight and sixteen: 4- and 8-bit 64/64); 3 dtypes x
         // (simt, merge, quantize, dequantize, merge by block).
-        assert_eq!(n, 2 * (3 * 9 + 1 + 3 + 2) + 3 * 5);
+        assert_eq!(n, 2 * (3 * 9 + 1 + 3 + 2 * 2) + 3 * 5);
         assert!(all.iter().all(|v| v.tiles.block_m == state_tile(v.kernel) || !v.kernel.is_decode()));
     }
 }
