@@ -266,6 +266,15 @@ fn auto_splits(plain_mma: bool, q4_mma: bool, blocks_per_sm: u32, blocks: usize,
     choose_splits(blocks, sms, split_lanes(plain_mma, blocks_per_sm), max_keys)
 }
 
+/// Whether a plain cache's grid of `blocks` that the automatic count leaves unsplit at one block an
+/// SM or fewer (blocks_per_sm fitting two) takes two splits merged as a cluster instead: the second
+/// block an SM doubles the stages in flight. H200, bf16, graph, us: 16 x 4096 (128 blocks) 69.3 at
+/// two splits against 74.0-75.6 at one (86 -> 92 % of the copy); 32 x 2048 (256 blocks, one split)
+/// and 64 x 1024 slower at two (RESULTS, session 51).
+fn pairs_fill_one_block_an_sm(blocks: usize, sms: usize, blocks_per_sm: u32, max_keys: usize) -> bool {
+    blocks <= sms && blocks * CLUSTER_SPLITS <= sms * blocks_per_sm as usize && max_keys >= CLUSTER_SPLITS * MIN_KEYS_PER_SPLIT
+}
+
 /// Whether `grid` blocks need more than one wave at `blocks_per_sm` blocks an SM but fit one at
 /// `one_wave_blocks` (decode_one_wave's kernel: four, where the 4-bit kernel runs three and the
 /// 8-bit one two).
@@ -387,7 +396,11 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
         Some(n) => n,
         None => {
             let mma = v.kernel == Kernel::Decode;
-            auto_splits(bits == 0 && mma, bits == 4 && mma, f.blocks_per_sm, p.batch * blocks, sms, keys, one_trip)
+            let n = auto_splits(bits == 0 && mma, bits == 4 && mma, f.blocks_per_sm, p.batch * blocks, sms, keys, one_trip);
+            let paired = n == 1
+                && cluster_merges(dev.cc, v.kernel, bits, CLUSTER_SPLITS)
+                && pairs_fill_one_block_an_sm(p.batch * blocks, sms, f.blocks_per_sm, keys);
+            if paired { CLUSTER_SPLITS } else { n }
         }
     };
     // The grid in one wave of a one-wave kernel (4- or 8-bit; four blocks an SM, else eight) where
@@ -584,6 +597,15 @@ mod tests {
         assert_eq!(auto_splits(false, false, 2, 64, 132, 8192, trip), 4); // 8-bit
         assert_eq!(auto_splits(true, false, 2, 64, 132, 8192, trip), 2); // plain
         assert_eq!(auto_splits(false, true, 3, 512, 132, 1024, trip), 1); // the rows fill the GPU
+    }
+
+    #[test]
+    fn a_plain_grid_of_one_block_an_sm_pairs_its_splits() {
+        // H200 (132 SMs, two plain blocks each), Hkv 8: 16 x 4096 (128 blocks) pairs; 32 x 2048
+        // (256) and a GPU with one block an SM do not; nor do keys too few for two splits.
+        assert!(pairs_fill_one_block_an_sm(128, 132, 2, 4096) && pairs_fill_one_block_an_sm(132, 132, 2, 512));
+        assert!(!pairs_fill_one_block_an_sm(256, 132, 2, 2048) && !pairs_fill_one_block_an_sm(133, 132, 2, 4096));
+        assert!(!pairs_fill_one_block_an_sm(128, 132, 1, 4096) && !pairs_fill_one_block_an_sm(128, 132, 2, 511));
     }
 
     #[test]
