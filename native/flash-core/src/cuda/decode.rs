@@ -276,8 +276,8 @@ fn pairs_fill_one_block_an_sm(blocks: usize, sms: usize, blocks_per_sm: u32, max
 }
 
 /// Whether `grid` blocks need more than one wave at `blocks_per_sm` blocks an SM but fit one at
-/// `one_wave_blocks` (decode_one_wave's kernel: four, where the 4-bit kernel runs three and the
-/// 8-bit one two).
+/// `one_wave_blocks` (decode_one_wave's kernels: four, eight or sixteen, where the 4-bit kernel
+/// runs three and the 8-bit one two).
 fn needs_one_wave_kernel(grid: usize, sms: usize, blocks_per_sm: u32, one_wave_blocks: usize) -> bool {
     grid > sms * blocks_per_sm as usize && grid <= sms * one_wave_blocks
 }
@@ -403,8 +403,8 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
             if paired { CLUSTER_SPLITS } else { n }
         }
     };
-    // The grid in one wave of a one-wave kernel (4- or 8-bit; four blocks an SM, else eight) where
-    // the chosen one needs more: with the splits asked for, or those of its blocks an SM; the same
+    // The grid in one wave of a one-wave kernel (4- or 8-bit; four blocks an SM, else eight, else
+    // sixteen) where the chosen one needs more: with the splits asked for, or those of its blocks an SM; the same
     // blocks a split (its warps may partition the states otherwise). Hopper only (measured on the
     // H200; the copy engine's stages there, cp.async elsewhere).
     let (mut v, mut f, mut warp_states, mut splits) = (v, f, warp_states, splits);
@@ -635,7 +635,7 @@ mod tests {
 
     #[test]
     fn the_one_wave_kernel_serves_grids_one_block_an_sm_past_a_wave() {
-        // H200: 132 SMs, three 4-bit blocks each; 64 x 1024 (Hkv 8) is 512 blocks.
+        // H200: 132 SMs, three 4-bit blocks each, four in the kernel; 64 x 1024 (Hkv 8) is 512 blocks.
         assert!(needs_one_wave_kernel(512, 132, 3, 4) && needs_one_wave_kernel(397, 132, 3, 4) && needs_one_wave_kernel(528, 132, 3, 4));
         assert!(!needs_one_wave_kernel(396, 132, 3, 4) && !needs_one_wave_kernel(529, 132, 3, 4) && !needs_one_wave_kernel(768, 132, 3, 4));
         // The 8-bit kernel's two blocks an SM: from 265 to 528 blocks.
@@ -652,6 +652,8 @@ mod tests {
         assert_eq!(one_wave_splits(256, 3, false, 132, (3, 4), 2048, trip), Some(2));
         assert_eq!(one_wave_splits(64, 6, false, 132, (3, 4), 8192, trip), None);
         assert_eq!(one_wave_splits(1024, 1, false, 132, (3, 4), 512, trip), None);
+        // Eight blocks an SM: 128 x 512 (1024 blocks), past four.
+        assert_eq!(one_wave_splits(1024, 1, false, 132, (3, 8), 512, trip), Some(1));
         // 8-bit (two blocks an SM): 64 x 1024 unsplit, 512 blocks; 8 x 8192's 4 splits fit a wave.
         assert_eq!(one_wave_splits(512, 1, false, 132, (2, 4), 1024, trip), Some(1));
         assert_eq!(one_wave_splits(64, 4, false, 132, (2, 4), 8192, trip), None);

@@ -87,16 +87,16 @@ pub fn decode_candidates(dtype: DType, head_dim: usize, bits: usize, groups: (us
     shapes.into_iter().enumerate().map(|(i, shape)| decode_variant(dtype, head_dim, bits, groups, shape, set(i))).collect()
 }
 
-/// The quantized tensor-core kernels at D = 128 with four or eight blocks an SM (ONE_WAVE_SHAPES;
-/// 128 registers, one 16-key block a softmax step, decode.cu STEP_BLOCKS), in order of blocks an
-/// SM, which decode.rs takes only on Hopper where one fits a grid in one wave that the chosen
-/// kernel needs more for (eight: 128 x 512 4-bit 39.3 -> 32.0-32.3 us, 8-bit 54.7 -> 42.9-43.1;
-/// RESULTS, session 51); elsewhere the
-/// 128-register code, slower per block, loses (H200, bf16 q, graph, us, two steps a block at 128
-/// registers / three blocks: 64 x 1024 32.1-32.3 / 33.9-34.4, but 8 x 8192 36.6-36.8 / 32.2-32.3;
-/// RESULTS, session 50). Equal K and V group sizes only: the mixed pairs spill at 128 registers.
-/// The 8-bit one (two blocks an SM become four) takes 64-key stages (decode.h
-/// DECODE_TMA_WARP_BLOCKS) and groups of 64 only: groups of 32 spill.
+/// The quantized tensor-core kernels at D = 128 with four, eight or sixteen blocks an SM
+/// (ONE_WAVE_SHAPES; 128 registers, one 16-key block a softmax step, decode.cu STEP_BLOCKS), in
+/// order of blocks an SM, which decode.rs takes only on Hopper where one fits a grid in one wave
+/// that the chosen kernel needs more for. Elsewhere the 128-register code, slower per block, loses
+/// (H200, bf16 q, graph, us, two steps a block at 128 registers / three blocks: 64 x 1024
+/// 32.1-32.3 / 33.9-34.4, but 8 x 8192 36.6-36.8 / 32.2-32.3; RESULTS, session 50); where it fits,
+/// 128 x 512 4-bit 39.3 -> 32.0-32.3 us and 8-bit 54.7 -> 42.9-43.1 at eight blocks, 256 x 256
+/// 50.0 -> 37.0 and 71.5 -> 45.1 at sixteen (session 51). 4-bit at four blocks: equal K and V group
+/// sizes only (the mixed pairs spill at 128 registers); 8-bit: groups of 64 (32 spill), with
+/// 64-key stages at four blocks (decode.h DECODE_TMA_WARP_BLOCKS).
 pub fn decode_one_wave(dtype: DType, head_dim: usize, bits: usize, groups: (usize, usize)) -> Vec<Variant> {
     let fits = match bits {
         4 => groups.0 == groups.1,
