@@ -94,7 +94,7 @@ pub fn decode_candidates(dtype: DType, head_dim: usize, bits: usize, groups: (us
 /// (H200, bf16 q, graph, us, two steps a block at 128 registers / three blocks: 64 x 1024
 /// 32.1-32.3 / 33.9-34.4, but 8 x 8192 36.6-36.8 / 32.2-32.3; RESULTS, session 50); where it fits,
 /// 128 x 512 4-bit 39.3 -> 32.0-32.3 us and 8-bit 54.7 -> 42.9-43.1 at eight blocks, 256 x 256
-/// 50.0 -> 37.0 and 71.5 -> 45.1 at sixteen (session 51). 4-bit at four blocks: equal K and V group
+/// 49.9-50.1 -> 37.0 and 71.1-72.0 -> 45.1-45.2 at sixteen (session 51). 4-bit at four blocks: equal K and V group
 /// sizes only (the mixed pairs spill at 128 registers); 8-bit: groups of 64 (32 spill), with
 /// 64-key stages at four blocks (decode.h DECODE_TMA_WARP_BLOCKS).
 pub fn decode_one_wave(dtype: DType, head_dim: usize, bits: usize, groups: (usize, usize)) -> Vec<Variant> {
