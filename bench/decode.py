@@ -242,7 +242,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--tokens", type=int, default=262144, help="CPU: B * S_cache cached tokens (B = 4)")
-    ap.add_argument("--shapes", default="8x8192,64x1024,1x131072", help="GPU: B x S_cache, comma separated")
+    ap.add_argument("--shapes", default="8x8192,4x16384,16x4096,64x1024,128x512,256x256,1x131072",
+                    help="GPU: B x S_cache, comma separated (default: 64k cached tokens as long to short rows, and 1 x 128k)")
     ap.add_argument("--splits", default="", help="GPU: extra rows with these num_splits (comma separated)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20, help="GPU: calls between two events")
