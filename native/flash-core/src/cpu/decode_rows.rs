@@ -210,6 +210,17 @@ impl<const BITS: usize> Quant<'_, BITS> {
     pub(crate) fn scale_stride(&self) -> usize {
         self.heads * self.groups
     }
+    /// Key x's row of codes of kv head kv (x < the block's keys), whichever head is current.
+    #[inline(always)]
+    pub(crate) unsafe fn row_of(&self, kv: usize, x: usize) -> *const u8 {
+        (self.values.as_ptr() as *const u8).add((self.block + x * self.heads + kv) * self.words * 4)
+    }
+    /// Key x's scales and biases (f32, `groups` each) of kv head kv, whichever head is current.
+    #[inline(always)]
+    pub(crate) unsafe fn scales_of(&self, kv: usize, x: usize) -> (*const f32, *const f32) {
+        let at = (x * self.heads + kv) * self.groups;
+        (self.scale.as_ptr().add(at), self.bias.as_ptr().add(at))
+    }
 }
 
 impl<const BITS: usize> Rows for Quant<'_, BITS> {
