@@ -5,8 +5,8 @@
 //! time by `Vector::sum_each`) and folded into the states by simd's online softmax; states go
 //! through the block in register-held groups of up to 8. bf16 queries over plain bf16 caches take
 //! both products as AVX512-BF16 dot products where the CPU has them at full rate (decode_bf16.rs);
-//! bf16 queries over a quantized K take the scores on the AMX tiles where the CPU has them and a
-//! kv head has 8 states or more (decode_amx.rs).
+//! bf16 queries over a bf16 or quantized K take the scores on the AMX tiles where the CPU has them
+//! and a kv head has 8 states or more (decode_amx.rs).
 
 use std::f32::consts::{LN_2, LOG2_E};
 
@@ -69,7 +69,7 @@ unsafe fn avx512(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [
     run::<x86::Avx512, false, false>(p, q, k, v, t, po, pl)
 }
 
-/// AVX-512 with the scores over a quantized K on the AMX tiles (decode_amx.rs; `supported` has
+/// AVX-512 with the scores over a bf16 or quantized K on the AMX tiles (decode_amx.rs; `supported` has
 /// checked the call).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx512bw,avx2,fma,f16c,avx512bf16")]
@@ -110,7 +110,7 @@ impl DotPaths {
 /// next block's is prefetched (a share per head, in AHEAD_PARTS pieces), so memory is read as one
 /// stream (a kv head's rows alone are strided by the other heads', which measured ~3x slower to
 /// read). DOT: both products by bf16 dot products (decode_bf16.rs; x86 AVX-512 only). AMX: the
-/// scores over a quantized K by the tile unit (decode_amx.rs; x86 AVX-512 only; whole blocks).
+/// scores over a bf16 or quantized K by the tile unit (decode_amx.rs; x86 AVX-512 only; whole blocks).
 #[inline(always)]
 unsafe fn run<V: Vector, const DOT: bool, const AMX: bool>(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
     let (sq, h, hkv, d) = (p.seq_q, p.heads, p.kv_heads, p.head_dim);
@@ -211,7 +211,8 @@ unsafe fn run<V: Vector, const DOT: bool, const AMX: bool>(p: &Decode, q: &[u8],
             match &kr {
                 Reader::Q4(r) => a.block(r, p.scale * LOG2_E, &mut s_all),
                 Reader::Q8(r) => a.block(r, p.scale * LOG2_E, &mut s_all),
-                _ => unreachable!("decode_amx::supported takes quantized K caches only"),
+                Reader::Bf16(r) => a.block_plain(r, p.scale * LOG2_E, &mut s_all),
+                _ => unreachable!("decode_amx::supported takes bf16 and quantized K caches only"),
             }
         }
         for kv in 0..hkv {
@@ -244,7 +245,7 @@ unsafe fn run<V: Vector, const DOT: bool, const AMX: bool>(p: &Decode, q: &[u8],
             let qb = &qb[kv * states * ops * 32..][..states * ops * 32];
             match &kr {
                 #[cfg(target_arch = "x86_64")]
-                Reader::Q4(_) | Reader::Q8(_) if amx_block => {}
+                Reader::Q4(_) | Reader::Q8(_) | Reader::Bf16(_) if amx_block => {}
                 #[cfg(target_arch = "x86_64")]
                 Reader::Bf16(r) if dot.k_plain => decode_bf16::scores(r, qb, states, ops, nk, p.scale * LOG2_E, s),
                 #[cfg(target_arch = "x86_64")]
@@ -544,7 +545,7 @@ mod tests {
     /// bf16 dot products where the CPU has them, which round P to bf16: o to that rounding), 4-bit
     /// K at D = 64 / 128 / 192 (its codes into the dot products: half a 128-dim chunk, odd group
     /// counts; V 4-bit too at D = 128), 8-bit rows, K and V in different formats, 1 and 3 query
-    /// rows (groups of 8, 4, 2 and 1 states). With bf16 q the quantized K's scores take the AMX
+    /// rows (groups of 8, 4, 2 and 1 states). With bf16 q the bf16 or quantized K's scores take the AMX
     /// tiles where the CPU has them (two whole blocks and a partial one; 1 to 6 groups).
     #[test]
     fn every_instruction_set_agrees() {
@@ -669,7 +670,7 @@ mod tests {
                         }
                         continue;
                     }
-                    let tol = if (dot && paths.k_q4) || amx { 1e-4 } else { 1e-5 };
+                    let tol = if (dot && paths.k_q4) || (amx && quant.is_some()) { 1e-4 } else { 1e-5 };
                     for (i, (a, w)) in po.iter().zip(&want.0).chain(pl.iter().zip(&want.1)).enumerate() {
                         assert!((a - w).abs() <= tol * (1.0 + w.abs()), "{dtype:?} d={d} {quant:?} sq={sq} (dot products: {dot}, AMX: {amx}): [{i}] {a} vs {w}");
                     }

@@ -1,7 +1,8 @@
-//! Decode's scores over a quantized K cache (4- or 8-bit codes) on CPUs with AMX (Intel Sapphire
-//! Rapids and later), for bf16 queries: q . k by the tile unit's `tdpbf16ps` (16 keys x states x
-//! 32 dims per instruction) over the codes as they are, each group's scale and bias applied
-//! after the products in f32, as the GPU's quantized kernels do:
+//! Decode's scores over a bf16 or quantized K cache (4- or 8-bit codes) on CPUs with AMX (Intel
+//! Sapphire Rapids and later), for bf16 queries: q . k by the tile unit's `tdpbf16ps` (16 keys x
+//! states x 32 dims per instruction). A bf16 cache's rows go into the tiles straight from the
+//! cache, at its row stride. A quantized cache's codes go in as they are, each group's scale and
+//! bias applied after the products in f32, as the GPU's quantized kernels do:
 //!   s[st, x] = scale2 · sum over groups G of ( s_G(x) · C_G[x, st] + (b_G(x) - M s_G(x)) · Q_G[st] )
 //! with C_G = sum over G's dims of (M + c) q (the tiles' sums) and Q_G = sum over G's dims of q.
 //! decode.rs's general path dequantizes every element and takes 16 products per FMA plus a
@@ -9,7 +10,7 @@
 //! states per kv head ([`preferred`]: GQA 8, or GQA 4 with 2 query rows and more); at 4 the
 //! staging and the tiles cost as much as the FMA path's scores.
 //!
-//! The codes enter the tiles as bf16, staged by AVX-512 (a tile loads only memory): 4-bit codes
+//! Codes enter the tiles as bf16, staged by AVX-512 (a tile loads only memory): 4-bit codes
 //! as `M + c` with M = 2^7 (the bits 0x4300 | c: one logic op per 32 codes), 8-bit codes as
 //! themselves (M = 0; every integer below 2^8 is a bf16). A half block (16 keys, every kv head) is
 //! staged, then its tiles run, so that a tile load does not wait behind stores still in flight
@@ -17,7 +18,7 @@
 //! first half's f32 combine runs while the second half's stores drain. The combine takes 16 keys
 //! a vector, in the softmax's [states, keys] rows.
 //!
-//! Exactness: (M + c) and q are bf16, their products exact in f32, the sums f32 (round to
+//! Exactness: k, (M + c) and q are bf16, their products exact in f32, the sums f32 (round to
 //! nearest) as on the general path, up to summation order; the magic M's share cancels in f32
 //! (M · Q_G subtracted: ~7 of the 24 bits at 4 bits, as decode_bf16.rs's `scores_q4`; the unit
 //! test's 1e-4 holds). The tile unit treats bf16 subnormal inputs as zero and flushes subnormal
@@ -25,14 +26,14 @@
 //!
 //! Tiles (palette 1), configured per task by [`Scores::new`] (rayon's workers each load their
 //! own configuration) and released when it drops: tmm0..tmm3 the sums [16 keys, states] of four
-//! groups in flight, tmm4 / tmm5 the staged codes [16 keys, 32 dims] of even / odd chunks, tmm6 /
+//! groups in flight, tmm4 / tmm5 the rows [16 keys, 32 dims] of even / odd chunks, tmm6 /
 //! tmm7 q's pairs [16 dim pairs, states] of those chunks (the tile registers are not renamed: a
 //! load into a register the previous products still read would wait for them).
 
 use std::arch::asm;
 use std::arch::x86_64::*;
 
-use super::decode_rows::{Quant, KEY_BLOCK};
+use super::decode_rows::{Plain, Quant, KEY_BLOCK};
 use crate::decode::{Cache, Decode};
 use crate::dtype::DType;
 
@@ -44,21 +45,26 @@ const ROWS: usize = 16;
 const MAX_GROUPS: usize = crate::problem::MAX_HEAD_DIM / CHUNK;
 const _: () = assert!(KEY_BLOCK == 2 * ROWS);
 
-/// Whether this file's scores can take the call: bf16 q over a 4- or 8-bit K cache whose groups
-/// are whole chunks of 32 dims (4-bit: D a multiple of 64), at most 16 states per kv head (one
+/// Whether this file's scores can take the call: bf16 q over a plain bf16 K cache with D a
+/// multiple of 32 or a 4- or 8-bit one whose groups are whole chunks of 32 dims (4-bit: D a
+/// multiple of 64), at most 16 states per kv head (one
 /// tile's columns), and a CPU with AMX that the OS lets this process use ([`available`]).
 pub(crate) fn supported(p: &Decode, k: &Cache) -> bool {
     let states = p.heads / p.kv_heads * p.seq_q;
-    // (4-bit rows are staged 64 codes at a time.)
-    let quant = matches!(k, Cache::Quant { fmt, .. } if fmt.group_size.is_multiple_of(CHUNK) && (fmt.bits == 8 || p.head_dim.is_multiple_of(64)));
-    p.dtype == DType::BF16 && quant && (1..=ROWS).contains(&states) && available()
+    let cache = match k {
+        // (4-bit rows are staged 64 codes at a time.)
+        Cache::Quant { fmt, .. } => fmt.group_size.is_multiple_of(CHUNK) && (fmt.bits == 8 || p.head_dim.is_multiple_of(64)),
+        Cache::Plain(_) => p.head_dim.is_multiple_of(CHUNK),
+    };
+    p.dtype == DType::BF16 && cache && (1..=ROWS).contains(&states) && available()
 }
 
-/// Whether decode takes them where [`supported`]: from 8 states per kv head. The staging and the
-/// tile products cost the same for any number of states (a C tile's 16 columns are paid for
-/// whether they hold 4 states or 16), where the FMA path's scores cost per state: measured
+/// Whether decode takes them where [`supported`]: from 8 states per kv head. The staging, the
+/// tile loads and products cost the same for any number of states (a C tile's 16 columns are paid
+/// for whether they hold 4 states or 16), where the FMA path's scores cost per state: measured
 /// (bench/results_cpu_session51.md, D = 128, groups of 64, 2 threads past the L3) at 4 states
-/// level for 4-bit and 25 % slower for 8-bit, at 8 states 8-20 % faster, at 16 states 17-28 %.
+/// level for 4-bit, 25 % slower for 8-bit and 2-7 % for bf16 (its scores are bound by K's lines
+/// reaching the core, not by the FMAs); at 8 states 8-20 % faster (bf16 25 %), at 16 17-30 %.
 pub(crate) fn preferred(p: &Decode) -> bool {
     p.heads / p.kv_heads * p.seq_q >= 8
 }
@@ -145,9 +151,12 @@ impl Scores {
     /// Configures this thread's tiles and stages q for the K cache `k`; `row_of(kv, st)` is q's
     /// row (in units of D elements) of kv head kv's state st. The caller has checked [`supported`].
     pub(crate) unsafe fn new(p: &Decode, q: &[u8], k: &Cache, row_of: impl Fn(usize, usize) -> usize) -> Scores {
-        let Cache::Quant { fmt, .. } = k else { unreachable!("decode_amx::supported takes quantized K caches only") };
-        let (bits, gs) = (fmt.bits, fmt.group_size);
         let (d, hkv) = (p.head_dim, p.kv_heads);
+        // A plain cache: one group of D dims, no scale (its sums are the scores).
+        let (bits, gs) = match k {
+            Cache::Quant { fmt, .. } => (fmt.bits, fmt.group_size),
+            Cache::Plain(_) => (16, d),
+        };
         let states = p.heads / hkv * p.seq_q;
         let groups = d / gs;
         assert!((1..=ROWS).contains(&states) && gs.is_multiple_of(CHUNK) && d.is_multiple_of(gs));
@@ -194,7 +203,8 @@ impl Scores {
         assert!(s.len() == hkv * states * KEY_BLOCK);
         let combine = |this: &Self, half: usize, s: &mut [f32]| {
             for kv in 0..hkv {
-                this.combine(r, kv, half, scale2, s.as_mut_ptr().add(kv * states * KEY_BLOCK + half * ROWS));
+                let (sc, bi) = r.scales_of(kv, half * ROWS);
+                this.combine(Some((sc, bi, r.scale_stride())), kv, half, scale2, s.as_mut_ptr().add(kv * states * KEY_BLOCK + half * ROWS));
             }
         };
         for half in 0..2 {
@@ -210,29 +220,50 @@ impl Scores {
                 combine(self, 0, s);
             }
             for kv in 0..hkv {
-                self.products(kv, half);
+                let staged = self.stage.as_ptr().add(kv * ROWS * d / CHUNK) as *const u8;
+                self.products(kv, half, staged, d * 2);
             }
         }
         combine(self, 1, s);
     }
 
+    /// [`block`](Self::block) over a plain bf16 K: the tiles load the rows straight from the cache
+    /// (at its row stride), nothing staged.
+    #[inline(always)]
+    pub(crate) unsafe fn block_plain(&mut self, r: &Plain<'_, 2>, scale2: f32, s: &mut [f32]) {
+        let (states, hkv) = (self.states, self.hkv);
+        assert!(s.len() == hkv * states * KEY_BLOCK && self.groups == 1);
+        for half in 0..2 {
+            for kv in 0..hkv {
+                self.products(kv, half, r.row_of(kv, half * ROWS), r.stride());
+            }
+        }
+        for half in 0..2 {
+            for kv in 0..hkv {
+                self.combine(None, kv, half, scale2, s.as_mut_ptr().add(kv * states * KEY_BLOCK + half * ROWS));
+            }
+        }
+    }
+
     /// The f32 combine of kv head kv's half block `half`, 16 keys a vector (the softmax's rows
     /// `s[st, ..]`, of KEY_BLOCK floats): each group's scales and biases gathered across the keys
     /// (strided by the other heads' and groups'), the tiles' sums [16 keys, states] read a state's
-    /// column at a time.
+    /// column at a time. `scales`: the half block's first key's scales and biases (f32) and the
+    /// floats from one key's to the next's; None for a plain cache (scale 1, bias 0).
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn combine<const BITS: usize>(&self, r: &Quant<'_, BITS>, kv: usize, half: usize, scale2: f32, s: *mut f32) {
+    unsafe fn combine(&self, scales: Option<(*const f32, *const f32, usize)>, kv: usize, half: usize, scale2: f32, s: *mut f32) {
         let (states, groups) = (self.states, self.groups);
         let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        let by_key = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((r.scale_stride()) as i32));
         let by_state = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(states as i32));
-        let (mut sg, mut off) = ([_mm512_setzero_ps(); MAX_GROUPS], [_mm512_setzero_ps(); MAX_GROUPS]);
-        let (sc, bi) = r.scales_of(kv, half * ROWS);
-        for g in 0..groups {
-            sg[g] = _mm512_i32gather_ps::<4>(by_key, sc.add(g));
-            // b_G - M s_G: the magic's share of the tiles' sums.
-            off[g] = _mm512_fnmadd_ps(_mm512_set1_ps(self.magic), sg[g], _mm512_i32gather_ps::<4>(by_key, bi.add(g)));
+        let (mut sg, mut off) = ([_mm512_set1_ps(1.0); MAX_GROUPS], [_mm512_setzero_ps(); MAX_GROUPS]);
+        if let Some((sc, bi, stride)) = scales {
+            let by_key = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(stride as i32));
+            for g in 0..groups {
+                sg[g] = _mm512_i32gather_ps::<4>(by_key, sc.add(g));
+                // b_G - M s_G: the magic's share of the tiles' sums.
+                off[g] = _mm512_fnmadd_ps(_mm512_set1_ps(self.magic), sg[g], _mm512_i32gather_ps::<4>(by_key, bi.add(g)));
+            }
         }
         for st in 0..states {
             let mut acc = _mm512_setzero_ps();
@@ -245,15 +276,15 @@ impl Scores {
         }
     }
 
-    /// Kv head kv's tile sums of the staged half block `half`, every group, into `sums`.
+    /// Kv head kv's tile sums of half block `half`, every group, into `sums`: its 16 keys' rows
+    /// of bf16 at `a0`, `astride` bytes apart (staged codes, or a plain cache's rows).
     #[inline(always)]
-    unsafe fn products(&mut self, kv: usize, half: usize) {
+    unsafe fn products(&mut self, kv: usize, half: usize, a0: *const u8, astride: usize) {
         let (states, d) = (self.states, self.d);
         let chunks = d / CHUNK;
         let per_group = chunks / self.groups;
         let qv = self.qv.as_ptr().add(kv * chunks * ROWS * states);
-        let a0 = self.stage.as_ptr().add(kv * ROWS * chunks) as *const u8;
-        let (qstride, astride) = (states * 4, d * 2);
+        let qstride = states * 4;
         // Chunk j's operands: tmm4 / tmm6 (even j) or tmm5 / tmm7 (odd).
         macro_rules! chunk {
             ($c:literal, $j:expr, $a:literal, $q:literal) => {

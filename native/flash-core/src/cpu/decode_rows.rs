@@ -112,6 +112,16 @@ impl<const KIND: u8> Plain<'_, KIND> {
     pub(crate) unsafe fn row(&self, x: usize) -> *const u8 {
         self.first.add(x * self.stride)
     }
+    /// Key x's row of kv head kv in the cache (x < the block's keys), whichever head is current
+    /// (the cache's, never the staging copy's).
+    #[inline(always)]
+    pub(crate) unsafe fn row_of(&self, kv: usize, x: usize) -> *const u8 {
+        self.bytes.as_ptr().add((self.block + x * self.heads + kv) * self.row_bytes)
+    }
+    /// Bytes from one key's row of a kv head to the next in the cache.
+    pub(crate) fn stride(&self) -> usize {
+        self.heads * self.row_bytes
+    }
 }
 
 impl<const KIND: u8> Rows for Plain<'_, KIND> {
