@@ -544,8 +544,8 @@ mod tests {
     /// states: plain f16 and bf16 rows with D = 40 (a partial vector), bf16 rows at D = 64 / 96 (the
     /// bf16 dot products where the CPU has them, which round P to bf16: o to that rounding), 4-bit
     /// K at D = 64 / 128 / 192 (its codes into the dot products: half a 128-dim chunk, odd group
-    /// counts; V 4-bit too at D = 128), 8-bit rows, K and V in different formats, 1 and 3 query
-    /// rows (groups of 8, 4, 2 and 1 states). With bf16 q the bf16 or quantized K's scores take the AMX
+    /// counts; V 4-bit too at D = 128), 8-bit rows, K and V in different formats, 1 to 4 query
+    /// rows (5, 8, 15 and 16 states: groups of 8, 4, 2 and 1). With bf16 q the bf16 or quantized K's scores take the AMX
     /// tiles where the CPU has them (two whole blocks and a partial one; 1 to 6 groups).
     #[test]
     fn every_instruction_set_agrees() {
@@ -562,7 +562,7 @@ mod tests {
                 })
                 .collect()
         };
-        let (b, s, hkv, group) = (1usize, 70usize, 2usize, 5usize);
+        let (b, s, hkv) = (1usize, 70usize, 2usize);
         // bf16 at D = 64 and 96 with a plain K: the bf16 dot products where the CPU has them
         // (decode_bf16.rs; 2 and 3 operands per row).
         let cases = [
@@ -580,7 +580,8 @@ mod tests {
             (DType::F32, 128, Some((8, 64))),
         ];
         for (dtype, d, quant) in cases {
-            for sq in [1, 3] {
+            // (GQA group, query rows): 5, 15, 8 and 16 states a kv head.
+            for (group, sq) in [(5usize, 1usize), (5, 3), (4, 2), (4, 4)] {
                 let bytes = |x: &[f32]| {
                     let mut out = vec![0u8; x.len() * dtype.size_bytes()];
                     dtype.store(x, &mut out, 0);
@@ -672,7 +673,7 @@ mod tests {
                     }
                     let tol = if (dot && paths.k_q4) || (amx && quant.is_some()) { 1e-4 } else { 1e-5 };
                     for (i, (a, w)) in po.iter().zip(&want.0).chain(pl.iter().zip(&want.1)).enumerate() {
-                        assert!((a - w).abs() <= tol * (1.0 + w.abs()), "{dtype:?} d={d} {quant:?} sq={sq} (dot products: {dot}, AMX: {amx}): [{i}] {a} vs {w}");
+                        assert!((a - w).abs() <= tol * (1.0 + w.abs()), "{dtype:?} d={d} {quant:?} group={group} sq={sq} (dot products: {dot}, AMX: {amx}): [{i}] {a} vs {w}");
                     }
                 }
             }
