@@ -545,7 +545,7 @@ mod tests {
     /// bf16 dot products where the CPU has them, which round P to bf16: o to that rounding), 4-bit
     /// K at D = 64 / 128 / 192 (its codes into the dot products: half a 128-dim chunk, odd group
     /// counts; V 4-bit too at D = 128), 8-bit rows, K and V in different formats, 1 to 4 query
-    /// rows (5, 8, 15 and 16 states: groups of 8, 4, 2 and 1). With bf16 q the bf16 or quantized K's scores take the AMX
+    /// rows (5, 8, 15, 16 and 20 states: groups of 8, 4, 2 and 1). With bf16 q the bf16 or quantized K's scores take the AMX
     /// tiles where the CPU has them (two whole blocks and a partial one; 1 to 6 groups).
     #[test]
     fn every_instruction_set_agrees() {
@@ -580,8 +580,8 @@ mod tests {
             (DType::F32, 128, Some((8, 64))),
         ];
         for (dtype, d, quant) in cases {
-            // (GQA group, query rows): 5, 15, 8 and 16 states a kv head.
-            for (group, sq) in [(5usize, 1usize), (5, 3), (4, 2), (4, 4)] {
+            // (GQA group, query rows): 5, 15, 8, 16 and 20 states a kv head.
+            for (group, sq) in [(5usize, 1usize), (5, 3), (4, 2), (4, 4), (5, 4)] {
                 let bytes = |x: &[f32]| {
                     let mut out = vec![0u8; x.len() * dtype.size_bytes()];
                     dtype.store(x, &mut out, 0);

@@ -25,9 +25,10 @@
 //! f32 results: terms below 2^-126, far under the rounding of any score they would add to.
 //!
 //! Tiles (palette 1), configured per task by [`Scores::new`] (rayon's workers each load their
-//! own configuration) and released when it drops: tmm0..tmm3 the sums [16 keys, states] of four
-//! groups in flight, tmm4 / tmm5 the rows [16 keys, 32 dims] of even / odd chunks, tmm6 /
-//! tmm7 q's pairs [16 dim pairs, states] of those chunks (the tile registers are not renamed: a
+//! own configuration) and released when it drops: tmm0..tmm3 the sums [16 keys, cols] of four
+//! groups (or sets of states: past 16 states a kv head they go in sets of 16 columns) in flight,
+//! tmm4 / tmm5 the rows [16 keys, 32 dims] of even / odd chunks, tmm6 / tmm7 q's pairs [16 dim
+//! pairs, cols] of those chunks (the tile registers are not renamed: a
 //! load into a register the previous products still read would wait for them).
 
 use std::arch::asm;
@@ -47,8 +48,7 @@ const _: () = assert!(KEY_BLOCK == 2 * ROWS);
 
 /// Whether this file's scores can take the call: bf16 q over a plain bf16 K cache with D a
 /// multiple of 32 or a 4- or 8-bit one whose groups are whole chunks of 32 dims (4-bit: D a
-/// multiple of 64), at most 16 states per kv head (one
-/// tile's columns), and a CPU with AMX that the OS lets this process use ([`available`]).
+/// multiple of 64), and a CPU with AMX that the OS lets this process use ([`available`]).
 pub(crate) fn supported(p: &Decode, k: &Cache) -> bool {
     let states = p.heads / p.kv_heads * p.seq_q;
     let cache = match k {
@@ -56,7 +56,7 @@ pub(crate) fn supported(p: &Decode, k: &Cache) -> bool {
         Cache::Quant { fmt, .. } => fmt.group_size.is_multiple_of(CHUNK) && (fmt.bits == 8 || p.head_dim.is_multiple_of(64)),
         Cache::Plain(_) => p.head_dim.is_multiple_of(CHUNK),
     };
-    p.dtype == DType::BF16 && cache && (1..=ROWS).contains(&states) && available()
+    p.dtype == DType::BF16 && cache && states >= 1 && available()
 }
 
 /// Whether decode takes them where [`supported`]: from 8 states per kv head. The staging, the
@@ -64,7 +64,8 @@ pub(crate) fn supported(p: &Decode, k: &Cache) -> bool {
 /// for whether they hold 4 states or 16), where the FMA path's scores cost per state: measured
 /// (bench/results_cpu_session51.md, D = 128, groups of 64, 2 threads past the L3) at 4 states
 /// level for 4-bit, 25 % slower for 8-bit and 2-7 % for bf16 (its scores are bound by K's lines
-/// reaching the core, not by the FMAs); at 8 states 8-20 % faster (bf16 25 %), at 16 17-30 %.
+/// reaching the core, not by the FMAs); at 8 states 8-20 % faster (bf16 25 %), at 16 17-30 %,
+/// at 32 27-39 %.
 pub(crate) fn preferred(p: &Decode) -> bool {
     p.heads / p.kv_heads * p.seq_q >= 8
 }
@@ -138,13 +139,15 @@ fn staged_dim(bits: usize, i: usize) -> usize {
 pub(crate) struct Scores {
     d: usize,
     states: usize,
+    cols: usize, // a C tile's columns: min(states, 16)
+    sets: usize, // sets of `cols` states (the last one's missing states have q = 0)
     hkv: usize,
     groups: usize,
     magic: f32,
-    qv: Vec<u32>,    // q as raw bf16 pairs [Hkv, D / 32, 16 pairs, states] in the staged order
+    qv: Vec<u32>,    // q as raw bf16 pairs [Hkv, sets, D / 32, 16 pairs, cols] in the staged order
     qsum: Vec<f32>,  // each group's sum of q [Hkv, groups, states]
     stage: Vec<Line>, // codes as bf16 [Hkv, 16 keys, D / 32]
-    sums: Vec<f32>,  // the tiles' sums [Hkv, groups, KEY_BLOCK, states]
+    sums: Vec<f32>,  // the tiles' sums [Hkv, sets, groups, KEY_BLOCK, cols]
 }
 
 impl Scores {
@@ -159,23 +162,25 @@ impl Scores {
         };
         let states = p.heads / hkv * p.seq_q;
         let groups = d / gs;
-        assert!((1..=ROWS).contains(&states) && gs.is_multiple_of(CHUNK) && d.is_multiple_of(gs));
+        assert!(states >= 1 && gs.is_multiple_of(CHUNK) && d.is_multiple_of(gs));
+        let (cols, chunks) = (states.min(ROWS), d / CHUNK);
+        let sets = states.div_ceil(cols);
         let mut c = Config { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
-        let s4 = (states * 4) as u16;
+        let s4 = (cols * 4) as u16;
         for (t, colsb) in [(0, s4), (1, s4), (2, s4), (3, s4), (4, 64), (5, 64), (6, s4), (7, s4)] {
             c.rows[t] = ROWS as u8;
             c.colsb[t] = colsb;
         }
         asm!("ldtilecfg [{}]", in(reg) &c as *const Config, options(nostack, readonly));
-        let (mut qv, mut qsum) = (vec![0u32; hkv * d / 2 * states], vec![0f32; hkv * groups * states]);
+        let (mut qv, mut qsum) = (vec![0u32; hkv * sets * d / 2 * cols], vec![0f32; hkv * groups * states]);
         let bf16 = |e: &[u8], i: usize| u16::from_le_bytes([e[2 * i], e[2 * i + 1]]);
         for kv in 0..hkv {
             for st in 0..states {
                 let src = &q[row_of(kv, st) * d * 2..][..d * 2];
                 // Pair r of chunk j: staged positions 2r and 2r + 1 (low half: the first).
-                for (j, r) in (0..d / CHUNK).flat_map(|j| (0..ROWS).map(move |r| (j, r))) {
+                for (j, r) in (0..chunks).flat_map(|j| (0..ROWS).map(move |r| (j, r))) {
                     let (lo, hi) = (bf16(src, j * CHUNK + staged_dim(bits, 2 * r)), bf16(src, j * CHUNK + staged_dim(bits, 2 * r + 1)));
-                    qv[((kv * d / CHUNK + j) * ROWS + r) * states + st] = lo as u32 | (hi as u32) << 16;
+                    qv[(((kv * sets + st / cols) * chunks + j) * ROWS + r) * cols + st % cols] = lo as u32 | (hi as u32) << 16;
                 }
                 for e in 0..d {
                     qsum[(kv * groups + e / gs) * states + st] += f32::from_bits((bf16(src, e) as u32) << 16);
@@ -185,13 +190,15 @@ impl Scores {
         Scores {
             d,
             states,
+            cols,
+            sets,
             hkv,
             groups,
             magic: if bits == 4 { 128.0 } else { 0.0 },
             qv,
             qsum,
             stage: vec![Line([0; CHUNK]); hkv * ROWS * d / CHUNK],
-            sums: vec![0.0; hkv * groups * KEY_BLOCK * states],
+            sums: vec![0.0; hkv * sets * groups * KEY_BLOCK * cols],
         }
     }
 
@@ -247,15 +254,15 @@ impl Scores {
 
     /// The f32 combine of kv head kv's half block `half`, 16 keys a vector (the softmax's rows
     /// `s[st, ..]`, of KEY_BLOCK floats): each group's scales and biases gathered across the keys
-    /// (strided by the other heads' and groups'), the tiles' sums [16 keys, states] read a state's
+    /// (strided by the other heads' and groups'), the tiles' sums [16 keys, cols] read a state's
     /// column at a time. `scales`: the half block's first key's scales and biases (f32) and the
     /// floats from one key's to the next's; None for a plain cache (scale 1, bias 0).
     #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn combine(&self, scales: Option<(*const f32, *const f32, usize)>, kv: usize, half: usize, scale2: f32, s: *mut f32) {
-        let (states, groups) = (self.states, self.groups);
+        let (states, cols, groups) = (self.states, self.cols, self.groups);
         let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        let by_state = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(states as i32));
+        let by_state = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(cols as i32));
         let (mut sg, mut off) = ([_mm512_set1_ps(1.0); MAX_GROUPS], [_mm512_setzero_ps(); MAX_GROUPS]);
         if let Some((sc, bi, stride)) = scales {
             let by_key = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(stride as i32));
@@ -265,14 +272,18 @@ impl Scores {
                 off[g] = _mm512_fnmadd_ps(_mm512_set1_ps(self.magic), sg[g], _mm512_i32gather_ps::<4>(by_key, bi.add(g)));
             }
         }
-        for st in 0..states {
-            let mut acc = _mm512_setzero_ps();
-            for g in 0..groups {
-                let c = self.sums.as_ptr().add(((kv * groups + g) * KEY_BLOCK + half * ROWS) * states + st);
-                acc = _mm512_fmadd_ps(off[g], _mm512_set1_ps(self.qsum[(kv * groups + g) * states + st]), acc);
-                acc = _mm512_fmadd_ps(sg[g], _mm512_i32gather_ps::<4>(by_state, c), acc);
+        for t in 0..self.sets {
+            let sums = self.sums.as_ptr().add(((kv * self.sets + t) * groups * KEY_BLOCK + half * ROWS) * cols);
+            // State st = t · cols + col: set t's column col.
+            for col in 0..cols.min(states - t * cols) {
+                let st = t * cols + col;
+                let mut acc = _mm512_setzero_ps();
+                for g in 0..groups {
+                    acc = _mm512_fmadd_ps(off[g], _mm512_set1_ps(self.qsum[(kv * groups + g) * states + st]), acc);
+                    acc = _mm512_fmadd_ps(sg[g], _mm512_i32gather_ps::<4>(by_state, sums.add(g * KEY_BLOCK * cols + col)), acc);
+                }
+                _mm512_storeu_ps(s.add(st * KEY_BLOCK), _mm512_mul_ps(acc, _mm512_set1_ps(scale2)));
             }
-            _mm512_storeu_ps(s.add(st * KEY_BLOCK), _mm512_mul_ps(acc, _mm512_set1_ps(scale2)));
         }
     }
 
@@ -280,19 +291,18 @@ impl Scores {
     /// of bf16 at `a0`, `astride` bytes apart (staged codes, or a plain cache's rows).
     #[inline(always)]
     unsafe fn products(&mut self, kv: usize, half: usize, a0: *const u8, astride: usize) {
-        let (states, d) = (self.states, self.d);
+        let (cols, d) = (self.cols, self.d);
         let chunks = d / CHUNK;
         let per_group = chunks / self.groups;
-        let qv = self.qv.as_ptr().add(kv * chunks * ROWS * states);
-        let qstride = states * 4;
+        let qstride = cols * 4;
         // Chunk j's operands: tmm4 / tmm6 (even j) or tmm5 / tmm7 (odd).
         macro_rules! chunk {
-            ($c:literal, $j:expr, $a:literal, $q:literal) => {
+            ($c:literal, $j:expr, $a:literal, $q:literal, $qv:expr) => {
                 asm!(
                     concat!("tileloadd tmm", $q, ", [{q} + {qs} * 1]"),
                     concat!("tileloadd tmm", $a, ", [{a} + {as} * 1]"),
                     concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm", $q),
-                    q = in(reg) qv.add($j * ROWS * states),
+                    q = in(reg) $qv.add($j * ROWS * cols),
                     qs = in(reg) qstride,
                     a = in(reg) a0.add($j * CHUNK * 2),
                     as = in(reg) astride,
@@ -300,27 +310,31 @@ impl Scores {
                 )
             };
         }
-        // Group g's sums in tmm(g % 4).
+        // Set t's group g's sums in tmm((t · groups + g) % 4).
         macro_rules! group {
-            ($c:literal, $g:expr) => {{
+            ($c:literal, $t:expr, $g:expr, $qv:expr) => {{
+                let qv = $qv;
                 asm!(concat!("tilezero tmm", $c), options(nostack, nomem));
                 for j in $g * per_group..($g + 1) * per_group {
                     if j % 2 == 0 {
-                        chunk!($c, j, "4", "6");
+                        chunk!($c, j, "4", "6", qv);
                     } else {
-                        chunk!($c, j, "5", "7");
+                        chunk!($c, j, "5", "7", qv);
                     }
                 }
-                let out = self.sums.as_mut_ptr().add(((kv * self.groups + $g) * KEY_BLOCK + half * ROWS) * states);
+                let out = self.sums.as_mut_ptr().add((((kv * self.sets + $t) * self.groups + $g) * KEY_BLOCK + half * ROWS) * cols);
                 asm!(concat!("tilestored [{o} + {qs} * 1], tmm", $c), o = in(reg) out, qs = in(reg) qstride, options(nostack));
             }};
         }
-        for g in 0..self.groups {
-            match g % 4 {
-                0 => group!("0", g),
-                1 => group!("1", g),
-                2 => group!("2", g),
-                _ => group!("3", g),
+        for t in 0..self.sets {
+            let qv = self.qv.as_ptr().add((kv * self.sets + t) * chunks * ROWS * cols);
+            for g in 0..self.groups {
+                match (t * self.groups + g) % 4 {
+                    0 => group!("0", t, g, qv),
+                    1 => group!("1", t, g, qv),
+                    2 => group!("2", t, g, qv),
+                    _ => group!("3", t, g, qv),
+                }
             }
         }
     }

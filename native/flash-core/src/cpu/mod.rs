@@ -58,7 +58,7 @@ pub fn rotary(p: &RotaryProblem, io: RotaryIo) -> Result<()> {
 
 /// Whether decode's scores over bf16 and quantized K caches can take the AMX tiles on this machine
 /// (decode_amx.rs: the CPU has AMX-BF16, the OS grants the tile data, FLASH_NIF_CPU_AMX is not 0);
-/// a call takes them with bf16 q and 8 to 16 states per kv head.
+/// a call takes them with bf16 q and 8 states per kv head or more.
 pub fn decode_amx() -> bool {
     #[cfg(target_arch = "x86_64")]
     return decode_amx::available();
