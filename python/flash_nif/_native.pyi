@@ -63,7 +63,7 @@ def rotary_host_arrays(
     float32]; `positions` int32 [B, S], or None for row (b, s) at s + `offset`."""
 
 def info() -> dict[str, Any]:
-    """version, backends, threads, cpu_isa, dispatch (mode, ceiling and crossover tables)."""
+    """version, backends, threads, cpu_isa, cpu_amx (decode's quantized-K scores on AMX tiles), dispatch (mode, ceiling and crossover tables)."""
 
 # --- device pointers (CuPy / DLPack arrays); see flash_nif/_cuda.py ----------------------------
 

@@ -1,5 +1,5 @@
 //! One `decode_cpu` call timed in Rust, best of REPS, at a chosen cache size (development probe):
-//! bf16 q, Hkv = 8, H = 32, D = 128, Sq = 1, the cache bf16 or quantized (FORMAT `bf16`, `8/64`,
+//! bf16 q, Hkv = 8, H = 32, D = 128, Sq = 1 (or SQ from the environment), the cache bf16 or quantized (FORMAT `bf16`, `8/64`,
 //! `4/32`, ...). Prints GB/s of cache read and ns per (key, kv head). With VAR (or VAR=VALUE), each
 //! rep runs twice, without and with the environment variable set (to 1 or VALUE; an A/B switch read
 //! by a test build).
@@ -15,7 +15,8 @@ fn main() {
     let b: usize = a.get(2).map_or(4, |x| x.parse().unwrap());
     let s: usize = a.get(3).map_or(32768, |x| x.parse().unwrap());
     let reps: usize = a.get(4).map_or(10, |x| x.parse().unwrap());
-    let (hkv, h, d, sq) = (8usize, 32usize, 128usize, 1usize);
+    let (hkv, h, d) = (8usize, 32usize, 128usize);
+    let sq: usize = std::env::var("SQ").map_or(1, |v| v.parse().unwrap());
     let dt = DType::BF16;
     let rnd = |n: usize, seed: u64| -> Vec<u8> {
         let mut x = seed | 1;

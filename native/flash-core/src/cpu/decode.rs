@@ -4,10 +4,14 @@
 //! widened or dequantized there), scored against all states (dot products finished LANES at a
 //! time by `Vector::sum_each`) and folded into the states by simd's online softmax; states go
 //! through the block in register-held groups of up to 8. bf16 queries over plain bf16 caches take
-//! both products as AVX512-BF16 dot products where the CPU has them at full rate (decode_bf16.rs).
+//! both products as AVX512-BF16 dot products where the CPU has them at full rate (decode_bf16.rs);
+//! bf16 queries over a bf16 or quantized K take the scores on the AMX tiles where the CPU has them
+//! and a kv head has 8 states or more (decode_amx.rs).
 
 use std::f32::consts::{LN_2, LOG2_E};
 
+#[cfg(target_arch = "x86_64")]
+use super::decode_amx;
 #[cfg(target_arch = "x86_64")]
 use super::decode_bf16;
 use super::decode_rows::{position, Plain, Quant, Reader, Rows, KEY_BLOCK};
@@ -49,10 +53,12 @@ pub(crate) fn task(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 if decode_bf16::preferred() && decode_bf16::paths(p, k, v).any() => avx512_bf16(p, q, k, v, t, po, pl),
             #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 if decode_amx::preferred(p) && decode_amx::supported(p, k) => avx512_amx(p, q, k, v, t, po, pl),
+            #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => avx512(p, q, k, v, t, po, pl),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => avx2(p, q, k, v, t, po, pl),
-            _ => run::<Scalar, false>(p, q, k, v, t, po, pl),
+            _ => run::<Scalar, false, false>(p, q, k, v, t, po, pl),
         }
     }
 }
@@ -60,20 +66,28 @@ pub(crate) fn task(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma,f16c")]
 unsafe fn avx512(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
-    run::<x86::Avx512, false>(p, q, k, v, t, po, pl)
+    run::<x86::Avx512, false, false>(p, q, k, v, t, po, pl)
+}
+
+/// AVX-512 with the scores over a bf16 or quantized K on the AMX tiles (decode_amx.rs; `supported` has
+/// checked the call).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx512vl,avx512bw,avx2,fma,f16c,avx512bf16")]
+unsafe fn avx512_amx(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
+    run::<x86::Avx512, false, true>(p, q, k, v, t, po, pl)
 }
 
 /// AVX-512 with both products by bf16 dot products (decode_bf16.rs; `usable` has checked the call).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx512bw,avx2,fma,f16c,avx512bf16")]
 unsafe fn avx512_bf16(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
-    run::<x86::Avx512, true>(p, q, k, v, t, po, pl)
+    run::<x86::Avx512, true, false>(p, q, k, v, t, po, pl)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn avx2(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
-    run::<x86::Avx2, false>(p, q, k, v, t, po, pl)
+    run::<x86::Avx2, false, false>(p, q, k, v, t, po, pl)
 }
 
 /// Which products take decode_bf16.rs's bf16 dot products (x86 with AVX512-BF16, bf16 q; see
@@ -95,9 +109,10 @@ impl DotPaths {
 /// heads of KEY_BLOCK consecutive keys) are one contiguous stretch of the cache, read while the
 /// next block's is prefetched (a share per head, in AHEAD_PARTS pieces), so memory is read as one
 /// stream (a kv head's rows alone are strided by the other heads', which measured ~3x slower to
-/// read). DOT: both products by bf16 dot products (decode_bf16.rs; x86 AVX-512 only).
+/// read). DOT: both products by bf16 dot products (decode_bf16.rs; x86 AVX-512 only). AMX: the
+/// scores over a bf16 or quantized K by the tile unit (decode_amx.rs; x86 AVX-512 only; whole blocks).
 #[inline(always)]
-unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
+unsafe fn run<V: Vector, const DOT: bool, const AMX: bool>(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
     let (sq, h, hkv, d) = (p.seq_q, p.heads, p.kv_heads, p.head_dim);
     let group = h / hkv;
     let states = group * sq; // per kv head
@@ -163,9 +178,13 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
             }
         }
     }
+    #[cfg(target_arch = "x86_64")]
+    let mut amx = AMX.then(|| decode_amx::Scores::new(p, q, k, |kv, st| (t.b * sq + st % sq) * h + kv * group + st / sq));
     let mut acc = vec![0f32; hkv * states * dp]; // as qs, V's order, unnormalised
     let mut pw = vec![0u32; if dot.v_plain { states * KEY_BLOCK / 2 } else { 0 }]; // P as bf16 pairs
-    let mut s = vec![0f32; states * KEY_BLOCK]; // scores, then probabilities [states, KEY_BLOCK]
+    // Scores, then probabilities [states, KEY_BLOCK] of one kv head ([Hkv, states, KEY_BLOCK]
+    // where the AMX tiles take every head's scores of a block first).
+    let mut s_all = vec![0f32; if AMX { hkv } else { 1 } * states * KEY_BLOCK];
     let (mut m, mut l) = (vec![f32::NEG_INFINITY; hkv * states], vec![0f32; hkv * states]);
     let mut alpha = vec![0f32; states];
     // Query row i sees the relative keys [i + off - left, i + off + right] of [0, n).
@@ -182,7 +201,22 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
         let ahead = (rows.end, (t.k1 - j0 - nk).min(KEY_BLOCK) * hkv);
         kr.block(rows.clone());
         vr.block(rows);
+        // The tiles' scores of a whole block, every head (`amx_block`): the codes are staged a
+        // half block at a time, and the tiles' latencies and their sums' way back through memory
+        // are paid once a block, not per head.
+        #[cfg(target_arch = "x86_64")]
+        let amx_block = AMX && nk == KEY_BLOCK;
+        #[cfg(target_arch = "x86_64")]
+        if let (true, Some(a)) = (amx_block, amx.as_mut()) {
+            match &kr {
+                Reader::Q4(r) => a.block(r, p.scale * LOG2_E, &mut s_all),
+                Reader::Q8(r) => a.block(r, p.scale * LOG2_E, &mut s_all),
+                Reader::Bf16(r) => a.block_plain(r, p.scale * LOG2_E, &mut s_all),
+                _ => unreachable!("decode_amx::supported takes bf16 and quantized K caches only"),
+            }
+        }
         for kv in 0..hkv {
+            let s = &mut s_all[if AMX { kv } else { 0 } * states * KEY_BLOCK..][..states * KEY_BLOCK];
             // This head's share of the next block, asked for in AHEAD_PARTS pieces as its work
             // goes rather than at once (a burst of prefetches stalls the core on its fill buffers
             // before the products start).
@@ -211,13 +245,15 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
             let qb = &qb[kv * states * ops * 32..][..states * ops * 32];
             match &kr {
                 #[cfg(target_arch = "x86_64")]
-                Reader::Bf16(r) if dot.k_plain => decode_bf16::scores(r, qb, states, ops, nk, p.scale * LOG2_E, &mut s),
+                Reader::Q4(_) | Reader::Q8(_) | Reader::Bf16(_) if amx_block => {}
+                #[cfg(target_arch = "x86_64")]
+                Reader::Bf16(r) if dot.k_plain => decode_bf16::scores(r, qb, states, ops, nk, p.scale * LOG2_E, s),
                 #[cfg(target_arch = "x86_64")]
                 Reader::Q4(r) if dot.k_q4 => {
                     let qsum = &qsum[kv * states * k_groups..][..states * k_groups];
-                    decode_bf16::scores_q4(r, qb, qsum, k_gs, d, states, nk, p.scale * LOG2_E, &mut s)
+                    decode_bf16::scores_q4(r, qb, qsum, k_gs, d, states, nk, p.scale * LOG2_E, s)
                 }
-                _ => scores::<V>(&kr, qs, states, nvec, nk, &mut s, &ask),
+                _ => scores::<V>(&kr, qs, states, nvec, nk, s, &ask),
             }
             ask(2);
             for st in 0..states {
@@ -233,12 +269,12 @@ unsafe fn run<V: Vector, const DOT: bool>(p: &Decode, q: &[u8], k: &Cache, v: &C
                 row[..first].fill(f32::NEG_INFINITY);
                 row[end..].fill(f32::NEG_INFINITY);
             }
-            simd::online_softmax(&mut s, nk, KEY_BLOCK, m, l, &mut alpha);
+            simd::online_softmax(s, nk, KEY_BLOCK, m, l, &mut alpha);
             ask(V_PARTS0 - 1);
             match &vr {
                 #[cfg(target_arch = "x86_64")]
-                Reader::Bf16(r) if dot.v_plain => decode_bf16::accumulate(r, &s, &alpha, states, d / 32, nk, acc, &mut pw),
-                _ => accumulate::<V>(&vr, &s, &alpha, states, nvec, nk, acc, &ask),
+                Reader::Bf16(r) if dot.v_plain => decode_bf16::accumulate(r, s, &alpha, states, d / 32, nk, acc, &mut pw),
+                _ => accumulate::<V>(&vr, s, &alpha, states, nvec, nk, acc, &ask),
             }
             ask(AHEAD_PARTS - 1);
         }
@@ -508,8 +544,9 @@ mod tests {
     /// states: plain f16 and bf16 rows with D = 40 (a partial vector), bf16 rows at D = 64 / 96 (the
     /// bf16 dot products where the CPU has them, which round P to bf16: o to that rounding), 4-bit
     /// K at D = 64 / 128 / 192 (its codes into the dot products: half a 128-dim chunk, odd group
-    /// counts; V 4-bit too at D = 128), 8-bit rows, K and V in different formats, 1 and 3 query
-    /// rows (groups of 8, 4, 2 and 1 states).
+    /// counts; V 4-bit too at D = 128), 8-bit rows, K and V in different formats, 1 to 4 query
+    /// rows (5, 8, 15, 16 and 20 states: groups of 8, 4, 2 and 1). With bf16 q the bf16 or quantized K's scores take the AMX
+    /// tiles where the CPU has them (two whole blocks and a partial one; 1 to 6 groups).
     #[test]
     fn every_instruction_set_agrees() {
         use crate::dtype::DType;
@@ -525,7 +562,7 @@ mod tests {
                 })
                 .collect()
         };
-        let (b, s, hkv, group) = (1usize, 70usize, 2usize, 5usize);
+        let (b, s, hkv) = (1usize, 70usize, 2usize);
         // bf16 at D = 64 and 96 with a plain K: the bf16 dot products where the CPU has them
         // (decode_bf16.rs; 2 and 3 operands per row).
         let cases = [
@@ -537,10 +574,14 @@ mod tests {
             (DType::BF16, 192, Some((4, 64))),
             (DType::BF16, 128, Some((4, 32))),
             (DType::BF16, 128, Some((4, 64))),
+            (DType::BF16, 192, Some((4, 32))),
+            (DType::BF16, 128, Some((8, 64))),
+            (DType::BF16, 96, Some((8, 32))),
             (DType::F32, 128, Some((8, 64))),
         ];
         for (dtype, d, quant) in cases {
-            for sq in [1, 3] {
+            // (GQA group, query rows): 5, 15, 8, 16 and 20 states a kv head.
+            for (group, sq) in [(5usize, 1usize), (5, 3), (4, 2), (4, 4), (5, 4)] {
                 let bytes = |x: &[f32]| {
                     let mut out = vec![0u8; x.len() * dtype.size_bytes()];
                     dtype.store(x, &mut out, 0);
@@ -579,7 +620,7 @@ mod tests {
                     (po, pl)
                 };
                 // SAFETY: each set runs only where isa() reports it.
-                let want = go(&|po, pl| unsafe { run::<Scalar, false>(&p, &q, &k, &v, t, po, pl) });
+                let want = go(&|po, pl| unsafe { run::<Scalar, false, false>(&p, &q, &k, &v, t, po, pl) });
                 // The bf16 dot products (decode_bf16.rs) where the CPU has them, whether or not
                 // task() prefers them here.
                 #[cfg(target_arch = "x86_64")]
@@ -590,24 +631,37 @@ mod tests {
                 let task_dot = paths.any() && super::decode_bf16::preferred();
                 #[cfg(not(target_arch = "x86_64"))]
                 let task_dot = false;
-                // (states, by the dot products)
-                let mut got = vec![(go(&|po, pl| task(&p, &q, &k, &v, t, po, pl)), task_dot)];
+                // The AMX scores (decode_amx.rs) where this machine has them, whether or not
+                // task() prefers them for this many states.
+                #[cfg(target_arch = "x86_64")]
+                let amx = matches!(isa(), Isa::Avx512) && super::decode_amx::supported(&p, &k);
+                #[cfg(target_arch = "x86_64")]
+                let task_amx = amx && !task_dot && super::decode_amx::preferred(&p);
+                #[cfg(not(target_arch = "x86_64"))]
+                let task_amx = false;
+                // (states, by the dot products, by the AMX scores)
+                let mut got = vec![(go(&|po, pl| task(&p, &q, &k, &v, t, po, pl)), task_dot, task_amx)];
                 #[cfg(target_arch = "x86_64")]
                 {
                     if matches!(isa(), Isa::Avx512 | Isa::Avx2) {
-                        got.push((go(&|po, pl| unsafe { avx2(&p, &q, &k, &v, t, po, pl) }), false));
+                        got.push((go(&|po, pl| unsafe { avx2(&p, &q, &k, &v, t, po, pl) }), false, false));
                     }
-                    // The AVX-512 build task() did not take.
-                    if task_dot {
-                        got.push((go(&|po, pl| unsafe { avx512(&p, &q, &k, &v, t, po, pl) }), false));
-                    } else if paths.any() {
-                        got.push((go(&|po, pl| unsafe { avx512_bf16(&p, &q, &k, &v, t, po, pl) }), true));
+                    // The AVX-512 builds task() did not take.
+                    if task_dot || task_amx {
+                        got.push((go(&|po, pl| unsafe { avx512(&p, &q, &k, &v, t, po, pl) }), false, false));
+                    }
+                    if !task_dot && paths.any() {
+                        got.push((go(&|po, pl| unsafe { avx512_bf16(&p, &q, &k, &v, t, po, pl) }), true, false));
+                    }
+                    if amx && !task_amx {
+                        got.push((go(&|po, pl| unsafe { avx512_amx(&p, &q, &k, &v, t, po, pl) }), false, true));
                     }
                 }
                 // The dot products round P to bf16 over a plain V: their states then agree to that
                 // rounding (norm-wise; a misplaced element would be off by O(1)). Over a 4-bit K the
-                // magic offset cancels in f32 (~7 bits of 24): 1e-4.
-                for ((po, pl), dot) in got {
+                // magic offset cancels in f32 (~7 bits of 24): 1e-4, as over a quantized K by the
+                // AMX tiles (each group's scale after its sum, the 4-bit magic cancelled).
+                for ((po, pl), dot, amx) in got {
                     if dot && paths.v_plain {
                         let err = po.iter().zip(&want.0).map(|(a, w)| (a - w) * (a - w)).sum::<f32>().sqrt();
                         let norm = want.0.iter().map(|w| w * w).sum::<f32>().sqrt();
@@ -617,9 +671,9 @@ mod tests {
                         }
                         continue;
                     }
-                    let tol = if dot && paths.k_q4 { 1e-4 } else { 1e-5 };
+                    let tol = if (dot && paths.k_q4) || (amx && quant.is_some()) { 1e-4 } else { 1e-5 };
                     for (i, (a, w)) in po.iter().zip(&want.0).chain(pl.iter().zip(&want.1)).enumerate() {
-                        assert!((a - w).abs() <= tol * (1.0 + w.abs()), "{dtype:?} d={d} {quant:?} sq={sq} (dot products: {dot}): [{i}] {a} vs {w}");
+                        assert!((a - w).abs() <= tol * (1.0 + w.abs()), "{dtype:?} d={d} {quant:?} group={group} sq={sq} (dot products: {dot}, AMX: {amx}): [{i}] {a} vs {w}");
                     }
                 }
             }

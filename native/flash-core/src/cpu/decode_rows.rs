@@ -112,6 +112,16 @@ impl<const KIND: u8> Plain<'_, KIND> {
     pub(crate) unsafe fn row(&self, x: usize) -> *const u8 {
         self.first.add(x * self.stride)
     }
+    /// Key x's row of kv head kv in the cache (x < the block's keys), whichever head is current
+    /// (the cache's, never the staging copy's).
+    #[inline(always)]
+    pub(crate) unsafe fn row_of(&self, kv: usize, x: usize) -> *const u8 {
+        self.bytes.as_ptr().add((self.block + x * self.heads + kv) * self.row_bytes)
+    }
+    /// Bytes from one key's row of a kv head to the next in the cache.
+    pub(crate) fn stride(&self) -> usize {
+        self.heads * self.row_bytes
+    }
 }
 
 impl<const KIND: u8> Rows for Plain<'_, KIND> {
@@ -209,6 +219,17 @@ impl<const BITS: usize> Quant<'_, BITS> {
     /// Floats from one key's scales to the next's.
     pub(crate) fn scale_stride(&self) -> usize {
         self.heads * self.groups
+    }
+    /// Key x's row of codes of kv head kv (x < the block's keys), whichever head is current.
+    #[inline(always)]
+    pub(crate) unsafe fn row_of(&self, kv: usize, x: usize) -> *const u8 {
+        (self.values.as_ptr() as *const u8).add((self.block + x * self.heads + kv) * self.words * 4)
+    }
+    /// Key x's scales and biases (f32, `groups` each) of kv head kv, whichever head is current.
+    #[inline(always)]
+    pub(crate) unsafe fn scales_of(&self, kv: usize, x: usize) -> (*const f32, *const f32) {
+        let at = (x * self.heads + kv) * self.groups;
+        (self.scale.as_ptr().add(at), self.bias.as_ptr().add(at))
     }
 }
 

@@ -8,6 +8,8 @@ mod backward;
 mod batch;
 pub(crate) mod decode;
 #[cfg(target_arch = "x86_64")]
+mod decode_amx;
+#[cfg(target_arch = "x86_64")]
 mod decode_bf16;
 mod decode_rows;
 mod forward;
@@ -52,6 +54,16 @@ pub fn backward(p: &Problem, io: BackwardIo) -> Result<()> {
 pub fn rotary(p: &RotaryProblem, io: RotaryIo) -> Result<()> {
     crate::rotary::check_buffers(p, &io)?;
     catch_panics("CPU", || rotary::run(p, io))
+}
+
+/// Whether decode's scores over bf16 and quantized K caches can take the AMX tiles on this machine
+/// (decode_amx.rs: the CPU has AMX-BF16, the OS grants the tile data, FLASH_NIF_CPU_AMX is not 0);
+/// a call takes them with bf16 q and 8 states per kv head or more.
+pub fn decode_amx() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return decode_amx::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// Number of threads the CPU kernels run on.
