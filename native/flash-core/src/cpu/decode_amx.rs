@@ -62,7 +62,7 @@ pub(crate) fn supported(p: &Decode, k: &Cache) -> bool {
 /// Whether decode takes them where [`supported`]: from 8 states per kv head. The staging, the
 /// tile loads and products cost the same for any number of states (a C tile's 16 columns are paid
 /// for whether they hold 4 states or 16), where the FMA path's scores cost per state: measured
-/// (bench/results_cpu_session51.md, D = 128, groups of 64, 2 threads past the L3) at 4 states
+/// (bench/RESULTS.md, session 51, D = 128, groups of 64, 2 threads past the L3) at 4 states
 /// level for 4-bit, 25 % slower for 8-bit and 2-7 % for bf16 (its scores are bound by K's lines
 /// reaching the core, not by the FMAs); at 8 states 8-20 % faster (bf16 25 %), at 16 17-30 %,
 /// at 32 27-39 %.
