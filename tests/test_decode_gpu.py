@@ -232,6 +232,22 @@ def test_the_one_wave_kernel(fa, ref, lib, gpu, assert_close_to_oracle, dtype_na
                v_quant=v_quant, b=b, s_cache=64, hkv=1, seqlens=tuple(int(x) for x in seqlens), leftpad=None)
 
 
+@pytest.mark.parametrize("dtype_name", ["bf16", "f16"])
+@pytest.mark.parametrize("splits", [None, 2, 3])
+def test_the_plain_kernel_past_a_wave(fa, ref, lib, gpu, assert_close_to_oracle, dtype_name, splits):
+    """Plain caches at D = 128 whose grid is past one wave of the two-block kernel (3 blocks an SM
+    here) take four two-warp blocks an SM on Hopper (decode.rs), also split in two (a cluster's
+    merge) or three (the merge kernel); ragged rows, empty ones too."""
+    sms = gpu.get("multiprocessors")
+    if not sms:
+        pytest.skip("the GPU's multiprocessor count is unknown")
+    b = 3 * sms // (splits or 1)
+    seqlens = np.random.default_rng(12).integers(0, 700, b)
+    seqlens[::9] = 0
+    run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name=dtype_name, d=128, sq=1, group=4, quant=None, b=b,
+               s_cache=700, hkv=1, seqlens=tuple(int(x) for x in seqlens), leftpad=None, num_splits=splits)
+
+
 def test_scales_ending_mid_word(fa, ref, lib, assert_close_to_oracle):
     """B * S * Hkv odd with one 16-bit scale per row: the last scale is the first half of a word past
     the tensor's end (read by a plain load, never past it)."""

@@ -14,7 +14,7 @@ use cudarc::driver::sys as cu;
 use super::device::{self, ContextGuard, Device, DeviceBuffer};
 use super::host::{download, upload, Stream};
 use super::kv::{self, bytes_of, bytes_of_mut, MergePtrs};
-use super::kv_variants::{decode_candidates, decode_one_wave};
+use super::kv_variants::{decode_candidates, decode_one_wave, decode_plain_past_a_wave};
 use super::variant::Kernel;
 use super::libs;
 use crate::decode::{Cache, Decode};
@@ -422,6 +422,17 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
             if f1.blocks_per_sm as usize >= v1.tiles.min_blocks {
                 (v, f, warp_states, splits) = (v1, f1, ws1, splits1);
                 break;
+            }
+        }
+    }
+    // A plain grid past one wave of the default kernel: four two-warp blocks an SM (Hopper: their
+    // shared memory fits four there only), the same blocks a split.
+    if dev.cc.0 >= 9 && bits == 0 && p.batch * blocks * splits > sms * f.blocks_per_sm as usize {
+        if let Some(v2) = decode_plain_past_a_wave(p.dtype, p.head_dim) {
+            let (ws2, chunks2) = partition(group * p.seq_q, v2.tiles.block_m, v2.tiles.num_warps);
+            let f2 = device::function(dev, &v2)?;
+            if chunks2 == chunks && f2.blocks_per_sm as usize >= v2.tiles.min_blocks {
+                (v, f, warp_states) = (v2, f2, ws2);
             }
         }
     }

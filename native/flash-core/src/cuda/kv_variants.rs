@@ -113,6 +113,17 @@ pub fn decode_one_wave(dtype: DType, head_dim: usize, bits: usize, groups: (usiz
         .collect()
 }
 
+/// The plain tensor-core kernel at D = 128 with four two-warp blocks an SM, three stages each (as
+/// the default's two four-warp blocks: the same stages in flight an SM, twice the blocks, each
+/// block's fixed time overlapped by more), which decode.rs takes on Hopper for grids past one wave
+/// of the default. H200, bf16, graph, us, default / this: 64 x 1024 71.6-71.7 / 67.9-68.0, 128 x 512
+/// 76.8-76.9 / 73.1-73.2, 256 x 256 81.5-81.9 / 78.0-78.1, 48 x 1365 79.8-80.0 / 71.0-71.2 (RESULTS,
+/// session 51); one-warp blocks, fewer bytes in flight, were slower. 56832 bytes of shared memory:
+/// four fit Hopper's SM only (decode.rs checks the occupancy).
+pub fn decode_plain_past_a_wave(dtype: DType, head_dim: usize) -> Option<Variant> {
+    (decode_uses_mma(dtype, head_dim) && head_dim == 128).then(|| decode_variant(dtype, head_dim, 0, (0, 0), (2, 3, 4), TileSet::Default))
+}
+
 /// decode_one_wave's kernels, (warps, stages, blocks an SM) in order of blocks an SM: the same 16
 /// warps an SM as four blocks of four, eight of two or sixteen of one, so that twice or four times
 /// the grid fits a wave. Eight and sixteen blocks take groups of 64 only (the fp16 4-bit groups of
@@ -168,6 +179,7 @@ pub fn all(head_dims: &[usize]) -> Vec<Variant> {
                     }
                 } else {
                     out.extend(decode_candidates(dtype, d, bits, (0, 0)));
+                    out.extend(decode_plain_past_a_wave(dtype, d));
                 }
             }
         }
@@ -206,6 +218,8 @@ mod tests {
         assert!(decode_one_wave(DType::F16, 128, 4, (64, 32)).is_empty());
         assert_eq!(decode_one_wave(DType::F16, 128, 4, (32, 32)).len(), 1);
         assert_eq!(decode_one_wave(DType::F16, 128, 8, (64, 64)).len(), 3);
+        assert_eq!(decode_plain_past_a_wave(DType::BF16, 128).unwrap().name(), "decode_bf16_d128_cache_bits0_num_warps2_state_tile8_stages3_min_blocks4");
+        assert!(decode_plain_past_a_wave(DType::BF16, 64).is_none() && decode_plain_past_a_wave(DType::F32, 128).is_none());
         for (dtype, d) in [(DType::F32, 128), (DType::BF16, 96), (DType::F16, 40)] {
             let v = decode_candidates(dtype, d, 4, (32, 32));
             assert_eq!((v.len(), v[0].kernel, v[0].head_dim), (1, Kernel::DecodeSimt, ANY_HEAD_DIM));
@@ -223,9 +237,9 @@ mod tests {
         assert_eq!(names.len(), n);
         // 2 dtypes x 3 head dims x (plain, 4 group pairs of 8-bit and of 4-bit), + the plain D =
         // 128 fallback and the D = 128 one-wave kernels (four blocks an SM: 4-bit 2 equal group pairs,
-        // 8-bit 64/64; eight and sixteen: 4- and 8-bit 64/64); 3 dtypes x
+        // 8-bit 64/64; eight and sixteen: 4- and 8-bit 64/64) and the plain one past a wave; 3 dtypes x
         // (simt, merge, quantize, dequantize, merge by block).
-        assert_eq!(n, 2 * (3 * 9 + 1 + 3 + 2 * 2) + 3 * 5);
+        assert_eq!(n, 2 * (3 * 9 + 1 + 3 + 2 * 2 + 1) + 3 * 5);
         assert!(all.iter().all(|v| v.tiles.block_m == state_tile(v.kernel) || !v.kernel.is_decode()));
     }
 }
