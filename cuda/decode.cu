@@ -97,19 +97,17 @@ static_assert(PARTIALS_BYTES(HEAD_DIM) + BLOCK_STATES_BYTES(HEAD_DIM) <= STAGES 
 // The stages, with WarpCopy's table after them (WARP_COPY_KERNEL; where the stages leave room,
 // within STAGES * STAGE_BYTES: the 4-bit kernel at D = 128 keeps three blocks per SM).
 #if CACHE_BITS
-#define DECODE_LAYOUT_BYTES \
+#define DECODE_LAYOUT \
     layout_of(Geom<CACHE_BITS>::SROW_K, Geom<CACHE_BITS>::SROW_V, scale_words(HEAD_DIM / K_GROUP), scale_words(HEAD_DIM / V_GROUP), \
-              STAGE_BYTES, STAGE_KEY_ROUND).bytes
+              STAGE_BYTES, STAGE_KEY_ROUND)
+#define DECODE_LAYOUT_BYTES DECODE_LAYOUT.bytes
 #else
 #define DECODE_LAYOUT_BYTES STAGE_BYTES
 #endif
 #if DECODE_TMA
-static_assert(layout_of(Geom<CACHE_BITS>::SROW_K, Geom<CACHE_BITS>::SROW_V, scale_words(HEAD_DIM / K_GROUP), scale_words(HEAD_DIM / V_GROUP), STAGE_BYTES,
-                        STAGE_KEY_ROUND).tile_keys == DECODE_TMA_WARP_BLOCKS * KEY_BLOCK * NUM_WARPS,
+static_assert(DECODE_LAYOUT.tile_keys == DECODE_TMA_WARP_BLOCKS * KEY_BLOCK * NUM_WARPS,
               "DECODE_TMA: a stage holds DECODE_TMA_WARP_BLOCKS blocks a warp (decode.h tma_rows)");
-static_assert(DECODE_LAYOUT_BYTES % 1024 == 0 &&
-                  layout_of(Geom<CACHE_BITS>::SROW_K, Geom<CACHE_BITS>::SROW_V, scale_words(HEAD_DIM / K_GROUP), scale_words(HEAD_DIM / V_GROUP),
-                            STAGE_BYTES, STAGE_KEY_ROUND).off_v % 1024 == 0,
+static_assert(DECODE_LAYOUT_BYTES % 1024 == 0 && DECODE_LAYOUT.off_v % 1024 == 0,
               "DECODE_TMA: every stage's K and V rows start 1024-byte aligned (the swizzle, decode.h row_offset)");
 #endif
 #define DECODE_TABLE_END (STAGES * DECODE_LAYOUT_BYTES + WARP_COPY_TABLE_BYTES(KEY_BLOCK))

@@ -15,7 +15,7 @@ use super::device::{self, ContextGuard, Device, DeviceBuffer};
 use super::host::{download, upload, Stream};
 use super::kv::{self, bytes_of, bytes_of_mut, MergePtrs};
 use super::kv_variants::{decode_candidates, decode_one_wave, decode_plain_past_a_wave};
-use super::variant::Kernel;
+use super::variant::{Kernel, Variant};
 use super::libs;
 use crate::decode::{Cache, Decode};
 use crate::error::{FlashError, Result};
@@ -321,6 +321,18 @@ fn cluster_merges(cc: (i32, i32), kernel: Kernel, bits: usize, splits: usize) ->
     cc.0 >= 9 && kernel == Kernel::Decode && bits == 0 && splits == CLUSTER_SPLITS
 }
 
+/// `v`'s function and warp_states where it can stand in for the chosen kernel: its partition of
+/// `states` takes the same `chunks` (blocks a split) and the GPU holds its MIN_BLOCKS an SM (the
+/// one-wave and past-a-wave kernels are chosen for those blocks an SM).
+fn takes_the_same_blocks(dev: &Device, v: &Variant, states: usize, chunks: usize) -> Result<Option<(device::Function, usize)>> {
+    let (warp_states, c) = partition(states, v.tiles.block_m, v.tiles.num_warps);
+    if c != chunks {
+        return Ok(None);
+    }
+    let f = device::function(dev, v)?;
+    Ok((f.blocks_per_sm as usize >= v.tiles.min_blocks).then_some((f, warp_states)))
+}
+
 /// The states' partition for a kernel of `warps` warps of `state_tile` states each: warp_states
 /// warps (a power of 2, at most `warps`) over the state tiles, chunks of them across the grid.
 fn partition(states: usize, state_tile: usize, warps: usize) -> (usize, usize) {
@@ -404,22 +416,17 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
         }
     };
     // The grid in one wave of a one-wave kernel (4- or 8-bit; four blocks an SM, else eight, else
-    // sixteen) where the chosen one needs more: with the splits asked for, or those of its blocks an SM; the same
-    // blocks a split (its warps may partition the states otherwise). Hopper only (measured on the
-    // H200; the copy engine's stages there, cp.async elsewhere).
+    // sixteen) where the chosen one needs more: with the splits asked for, or those of its blocks an
+    // SM; the same blocks a split (its warps may partition the states otherwise). Hopper only
+    // (measured on the H200; the copy engine's stages there, cp.async elsewhere).
     let (mut v, mut f, mut warp_states, mut splits) = (v, f, warp_states, splits);
     if dev.cc.0 >= 9 {
         for v1 in decode_one_wave(p.dtype, p.head_dim, bits, (gs(formats[0]), gs(formats[1]))) {
-            let (ws1, chunks1) = partition(group * p.seq_q, v1.tiles.block_m, v1.tiles.num_warps);
             let lanes = (f.blocks_per_sm, v1.tiles.min_blocks);
-            let Some(splits1) = (chunks1 == chunks)
-                .then(|| one_wave_splits(p.batch * blocks, splits, p.num_splits.is_some(), sms, lanes, keys, one_trip))
-                .flatten()
-            else {
+            let Some(splits1) = one_wave_splits(p.batch * blocks, splits, p.num_splits.is_some(), sms, lanes, keys, one_trip) else {
                 continue;
             };
-            let f1 = device::function(dev, &v1)?;
-            if f1.blocks_per_sm as usize >= v1.tiles.min_blocks {
+            if let Some((f1, ws1)) = takes_the_same_blocks(dev, &v1, group * p.seq_q, chunks)? {
                 (v, f, warp_states, splits) = (v1, f1, ws1, splits1);
                 break;
             }
@@ -429,9 +436,7 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
     // shared memory fits four there only), the same blocks a split.
     if dev.cc.0 >= 9 && bits == 0 && p.batch * blocks * splits > sms * f.blocks_per_sm as usize {
         if let Some(v2) = decode_plain_past_a_wave(p.dtype, p.head_dim) {
-            let (ws2, chunks2) = partition(group * p.seq_q, v2.tiles.block_m, v2.tiles.num_warps);
-            let f2 = device::function(dev, &v2)?;
-            if chunks2 == chunks && f2.blocks_per_sm as usize >= v2.tiles.min_blocks {
+            if let Some((f2, ws2)) = takes_the_same_blocks(dev, &v2, group * p.seq_q, chunks)? {
                 (v, f, warp_states) = (v2, f2, ws2);
             }
         }
