@@ -82,6 +82,7 @@ def any_gpu(*xs) -> bool:
 
 
 _TORCH_DTYPE_NAMES: dict = {}
+_NUMPY_DTYPE_NAMES: dict = {}  # NumPy / CuPy dtype -> its name (``dtype.name`` is a slow Python property)
 
 
 def _dtype_name(x, kind=None) -> str:
@@ -92,7 +93,10 @@ def _dtype_name(x, kind=None) -> str:
         if name is None:
             name = _TORCH_DTYPE_NAMES[x.dtype] = str(x.dtype).removeprefix("torch.")
         return name
-    return np.dtype(x.dtype).name
+    name = _NUMPY_DTYPE_NAMES.get(x.dtype)
+    if name is None:
+        name = _NUMPY_DTYPE_NAMES[x.dtype] = np.dtype(x.dtype).name
+    return name
 
 
 def _device_id(x, kind=None) -> int:
