@@ -7,9 +7,8 @@
 //! (cpu::decode); the splits' partial states are merged by their logsumexp (quant::merge_states'
 //! rule).
 
-use rayon::prelude::*;
 
-use crate::cpu;
+use crate::cpu::{self, par};
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{FlashError, Result};
@@ -195,32 +194,37 @@ pub fn decode_cpu(p: &Decode, q: &[u8], k: Cache, v: Cache, seqlens: &[i32], lef
     let splits = p.splits();
     let group = h / hkv;
     let states = group * sq; // per kv head: (query head in the group, query row)
-    // Partial states per (b, split, kv head): o [states, D] (normalised) and lse [states]; one
-    // task per (b, split) takes every kv head (cpu::decode reads the cache as one stream).
-    let tasks = b_ * splits;
-    let mut part_o = vec![0f32; tasks * hkv * states * d];
-    let mut part_lse = vec![f32::NEG_INFINITY; tasks * hkv * states];
-    part_o.par_chunks_mut(hkv * states * d).zip(part_lse.par_chunks_mut(hkv * states)).enumerate().for_each(|(t, (po, pl))| {
-        let (b, s) = (t / splits, t % splits);
-        let (lo, hi) = (leftpad[b] as usize, seqlens[b] as usize);
-        // Split the keys some query row sees, not the whole row: a window leaves no split idle.
-        let (r0, r1) = p.seen(hi - lo);
-        let (k0, k1) = (lo + r0 + (r1 - r0) * s / splits, lo + r0 + (r1 - r0) * (s + 1) / splits);
-        cpu::decode::task(p, q, &k, &v, cpu::decode::Task { b, lo, hi, k0, k1 }, po, pl);
-    });
-    // Merge the splits into o [B, Sq, H, D] and lse [B, H, Sq] (quant::merge_state's rule).
-    let lse_ptr = quant::SyncPtr(lse.as_mut_ptr());
-    o.par_chunks_mut(h * d * es).enumerate().for_each(|(row, out)| {
-        let (b, i) = (row / sq, row % sq);
-        let (mut acc, mut part) = (vec![0f32; d], vec![0f32; d]);
-        for hh in 0..h {
-            let state = (hh % group) * sq + i;
-            let at = |s: usize| ((b * splits + s) * hkv + hh / group) * states + state;
-            let value = merge_state(splits, |s| part_lse[at(s)], |s, buf| buf.copy_from_slice(&part_o[at(s) * d..][..d]), &mut acc, &mut part);
-            p.dtype.store(&acc, out, hh * d);
-            // SAFETY: (b, hh, i) is written by the task of row (b, i) only.
-            unsafe { *lse_ptr.get().add((b * h + hh) * sq + i) = value };
-        }
+    // One core's time: every state's products with every key row, K and V.
+    let ns = par::attention_ns((b_ * p.s_cache * hkv * states * 2 * d) as f64);
+    par::call(ns, || {
+        // Partial states per (b, split, kv head): o [states, D] (normalised) and lse [states]; one
+        // task per (b, split) takes every kv head (cpu::decode reads the cache as one stream).
+        let tasks = b_ * splits;
+        let mut part_o = vec![0f32; tasks * hkv * states * d];
+        let mut part_lse = vec![f32::NEG_INFINITY; tasks * hkv * states];
+        let parts: Vec<_> = part_o.chunks_mut(hkv * states * d).zip(part_lse.chunks_mut(hkv * states)).enumerate().collect();
+        par::each(parts, |(t, (po, pl))| {
+            let (b, s) = (t / splits, t % splits);
+            let (lo, hi) = (leftpad[b] as usize, seqlens[b] as usize);
+            // Split the keys some query row sees, not the whole row: a window leaves no split idle.
+            let (r0, r1) = p.seen(hi - lo);
+            let (k0, k1) = (lo + r0 + (r1 - r0) * s / splits, lo + r0 + (r1 - r0) * (s + 1) / splits);
+            cpu::decode::task(p, q, &k, &v, cpu::decode::Task { b, lo, hi, k0, k1 }, po, pl);
+        });
+        // Merge the splits into o [B, Sq, H, D] and lse [B, H, Sq] (quant::merge_state's rule).
+        let lse_ptr = quant::SyncPtr(lse.as_mut_ptr());
+        par::chunks_mut(o, h * d * es, |row, out| {
+            let (b, i) = (row / sq, row % sq);
+            let (mut acc, mut part) = (vec![0f32; d], vec![0f32; d]);
+            for hh in 0..h {
+                let state = (hh % group) * sq + i;
+                let at = |s: usize| ((b * splits + s) * hkv + hh / group) * states + state;
+                let value = merge_state(splits, |s| part_lse[at(s)], |s, buf| buf.copy_from_slice(&part_o[at(s) * d..][..d]), &mut acc, &mut part);
+                p.dtype.store(&acc, out, hh * d);
+                // SAFETY: (b, hh, i) is written by the task of row (b, i) only.
+                unsafe { *lse_ptr.get().add((b * h + hh) * sq + i) = value };
+            }
+        });
     });
     Ok(())
 }

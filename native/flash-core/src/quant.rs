@@ -10,8 +10,8 @@
 //! Layouts: x `[rows, D]` (rows = B * S * Hkv), values `[rows, D * bits / 32]` u32, scales and
 //! biases `[rows, D / group_size]` in x's dtype.
 
-use rayon::prelude::*;
 
+use crate::cpu::par;
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{FlashError, Result};
@@ -146,15 +146,14 @@ pub fn quantize(dtype: DType, fmt: &QuantFormat, x: &[u8], values: &mut [u32], s
     fmt.check(dtype, rows, x.len(), values.len(), scales.len(), biases.len())?;
     let (xr, wr, gr) = (fmt.head_dim * es, fmt.words(), fmt.groups() * es);
     let chunk = ROWS_PER_TASK;
-    x.par_chunks(xr * chunk)
-        .zip(values.par_chunks_mut(wr * chunk))
-        .zip(scales.par_chunks_mut(gr * chunk))
-        .zip(biases.par_chunks_mut(gr * chunk))
-        .for_each(|(((x, v), s), b)| {
+    let tasks: Vec<_> = x.chunks(xr * chunk).zip(values.chunks_mut(wr * chunk)).zip(scales.chunks_mut(gr * chunk)).zip(biases.chunks_mut(gr * chunk)).collect();
+    par::call(par::pass_ns(x.len() as f64), || {
+        par::each(tasks, |(((x, v), s), b)| {
             for r in 0..x.len() / xr {
                 quantize_row(dtype, fmt, &x[r * xr..(r + 1) * xr], &mut v[r * wr..(r + 1) * wr], &mut s[r * gr..(r + 1) * gr], &mut b[r * gr..(r + 1) * gr]);
             }
-        });
+        })
+    });
     Ok(())
 }
 
@@ -192,15 +191,15 @@ pub fn dequantize(dtype: DType, fmt: &QuantFormat, values: &[u32], scales: &[u8]
     fmt.check(dtype, rows, out.len(), values.len(), scales.len(), biases.len())?;
     let (xr, wr, gr) = (fmt.head_dim * es, fmt.words(), fmt.groups() * es);
     let chunk = ROWS_PER_TASK;
-    out.par_chunks_mut(xr * chunk)
-        .zip(values.par_chunks(wr * chunk))
-        .zip(scales.par_chunks(gr * chunk))
-        .zip(biases.par_chunks(gr * chunk))
-        .for_each(|(((o, v), s), b)| {
+    let ns = par::pass_ns(out.len() as f64);
+    let tasks: Vec<_> = out.chunks_mut(xr * chunk).zip(values.chunks(wr * chunk)).zip(scales.chunks(gr * chunk)).zip(biases.chunks(gr * chunk)).collect();
+    par::call(ns, || {
+        par::each(tasks, |(((o, v), s), b)| {
             for r in 0..o.len() / xr {
                 dequantize_row(dtype, fmt, &v[r * wr..(r + 1) * wr], &s[r * gr..(r + 1) * gr], &b[r * gr..(r + 1) * gr], &mut o[r * xr..(r + 1) * xr]);
             }
-        });
+        })
+    });
     Ok(())
 }
 
@@ -247,7 +246,7 @@ pub fn merge_states(dtype: DType, parts: usize, batch: usize, seq_q: usize, head
     let (states, row_bytes) = (batch * heads * seq_q, heads * dv * dtype.size_bytes());
     // One task per (b, i) query row: its H heads' lse are strided by Sq in [B, H, Sq].
     let lse_ptr = SyncPtr(lse.as_mut_ptr());
-    o.par_chunks_mut(row_bytes.max(1)).enumerate().for_each(|(row, out)| {
+    par::call(par::pass_ns(o_parts.len() as f64), || par::chunks_mut(o, row_bytes.max(1), |row, out| {
         let (b, i) = (row / seq_q.max(1), row % seq_q.max(1));
         let mut acc = vec![0f32; dv];
         let mut part = vec![0f32; dv];
@@ -258,7 +257,7 @@ pub fn merge_states(dtype: DType, parts: usize, batch: usize, seq_q: usize, head
             // SAFETY: state = (b, h, i) is written by the task of row (b, i) only.
             unsafe { *lse_ptr.get().add(state) = value };
         }
-    });
+    }));
     Ok(())
 }
 

@@ -51,6 +51,9 @@ impl Stored {
         let mut v = vec![0u32; rows * fmt.words()];
         let (mut s, mut b) = (vec![0u8; rows * fmt.groups() * dtype.size_bytes()], vec![0u8; rows * fmt.groups() * dtype.size_bytes()]);
         quantize(dtype, &fmt, &x, &mut v, &mut s, &mut b).unwrap();
+        let (mut v2, mut s2, mut b2) = (vec![0u32; v.len()], vec![0u8; s.len()], vec![0u8; b.len()]);
+        flash_core::cpu::on_the_pool(|| quantize(dtype, &fmt, &x, &mut v2, &mut s2, &mut b2)).unwrap();
+        assert!((&v, &s, &b) == (&v2, &s2, &b2), "quantize on the pool gave other bits");
         // f32 dequantization of the same codes, scales and biases: the oracle's exact input.
         let (sf, bf) = (f64s(dtype, &s), f64s(dtype, &b));
         let (mut s32, mut b32) = (vec![0u8; sf.len() * 4], vec![0u8; bf.len() * 4]);
@@ -157,6 +160,11 @@ fn check(c: Case) {
     let mut o = vec![0u8; q.len()];
     let mut lse = vec![0f32; b * h * c.sq];
     decode_cpu(&p, &q, k.cache(), v.cache(), &seqlens, &leftpad, &mut o, &mut lse).unwrap();
+    // A call this small runs on its calling thread (cpu::par): the pool's threads give the same bits.
+    let (mut o_pool, mut lse_pool) = (vec![0u8; o.len()], vec![0f32; lse.len()]);
+    flash_core::cpu::on_the_pool(|| decode_cpu(&p, &q, k.cache(), v.cache(), &seqlens, &leftpad, &mut o_pool, &mut lse_pool)).unwrap();
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert!(o == o_pool && bits(&lse) == bits(&lse_pool), "{c:?}: the call on the pool gave other bits");
     let (ro, rlse) = oracle(&p, &f64s(c.dtype, &q), &k.values, &v.values, &seqlens, &leftpad);
     let got = f64s(c.dtype, &o);
     let err = got.iter().zip(&ro).map(|(a, b)| (a - b).powi(2)).sum::<f64>().sqrt() / ro.iter().map(|x| x * x).sum::<f64>().sqrt();

@@ -226,3 +226,17 @@ fn results_do_not_depend_on_thread_count() {
         }
     }
 }
+
+#[test]
+fn small_calls_on_the_calling_thread_give_the_pools_bits() {
+    // ExPhil's 60-frame window and a smaller one: both below cpu::par's small-call size, so they
+    // run inline unless `on_the_pool` says otherwise; both paths and a fused / materialized pair.
+    for d in [dims(1, 60, 60, 4, 4, 64), dims(2, 17, 33, 4, 2, 32)] {
+        let c = masked_case(d, combined(d, true, (Some(20), None)), DType::F32, 11);
+        for mode in [Mode::Materialized, Mode::Fused] {
+            let (inline, pooled) = (run_mode(&c, mode), flash_core::cpu::on_the_pool(|| run_mode(&c, mode)));
+            assert_eq!((&inline.o, &inline.lse), (&pooled.o, &pooled.lse), "{d:?} {mode:?}: forward");
+            assert_eq!((&inline.dq, &inline.dk, &inline.dv), (&pooled.dq, &pooled.dk, &pooled.dv), "{d:?} {mode:?}: backward");
+        }
+    }
+}

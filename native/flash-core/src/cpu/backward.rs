@@ -19,6 +19,7 @@ use super::batch::{key_runs, query_runs, split_rows, Geometry};
 use super::layout::{load_f32, pack_rows, pack_transposed, padded_dim, transposed_ld, unpack_rows};
 use super::matmul::{matmul, Mat};
 use super::modify::{sink_grads, softcap_chain, TileMods};
+use super::par;
 use super::simd;
 use super::tiles::{KeyTile, RowBlock, Visibility};
 use super::workspace::{zeroed, Buffer, BLOCK_K, BLOCK_Q};
@@ -27,7 +28,6 @@ use crate::error::Result;
 use crate::io::BackwardIo;
 use crate::problem::Problem;
 use crate::strides::{InputStrides, Strides};
-use rayon::prelude::*;
 use std::f32::consts::{LN_2, LOG2_E};
 
 /// Inputs of one backward call in the working layouts (see [`Geometry`]).
@@ -128,7 +128,7 @@ fn row_dots(p: &Problem, geo: &Geometry, (d_out, do_st): (&[u8], Strides), (o, o
     if rq == 0 {
         return Ok(delta);
     }
-    delta.par_chunks_mut(rq).enumerate().for_each(|(bh, out)| {
+    par::chunks_mut(&mut delta, rq, |bh, out| {
         let (b, hh) = (bh / h, bh % h);
         let (mut a, mut c) = (vec![0.0f32; d], vec![0.0f32; d]);
         for (i, x) in out.iter_mut().enumerate() {
@@ -246,7 +246,7 @@ fn fused(cx: &Ctx, dq_seqs: Vec<&mut [f32]>, dk_seqs: Vec<&mut [f32]>, dv_seqs: 
     let g = cx.p.dims.group();
     let mut dq_groups = dq_seqs.into_iter(); // the g query heads of kv head hkv are consecutive
     let tasks: Vec<_> = dk_seqs.into_iter().zip(dv_seqs).map(|kv| (dq_groups.by_ref().take(g).collect::<Vec<_>>(), kv)).collect();
-    tasks.into_par_iter().enumerate().for_each(|(bkv, (mut dq_group, (dk_seq, dv_seq)))| {
+    par::each(tasks.into_iter().enumerate().collect(), |(bkv, (mut dq_group, (dk_seq, dv_seq)))| {
         let (b, hkv) = (bkv / cx.p.dims.kv_heads, bkv % cx.p.dims.kv_heads);
         let (seq, dp, dvp) = (cx.p.mask.seq(b), padded_dim(cx.geo.head_dim), padded_dim(cx.geo.head_dim_v));
         let mut s = Scratch::new(cx.p);
@@ -274,7 +274,7 @@ fn split_dq(cx: &Ctx, dq_seqs: Vec<&mut [f32]>) {
         let (b, seq) = (bh / h, cx.p.mask.seq(bh / h));
         tasks.extend(dq_seq.chunks_mut(BLOCK_Q * dp).enumerate().map(|(i, dq_blk)| (RowBlock::new(b, bh % h, seq, i * BLOCK_Q), dq_blk)));
     }
-    tasks.into_par_iter().for_each(|(rb, dq_blk)| {
+    par::each(tasks, |(rb, dq_blk)| {
         let mut s = Scratch::new(cx.p);
         for t in cx.vis.key_blocks(&rb).filter_map(|blk| cx.vis.tile(&rb, blk)) {
             let tr = TileRef::new(cx, rb, t);
@@ -293,7 +293,7 @@ fn split_dkdv(cx: &Ctx, dk_seqs: Vec<&mut [f32]>, dv_seqs: Vec<&mut [f32]>) {
         let blocks = dk_seq.chunks_mut(BLOCK_K * dp).zip(dv_seq.chunks_mut(BLOCK_K * dvp));
         tasks.extend(blocks.enumerate().map(|(i, (dk_blk, dv_blk))| (bk, i * BLOCK_K, dk_blk, dv_blk)));
     }
-    tasks.into_par_iter().for_each(|(bk, blk, dk_blk, dv_blk)| {
+    par::each(tasks, |(bk, blk, dk_blk, dv_blk)| {
         let (b, seq) = (bk / hkv, cx.p.mask.seq(bk / hkv));
         let mut s = Scratch::new(cx.p);
         for gi in 0..g {

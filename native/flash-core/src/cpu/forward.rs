@@ -5,6 +5,7 @@ use super::batch::{query_runs, split_rows, Geometry};
 use super::layout::{pack_rows, pack_transposed, padded_dim, transposed_ld, unpack_rows};
 use super::matmul::{matmul, Mat};
 use super::modify::{sink2, TileMods};
+use super::par;
 use super::simd;
 use super::tiles::{RowBlock, Visibility};
 use super::workspace::{filled, zeroed, Buffer, BLOCK_K, BLOCK_Q};
@@ -13,7 +14,6 @@ use crate::error::Result;
 use crate::io::ForwardIo;
 use crate::problem::Problem;
 use crate::strides::InputStrides;
-use rayon::prelude::*;
 use std::f32::consts::{LN_2, LOG2_E};
 
 /// Inputs in the working layouts (see [`Geometry`]).
@@ -48,7 +48,7 @@ pub fn run(p: &Problem, io: ForwardIo) -> Result<()> {
         let blocks = o_seq.chunks_mut(BLOCK_Q * dvp).zip(lse_seq.chunks_mut(BLOCK_Q));
         tasks.extend(blocks.enumerate().map(|(i, (o_rows, lse_rows))| (RowBlock::new(b, h, p.mask.seq(b), i * BLOCK_Q), o_rows, lse_rows)));
     }
-    tasks.into_par_iter().for_each(|(rb, o_rows, lse_rows)| row_block(p, &geo, &vis, &x, &rb, o_rows, lse_rows));
+    par::each(tasks, |(rb, o_rows, lse_rows)| row_block(p, &geo, &vis, &x, &rb, o_rows, lse_rows));
 
     unpack_rows(&o_acc, o, p.dtype, geo.o4(), 1.0);
     DType::F32.store(&lse_acc, lse, 0);

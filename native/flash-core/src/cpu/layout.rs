@@ -5,11 +5,11 @@
 //! * transposed: [B·H, D, Sp], Sp = [`transposed_ld`]`(S)` (zero padding).
 
 use super::matmul::{round_up, COL_PAD};
+use super::par;
 use super::workspace::{zeroed, Buffer};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::strides::Strides;
-use rayon::prelude::*;
 
 /// Padded head dimension of the row layout.
 pub fn padded_dim(d: usize) -> usize {
@@ -28,7 +28,7 @@ pub fn transposed_ld(s: usize) -> usize {
 fn per_head(heads: usize, h: usize, head_len: usize, what: &str, fill: impl Fn(usize, usize, &mut [f32]) + Sync) -> Result<Buffer> {
     let mut out = zeroed(heads * head_len, what)?;
     if head_len > 0 {
-        out.par_chunks_mut(head_len).enumerate().for_each(|(bh, head)| fill(bh / h, bh % h, head));
+        par::chunks_mut(&mut out, head_len, |bh, head| fill(bh / h, bh % h, head));
     }
     Ok(out)
 }
@@ -72,7 +72,7 @@ pub fn unpack_rows(src: &[f32], dst: &mut [u8], dtype: DType, shape: [usize; 4],
     if row_bytes == 0 {
         return;
     }
-    dst.par_chunks_mut(row_bytes).enumerate().for_each(|(bs, out_row)| {
+    par::chunks_mut(dst, row_bytes, |bs, out_row| {
         let (bi, si) = (bs / s, bs % s);
         let mut buf = vec![0.0f32; d];
         for hi in 0..h {

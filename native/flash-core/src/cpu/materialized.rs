@@ -25,6 +25,7 @@ use super::batch::Geometry;
 use super::layout::{load_f32, padded_dim, transposed_ld};
 use super::matmul::{matmul, Mat};
 use super::modify::{sink2, sink_grads, softcap_chain, TileMods};
+use super::par;
 use super::simd;
 use super::transpose::transpose;
 use super::tiles::{KeyTile, RowBlock, Visibility};
@@ -34,7 +35,6 @@ use crate::io::{BackwardIo, ForwardIo};
 use crate::mask::Seq;
 use crate::problem::Problem;
 use crate::strides::{InputStrides, Strides};
-use rayon::prelude::*;
 use std::f32::consts::{LN_2, LOG2_E};
 use std::cell::RefCell;
 use std::marker::PhantomData;
@@ -93,7 +93,7 @@ pub fn forward(p: &Problem, io: ForwardIo) -> Result<()> {
     let outs = (SharedOut::new(o, p.dtype), SharedOut::new(lse, DType::F32));
     let chunk = kv_chunk(p);
     let tasks = task_list(p);
-    (0..tasks.len()).into_par_iter().for_each_init(Lease::take, |kept, i| {
+    par::each_init(tasks.len(), Lease::take, |kept, i| {
         let mut w = ForwardScratch::carve(p, chunk, &mut kept.0);
         let next = Ahead::new(p, &[(q, st.q)], &[(k, st.k), (v, st.v)], tasks.get(i + 1));
         forward_task(p, &vis, [(q, st.q), (k, st.k), (v, st.v)], &outs, tasks[i].clone(), &mut w, next)
@@ -110,7 +110,7 @@ pub fn backward(p: &Problem, io: BackwardIo) -> Result<()> {
     let outs = [SharedOut::new(dq, p.dtype), SharedOut::new(dk, p.dtype), SharedOut::new(dv, p.dtype)];
     let chunk = kv_chunk(p);
     let tasks = task_list(p);
-    (0..tasks.len()).into_par_iter().for_each_init(Lease::take, |kept, i| {
+    par::each_init(tasks.len(), Lease::take, |kept, i| {
         let mut w = BackwardScratch::carve(p, chunk, &mut kept.0);
         let next = Ahead::new(p, &[(q, st.q), (d_out, st.d_out), (o, st.o)], &[(k, st.k), (v, st.v)], tasks.get(i + 1));
         let inputs = Inputs { d_out: (d_out, st.d_out), q: (q, st.q), k: (k, st.k), v: (v, st.v), o: (o, st.o), lse };

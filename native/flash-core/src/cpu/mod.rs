@@ -18,12 +18,16 @@ pub(crate) mod materialized;
 #[doc(hidden)]
 pub mod matmul;
 mod modify;
+pub(crate) mod par;
 mod rotary;
 pub mod simd;
 mod tiles;
 mod transpose;
 mod vector;
 mod workspace;
+
+#[doc(hidden)]
+pub use par::on_the_pool;
 
 use crate::dispatch::{self, Backend, Pass, Path};
 use crate::error::Result;
@@ -35,25 +39,30 @@ use crate::rotary::{RotaryIo, RotaryProblem};
 /// Forward on the CPU (layouts in [`ForwardIo`]).
 pub fn forward(p: &Problem, io: ForwardIo) -> Result<()> {
     check_forward_buffers(p, &io)?;
+    let ns = par::attention_ns(products(p));
     match dispatch::choose(p, Backend::Cpu, Pass::Forward)? {
-        Path::Fused => catch_panics("CPU", || forward::run(p, io)),
-        Path::Materialized => catch_panics("CPU", || materialized::forward(p, io)),
+        Path::Fused => catch_panics("CPU", || par::call(ns, || forward::run(p, io))),
+        Path::Materialized => catch_panics("CPU", || par::call(ns, || materialized::forward(p, io))),
     }
 }
 
 /// Backward on the CPU from the forward's o and lse (layouts in [`BackwardIo`]).
 pub fn backward(p: &Problem, io: BackwardIo) -> Result<()> {
     check_backward_buffers(p, &io)?;
+    // The forward's estimate: the backward has about twice the work and twice the loops (each a
+    // hand-off), so its crossover falls at about the same size (bench/RESULTS.md).
+    let ns = par::attention_ns(products(p));
     match dispatch::choose(p, Backend::Cpu, Pass::Backward)? {
-        Path::Fused => catch_panics("CPU", || backward::run(p, io)),
-        Path::Materialized => catch_panics("CPU", || materialized::backward(p, io)),
+        Path::Fused => catch_panics("CPU", || par::call(ns, || backward::run(p, io))),
+        Path::Materialized => catch_panics("CPU", || par::call(ns, || materialized::backward(p, io))),
     }
 }
 
 /// Rotary embeddings on the CPU (layouts in [`RotaryIo`]).
 pub fn rotary(p: &RotaryProblem, io: RotaryIo) -> Result<()> {
     crate::rotary::check_buffers(p, &io)?;
-    catch_panics("CPU", || rotary::run(p, io))
+    let ns = par::pass_ns(2.0 * io.y.len() as f64);
+    catch_panics("CPU", || par::call(ns, || rotary::run(p, io)))
 }
 
 /// Whether decode's scores over bf16 and quantized K caches can take the AMX tiles on this machine
@@ -64,6 +73,12 @@ pub fn decode_amx() -> bool {
     return decode_amx::available();
     #[cfg(not(target_arch = "x86_64"))]
     false
+}
+
+/// The forward's multiply-adds, masks aside: B·H·Sq·Sk·(D + Dv).
+fn products(p: &Problem) -> f64 {
+    let d = &p.dims;
+    [d.batch, d.heads, d.seq_q, d.seq_k, d.head_dim + d.head_dim_v].iter().map(|&x| x as f64).product()
 }
 
 /// Number of threads the CPU kernels run on.

@@ -2,8 +2,7 @@
 //! reads its table row once (angles negated for the backward) and turns every head with it; the
 //! pass-through dims R..D are copied as bytes.
 
-use rayon::prelude::*;
-
+use super::par;
 use super::simd::{isa, Isa};
 use crate::dtype::DType;
 use crate::error::Result;
@@ -22,9 +21,12 @@ pub(super) fn run(p: &RotaryProblem, io: RotaryIo) -> Result<()> {
     let (cos, sin) = (io.cos, io.sin);
     let positions = io.positions;
     let min_rows = MIN_TASK_BYTES.div_ceil(row_len * e);
-    io.y.par_chunks_mut(row_len * e).with_min_len(min_rows).enumerate().for_each_init(
+    par::chunks_mut_init(
+        io.y,
+        row_len * e,
+        min_rows,
         || Row::new(row_len, d.half()),
-        |row, (bs, y)| {
+        |row, bs, y| {
             let pos = match p.positions {
                 PositionSource::Offset(off) => bs % d.seq + off,
                 // Validated in [0, max_pos) by RotaryProblem.
