@@ -49,9 +49,7 @@ pub fn forward(p: &Problem, io: ForwardIo) -> Result<()> {
 /// Backward on the CPU from the forward's o and lse (layouts in [`BackwardIo`]).
 pub fn backward(p: &Problem, io: BackwardIo) -> Result<()> {
     check_backward_buffers(p, &io)?;
-    // The forward's estimate: the backward has about twice the work and twice the loops (each a
-    // hand-off), so its crossover falls at about the same size (bench/RESULTS.md).
-    let ns = par::attention_ns(products(p));
+    let ns = par::attention_ns(2.5 * products(p)); // five products to the forward's two
     match dispatch::choose(p, Backend::Cpu, Pass::Backward)? {
         Path::Fused => catch_panics("CPU", || par::call(ns, || backward::run(p, io))),
         Path::Materialized => catch_panics("CPU", || par::call(ns, || materialized::backward(p, io))),

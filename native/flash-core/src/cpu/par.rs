@@ -3,16 +3,20 @@
 //! ~5-20 us on a loaded 2-core host, and a forward runs five such loops, a backward ten: the
 //! tiny shapes of a decode step or of ExPhil's 60-frame window spent most of their time in those
 //! hand-offs (bench/RESULTS.md). A call whose work one core would do in less than
-//! [`SMALL_CALL_NS`] (by the caller's rough estimate: [`attention_ns`], or bytes through a pass)
+//! [`small_call_ns`] (by the caller's rough estimate: [`attention_ns`], or bytes through a pass)
 //! runs every loop here, each item's work the same, so its results are the pool's bits.
 
 use rayon::prelude::*;
 use std::cell::Cell;
 
-/// One core's time below which a call runs on its calling thread: forward and backward measured
-/// level at ~3.7 M products (the estimate's 75 us) on the 2-core development VM, inline faster
-/// below (bench/RESULTS.md).
-pub(crate) const SMALL_CALL_NS: f64 = 50_000.0;
+/// One core's time below which a call runs on its calling thread: what the pool's threads save
+/// grows with their number, so 200 us over the threads, within [40, 100] us. Measured
+/// (bench/RESULTS.md): on the 2-core VM inline and pooled level at ~75 us (forward) and
+/// ~125-185 us (backward) of the estimates; on a 16-core Xeon inline faster at a 36 us forward,
+/// slower at a 90 us backward.
+pub(crate) fn small_call_ns() -> f64 {
+    (200_000.0 / rayon::current_num_threads().max(1) as f64).clamp(40_000.0, 100_000.0)
+}
 
 /// One core's time for `macs` multiply-adds of the attention products, roughly: the small tiles'
 /// f32 rate with the softmax and the layout passes around them.
@@ -31,7 +35,7 @@ thread_local! {
 }
 
 /// Runs `f` (one whole call) with its loops on this thread when one core would take less than
-/// [`SMALL_CALL_NS`] (`ns`: the caller's estimate).
+/// [`small_call_ns`] (`ns`: the caller's estimate).
 pub(crate) fn call<R>(ns: f64, f: impl FnOnce() -> R) -> R {
     struct Restore(bool);
     impl Drop for Restore {
@@ -39,7 +43,7 @@ pub(crate) fn call<R>(ns: f64, f: impl FnOnce() -> R) -> R {
             INLINE.set(self.0); // also when f panics (the callers catch it)
         }
     }
-    let _restore = Restore(INLINE.replace(INLINE.get() || (ns < SMALL_CALL_NS && !POOL_ONLY.get())));
+    let _restore = Restore(INLINE.replace(INLINE.get() || (!POOL_ONLY.get() && ns < small_call_ns())));
     f()
 }
 
