@@ -5,8 +5,7 @@
 //! stretch of the cache once (every kv head of a block of keys is one contiguous stretch), each key
 //! row read once for every query head of its GQA group and every query row, in SIMD registers
 //! (cpu::decode); the splits' partial states are merged by their logsumexp (quant::merge_states'
-//! rule).
-
+//! rule). A small call runs on its calling thread (cpu::par).
 
 use crate::cpu::{self, par};
 use crate::device::Device;

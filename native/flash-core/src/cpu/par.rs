@@ -51,10 +51,14 @@ pub(crate) fn call<R>(ns: f64, f: impl FnOnce() -> R) -> R {
 /// gives the pool's bits).
 #[doc(hidden)]
 pub fn on_the_pool<R>(f: impl FnOnce() -> R) -> R {
-    let before = POOL_ONLY.replace(true);
-    let r = f();
-    POOL_ONLY.set(before);
-    r
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            POOL_ONLY.set(self.0);
+        }
+    }
+    let _restore = Restore(POOL_ONLY.replace(true));
+    f()
 }
 
 fn inline() -> bool {
