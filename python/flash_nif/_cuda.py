@@ -81,21 +81,17 @@ def any_gpu(*xs) -> bool:
     return any(_kind(x) in _GPU_KINDS for x in xs)
 
 
-_TORCH_DTYPE_NAMES: dict = {}
-_NUMPY_DTYPE_NAMES: dict = {}  # NumPy / CuPy dtype -> its name (``dtype.name`` is a slow Python property)
+# torch / NumPy / CuPy dtype -> its name as NumPy spells it (NumPy's ``dtype.name`` is a slow property)
+_DTYPE_NAMES: dict = {}
 
 
 def _dtype_name(x, kind=None) -> str:
     """The dtype's name as NumPy spells it ("float32", "bfloat16", "int32", "bool"); the core
     judges it and names the argument."""
-    if (kind or _kind(x)) == "torch":
-        name = _TORCH_DTYPE_NAMES.get(x.dtype)
-        if name is None:
-            name = _TORCH_DTYPE_NAMES[x.dtype] = str(x.dtype).removeprefix("torch.")
-        return name
-    name = _NUMPY_DTYPE_NAMES.get(x.dtype)
+    name = _DTYPE_NAMES.get(x.dtype)
     if name is None:
-        name = _NUMPY_DTYPE_NAMES[x.dtype] = np.dtype(x.dtype).name
+        torch = (kind or _kind(x)) == "torch"
+        name = _DTYPE_NAMES[x.dtype] = str(x.dtype).removeprefix("torch.") if torch else np.dtype(x.dtype).name
     return name
 
 

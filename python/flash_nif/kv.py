@@ -242,7 +242,7 @@ def _decode_torch(q, caches, rows, opts, device):
     if _cuda._kind(q) != "torch" or q.ndim != 4 or device not in (None, "cuda", "auto"):
         return None
     dev, tensor = q.get_device(), type(q)
-    names = _cuda._TORCH_DTYPE_NAMES
+    names = _cuda._DTYPE_NAMES
     (k_parts, k_quant), (v_parts, v_quant) = caches["k_cache"], caches["v_cache"]
     descs = []
     for a in (q, *k_parts, *v_parts):

@@ -10,7 +10,6 @@
 //! Layouts: x `[rows, D]` (rows = B * S * Hkv), values `[rows, D * bits / 32]` u32, scales and
 //! biases `[rows, D / group_size]` in x's dtype.
 
-
 use crate::cpu::par;
 use crate::device::Device;
 use crate::dtype::DType;
@@ -191,7 +190,7 @@ pub fn dequantize(dtype: DType, fmt: &QuantFormat, values: &[u32], scales: &[u8]
     fmt.check(dtype, rows, out.len(), values.len(), scales.len(), biases.len())?;
     let (xr, wr, gr) = (fmt.head_dim * es, fmt.words(), fmt.groups() * es);
     let chunk = ROWS_PER_TASK;
-    let ns = par::pass_ns(out.len() as f64);
+    let ns = par::pass_ns(out.len() as f64); // before out is lent to the tasks
     let tasks: Vec<_> = out.chunks_mut(xr * chunk).zip(values.chunks(wr * chunk)).zip(scales.chunks(gr * chunk)).zip(biases.chunks(gr * chunk)).collect();
     par::call(ns, || {
         par::each(tasks, |(((o, v), s), b)| {

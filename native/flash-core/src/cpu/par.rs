@@ -37,27 +37,25 @@ thread_local! {
 /// Runs `f` (one whole call) with its loops on this thread when one core would take less than
 /// [`small_call_ns`] (`ns`: the caller's estimate).
 pub(crate) fn call<R>(ns: f64, f: impl FnOnce() -> R) -> R {
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            INLINE.set(self.0); // also when f panics (the callers catch it)
-        }
-    }
-    let _restore = Restore(INLINE.replace(INLINE.get() || (!POOL_ONLY.get() && ns < small_call_ns())));
-    f()
+    with_flag(&INLINE, INLINE.get() || (!POOL_ONLY.get() && ns < small_call_ns()), f)
 }
 
 /// Runs `f` with every call's loops on rayon's pool, whatever the call's size (tests: a small call
 /// gives the pool's bits).
 #[doc(hidden)]
 pub fn on_the_pool<R>(f: impl FnOnce() -> R) -> R {
-    struct Restore(bool);
+    with_flag(&POOL_ONLY, true, f)
+}
+
+/// Runs `f` with `flag` set to `value`, then restores it (also when f panics: the callers catch it).
+fn with_flag<R>(flag: &'static std::thread::LocalKey<Cell<bool>>, value: bool, f: impl FnOnce() -> R) -> R {
+    struct Restore(&'static std::thread::LocalKey<Cell<bool>>, bool);
     impl Drop for Restore {
         fn drop(&mut self) {
-            POOL_ONLY.set(self.0);
+            self.0.set(self.1);
         }
     }
-    let _restore = Restore(POOL_ONLY.replace(true));
+    let _restore = Restore(flag, flag.replace(value));
     f()
 }
 
