@@ -14,6 +14,8 @@ use std::f32::consts::{LN_2, LOG2_E};
 use super::decode_amx;
 #[cfg(target_arch = "x86_64")]
 use super::decode_bf16;
+#[cfg(target_arch = "x86_64")]
+use super::decode_vnni;
 use super::decode_rows::{position, Plain, Quant, Reader, Rows, KEY_BLOCK};
 use super::simd::{self, isa, Isa};
 #[cfg(target_arch = "x86_64")]
@@ -55,10 +57,12 @@ pub(crate) fn task(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 if decode_amx::preferred(p) && decode_amx::supported(p, k) => avx512_amx(p, q, k, v, t, po, pl),
             #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 if decode_vnni::usable(p, k) => avx512_vnni(p, q, k, v, t, po, pl),
+            #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => avx512(p, q, k, v, t, po, pl),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => avx2(p, q, k, v, t, po, pl),
-            _ => run::<Scalar, false, false>(p, q, k, v, t, po, pl),
+            _ => run::<Scalar, false, false, false>(p, q, k, v, t, po, pl),
         }
     }
 }
@@ -66,7 +70,7 @@ pub(crate) fn task(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma,f16c")]
 unsafe fn avx512(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
-    run::<x86::Avx512, false, false>(p, q, k, v, t, po, pl)
+    run::<x86::Avx512, false, false, false>(p, q, k, v, t, po, pl)
 }
 
 /// AVX-512 with the scores over a bf16 or quantized K on the AMX tiles (decode_amx.rs; `supported` has
@@ -74,20 +78,28 @@ unsafe fn avx512(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx512bw,avx2,fma,f16c,avx512bf16")]
 unsafe fn avx512_amx(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
-    run::<x86::Avx512, false, true>(p, q, k, v, t, po, pl)
+    run::<x86::Avx512, false, true, false>(p, q, k, v, t, po, pl)
 }
 
 /// AVX-512 with both products by bf16 dot products (decode_bf16.rs; `usable` has checked the call).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx512bw,avx2,fma,f16c,avx512bf16")]
 unsafe fn avx512_bf16(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
-    run::<x86::Avx512, true, false>(p, q, k, v, t, po, pl)
+    run::<x86::Avx512, true, false, false>(p, q, k, v, t, po, pl)
+}
+
+/// AVX-512 with the scores over a 4-bit K by byte dot products (decode_vnni.rs; `usable` has
+/// checked the call).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx512vl,avx512bw,avx2,fma,f16c,avx512vnni,avx512vbmi")]
+unsafe fn avx512_vnni(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
+    run::<x86::Avx512, false, false, true>(p, q, k, v, t, po, pl)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn avx2(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
-    run::<x86::Avx2, false, false>(p, q, k, v, t, po, pl)
+    run::<x86::Avx2, false, false, false>(p, q, k, v, t, po, pl)
 }
 
 /// Which products take decode_bf16.rs's bf16 dot products (x86 with AVX512-BF16, bf16 q; see
@@ -111,8 +123,9 @@ impl DotPaths {
 /// stream (a kv head's rows alone are strided by the other heads', which measured ~3x slower to
 /// read). DOT: both products by bf16 dot products (decode_bf16.rs; x86 AVX-512 only). AMX: the
 /// scores over a bf16 or quantized K by the tile unit (decode_amx.rs; x86 AVX-512 only; whole blocks).
+/// VNNI: the scores over a 4-bit K by byte dot products (decode_vnni.rs; x86 AVX512-VNNI only).
 #[inline(always)]
-unsafe fn run<V: Vector, const DOT: bool, const AMX: bool>(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
+unsafe fn run<V: Vector, const DOT: bool, const AMX: bool, const VNNI: bool>(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut [f32], pl: &mut [f32]) {
     let (sq, h, hkv, d) = (p.seq_q, p.heads, p.kv_heads, p.head_dim);
     let group = h / hkv;
     let states = group * sq; // per kv head
@@ -180,6 +193,17 @@ unsafe fn run<V: Vector, const DOT: bool, const AMX: bool>(p: &Decode, q: &[u8],
     }
     #[cfg(target_arch = "x86_64")]
     let mut amx = AMX.then(|| decode_amx::Scores::new(p, q, k, |kv, st| (t.b * sq + st % sq) * h + kv * group + st / sq));
+    #[cfg(target_arch = "x86_64")]
+    let vnni = (VNNI && decode_vnni::usable(p, k)).then(|| decode_vnni::Query::new(p, q, k, |kv, st| (t.b * sq + st % sq) * h + kv * group + st / sq));
+    #[cfg(target_arch = "x86_64")]
+    let v_gs = match v {
+        Cache::Quant { fmt, .. } => fmt.group_size,
+        Cache::Plain(_) => d,
+    };
+    // (Groups of 32 pay twice the per-block work of turning P s_G into words: measured slower
+    // than the f32 path there, bench/RESULTS.md.)
+    #[cfg(target_arch = "x86_64")]
+    let mut vnni_v = (VNNI && V::LANES == 16 && v_gs >= 64 && decode_vnni::usable_v(p, v)).then(|| decode_vnni::PvWork::new(states, d / v_gs));
     let mut acc = vec![0f32; hkv * states * dp]; // as qs, V's order, unnormalised
     let mut pw = vec![0u32; if dot.v_plain { states * KEY_BLOCK / 2 } else { 0 }]; // P as bf16 pairs
     // Scores, then probabilities [states, KEY_BLOCK] of one kv head ([Hkv, states, KEY_BLOCK]
@@ -249,6 +273,8 @@ unsafe fn run<V: Vector, const DOT: bool, const AMX: bool>(p: &Decode, q: &[u8],
                 #[cfg(target_arch = "x86_64")]
                 Reader::Bf16(r) if dot.k_plain => decode_bf16::scores(r, qb, states, ops, nk, p.scale * LOG2_E, s),
                 #[cfg(target_arch = "x86_64")]
+                Reader::Q4(r) if vnni.is_some() => decode_vnni::scores_q4(r, vnni.as_ref().unwrap(), kv, nk, p.scale * LOG2_E, s),
+                #[cfg(target_arch = "x86_64")]
                 Reader::Q4(r) if dot.k_q4 => {
                     let qsum = &qsum[kv * states * k_groups..][..states * k_groups];
                     decode_bf16::scores_q4(r, qb, qsum, k_gs, d, states, nk, p.scale * LOG2_E, s)
@@ -274,6 +300,8 @@ unsafe fn run<V: Vector, const DOT: bool, const AMX: bool>(p: &Decode, q: &[u8],
             match &vr {
                 #[cfg(target_arch = "x86_64")]
                 Reader::Bf16(r) if dot.v_plain => decode_bf16::accumulate(r, s, &alpha, states, d / 32, nk, acc, &mut pw),
+                #[cfg(target_arch = "x86_64")]
+                Reader::Q4(r) if vnni_v.is_some() => decode_vnni::accumulate_q4(r, s, &alpha, states, d, v_gs, nk, acc, vnni_v.as_mut().unwrap()),
                 _ => accumulate::<V>(&vr, s, &alpha, states, nvec, nk, acc, &ask),
             }
             ask(AHEAD_PARTS - 1);
@@ -575,6 +603,8 @@ mod tests {
             (DType::BF16, 128, Some((4, 32))),
             (DType::BF16, 128, Some((4, 64))),
             (DType::BF16, 192, Some((4, 32))),
+            (DType::F16, 128, Some((4, 64))),
+            (DType::F16, 64, Some((4, 32))),
             (DType::BF16, 128, Some((8, 64))),
             (DType::BF16, 96, Some((8, 32))),
             (DType::F32, 128, Some((8, 64))),
@@ -620,7 +650,7 @@ mod tests {
                     (po, pl)
                 };
                 // SAFETY: each set runs only where isa() reports it.
-                let want = go(&|po, pl| unsafe { run::<Scalar, false, false>(&p, &q, &k, &v, t, po, pl) });
+                let want = go(&|po, pl| unsafe { run::<Scalar, false, false, false>(&p, &q, &k, &v, t, po, pl) });
                 // The bf16 dot products (decode_bf16.rs) where the CPU has them, whether or not
                 // task() prefers them here.
                 #[cfg(target_arch = "x86_64")]
@@ -639,29 +669,40 @@ mod tests {
                 let task_amx = amx && !task_dot && super::decode_amx::preferred(&p);
                 #[cfg(not(target_arch = "x86_64"))]
                 let task_amx = false;
-                // (states, by the dot products, by the AMX scores)
-                let mut got = vec![(go(&|po, pl| task(&p, &q, &k, &v, t, po, pl)), task_dot, task_amx)];
+                // The byte dot products over a 4-bit K (decode_vnni.rs) where this machine has them.
+                #[cfg(target_arch = "x86_64")]
+                let vnni = matches!(isa(), Isa::Avx512) && super::decode_vnni::usable(&p, &k);
+                #[cfg(target_arch = "x86_64")]
+                let task_vnni = vnni && !task_dot && !task_amx;
+                #[cfg(not(target_arch = "x86_64"))]
+                let task_vnni = false;
+                // (states, by the dot products, by the AMX scores, by the byte dot products)
+                let mut got = vec![(go(&|po, pl| task(&p, &q, &k, &v, t, po, pl)), task_dot, task_amx, task_vnni)];
                 #[cfg(target_arch = "x86_64")]
                 {
                     if matches!(isa(), Isa::Avx512 | Isa::Avx2) {
-                        got.push((go(&|po, pl| unsafe { avx2(&p, &q, &k, &v, t, po, pl) }), false, false));
+                        got.push((go(&|po, pl| unsafe { avx2(&p, &q, &k, &v, t, po, pl) }), false, false, false));
                     }
                     // The AVX-512 builds task() did not take.
-                    if task_dot || task_amx {
-                        got.push((go(&|po, pl| unsafe { avx512(&p, &q, &k, &v, t, po, pl) }), false, false));
+                    if task_dot || task_amx || task_vnni {
+                        got.push((go(&|po, pl| unsafe { avx512(&p, &q, &k, &v, t, po, pl) }), false, false, false));
                     }
                     if !task_dot && paths.any() {
-                        got.push((go(&|po, pl| unsafe { avx512_bf16(&p, &q, &k, &v, t, po, pl) }), true, false));
+                        got.push((go(&|po, pl| unsafe { avx512_bf16(&p, &q, &k, &v, t, po, pl) }), true, false, false));
                     }
                     if amx && !task_amx {
-                        got.push((go(&|po, pl| unsafe { avx512_amx(&p, &q, &k, &v, t, po, pl) }), false, true));
+                        got.push((go(&|po, pl| unsafe { avx512_amx(&p, &q, &k, &v, t, po, pl) }), false, true, false));
+                    }
+                    if vnni && !task_vnni {
+                        got.push((go(&|po, pl| unsafe { avx512_vnni(&p, &q, &k, &v, t, po, pl) }), false, false, true));
                     }
                 }
                 // The dot products round P to bf16 over a plain V: their states then agree to that
                 // rounding (norm-wise; a misplaced element would be off by O(1)). Over a 4-bit K the
                 // magic offset cancels in f32 (~7 bits of 24): 1e-4, as over a quantized K by the
-                // AMX tiles (each group's scale after its sum, the 4-bit magic cancelled).
-                for ((po, pl), dot, amx) in got {
+                // AMX tiles (each group's scale after its sum, the 4-bit magic cancelled), and as by
+                // the byte dot products (q rounded at 2^-14 of each group's largest element).
+                for ((po, pl), dot, amx, vnni) in got {
                     if dot && paths.v_plain {
                         let err = po.iter().zip(&want.0).map(|(a, w)| (a - w) * (a - w)).sum::<f32>().sqrt();
                         let norm = want.0.iter().map(|w| w * w).sum::<f32>().sqrt();
@@ -671,9 +712,21 @@ mod tests {
                         }
                         continue;
                     }
-                    let tol = if (dot && paths.k_q4) || (amx && quant.is_some()) { 1e-4 } else { 1e-5 };
+                    // The 16-bit P V over a 4-bit V rounds P s_G at 2^-15 of each block's largest:
+                    // o to that rounding, norm-wise (measured ~6e-5).
+                    #[cfg(target_arch = "x86_64")]
+                    if vnni && super::decode_vnni::usable_v(&p, &v) {
+                        let err = po.iter().zip(&want.0).map(|(a, w)| (a - w) * (a - w)).sum::<f32>().sqrt();
+                        let norm = want.0.iter().map(|w| w * w).sum::<f32>().sqrt();
+                        assert!(err <= 2e-4 * norm, "{dtype:?} d={d} {quant:?} sq={sq} (VNNI): o's relative error {}", err / norm);
+                        for (a, w) in pl.iter().zip(&want.1) {
+                            assert!((a - w).abs() <= 1e-4 * (1.0 + w.abs()), "{dtype:?} d={d} sq={sq} (VNNI): lse {a} vs {w}");
+                        }
+                        continue;
+                    }
+                    let tol = if (dot && paths.k_q4) || ((amx || vnni) && quant.is_some()) { 1e-4 } else { 1e-5 };
                     for (i, (a, w)) in po.iter().zip(&want.0).chain(pl.iter().zip(&want.1)).enumerate() {
-                        assert!((a - w).abs() <= tol * (1.0 + w.abs()), "{dtype:?} d={d} {quant:?} group={group} sq={sq} (dot products: {dot}, AMX: {amx}): [{i}] {a} vs {w}");
+                        assert!((a - w).abs() <= tol * (1.0 + w.abs()), "{dtype:?} d={d} {quant:?} group={group} sq={sq} (dot products: {dot}, AMX: {amx}, VNNI: {vnni}): [{i}] {a} vs {w}");
                     }
                 }
             }

@@ -12,6 +12,8 @@ mod decode_amx;
 #[cfg(target_arch = "x86_64")]
 mod decode_bf16;
 mod decode_rows;
+#[cfg(target_arch = "x86_64")]
+mod decode_vnni;
 mod forward;
 mod layout;
 pub(crate) mod materialized;
