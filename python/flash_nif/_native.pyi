@@ -63,7 +63,7 @@ def rotary_host_arrays(
     float32]; `positions` int32 [B, S], or None for row (b, s) at s + `offset`."""
 
 def info() -> dict[str, Any]:
-    """version, backends, threads, cpu_isa, cpu_amx (whether decode's scores may run on AMX tiles: bf16 q, 8 states a kv head or more), dispatch (mode, ceiling and crossover tables)."""
+    """version, backends, threads, cpu_isa, cpu_amx (whether decode's scores may run on AMX tiles: bf16 q, 8 states a kv head or more), cpu_vnni (whether decode over a 4-bit K cache may take byte dot products: bf16 q), dispatch (mode, ceiling and crossover tables)."""
 
 # --- device pointers (CuPy / DLPack arrays); see flash_nif/_cuda.py ----------------------------
 

@@ -194,6 +194,7 @@ fn info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("threads", cpu::threads())?;
     d.set_item("cpu_isa", format!("{:?}", cpu::simd::isa()).to_lowercase())?;
     d.set_item("cpu_amx", cpu::decode_amx())?;
+    d.set_item("cpu_vnni", cpu::decode_vnni())?;
     d.set_item("dispatch", dispatch_info(py)?)?;
     Ok(d)
 }

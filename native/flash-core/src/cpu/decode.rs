@@ -200,10 +200,8 @@ unsafe fn run<V: Vector, const DOT: bool, const AMX: bool, const VNNI: bool>(p: 
         Cache::Quant { fmt, .. } => fmt.group_size,
         Cache::Plain(_) => d,
     };
-    // (Groups of 32 pay twice the per-block work of turning P s_G into words: measured slower
-    // than the f32 path there, bench/RESULTS.md.)
     #[cfg(target_arch = "x86_64")]
-    let mut vnni_v = (VNNI && V::LANES == 16 && v_gs >= 64 && decode_vnni::usable_v(p, v)).then(|| decode_vnni::PvWork::new(states, d / v_gs));
+    let mut vnni_v = (VNNI && V::LANES == 16 && decode_vnni::usable_v(p, v)).then(|| decode_vnni::PvWork::new(states, d / v_gs));
     let mut acc = vec![0f32; hkv * states * dp]; // as qs, V's order, unnormalised
     let mut pw = vec![0u32; if dot.v_plain { states * KEY_BLOCK / 2 } else { 0 }]; // P as bf16 pairs
     // Scores, then probabilities [states, KEY_BLOCK] of one kv head ([Hkv, states, KEY_BLOCK]

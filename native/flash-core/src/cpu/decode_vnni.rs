@@ -60,9 +60,11 @@ fn pow2(e: i32) -> f64 {
 }
 
 /// Whether [`accumulate_q4`] takes the call's P V: bf16 q (as [`usable`]) over a 4-bit V cache with D
-/// a multiple of 64, on a CPU with [`available`]'s instructions.
+/// a multiple of 64 and groups of 64 (groups of 32 pay twice the per-block work of turning P s_G
+/// into words: measured slower than the f32 path, bench/RESULTS.md), on a CPU with [`available`]'s
+/// instructions.
 pub(crate) fn usable_v(p: &Decode, v: &Cache) -> bool {
-    let v4 = matches!(v, Cache::Quant { fmt, .. } if fmt.bits == 4);
+    let v4 = matches!(v, Cache::Quant { fmt, .. } if fmt.bits == 4 && fmt.group_size >= 64);
     p.dtype == DType::BF16 && v4 && p.head_dim.is_multiple_of(64) && available()
 }
 

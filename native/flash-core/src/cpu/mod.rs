@@ -75,6 +75,17 @@ pub fn decode_amx() -> bool {
     false
 }
 
+/// Whether decode over a 4-bit K cache can take the byte dot products on this machine
+/// (decode_vnni.rs: the CPU has AVX512-VNNI, -BW and -VBMI, FLASH_NIF_CPU_VNNI is not 0); a call
+/// takes them with bf16 q where the AMX tiles do not take the scores, and the 16-bit ones for P V
+/// over a 4-bit V with groups of 64.
+pub fn decode_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return decode_vnni::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// The forward's multiply-adds, masks aside: B·H·Sq·Sk·(D + Dv).
 fn products(p: &Problem) -> f64 {
     let d = &p.dims;
