@@ -57,7 +57,7 @@ pub(crate) fn task(p: &Decode, q: &[u8], k: &Cache, v: &Cache, t: Task, po: &mut
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 if decode_amx::preferred(p) && decode_amx::supported(p, k) => avx512_amx(p, q, k, v, t, po, pl),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 if decode_vnni::usable(p, k) => avx512_vnni(p, q, k, v, t, po, pl),
+            Isa::Avx512 if decode_vnni::usable(p, k) && t.k1 - t.k0 >= decode_vnni::MIN_KEYS => avx512_vnni(p, q, k, v, t, po, pl),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => avx512(p, q, k, v, t, po, pl),
             #[cfg(target_arch = "x86_64")]
@@ -671,7 +671,7 @@ mod tests {
                 #[cfg(target_arch = "x86_64")]
                 let vnni = matches!(isa(), Isa::Avx512) && super::decode_vnni::usable(&p, &k);
                 #[cfg(target_arch = "x86_64")]
-                let task_vnni = vnni && !task_dot && !task_amx;
+                let task_vnni = vnni && !task_dot && !task_amx && t.k1 - t.k0 >= super::decode_vnni::MIN_KEYS;
                 #[cfg(not(target_arch = "x86_64"))]
                 let task_vnni = false;
                 // (states, by the dot products, by the AMX scores, by the byte dot products)
