@@ -18,6 +18,16 @@
 //! of the group's largest), else q rounded at 2^-14 of the group's largest |q|, below the rounding
 //! of the scores the f32 path adds up (the unit test compares both at 1e-4). f16 queries (11 bits:
 //! exact within 3 binades only, measured past 1e-4) and f32 ones keep the f32 path.
+//!
+//! P V over a 4-bit V with groups of 64 by 16-bit dot products (`vpdpwssd`, 32 products an
+//! instruction): per block, state and group, P s_G (the probabilities times the keys' scales) is
+//! rounded to integers p16 at 2^-15 of the block's largest |P s_G| (the GPU's tensor cores round it
+//! to bf16, 2^-9); two keys' p16 make a 32-bit word, against the two keys' codes of one dim, which
+//! a byte permute interleaves from their rows. The integer sums, exact, go to f32 once a block with
+//! the codes centred (c - 8, as the values are, so that p16's rounding multiplies |c - 8| <= 8),
+//! and the bias terms sum_x P (b_G + 8 s_G) in f32. Its error is p16's rounding: ~6e-5 of o
+//! norm-wise in the unit test, below a bf16 output's own rounding. The accumulators keep
+//! decode_rows' 4-bit element order, so the general path's output order holds.
 
 use std::arch::x86_64::*;
 
@@ -48,8 +58,8 @@ pub(crate) fn usable(p: &Decode, k: &Cache) -> bool {
     p.dtype == DType::BF16 && k4 && p.head_dim.is_multiple_of(64) && available()
 }
 
-/// AVX512-VNNI, -BW and -VBMI (the byte permute; every CPU with the first has it too), and not
-/// switched off by FLASH_NIF_CPU_VNNI=0 (read once).
+/// AVX512-VNNI, -BW and -VBMI (the byte permute: Cascade and Cooper Lake have VNNI without it and
+/// keep the f32 path), and not switched off by FLASH_NIF_CPU_VNNI=0 (read once).
 pub(crate) fn available() -> bool {
     static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *OK.get_or_init(|| {
