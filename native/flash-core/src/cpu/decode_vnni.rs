@@ -122,14 +122,15 @@ impl Query {
                         for i in 0..16 {
                             sum[i] += chunk[i];
                             let a = chunk[i].abs();
-                            // (NaN kept: a comparison false with a NaN takes it)
+                            // (a NaN q may drop out of the maximum; it reaches the scores
+                            // through qs_G, the group's sum)
                             big[i] = if big[i] >= a { big[i] } else { a };
                         }
                     }
                     qsum[at * groups + g] = sum.iter().sum();
                     let max = big.iter().fold(0f32, |m, &a| if m >= a { m } else { a });
                     if max == 0.0 || !max.is_finite() {
-                        // Digits 0; a NaN or infinite q gives NaN scores, as the f32 path's would.
+                        // Digits 0; an infinite q gives NaN scores, as the f32 path's would.
                         unit[at * groups + g] = if max == 0.0 { 0.0 } else { f32::NAN };
                         continue;
                     }
