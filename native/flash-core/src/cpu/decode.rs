@@ -196,12 +196,7 @@ unsafe fn run<V: Vector, const DOT: bool, const AMX: bool, const VNNI: bool>(p: 
     #[cfg(target_arch = "x86_64")]
     let vnni = (VNNI && decode_vnni::usable(p, k)).then(|| decode_vnni::Query::new(p, q, k, |kv, st| (t.b * sq + st % sq) * h + kv * group + st / sq));
     #[cfg(target_arch = "x86_64")]
-    let v_gs = match v {
-        Cache::Quant { fmt, .. } => fmt.group_size,
-        Cache::Plain(_) => d,
-    };
-    #[cfg(target_arch = "x86_64")]
-    let mut vnni_v = (VNNI && V::LANES == 16 && decode_vnni::usable_v(p, v)).then(|| decode_vnni::PvWork::new(states, d / v_gs));
+    let mut vnni_v = (VNNI && V::LANES == 16 && decode_vnni::usable_v(p, v)).then(|| decode_vnni::PvWork::new(p, v));
     let mut acc = vec![0f32; hkv * states * dp]; // as qs, V's order, unnormalised
     let mut pw = vec![0u32; if dot.v_plain { states * KEY_BLOCK / 2 } else { 0 }]; // P as bf16 pairs
     // Scores, then probabilities [states, KEY_BLOCK] of one kv head ([Hkv, states, KEY_BLOCK]
@@ -299,7 +294,7 @@ unsafe fn run<V: Vector, const DOT: bool, const AMX: bool, const VNNI: bool>(p: 
                 #[cfg(target_arch = "x86_64")]
                 Reader::Bf16(r) if dot.v_plain => decode_bf16::accumulate(r, s, &alpha, states, d / 32, nk, acc, &mut pw),
                 #[cfg(target_arch = "x86_64")]
-                Reader::Q4(r) if vnni_v.is_some() => decode_vnni::accumulate_q4(r, s, &alpha, states, d, v_gs, nk, acc, vnni_v.as_mut().unwrap()),
+                Reader::Q4(r) if vnni_v.is_some() => decode_vnni::accumulate_q4(r, s, &alpha, nk, acc, vnni_v.as_mut().unwrap()),
                 _ => accumulate::<V>(&vr, s, &alpha, states, nvec, nk, acc, &ask),
             }
             ask(AHEAD_PARTS - 1);

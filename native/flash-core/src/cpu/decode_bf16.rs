@@ -54,6 +54,8 @@ macro_rules! in_groups {
         }
     }};
 }
+// (decode_vnni.rs takes its state groups the same way.)
+pub(crate) use in_groups;
 
 /// bf16 elements per `vdpbf16ps` operand.
 pub(crate) const PAIR_LANES: usize = 32;

@@ -31,6 +31,7 @@
 
 use std::arch::x86_64::*;
 
+use super::decode_bf16::in_groups;
 use super::decode_rows::{Quant, KEY_BLOCK};
 use crate::decode::{Cache, Decode};
 use crate::dtype::DType;
@@ -69,9 +70,17 @@ pub(crate) fn available() -> bool {
     })
 }
 
-/// 2^e as f64 (|e| <= 1022).
-fn pow2(e: i32) -> f64 {
-    f64::from_bits(((1023 + e) as u64) << 52)
+/// The power of two f with max · f in [2^(top-1), 2^top) (max > 0, finite), from max's binary
+/// exponent (in f64, where every f32, subnormal ones too, is normal).
+fn scale_into(max: f32, top: i32) -> f64 {
+    let exp = ((max as f64).to_bits() >> 52) as i32 - 1023;
+    f64::from_bits(((1023 + top - 1 - exp) as u64) << 52)
+}
+
+/// Lane x: x · stride, the offsets of 16 consecutive keys' scale entries.
+#[inline(always)]
+unsafe fn key_offsets(stride: usize) -> __m512i {
+    _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(stride as i32))
 }
 
 /// Whether [`accumulate_q4`] takes the call's P V: bf16 q (as [`usable`]) over a 4-bit V cache with D
@@ -134,10 +143,8 @@ impl Query {
                         unit[at * groups + g] = if max == 0.0 { 0.0 } else { f32::NAN };
                         continue;
                     }
-                    // max · 2^e in [2^(TOP-1), 2^TOP): e from max's binary exponent (f64: every
-                    // f32, subnormal ones too, is normal there).
-                    let exp = ((max as f64).to_bits() >> 52) as i32 - 1023;
-                    let f = pow2(TOP - 1 - exp);
+                    // f = 2^e: max · f in [2^(TOP-1), 2^TOP).
+                    let f = scale_into(max, TOP);
                     unit[at * groups + g] = (1.0 / f) as f32;
                     // q16 = q · 2^e rounded to nearest even: in f32 by the 1.5 · 2^23 shift (exact for
                     // |q16| < 2^22; 2^e a power of two, so q · 2^e is exact) where 2^e is an f32,
@@ -179,8 +186,7 @@ impl Query {
 pub(crate) unsafe fn scores_q4(rows: &Quant<'_, 4>, q: &Query, kv: usize, nk: usize, scale2: f32, s: &mut [f32]) {
     assert!(s.len() == q.states * KEY_BLOCK && nk <= KEY_BLOCK && q.words <= MAX_WORDS && q.groups <= MAX_GROUPS);
     let row_bytes = q.words * 4;
-    let stride = rows.scale_stride() as i32;
-    let key_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(stride));
+    let key_at = key_offsets(rows.scale_stride());
     let mut t = [_mm512_setzero_si512(); MAX_WORDS];
     let mut x0 = 0;
     while x0 < nk {
@@ -207,22 +213,7 @@ pub(crate) unsafe fn scores_q4(rows: &Quant<'_, 4>, q: &Query, kv: usize, nk: us
             bi[g] = _mm512_i32gather_ps::<4>(key_at, bi0.add(g));
         }
         let s = s.as_mut_ptr().add(x0);
-        let mut st = 0;
-        while q.states - st >= 8 {
-            score_group::<8>(q, kv, st, &t, &sc, &bi, scale2, s);
-            st += 8;
-        }
-        if q.states - st >= 4 {
-            score_group::<4>(q, kv, st, &t, &sc, &bi, scale2, s);
-            st += 4;
-        }
-        if q.states - st >= 2 {
-            score_group::<2>(q, kv, st, &t, &sc, &bi, scale2, s);
-            st += 2;
-        }
-        if q.states - st >= 1 {
-            score_group::<1>(q, kv, st, &t, &sc, &bi, scale2, s);
-        }
+        in_groups!(8, score_group, q.states, q; kv, &t, &sc, &bi, scale2, s);
         x0 += KEYS;
     }
 }
@@ -232,7 +223,7 @@ pub(crate) unsafe fn scores_q4(rows: &Quant<'_, 4>, q: &Query, kv: usize, nk: us
 /// terms; s points at the first key's column of state 0.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn score_group<const N: usize>(q: &Query, kv: usize, st0: usize, t: &[__m512i; MAX_WORDS], sc: &[__m512; MAX_GROUPS], bi: &[__m512; MAX_GROUPS], scale2: f32, s: *mut f32) {
+unsafe fn score_group<const N: usize>(q: &Query, st0: usize, kv: usize, t: &[__m512i; MAX_WORDS], sc: &[__m512; MAX_GROUPS], bi: &[__m512; MAX_GROUPS], scale2: f32, s: *mut f32) {
     let low = _mm512_set1_epi8(0x0f);
     let base = kv * q.states + st0;
     let digits = q.digits.as_ptr().add(base * q.words * 4);
@@ -266,6 +257,9 @@ unsafe fn score_group<const N: usize>(q: &Query, kv: usize, st0: usize, t: &[__m
 
 /// One head's P s_G of a block as [`accumulate_q4`] takes them (scratch, reused per block).
 pub(crate) struct PvWork {
+    states: usize,
+    d: usize,
+    gs: usize,
     groups: usize,
     /// `[states, groups, KEY_BLOCK / 2]`: keys 2j and 2j + 1's p16 as a 32-bit word.
     pairs: Vec<u32>,
@@ -278,31 +272,33 @@ pub(crate) struct PvWork {
 }
 
 impl PvWork {
-    pub(crate) fn new(states: usize, groups: usize) -> PvWork {
+    /// For a call [`usable_v`] takes.
+    pub(crate) fn new(p: &Decode, v: &Cache) -> PvWork {
+        let Cache::Quant { fmt, .. } = v else { unreachable!("decode_vnni::usable_v takes quantized V caches only") };
+        let (states, d, gs, groups) = (p.heads / p.kv_heads * p.seq_q, p.head_dim, fmt.group_size, fmt.groups());
         let n = states * groups;
-        PvWork { groups, pairs: vec![0; n * KEY_BLOCK / 2], unit: vec![0.0; n], bias: vec![0.0; n], centre: vec![0; n] }
+        PvWork { states, d, gs, groups, pairs: vec![0; n * KEY_BLOCK / 2], unit: vec![0.0; n], bias: vec![0.0; n], centre: vec![0; n] }
     }
 }
 
 /// acc[st] = alpha[st] · acc[st] + sum over x < nk of p[st, x] · v[x] for kv head's 4-bit V rows of
-/// the block, D = 64 · halves; p `[states, KEY_BLOCK]`, acc `[D / 16, states, 16]` in
+/// the block (D = 64 · halves, w's shapes); p `[states, KEY_BLOCK]`, acc `[D / 16, states, 16]` in
 /// decode_rows' 4-bit order (vector 2c: block c of 32 dims' even dims, 2c + 1 its odd ones).
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn accumulate_q4(rows: &Quant<'_, 4>, p: &[f32], alpha: &[f32], states: usize, d: usize, gs: usize, nk: usize, acc: &mut [f32], w: &mut PvWork) {
-    let groups = d / gs;
+pub(crate) unsafe fn accumulate_q4(rows: &Quant<'_, 4>, p: &[f32], alpha: &[f32], nk: usize, acc: &mut [f32], w: &mut PvWork) {
+    let (states, d, groups) = (w.states, w.d, w.groups);
     assert!(p.len() == states * KEY_BLOCK && alpha.len() == states && acc.len() == d / 16 * states * 16 && nk <= KEY_BLOCK && nk > 0);
-    assert!(w.groups == groups && w.pairs.len() == states * groups * KEY_BLOCK / 2 && d.is_multiple_of(64));
+    assert!(d.is_multiple_of(64));
     // The P s_G words, their units and the bias terms, per state and group.
-    let stride = rows.scale_stride() as i32;
-    let key_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(stride));
+    let stride = rows.scale_stride();
+    let key_at = key_offsets(stride);
     let (sc0, bi0) = rows.scales(0);
     // The block's keys among the first 16 and the next.
     let (k0, k1) = (((1u32 << nk.min(16)) - 1) as __mmask16, ((1u32 << nk.saturating_sub(16)) - 1) as __mmask16);
     for g in 0..groups {
         // (rows past the block's keys are read but their P is 0: the arrays hold KEY_BLOCK keys)
-        let sc = [_mm512_i32gather_ps::<4>(key_at, sc0.add(g)), _mm512_i32gather_ps::<4>(key_at, sc0.add(16 * rows.scale_stride() + g))];
-        let bi = [_mm512_i32gather_ps::<4>(key_at, bi0.add(g)), _mm512_i32gather_ps::<4>(key_at, bi0.add(16 * rows.scale_stride() + g))];
+        let sc = [_mm512_i32gather_ps::<4>(key_at, sc0.add(g)), _mm512_i32gather_ps::<4>(key_at, sc0.add(16 * stride + g))];
+        let bi = [_mm512_i32gather_ps::<4>(key_at, bi0.add(g)), _mm512_i32gather_ps::<4>(key_at, bi0.add(16 * stride + g))];
         for st in 0..states {
             let pr = p.as_ptr().add(st * KEY_BLOCK);
             let pp = [_mm512_maskz_loadu_ps(k0, pr), _mm512_maskz_loadu_ps(k1, pr.add(16))];
@@ -321,9 +317,8 @@ pub(crate) unsafe fn accumulate_q4(rows: &Quant<'_, 4>, p: &[f32], alpha: &[f32]
                 std::ptr::write_bytes(words, 0, KEY_BLOCK / 2);
                 continue;
             }
-            // max · f in [2^14, 2^15) (a power of two, from max's binary exponent).
-            let exp = ((max as f64).to_bits() >> 52) as i32 - 1023;
-            let f = pow2(14 - exp);
+            // max · f in [2^14, 2^15): p16 within i16.
+            let f = scale_into(max, 15);
             w.unit[at] = (1.0 / f) as f32;
             let fv = _mm512_set1_ps(f as f32);
             let top = _mm512_set1_epi32(32767);
@@ -336,27 +331,16 @@ pub(crate) unsafe fn accumulate_q4(rows: &Quant<'_, 4>, p: &[f32], alpha: &[f32]
             w.centre[at] = 8 * _mm512_reduce_add_epi32(sum);
         }
     }
-    let (acc, alpha) = (acc.as_mut_ptr(), alpha.as_ptr());
-    let mut st = 0;
-    while states - st >= 4 {
-        accumulate_group::<4>(rows, w, st, alpha, states, d, gs, nk, acc);
-        st += 4;
-    }
-    if states - st >= 2 {
-        accumulate_group::<2>(rows, w, st, alpha, states, d, gs, nk, acc);
-        st += 2;
-    }
-    if states - st >= 1 {
-        accumulate_group::<1>(rows, w, st, alpha, states, d, gs, nk, acc);
-    }
+    let (acc, alpha, w) = (acc.as_mut_ptr(), alpha.as_ptr(), &*w);
+    in_groups!(4, accumulate_group, states, rows; w, alpha, nk, acc);
 }
 
 /// States st0 .. st0 + N of [`accumulate_q4`], 64 dims at a time: per key pair, the two rows' 32
 /// bytes of those dims interleaved into words (key 2j's code, key 2j + 1's) by two byte permutes,
 /// low and high nibbles apart, against each state's P s_G word.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn accumulate_group<const N: usize>(rows: &Quant<'_, 4>, w: &PvWork, st0: usize, alpha: *const f32, states: usize, d: usize, gs: usize, nk: usize, acc: *mut f32) {
+unsafe fn accumulate_group<const N: usize>(rows: &Quant<'_, 4>, st0: usize, w: &PvWork, alpha: *const f32, nk: usize, acc: *mut f32) {
+    let (states, d, gs, groups) = (w.states, w.d, w.gs, w.groups);
     // Output byte 4i takes byte i (+ 16 r) of the first row, byte 4i + 2 byte i (+ 16 r) of the
     // second (index 64 + ..); bytes 4i + 1 and 4i + 3 are zeroed by the mask.
     let idx = |r: i32| _mm512_set_epi32(
@@ -368,7 +352,6 @@ unsafe fn accumulate_group<const N: usize>(rows: &Quant<'_, 4>, w: &PvWork, st0:
     let (idx0, idx1) = (idx(0), idx(16));
     const BYTES: __mmask64 = 0x5555_5555_5555_5555;
     let low = _mm512_set1_epi32(0x000f_000f);
-    let groups = d / gs;
     let pairs = nk.div_ceil(2);
     for half in 0..d / 64 {
         // Vectors 4 half + z, z = 2 r + parity (dims 64 half + 32 r + 2 i + parity): group of each.
