@@ -37,9 +37,25 @@
 #if CACHE_BITS != 0 && !((K_GROUP == 32 || K_GROUP == 64) && (V_GROUP == 32 || V_GROUP == 64))
 #error "quantized caches: one kernel per pair of group sizes, K_GROUP and V_GROUP 32 or 64"
 #endif
-#if STATE_TILE != 8
-#error "decode.cu's warp tile is 8 query states (the mma's n)"
+#if STATE_TILE != 8 && !(STATE_TILE == 4 && CACHE_BITS == 4 && FLASH_DTYPE == 1 && HEAD_DIM <= 128 && MIN_BLOCKS < 4)
+#error "decode.cu's warp tile is 8 query states (the mma's n), or 4 (PAIRED): bf16 q over 4-bit caches at D <= 128, two blocks a step"
 #endif
+
+// PAIRED (STATE_TILE 4: at most 4 states a kv head, e.g. GQA 4 at Sq = 1): the mma's 8 columns hold
+// the warp's 4 states twice, so that a step's two blocks share one S^T fragment: column 4 b + st
+// is block b's state st, in lanes t = 2b, 2b + 1. Each block's K products take Q^T in both column
+// halves and a lane keeps its own block's (lane_block); what is per score (the scale terms, the
+// softmax, the V weights) then runs once for both blocks, where a tile of 8 spent half its lanes
+// on states that do not exist. Block b's V products take P^T with the other block's columns zeroed
+// (block_columns), so that O^T's columns 4 .. 7 collect block 1's; the epilogue folds them into
+// 0 .. 3. fp16 q keeps the tile of 8 (its kernels spilled with this one at the register cap), and
+// so do 8-bit caches (no faster with it; RESULTS, session 48).
+#define PAIRED (STATE_TILE == 4)
+
+// This lane's two states (columns 2t, 2t + 1 of S^T and O^T fragments), the first of them; and its
+// block of a PAIRED step (0 otherwise).
+__device__ __forceinline__ int col_state() { return 2 * (threadIdx.x % (STATE_TILE / 2)); }
+__device__ __forceinline__ int lane_block() { return PAIRED ? (threadIdx.x % 4) / 2 : 0; }
 
 #define KEY_BLOCK 16
 // 16-key blocks a warp takes per softmax step: quantized caches take two (two independent product
@@ -54,6 +70,7 @@
 #else
 #define STEP_BLOCKS 1
 #endif
+static_assert(!PAIRED || STEP_BLOCKS == 2, "a PAIRED step takes two blocks");
 
 // Geometry of a cache whose elements take BITS bits (0: plain elem_t rows).
 template <int BITS>
@@ -255,15 +272,17 @@ __device__ __forceinline__ void pv_block(float (&o)[HEAD_DIM / 16][4], const uns
     }
 }
 
-// Max and sum over the 8 lanes of a column of S^T (the lanes of one t: the keys of a state).
+// Max and sum over the lanes of a state's columns of S^T (the 8 lanes of one t: the keys of a
+// state; PAIRED, the 16 lanes of t and t ^ 2: both blocks' keys). Every lane of them gets the result.
+#define COLUMN_XOR0 (PAIRED ? 2 : 4)
 __device__ __forceinline__ float column_max(float x) {
 #pragma unroll
-    for (int o = 4; o < 32; o *= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    for (int o = COLUMN_XOR0; o < 32; o *= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
     return x;
 }
 __device__ __forceinline__ float column_sum(float x) {
 #pragma unroll
-    for (int o = 4; o < 32; o *= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+    for (int o = COLUMN_XOR0; o < 32; o *= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
     return x;
 }
 
@@ -295,7 +314,7 @@ __device__ __forceinline__ bool softmax_step(float (&x)[NB][4], float (&m)[2], f
     // RESULTS), nor at D = 256 (the two paths' registers spill there).
     const int kmin = key_base[0], kmax = key_base[NB - 1] + KEY_BLOCK - 1;
     const bool inside = kmax < key_end && kmin >= max(vis[0].x, vis[1].x) && kmax <= min(vis[0].y, vis[1].y);
-    if (NB == 1 || HEAD_DIM > 128 || !__all_sync(0xffffffffu, inside)) {
+    if ((NB == 1 && !PAIRED) || HEAD_DIM > 128 || !__all_sync(0xffffffffu, inside)) {
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
 #pragma unroll
@@ -442,6 +461,10 @@ __device__ __forceinline__ void v_columns(u32 (&xv)[N][2], u32 row, int u0) {
     }
 }
 
+// Block b's columns of a PAIRED step's P^T fragment (lanes g = 4b .. 4b + 3 hold them), the other
+// block's zero.
+__device__ __forceinline__ u32 block_columns(u32 frag, int b) { return (int)(threadIdx.x % 32) / 16 == b ? frag : 0u; }
+
 // The settle of a quantized step over NB blocks (block b: rows r0[b] .., keys key0 + r0[b] ..; the
 // stage's v scale rows at vs, sw_v words each): where the V weights P s go into fp16, f follows
 // them (decode_weights.h); else the accumulators take the step's factors.
@@ -527,6 +550,40 @@ __device__ __forceinline__ void block_step_quant(float (&o)[HEAD_DIM / 16 + V_SU
         });
 }
 
+// A PAIRED step over a 4-bit cache's two blocks (r0[b]: block b's first row; the rest as
+// block_step_quant's, whose step it replaces): both blocks' K products, each lane keeping its own
+// block's (rows rl + g, + 8), then the scale terms, the softmax and the V weights once for both.
+template <int GK, int GV>
+__device__ __forceinline__ void block_step_paired(float (&o)[HEAD_DIM / 16 + V_SUMS(GV)][4], float (&cv)[HEAD_DIM / GV][2], WeightRange& w,
+                                                  float (&m)[2], float (&l)[2], const u32 (&qa)[Q_REGS],
+                                                  const float (&qs)[HEAD_DIM / GK][2], const unsigned char* stage, u32 stage_s,
+                                                  const StageLayout& L, const DecodeParams& p, int key0, int nkeys, const int (&r0)[2],
+                                                  const int2 (&vis)[2], const ScaleOffset& k_off, const ScaleOffset& v_off) {
+    constexpr int NGK = HEAD_DIM / GK;
+    const int rl = lane_block() ? r0[1] : r0[0], r = rl + (threadIdx.x % 32) / 4, r8 = r + 8;
+    const int sk = r * 4 * L.sw_k, sk8 = r8 * 4 * L.sw_k, sv = r * 4 * L.sw_v, sv8 = r8 * 4 * L.sw_v;
+    float x[1][4];
+    {
+        float acc[2][NGK][4];
+#pragma unroll
+        for (int b = 0; b < 2; ++b) q4_qk_products<GK>(acc[b], qa, stage_s + r0[b] * Q4::SROW_K);
+#pragma unroll
+        for (int G = 0; G < NGK; ++G)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[0][G][e] = lane_block() ? acc[1][G][e] : acc[0][G][e];
+        q4_qk_terms<GK>(x[0], acc[0], qs, stage + L.off_ks + sk, stage + L.off_kb + sk, stage + L.off_ks + sk8,
+                        stage + L.off_kb + sk8, k_off(key0 + r), k_off(key0 + r8));
+    }
+    const int key_base[1] = {key0 + rl};
+    float alpha[2];
+    if (softmax_step<1>(x, m, l, alpha, p, key_base, key0 + nkeys, vis)) {  // bf16 q: the weights need no range (decode_weights.h)
+        rescale(o, alpha);
+        rescale_pairs(cv, alpha);
+    }
+    q4_pv<GV, 2>(o, cv, x[0], w, stage_s + L.off_v + r0[0] * Q4::SROW_V, stage + L.off_vs + sv, stage + L.off_vb + sv,
+                 stage + L.off_vs + sv8, stage + L.off_vb + sv8, v_off(key0 + r), v_off(key0 + r8), stage_s + L.off_v + r0[1] * Q4::SROW_V);
+}
+
 // The warp's partial o into shared memory: states 2t, 2t + 1 at the head dims of its V pairs.
 template <int BITS>
 __device__ __forceinline__ void store_partial_o(float* dst, const float (&o)[HEAD_DIM / 16][4]) {
@@ -555,7 +612,7 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const void* 
     smem += (1024 - smem_addr(smem) % 1024) % 1024;  // the swizzled stages: 1024-byte aligned
 #endif
     const DecodeWork w(p);
-    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    const int g = (threadIdx.x % 32) / 4;
     using G = Geom<CACHE_BITS>;
     const StageLayout L = stage_layout(p, G::SROW_K, G::SROW_V, STAGE_BYTES, STAGE_KEY_ROUND);
     const bool active = w.state0 < p.states;
@@ -574,8 +631,9 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const void* 
     } else {
         load_q<0>(qa, p, w);
     }
-    // This lane's columns of S^T and O^T: states 2t and 2t + 1.
-    const int2 vis[2] = {visible_keys(p, w, w.row_of(p, w.state0 + 2 * t)), visible_keys(p, w, w.row_of(p, w.state0 + 2 * t + 1))};
+    // This lane's columns of S^T and O^T: states cs and cs + 1.
+    const int cs = col_state();
+    const int2 vis[2] = {visible_keys(p, w, w.row_of(p, w.state0 + cs)), visible_keys(p, w, w.row_of(p, w.state0 + cs + 1))};
     // Quantized: past HEAD_DIM / 16, each V group's sums of the weights (decode_q4.h, decode_q8.h).
     constexpr int NO = HEAD_DIM / 16 + (CACHE_BITS ? V_SUMS(GV) : 0);
     float o[NO][4], cv[NGV][2];
@@ -599,7 +657,9 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const void* 
             int rows[STEP_BLOCKS];
 #pragma unroll
             for (int b = 0; b < STEP_BLOCKS; ++b) rows[b] = r0 + b * wk_n * KEY_BLOCK;
-            if constexpr (CACHE_BITS != 0) {
+            if constexpr (PAIRED) {
+                block_step_paired<GK, GV>(o, cv, wr, m, l, qa, qs, stage, stage_s, L, p, key0, nkeys, rows, vis, k_off, v_off);
+            } else if constexpr (CACHE_BITS != 0) {
                 block_step_quant<CACHE_BITS, GK, GV, STEP_BLOCKS>(o, cv, wr, qinv, m, l, qa, qs, stage, stage_s, L, p, key0, nkeys, rows,
                                                                   vis, k_off, v_off);
             } else {
@@ -608,14 +668,22 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const void* 
         }
     }, tma);
 
-    // Partials: m, l and o of states 2t, 2t + 1 (lanes g = 0 write m and l; o undoes the V pairs).
+#if PAIRED
+    // Block 1's columns of O^T (lanes t ^ 2) into block 0's: both lanes then hold the same sums, and
+    // both store them (the same values to the same places).
+#pragma unroll
+    for (int mb = 0; mb < NO; ++mb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mb][e] += __shfl_xor_sync(0xffffffffu, o[mb][e], 2);
+#endif
+    // Partials: m, l and o of states cs, cs + 1 (lanes g = 0 write m and l; o undoes the V pairs).
     l[0] = column_sum(l[0]);
     l[1] = column_sum(l[1]);
     const Partials part(smem, HEAD_DIM);
     const int row = (threadIdx.x / 32) * STATE_TILE;
     if (g == 0) {
-        part.m[row + 2 * t] = m[0], part.l[row + 2 * t] = l[0];
-        part.m[row + 2 * t + 1] = m[1], part.l[row + 2 * t + 1] = l[1];
+        part.m[row + cs] = m[0], part.l[row + cs] = l[0];
+        part.m[row + cs + 1] = m[1], part.l[row + cs + 1] = l[1];
     }
     if constexpr (q4) {
         store_quant_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, wr, Q4_MAGIC_SUMS, Q4_V_UNIT, [g](int mb) { return make_int2(q4_group<GV>(mb), q4_dim_of(mb, g)); });

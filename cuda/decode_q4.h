@@ -101,7 +101,7 @@ __device__ __forceinline__ void q4_load_q(u32 (&qa)[HEAD_DIM / 8], float (&qs)[H
                                           const DecodeWork& w) {
     constexpr int CPG = GK / 32;  // chunks per group
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int st = w.state0 + g;
+    const int st = w.state0 + (PAIRED ? g % STATE_TILE : g);  // PAIRED: Q^T in both column halves
     const bool ok = st < p.states;
     const int i = w.row_of(p, st), h = w.kvh * p.group + (ok ? st % p.group : 0);
     const u16* q = reinterpret_cast<const u16*>(p.q) + (((i64)w.b * p.seq_q + i) * p.heads + h) * HEAD_DIM;
@@ -123,22 +123,18 @@ __device__ __forceinline__ void q4_load_q(u32 (&qa)[HEAD_DIM / 8], float (&qs)[H
         float s = part[G];
         s += __shfl_xor_sync(0xffffffffu, s, 1);
         s += __shfl_xor_sync(0xffffffffu, s, 2);  // state g's sum, in every lane of g
-        qs[G][0] = __shfl_sync(0xffffffffu, s, 8 * t);
-        qs[G][1] = __shfl_sync(0xffffffffu, s, 8 * t + 4);
+        qs[G][0] = __shfl_sync(0xffffffffu, s, PAIRED ? 4 * col_state() : 8 * t);
+        qs[G][1] = __shfl_sync(0xffffffffu, s, PAIRED ? 4 * col_state() + 4 : 8 * t + 4);
     }
 }
 
-// x = S^T of a 16-key block whose K rows start at shared address `rows`: rows g, g + 8 (keys),
-// columns states 2t, 2t + 1. sc / bi (sc8 / bi8): the scale rows of key g (g + 8), at ScaleOffset
-// half (half8).
+// acc[G] = A_G of a 16-key block whose K rows start at shared address `rows`: rows g, g + 8 (keys),
+// columns states 2t, 2t + 1 (PAIRED: states 2t % 4, + 1, Q^T being in both column halves).
 template <int GK>
-__device__ __forceinline__ void q4_qk(float (&x)[4], const u32 (&qa)[HEAD_DIM / 8], const float (&qs)[HEAD_DIM / GK][2], u32 rows,
-                                      const unsigned char* sc, const unsigned char* bi, const unsigned char* sc8,
-                                      const unsigned char* bi8, int half, int half8) {
+__device__ __forceinline__ void q4_qk_products(float (&acc)[HEAD_DIM / GK][4], const u32 (&qa)[HEAD_DIM / 8], u32 rows) {
     constexpr int NG = HEAD_DIM / GK, CPG = GK / 32;
     // ldmatrix.x4: lanes 8j .. 8j + 7 address matrix j = rows 8 (j % 2) .. + 7 of chunk c + j / 2.
     const u32 row = lane_row(rows, Q4::SROW_K);
-    float acc[NG][4];
 #pragma unroll
     for (int G = 0; G < NG; ++G) acc[G][0] = acc[G][1] = acc[G][2] = acc[G][3] = 0.f;
 #pragma unroll
@@ -158,6 +154,15 @@ __device__ __forceinline__ void q4_qk(float (&x)[4], const u32 (&qa)[HEAD_DIM / 
             }
         }
     }
+}
+
+// x = S^T from a block's A_G (acc): each group's scale and bias terms. sc / bi (sc8 / bi8): the
+// scale rows of this lane's key g (g + 8), at ScaleOffset half (half8).
+template <int GK>
+__device__ __forceinline__ void q4_qk_terms(float (&x)[4], const float (&acc)[HEAD_DIM / GK][4], const float (&qs)[HEAD_DIM / GK][2],
+                                            const unsigned char* sc, const unsigned char* bi, const unsigned char* sc8,
+                                            const unsigned char* bi8, int half, int half8) {
+    constexpr int NG = HEAD_DIM / GK;
 #pragma unroll
     for (int G = 0; G < NG; ++G) {
         // The codes' scale per unit of acc (exact: a power of two).
@@ -169,25 +174,58 @@ __device__ __forceinline__ void q4_qk(float (&x)[4], const u32 (&qa)[HEAD_DIM / 
     }
 }
 
+// x = S^T of a 16-key block whose K rows start at shared address `rows` (q4_qk_products, then
+// q4_qk_terms).
+template <int GK>
+__device__ __forceinline__ void q4_qk(float (&x)[4], const u32 (&qa)[HEAD_DIM / 8], const float (&qs)[HEAD_DIM / GK][2], u32 rows,
+                                      const unsigned char* sc, const unsigned char* bi, const unsigned char* sc8,
+                                      const unsigned char* bi8, int half, int half8) {
+    float acc[HEAD_DIM / GK][4];
+    q4_qk_products<GK>(acc, qa, rows);
+    q4_qk_terms<GK>(x, acc, qs, sc, bi, sc8, bi8, half, half8);
+}
+
 // The group of m-block mb, and the dim of its row g (row g + 8: the next one).
 template <int GV>
 __device__ __forceinline__ int q4_group(int mb) { return GV == 64 ? mb / 4 : mb / 2; }
 __device__ __forceinline__ int q4_dim_of(int mb, int g) { return 32 * (mb / 2) + 4 * g + 2 * (mb % 2); }
+
+// o's m-blocks of V group G += the group's codes (V rows at this lane's `row`, v_columns') times
+// P'^T's B fragment bq0 / bq1.
+template <int GV>
+__device__ __forceinline__ void q4_pv_units(float (&o)[HEAD_DIM / 16 + V_SUMS(GV)][4], u32 row, int G, u32 bq0, u32 bq1) {
+    constexpr int UPG = Q4::UNITS / (HEAD_DIM / GV);  // units per group
+    const u32 neg_m8[4] = {Q4_NEG_M8, Q4_NEG_M8, Q4_NEG_M8, Q4_NEG_M8};
+    u32 xv[UPG][2];  // the group's units only (all of them at once spill at D = 256)
+    v_columns<UPG>(xv, row, G * UPG);
+#pragma unroll
+    for (int j = 0; j < UPG; ++j) {
+        const int u = G * UPG + j;
+        const u32 x01 = xv[j][0], x89 = xv[j][1];
+        const u32 a0[4] = {q4_dim<0>(x01), q4_dim<1>(x01), q4_dim<0>(x89), q4_dim<1>(x89)};
+        mma16816(o[2 * u], a0, bq0, bq1);
+        if constexpr (V_SUMS(GV) == 0) mma16816(o[2 * u], neg_m8, bq0, bq1);
+        const u32 a1[4] = {q4_dim<2>(x01), q4_dim<3>(x01), q4_dim<2>(x89), q4_dim<3>(x89)};
+        mma16816(o[2 * u + 1], a1, bq0, bq1);
+        if constexpr (V_SUMS(GV) == 0) mma16816(o[2 * u + 1], neg_m8, bq0, bq1);
+    }
+}
 
 // o += V^T P'^T for a 16-key block whose V rows start at shared address `rows` (stride Q4::SROW_V),
 // and cv[G] += the block's bias sums of group G (b + 8 s: the codes' share is centred). x: P of keys
 // g, g + 8 (rows) and states 2t, 2t + 1 in S^T's layout, f32; sc / bi (sc8 / bi8): the v scale and
 // bias rows of key g (g + 8) at ScaleOffset half (half8). cv[G][j]: sum over this lane's keys of b P
 // for state 2t + j (summed over the lanes at the end). P'_G = P s f goes into B fragments as
-// p_fragment transposes P (w.f: 1 but with fp16 queries).
-template <int GV>
+// p_fragment transposes P (w.f: 1 but with fp16 queries). NBV 2 (a PAIRED step): x holds the
+// weights of two blocks, whose V rows start at `rows` and `rows1`; each takes its columns of P'^T
+// (block_columns).
+template <int GV, int NBV = 1>
 __device__ __forceinline__ void q4_pv(float (&o)[HEAD_DIM / 16 + V_SUMS(GV)][4], float (&cv)[HEAD_DIM / GV][2], const float (&x)[4],
                                       const WeightRange& w, u32 rows, const unsigned char* sc, const unsigned char* bi,
-                                      const unsigned char* sc8, const unsigned char* bi8, int half, int half8) {
-    constexpr int NG = HEAD_DIM / GV, UPG = Q4::UNITS / NG;  // units per group
+                                      const unsigned char* sc8, const unsigned char* bi8, int half, int half8, u32 rows1 = 0) {
+    constexpr int NG = HEAD_DIM / GV;
     const u32 row = lane_row(rows, Q4::SROW_V);  // v_columns' row
     const u32 ones[4] = {Q4_ONES, Q4_ONES, Q4_ONES, Q4_ONES};
-    const u32 neg_m8[4] = {Q4_NEG_M8, Q4_NEG_M8, Q4_NEG_M8, Q4_NEG_M8};
     const float xf[4] = {x[0] * w.f[0], x[1] * w.f[1], x[2] * w.f[0], x[3] * w.f[1]};
 #pragma unroll
     for (int G = 0; G < NG; ++G) {
@@ -198,18 +236,11 @@ __device__ __forceinline__ void q4_pv(float (&o)[HEAD_DIM / 16 + V_SUMS(GV)][4],
         cv[G][1] = fmaf(b, x[1], fmaf(b8, x[3], cv[G][1]));
         const u32 bq0 = transpose8x8(pack2(xf[0] * s, xf[1] * s)), bq1 = transpose8x8(pack2(xf[2] * s8, xf[3] * s8));
         if constexpr (V_SUMS(GV) > 0) mma16816(o[HEAD_DIM / 16 + (V_SUMS(GV) ? G : 0)], ones, bq0, bq1);  // P' sums, every row alike
-        u32 xv[UPG][2];  // the group's units only (all of them at once spill at D = 256)
-        v_columns<UPG>(xv, row, G * UPG);
-#pragma unroll
-        for (int j = 0; j < UPG; ++j) {
-            const int u = G * UPG + j;
-            const u32 x01 = xv[j][0], x89 = xv[j][1];
-            const u32 a0[4] = {q4_dim<0>(x01), q4_dim<1>(x01), q4_dim<0>(x89), q4_dim<1>(x89)};
-            mma16816(o[2 * u], a0, bq0, bq1);
-            if constexpr (V_SUMS(GV) == 0) mma16816(o[2 * u], neg_m8, bq0, bq1);
-            const u32 a1[4] = {q4_dim<2>(x01), q4_dim<3>(x01), q4_dim<2>(x89), q4_dim<3>(x89)};
-            mma16816(o[2 * u + 1], a1, bq0, bq1);
-            if constexpr (V_SUMS(GV) == 0) mma16816(o[2 * u + 1], neg_m8, bq0, bq1);
+        if constexpr (NBV == 1) {
+            q4_pv_units<GV>(o, row, G, bq0, bq1);
+        } else {
+            q4_pv_units<GV>(o, row, G, block_columns(bq0, 0), block_columns(bq1, 0));
+            q4_pv_units<GV>(o, lane_row(rows1, Q4::SROW_V), G, block_columns(bq0, 1), block_columns(bq1, 1));
         }
     }
 }

@@ -78,7 +78,7 @@ template <int GV, typename At>
 __device__ __forceinline__ void store_quant_partial_o(float* dst, const float (&o)[HEAD_DIM / 16 + V_SUMS(GV)][4],
                                                       const float (&cv)[HEAD_DIM / GV][2], const WeightRange& w, float magic, float unit,
                                                       At&& at) {
-    const int t = threadIdx.x % 4;
+    const int cs = col_state();  // this lane's states: cs, cs + 1
     float bias[HEAD_DIM / GV][2];
 #pragma unroll
     for (int G = 0; G < HEAD_DIM / GV; ++G) bias[G][0] = column_sum(cv[G][0]), bias[G][1] = column_sum(cv[G][1]);
@@ -90,9 +90,9 @@ __device__ __forceinline__ void store_quant_partial_o(float* dst, const float (&
         float x[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) x[e] = V_SUMS(GV) ? fmaf(magic, o[HEAD_DIM / 16 + (V_SUMS(GV) ? G : 0)][e], o[mb][e]) : o[mb][e];
-        dst[2 * t * HEAD_DIM + d] = fmaf(x[0], inv[0], bias[G][0]);
-        dst[(2 * t + 1) * HEAD_DIM + d] = fmaf(x[1], inv[1], bias[G][1]);
-        dst[2 * t * HEAD_DIM + d + 1] = fmaf(x[2], inv[0], bias[G][0]);
-        dst[(2 * t + 1) * HEAD_DIM + d + 1] = fmaf(x[3], inv[1], bias[G][1]);
+        dst[cs * HEAD_DIM + d] = fmaf(x[0], inv[0], bias[G][0]);
+        dst[(cs + 1) * HEAD_DIM + d] = fmaf(x[1], inv[1], bias[G][1]);
+        dst[cs * HEAD_DIM + d + 1] = fmaf(x[2], inv[0], bias[G][0]);
+        dst[(cs + 1) * HEAD_DIM + d + 1] = fmaf(x[3], inv[1], bias[G][1]);
     }
 }

@@ -398,9 +398,9 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
         return Ok(());
     }
     let gs = |f: Option<&QuantFormat>| f.map_or(0, |f| f.group_size);
-    let v = device::choose(dev, &decode_candidates(p.dtype, p.head_dim, bits, (gs(formats[0]), gs(formats[1]))))?;
-    let f = device::function(dev, &v)?;
     let group = p.heads / p.kv_heads;
+    let v = device::choose(dev, &decode_candidates(p.dtype, p.head_dim, bits, (gs(formats[0]), gs(formats[1])), group * p.seq_q))?;
+    let f = device::function(dev, &v)?;
     let (warp_states, chunks) = partition(group * p.seq_q, v.tiles.block_m, v.tiles.num_warps);
     let blocks = p.kv_heads * chunks;
     let (sms, keys, one_trip) = (dev.sm_count.max(1) as usize, max_visible_keys(p, rows.0, rows.1), kv::merge_one_trip_parts());

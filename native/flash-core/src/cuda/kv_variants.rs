@@ -63,6 +63,19 @@ fn state_tile(kernel: Kernel) -> usize {
     }
 }
 
+/// The tensor-core kernel's PAIRED tile (cuda/decode.cu): 4 states a warp, whose step's two blocks
+/// share the mma's 8 columns, so that the per-score work (scale terms, softmax, V weights) runs
+/// once for both, where the tile of 8 spends half its lanes on states that do not exist. bf16 q
+/// over 4-bit caches at head dims up to 128 where a kv head has at most this many states (GQA 4 or
+/// less at Sq = 1), in the kernels of two blocks a step (not decode_one_wave's). H200, graph, 4-bit:
+/// 8 x 8192 31.1-31.4 us against 32.1-32.7, 4 x 16384 31.3-31.8 against 32.1-32.7 (RESULTS,
+/// session 48). fp16 q (and 8-bit caches, no faster) keep the tile of 8: they spilled with it.
+const PAIRED_STATE_TILE: usize = 4;
+
+fn paired(dtype: DType, head_dim: usize, bits: usize, states: usize) -> bool {
+    dtype == DType::BF16 && bits == 4 && head_dim <= 128 && states <= PAIRED_STATE_TILE
+}
+
 /// Whether decode at this dtype and head dim runs on tensor cores.
 pub fn decode_uses_mma(dtype: DType, head_dim: usize) -> bool {
     dtype != DType::F32 && DECODE_MMA_HEAD_DIMS.contains(&head_dim)
@@ -75,16 +88,19 @@ pub fn decode_uses_mma(dtype: DType, head_dim: usize) -> bool {
 pub const DECODE_QUANT_GROUPS: [(usize, usize); 4] = [(64, 64), (32, 32), (64, 32), (32, 64)];
 
 /// The decode kernels a call over caches of `bits` (0: plain) in groups of `groups` = (k, v)
-/// elements (quantized caches) may use, in order of preference (device.rs's `choose` takes the
-/// first whose shared memory fits the GPU); the last fits every GPU the library runs on.
-pub fn decode_candidates(dtype: DType, head_dim: usize, bits: usize, groups: (usize, usize)) -> Vec<Variant> {
+/// elements (quantized caches) with `states` query states a kv head (GQA group x Sq) may use, in
+/// order of preference (device.rs's `choose` takes the first whose shared memory fits the GPU); the
+/// last fits every GPU the library runs on.
+pub fn decode_candidates(dtype: DType, head_dim: usize, bits: usize, groups: (usize, usize), states: usize) -> Vec<Variant> {
     let mma = decode_uses_mma(dtype, head_dim);
     let shapes = if mma { decode_shapes(head_dim, bits) } else { decode_shapes(ANY_HEAD_DIM, 0) };
+    let kernel = if mma { Kernel::Decode } else { Kernel::DecodeSimt };
+    let tile = if mma && paired(dtype, head_dim, bits, states) { PAIRED_STATE_TILE } else { state_tile(kernel) };
     let last = shapes.len() - 1;
     // The fallback that fits every GPU is the small tile set (compiled and checked where small
     // tiles launch; kernels.py).
     let set = |i: usize| if i == last && last > 0 { TileSet::Small } else { TileSet::Default };
-    shapes.into_iter().enumerate().map(|(i, shape)| decode_variant(dtype, head_dim, bits, groups, shape, set(i))).collect()
+    shapes.into_iter().enumerate().map(|(i, shape)| decode_variant(dtype, head_dim, bits, groups, shape, tile, set(i))).collect()
 }
 
 /// The quantized tensor-core kernels at D = 128 with four, eight or sixteen blocks an SM
@@ -109,7 +125,7 @@ pub fn decode_one_wave(dtype: DType, head_dim: usize, bits: usize, groups: (usiz
     ONE_WAVE_SHAPES
         .iter()
         .filter(|&&(warps, _, _)| warps == 4 || groups == (64, 64))
-        .map(|&shape| decode_variant(dtype, head_dim, bits, groups, shape, TileSet::Default))
+        .map(|&shape| decode_variant(dtype, head_dim, bits, groups, shape, state_tile(Kernel::Decode), TileSet::Default))
         .collect()
 }
 
@@ -121,7 +137,7 @@ pub fn decode_one_wave(dtype: DType, head_dim: usize, bits: usize, groups: (usiz
 /// session 51); one-warp blocks, fewer bytes in flight, were slower. 56832 bytes of shared memory:
 /// four fit Hopper's SM only (decode.rs checks the occupancy).
 pub fn decode_plain_past_a_wave(dtype: DType, head_dim: usize) -> Option<Variant> {
-    (decode_uses_mma(dtype, head_dim) && head_dim == 128).then(|| decode_variant(dtype, head_dim, 0, (0, 0), (2, 3, 4), TileSet::Default))
+    (decode_uses_mma(dtype, head_dim) && head_dim == 128).then(|| decode_variant(dtype, head_dim, 0, (0, 0), (2, 3, 4), state_tile(Kernel::Decode), TileSet::Default))
 }
 
 /// decode_one_wave's kernels, (warps, stages, blocks an SM) in order of blocks an SM: the same 16
@@ -130,11 +146,11 @@ pub fn decode_plain_past_a_wave(dtype: DType, head_dim: usize) -> Option<Variant
 /// 32 spill 40 bytes on sm_80 at two warps).
 const ONE_WAVE_SHAPES: [(usize, usize, usize); 3] = [(4, 2, 4), (2, 2, 8), (1, 2, 16)];
 
+/// `st`: query states per warp (state_tile's, or PAIRED_STATE_TILE).
 fn decode_variant(dtype: DType, head_dim: usize, bits: usize, (k_group, v_group): (usize, usize),
-                  (warps, stages, min_blocks): (usize, usize, usize), tile_set: TileSet) -> Variant {
+                  (warps, stages, min_blocks): (usize, usize, usize), st: usize, tile_set: TileSet) -> Variant {
     let mma = decode_uses_mma(dtype, head_dim);
     let kernel = if mma { Kernel::Decode } else { Kernel::DecodeSimt };
-    let st = state_tile(kernel);
     let mut defines = vec![("FLASH_DTYPE", dtype_code(dtype))];
     if mma {
         defines.extend([("HEAD_DIM", head_dim as i64), ("CACHE_BITS", bits as i64)]);
@@ -174,18 +190,21 @@ pub fn all(head_dims: &[usize]) -> Vec<Variant> {
             for bits in DECODE_MMA_BITS {
                 if bits != 0 {
                     for groups in DECODE_QUANT_GROUPS {
-                        out.extend(decode_candidates(dtype, d, bits, groups));
+                        out.extend(decode_candidates(dtype, d, bits, groups, usize::MAX));
+                        if paired(dtype, d, bits, PAIRED_STATE_TILE) {
+                            out.extend(decode_candidates(dtype, d, bits, groups, PAIRED_STATE_TILE));
+                        }
                         out.extend(decode_one_wave(dtype, d, bits, groups));
                     }
                 } else {
-                    out.extend(decode_candidates(dtype, d, bits, (0, 0)));
+                    out.extend(decode_candidates(dtype, d, bits, (0, 0), usize::MAX));
                     out.extend(decode_plain_past_a_wave(dtype, d));
                 }
             }
         }
     }
     for dtype in [DType::F16, DType::BF16, DType::F32] {
-        out.extend(decode_candidates(dtype, ANY_HEAD_DIM, 0, (0, 0)));
+        out.extend(decode_candidates(dtype, ANY_HEAD_DIM, 0, (0, 0), usize::MAX));
         for kernel in [Kernel::MergeStates, Kernel::QuantizeKv, Kernel::DequantizeKv] {
             out.push(elementwise_variant(kernel, dtype));
         }
@@ -200,16 +219,22 @@ mod tests {
 
     #[test]
     fn decode_takes_tensor_cores_at_its_head_dims_only() {
-        let v = decode_candidates(DType::BF16, 128, 4, (64, 32));
+        let v = decode_candidates(DType::BF16, 128, 4, (64, 32), 8);
         assert_eq!((v[0].kernel, v[0].head_dim, v.len()), (Kernel::Decode, 128, 1));
         assert_eq!(v[0].name(), "decode_bf16_d128_cache_bits4_k_group64_v_group32_num_warps4_state_tile8_stages2_min_blocks3");
         // The plain cache prefers three stages; two fit every GPU.
-        let names: Vec<String> = decode_candidates(DType::BF16, 128, 0, (0, 0)).iter().map(Variant::name).collect();
+        let names: Vec<String> = decode_candidates(DType::BF16, 128, 0, (0, 0), 4).iter().map(Variant::name).collect();
         assert_eq!(names, ["decode_bf16_d128_cache_bits0_num_warps4_state_tile8_stages3_min_blocks2", "decode_bf16_d128_cache_bits0_num_warps4_state_tile8_stages2_min_blocks3"]);
-        let sets: Vec<TileSet> = decode_candidates(DType::BF16, 128, 0, (0, 0)).iter().map(|v| v.tile_set).collect();
+        let sets: Vec<TileSet> = decode_candidates(DType::BF16, 128, 0, (0, 0), 4).iter().map(|v| v.tile_set).collect();
         assert_eq!(sets, [TileSet::Default, TileSet::Small]);
-        assert_eq!(decode_candidates(DType::F16, 256, 4, (32, 32))[0].name(), "decode_f16_d256_cache_bits4_k_group32_v_group32_num_warps2_state_tile8_stages2_min_blocks1");
-        assert_eq!(decode_candidates(DType::BF16, 128, 8, (32, 64))[0].name(), "decode_bf16_d128_cache_bits8_k_group32_v_group64_num_warps4_state_tile8_stages2_min_blocks2");
+        assert_eq!(decode_candidates(DType::F16, 256, 4, (32, 32), 4)[0].name(), "decode_f16_d256_cache_bits4_k_group32_v_group32_num_warps2_state_tile8_stages2_min_blocks1");
+        assert_eq!(decode_candidates(DType::BF16, 128, 8, (32, 64), 4)[0].name(), "decode_bf16_d128_cache_bits8_k_group32_v_group64_num_warps4_state_tile8_stages2_min_blocks2");
+        // At most 4 states a kv head: the PAIRED tile, bf16 q over 4-bit caches at D <= 128 only.
+        assert_eq!(decode_candidates(DType::BF16, 128, 4, (64, 64), 4)[0].name(), "decode_bf16_d128_cache_bits4_k_group64_v_group64_num_warps4_state_tile4_stages2_min_blocks3");
+        assert_eq!(decode_candidates(DType::BF16, 64, 4, (32, 64), 2)[0].tiles.block_m, 4);
+        for (dtype, d, bits, states) in [(DType::BF16, 128, 4, 5), (DType::F16, 128, 4, 4), (DType::BF16, 128, 8, 4), (DType::BF16, 256, 4, 4)] {
+            assert_eq!(decode_candidates(dtype, d, bits, (64, 64), states)[0].tiles.block_m, 8);
+        }
         let names: Vec<String> = decode_one_wave(DType::BF16, 128, 4, (64, 64)).iter().map(Variant::name).collect();
         assert_eq!(names, ["decode_bf16_d128_cache_bits4_k_group64_v_group64_num_warps4_state_tile8_stages2_min_blocks4",
                            "decode_bf16_d128_cache_bits4_k_group64_v_group64_num_warps2_state_tile8_stages2_min_blocks8",
@@ -221,7 +246,7 @@ mod tests {
         assert_eq!(decode_plain_past_a_wave(DType::BF16, 128).unwrap().name(), "decode_bf16_d128_cache_bits0_num_warps2_state_tile8_stages3_min_blocks4");
         assert!(decode_plain_past_a_wave(DType::BF16, 64).is_none() && decode_plain_past_a_wave(DType::F32, 128).is_none());
         for (dtype, d) in [(DType::F32, 128), (DType::BF16, 96), (DType::F16, 40)] {
-            let v = decode_candidates(dtype, d, 4, (32, 32));
+            let v = decode_candidates(dtype, d, 4, (32, 32), 4);
             assert_eq!((v.len(), v[0].kernel, v[0].head_dim), (1, Kernel::DecodeSimt, ANY_HEAD_DIM));
             assert!(!v[0].defines.iter().any(|(k, _)| *k == "HEAD_DIM"));
         }
@@ -238,8 +263,10 @@ mod tests {
         // 2 dtypes x 3 head dims x (plain, 4 group pairs of 8-bit and of 4-bit), + the plain D =
         // 128 fallback and the D = 128 one-wave kernels (four blocks an SM: 4-bit 2 equal group pairs,
         // 8-bit 64/64; eight and sixteen: 4- and 8-bit 64/64) and the plain one past a wave; 3 dtypes x
-        // (simt, merge, quantize, dequantize, merge by block).
-        assert_eq!(n, 2 * (3 * 9 + 1 + 3 + 2 * 2 + 1) + 3 * 5);
-        assert!(all.iter().all(|v| v.tiles.block_m == state_tile(v.kernel) || !v.kernel.is_decode()));
+        // (simt, merge, quantize, dequantize, merge by block); and bf16's PAIRED 4-bit kernels at D 64
+        // and 128 (4 group pairs each).
+        assert_eq!(n, 2 * (3 * 9 + 1 + 3 + 2 * 2 + 1) + 3 * 5 + 2 * 4);
+        let tile_ok = |v: &Variant| v.tiles.block_m == state_tile(v.kernel) || (v.kernel == Kernel::Decode && v.tiles.block_m == PAIRED_STATE_TILE);
+        assert!(all.iter().all(|v| tile_ok(v) || !v.kernel.is_decode()));
     }
 }
