@@ -37,7 +37,7 @@
 #if CACHE_BITS != 0 && !((K_GROUP == 32 || K_GROUP == 64) && (V_GROUP == 32 || V_GROUP == 64))
 #error "quantized caches: one kernel per pair of group sizes, K_GROUP and V_GROUP 32 or 64"
 #endif
-#if STATE_TILE != 8 && !(STATE_TILE == 4 && CACHE_BITS == 4 && FLASH_DTYPE == 1 && HEAD_DIM <= 128 && MIN_BLOCKS < 4)
+#if STATE_TILE != 8 && !(STATE_TILE == 4 && CACHE_BITS == 4 && FLASH_DTYPE == 1 && HEAD_DIM <= 128)
 #error "decode.cu's warp tile is 8 query states (the mma's n), or 4 (PAIRED): bf16 q over 4-bit caches at D <= 128, two blocks a step"
 #endif
 
@@ -64,8 +64,9 @@ __device__ __forceinline__ int lane_block() { return PAIRED ? (threadIdx.x % 4) 
 // dequantizing kernel before decode_q8.h, 2 x 46 KiB, which left an A100 one block per SM; sm_80
 // kept single steps, unmeasured since). A stage holds a multiple of STEP_BLOCKS blocks per warp.
 // (D = 256 with K groups of 32 keeps single steps: the pair spills there, at 255 registers; so does
-// the four-block 4-bit kernel at 128, kv_variants.rs decode_one_wave.)
-#if ((CACHE_BITS == 8 && __CUDA_ARCH__ >= 900) || CACHE_BITS == 4) && !(HEAD_DIM == 256 && K_GROUP == 32) && MIN_BLOCKS < 4
+// the four-block 4-bit kernel at 128, kv_variants.rs decode_one_wave, but for its PAIRED tile, whose
+// per-score work is shared by the two.)
+#if STATE_TILE == 4 || (((CACHE_BITS == 8 && __CUDA_ARCH__ >= 900) || CACHE_BITS == 4) && !(HEAD_DIM == 256 && K_GROUP == 32) && MIN_BLOCKS < 4)
 #define STEP_BLOCKS 2
 #else
 #define STEP_BLOCKS 1
@@ -564,14 +565,20 @@ __device__ __forceinline__ void block_step_paired(float (&o)[HEAD_DIM / 16 + V_S
     const int sk = r * 4 * L.sw_k, sk8 = r8 * 4 * L.sw_k, sv = r * 4 * L.sw_v, sv8 = r8 * 4 * L.sw_v;
     float x[1][4];
     {
-        float acc[2][NGK][4];
+        // Both blocks' products a chunk pair (a group or two) at a time, this lane's kept: fewer live
+        // registers than both blocks' whole rows (the 128-register kernels spilled with those).
+        float acc[NGK][4];
 #pragma unroll
-        for (int b = 0; b < 2; ++b) q4_qk_products<GK>(acc[b], qa, stage_s + r0[b] * Q4::SROW_K);
+        for (int c = 0; c < Q4::CHUNKS; c += 2) {
+            float acc1[NGK][4];
+            q4_qk_products<GK>(acc, qa, stage_s + r0[0] * Q4::SROW_K, c, c + 2);
+            q4_qk_products<GK>(acc1, qa, stage_s + r0[1] * Q4::SROW_K, c, c + 2);
 #pragma unroll
-        for (int G = 0; G < NGK; ++G)
+            for (int G = c * 32 / GK; G < (c + 2) * 32 / GK; ++G)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[0][G][e] = lane_block() ? acc[1][G][e] : acc[0][G][e];
-        q4_qk_terms<GK>(x[0], acc[0], qs, stage + L.off_ks + sk, stage + L.off_kb + sk, stage + L.off_ks + sk8,
+                for (int e = 0; e < 4; ++e) acc[G][e] = lane_block() ? acc1[G][e] : acc[G][e];
+        }
+        q4_qk_terms<GK>(x[0], acc, qs, stage + L.off_ks + sk, stage + L.off_kb + sk, stage + L.off_ks + sk8,
                         stage + L.off_kb + sk8, k_off(key0 + r), k_off(key0 + r8));
     }
     const int key_base[1] = {key0 + rl};

@@ -129,16 +129,18 @@ __device__ __forceinline__ void q4_load_q(u32 (&qa)[HEAD_DIM / 8], float (&qs)[H
 }
 
 // acc[G] = A_G of a 16-key block whose K rows start at shared address `rows`: rows g, g + 8 (keys),
-// columns states 2t, 2t + 1 (PAIRED: states 2t % 4, + 1, Q^T being in both column halves).
+// columns states 2t, 2t + 1 (PAIRED: states 2t % 4, + 1, Q^T being in both column halves); the
+// groups of chunks [c0, c1) only (an even span: whole groups).
 template <int GK>
-__device__ __forceinline__ void q4_qk_products(float (&acc)[HEAD_DIM / GK][4], const u32 (&qa)[HEAD_DIM / 8], u32 rows) {
-    constexpr int NG = HEAD_DIM / GK, CPG = GK / 32;
+__device__ __forceinline__ void q4_qk_products(float (&acc)[HEAD_DIM / GK][4], const u32 (&qa)[HEAD_DIM / 8], u32 rows, int c0 = 0,
+                                               int c1 = Q4::CHUNKS) {
+    constexpr int CPG = GK / 32;
     // ldmatrix.x4: lanes 8j .. 8j + 7 address matrix j = rows 8 (j % 2) .. + 7 of chunk c + j / 2.
     const u32 row = lane_row(rows, Q4::SROW_K);
 #pragma unroll
-    for (int G = 0; G < NG; ++G) acc[G][0] = acc[G][1] = acc[G][2] = acc[G][3] = 0.f;
+    for (int G = c0 / CPG; G < c1 / CPG; ++G) acc[G][0] = acc[G][1] = acc[G][2] = acc[G][3] = 0.f;
 #pragma unroll
-    for (int c = 0; c < Q4::CHUNKS; c += 2) {
+    for (int c = c0; c < c1; c += 2) {
         u32 r[4];  // rows g, g + 8 of chunk c; rows g, g + 8 of chunk c + 1
         ldmatrix_x4(r, lane_unit(row, c));
 #pragma unroll

@@ -50,6 +50,15 @@ def test_fit_rules_catch_an_oversized_kernel(golden):
     assert len(kernels.fit_errors(rows)) == 1
 
 
+def test_spills_are_allowed_only_where_named(golden):
+    """The spill allowance names decode's PAIRED one-wave kernels (four, eight and sixteen blocks an
+    SM), present in the table, and no other variant."""
+    allowed = [v["name"] for v in golden["variants"] if kernels.spill_allowed(v["name"])]
+    assert sorted(n.rsplit("_", 1)[1] for n in allowed) == ["blocks16", "blocks4", "blocks8"]
+    assert all("_state_tile4_" in n and n.startswith("decode_bf16_d128_cache_bits4_k_group64_v_group64") for n in allowed)
+    assert not kernels.spill_allowed("decode_bf16_d128_cache_bits4_k_group64_v_group64_num_warps4_state_tile4_stages2_min_blocks3")
+
+
 def test_no_define_is_dead_weight(golden):
     """EVEN_M changed no code (rows past Sq are zero-filled, never stored): it is not in the key."""
     assert not any("EVEN_M" in v["defines"] for v in golden["variants"])

@@ -4,8 +4,8 @@
 library can launch with NVRTC (the system's, or pip's ``nvidia-cuda-nvrtc``), from the sources
 embedded in the extension, on all cores and through the launcher's disk cache (``--fresh`` skips
 it); prints registers, spill bytes, stack and the shared memory each kernel declares; and exits 1
-on a compile error, a spill, shared memory that fits no GPU it is meant for, or (sm_90a-only
-kernels) a ptxas warning that wgmma was serialized or setmaxnreg ignored.
+on a compile error, a spill (past SPILL_ALLOWANCE's few), shared memory that fits no GPU it is
+meant for, or (sm_90a-only kernels) a ptxas warning that wgmma was serialized or setmaxnreg ignored.
 
 The variant table is the launcher's (``_native.cuda_kernel_variants``, from config.rs). The golden
 snapshot ``tests/golden/kernel_variants.json`` pins it, with each kernel's shared memory; after an
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 
@@ -35,6 +36,22 @@ CHECK_HEAD_DIMS = (8, 40, 64, 72, 128, 136, 256)
 # to the small tiles where needed), the last candidate every sm_80+ GPU (sm_86 / sm_89: 99 KiB).
 MAX_SMEM_DEFAULT = 227 * 1024
 MAX_SMEM_ANY = 99 * 1024
+
+# Spills a kernel may have (bytes of spill stores + loads, per arch), where its measured-faster build
+# keeps them out of its inner loop. decode's PAIRED one-wave kernels (bf16 q over 4-bit caches in
+# groups of 64, 128 registers; kv_variants.rs decode_one_wave): DecodeWork's fields stored at the
+# set-up and reloaded once a stage for the copy engine's box coordinates and by the epilogue (NVRTC
+# -lineinfo), 12-32 bytes on sm_90a, where they run (decode.rs takes them on Hopper only), 28-52 on
+# sm_80; 8-11 % faster than the tile-8 kernels, which do not spill (bench/RESULTS.md, session 54).
+SPILL_ALLOWANCE = (
+    (re.compile(r"^decode_bf16_d128_cache_bits4_k_group64_v_group64_num_warps\d+_state_tile4_stages2_min_blocks(4|8|16)$"), 64),
+)
+
+
+def spill_allowed(name: str) -> int:
+    """The spill bytes the check lets `name` have (0: none)."""
+    return next((limit for pattern, limit in SPILL_ALLOWANCE if pattern.match(name)), 0)
+
 
 # Kernels only sm_90a runs (compiled for it alone; their shared memory need only fit a Hopper GPU).
 SM90_KERNELS = frozenset(_native.cuda_sm90_kernels())
@@ -186,9 +203,11 @@ def main(argv=None) -> int:
             print(f"{r['name']:72s} {r['arch']:7s} COMPILE ERROR\n{r['error']}")
             continue
         flag = ""
-        if r["spill_bytes"] > 0:
+        if r["spill_bytes"] > spill_allowed(r["name"]):
             failures.append(f"{r['name']} ({r['arch']}) spills {r['spill_bytes']} bytes")
             flag = "  <- SPILL"
+        elif r["spill_bytes"] > 0:
+            flag = "  (spill allowed)"
         for warning in sm90_warnings(r):
             failures.append(f"{r['name']} ({r['arch']}): {warning}")
             flag = "  <- " + warning.split(":")[0]

@@ -421,7 +421,7 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
     // (measured on the H200; the copy engine's stages there, cp.async elsewhere).
     let (mut v, mut f, mut warp_states, mut splits) = (v, f, warp_states, splits);
     if dev.cc.0 >= 9 {
-        for v1 in decode_one_wave(p.dtype, p.head_dim, bits, (gs(formats[0]), gs(formats[1]))) {
+        for v1 in decode_one_wave(p.dtype, p.head_dim, bits, (gs(formats[0]), gs(formats[1])), group * p.seq_q) {
             let lanes = (f.blocks_per_sm, v1.tiles.min_blocks);
             let Some(splits1) = one_wave_splits(p.batch * blocks, splits, p.num_splits.is_some(), sms, lanes, keys, one_trip) else {
                 continue;

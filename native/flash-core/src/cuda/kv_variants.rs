@@ -67,9 +67,10 @@ fn state_tile(kernel: Kernel) -> usize {
 /// share the mma's 8 columns, so that the per-score work (scale terms, softmax, V weights) runs
 /// once for both, where the tile of 8 spends half its lanes on states that do not exist. bf16 q
 /// over 4-bit caches at head dims up to 128 where a kv head has at most this many states (GQA 4 or
-/// less at Sq = 1), in the kernels of two blocks a step (not decode_one_wave's). H200, graph, 4-bit:
-/// 8 x 8192 31.1-31.4 us against 32.1-32.7, 4 x 16384 31.3-31.8 against 32.1-32.7 (RESULTS,
-/// session 48). fp16 q (and 8-bit caches, no faster) keep the tile of 8: they spilled with it.
+/// less at Sq = 1): the default kernels (two blocks a step already), and decode_one_wave's at groups
+/// of 64 (which then take two blocks a step too). H200, graph, 4-bit: 8 x 8192 30.9-31.3 us against
+/// 32.2, 1 x 131072 51.5-51.6 against 53.0-53.1 (RESULTS, session 54). fp16 q (and 8-bit caches,
+/// no faster) keep the tile of 8: they spilled with it.
 const PAIRED_STATE_TILE: usize = 4;
 
 fn paired(dtype: DType, head_dim: usize, bits: usize, states: usize) -> bool {
@@ -112,8 +113,13 @@ pub fn decode_candidates(dtype: DType, head_dim: usize, bits: usize, groups: (us
 /// 128 x 512 4-bit 39.3 -> 32.0-32.3 us and 8-bit 54.7 -> 42.9-43.1 at eight blocks, 256 x 256
 /// 49.9-50.1 -> 37.0 and 71.1-72.0 -> 45.1-45.2 at sixteen (session 51). 4-bit at four blocks: equal K and V group
 /// sizes only (the mixed pairs spill at 128 registers); 8-bit: groups of 64 (32 spill), with
-/// 64-key stages at four blocks (decode.h DECODE_TMA_WARP_BLOCKS).
-pub fn decode_one_wave(dtype: DType, head_dim: usize, bits: usize, groups: (usize, usize)) -> Vec<Variant> {
+/// 64-key stages at four blocks (decode.h DECODE_TMA_WARP_BLOCKS). `states`: query states a kv head;
+/// where paired() allows, groups of 64 take the PAIRED tile here too (two blocks a step at 128
+/// registers). H200, graph, 4-bit, us, tile 8 / PAIRED (RESULTS, session 54): 64 x 1024 (four
+/// blocks an SM) 31.5-32.3 / 28.9-29.0, 32 x 2048 34.9-36.0 / 31.9-32.2, 128 x 512 (eight)
+/// 32.3-32.7 / 29.5-29.7, 256 x 256 (sixteen) 37.4-37.7 / 34.2-34.5. They spill a few bytes outside
+/// the block step (flash_nif.kernels' SPILL_ALLOWANCE says where).
+pub fn decode_one_wave(dtype: DType, head_dim: usize, bits: usize, groups: (usize, usize), states: usize) -> Vec<Variant> {
     let fits = match bits {
         4 => groups.0 == groups.1,
         8 => groups == (64, 64),
@@ -125,7 +131,11 @@ pub fn decode_one_wave(dtype: DType, head_dim: usize, bits: usize, groups: (usiz
     ONE_WAVE_SHAPES
         .iter()
         .filter(|&&(warps, _, _)| warps == 4 || groups == (64, 64))
-        .map(|&shape| decode_variant(dtype, head_dim, bits, groups, shape, state_tile(Kernel::Decode), TileSet::Default))
+        .map(|&shape| {
+            let paired = paired(dtype, head_dim, bits, states) && groups == (64, 64);
+            let tile = if paired { PAIRED_STATE_TILE } else { state_tile(Kernel::Decode) };
+            decode_variant(dtype, head_dim, bits, groups, shape, tile, TileSet::Default)
+        })
         .collect()
 }
 
@@ -194,7 +204,9 @@ pub fn all(head_dims: &[usize]) -> Vec<Variant> {
                         if paired(dtype, d, bits, PAIRED_STATE_TILE) {
                             out.extend(decode_candidates(dtype, d, bits, groups, PAIRED_STATE_TILE));
                         }
-                        out.extend(decode_one_wave(dtype, d, bits, groups));
+                        out.extend(decode_one_wave(dtype, d, bits, groups, usize::MAX));
+                        let one_wave_paired = decode_one_wave(dtype, d, bits, groups, PAIRED_STATE_TILE);
+                        out.extend(one_wave_paired.into_iter().filter(|v| v.tiles.block_m == PAIRED_STATE_TILE));
                     }
                 } else {
                     out.extend(decode_candidates(dtype, d, bits, (0, 0), usize::MAX));
@@ -235,14 +247,18 @@ mod tests {
         for (dtype, d, bits, states) in [(DType::BF16, 128, 4, 5), (DType::F16, 128, 4, 4), (DType::BF16, 128, 8, 4), (DType::BF16, 256, 4, 4)] {
             assert_eq!(decode_candidates(dtype, d, bits, (64, 64), states)[0].tiles.block_m, 8);
         }
-        let names: Vec<String> = decode_one_wave(DType::BF16, 128, 4, (64, 64)).iter().map(Variant::name).collect();
+        let names: Vec<String> = decode_one_wave(DType::BF16, 128, 4, (64, 64), 8).iter().map(Variant::name).collect();
         assert_eq!(names, ["decode_bf16_d128_cache_bits4_k_group64_v_group64_num_warps4_state_tile8_stages2_min_blocks4",
                            "decode_bf16_d128_cache_bits4_k_group64_v_group64_num_warps2_state_tile8_stages2_min_blocks8",
                            "decode_bf16_d128_cache_bits4_k_group64_v_group64_num_warps1_state_tile8_stages2_min_blocks16"]);
-        assert!(decode_one_wave(DType::BF16, 128, 8, (32, 32)).is_empty() && decode_one_wave(DType::BF16, 64, 4, (64, 64)).is_empty());
-        assert!(decode_one_wave(DType::F16, 128, 4, (64, 32)).is_empty());
-        assert_eq!(decode_one_wave(DType::F16, 128, 4, (32, 32)).len(), 1);
-        assert_eq!(decode_one_wave(DType::F16, 128, 8, (64, 64)).len(), 3);
+        let tiles: Vec<usize> = decode_one_wave(DType::BF16, 128, 4, (64, 64), 4).iter().map(|v| v.tiles.block_m).collect();
+        assert_eq!(tiles, [PAIRED_STATE_TILE; 3]);
+        assert!(decode_one_wave(DType::F16, 128, 4, (64, 64), 4).iter().all(|v| v.tiles.block_m == 8));
+        assert!(decode_one_wave(DType::BF16, 128, 4, (32, 32), 4).iter().all(|v| v.tiles.block_m == 8));
+        assert!(decode_one_wave(DType::BF16, 128, 8, (32, 32), 8).is_empty() && decode_one_wave(DType::BF16, 64, 4, (64, 64), 8).is_empty());
+        assert!(decode_one_wave(DType::F16, 128, 4, (64, 32), 8).is_empty());
+        assert_eq!(decode_one_wave(DType::F16, 128, 4, (32, 32), 8).len(), 1);
+        assert_eq!(decode_one_wave(DType::F16, 128, 8, (64, 64), 8).len(), 3);
         assert_eq!(decode_plain_past_a_wave(DType::BF16, 128).unwrap().name(), "decode_bf16_d128_cache_bits0_num_warps2_state_tile8_stages3_min_blocks4");
         assert!(decode_plain_past_a_wave(DType::BF16, 64).is_none() && decode_plain_past_a_wave(DType::F32, 128).is_none());
         for (dtype, d) in [(DType::F32, 128), (DType::BF16, 96), (DType::F16, 40)] {
@@ -264,8 +280,8 @@ mod tests {
         // 128 fallback and the D = 128 one-wave kernels (four blocks an SM: 4-bit 2 equal group pairs,
         // 8-bit 64/64; eight and sixteen: 4- and 8-bit 64/64) and the plain one past a wave; 3 dtypes x
         // (simt, merge, quantize, dequantize, merge by block); and bf16's PAIRED 4-bit kernels at D 64
-        // and 128 (4 group pairs each).
-        assert_eq!(n, 2 * (3 * 9 + 1 + 3 + 2 * 2 + 1) + 3 * 5 + 2 * 4);
+        // and 128 (4 group pairs each) and its one-wave ones (groups 64: four, eight, sixteen blocks).
+        assert_eq!(n, 2 * (3 * 9 + 1 + 3 + 2 * 2 + 1) + 3 * 5 + 2 * 4 + 3);
         let tile_ok = |v: &Variant| v.tiles.block_m == state_tile(v.kernel) || (v.kernel == Kernel::Decode && v.tiles.block_m == PAIRED_STATE_TILE);
         assert!(all.iter().all(|v| tile_ok(v) || !v.kernel.is_decode()));
     }
