@@ -310,9 +310,10 @@ __device__ __forceinline__ bool softmax_step(float (&x)[NB][4], float (&m)[2], f
     const int g = (threadIdx.x % 32) / 4;
     scores_log2(p, reinterpret_cast<float(&)[NB * 4]>(x));
     // Most steps lie inside the stage's keys and every state's visible ones: with several blocks a
-    // step, one vote skips their masks there (the blocks' keys rise with b). Not for a single block
-    // (its four masks cost about what the vote does: the plain cache measured 1 % slower with it,
-    // RESULTS), nor at D = 256 (the two paths' registers spill there).
+    // step, one vote skips their masks there (the blocks' keys rise with b; a PAIRED step's two are
+    // in one fragment, NB 1). Not for a single block (its four masks cost about what the vote does:
+    // the plain cache measured 1 % slower with it, RESULTS), nor at D = 256 (the two paths' registers
+    // spill there).
     const int kmin = key_base[0], kmax = key_base[NB - 1] + KEY_BLOCK - 1;
     const bool inside = kmax < key_end && kmin >= max(vis[0].x, vis[1].x) && kmax <= min(vis[0].y, vis[1].y);
     if ((NB == 1 && !PAIRED) || HEAD_DIM > 128 || !__all_sync(0xffffffffu, inside)) {
