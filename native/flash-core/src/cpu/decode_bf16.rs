@@ -217,6 +217,12 @@ pub(crate) unsafe fn scores_q4(rows: &Quant<'_, 4>, qb: &[u16], qsum: &[f32], gs
     in_groups!(4, score_group_q4, states, rows; q, qsum, gs, d, states, nk, scale2, s);
 }
 
+/// Lane x: x · stride, the offsets of 16 consecutive keys' scale entries (the gathers' index).
+#[inline(always)]
+pub(super) unsafe fn key_offsets(stride: usize) -> __m512i {
+    _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(stride as i32))
+}
+
 /// States st0 .. st0 + N of [`scores_q4`]: per key and chunk, the four code operands' dot products
 /// times each lane's group scale; every 16 keys, the partial sums reduced together and the bias
 /// terms added.
@@ -236,8 +242,7 @@ unsafe fn score_group_q4<const N: usize>(rows: &Quant<'_, 4>, st0: usize, qb: *c
     );
     let idx = [group_of(0), group_of(1)];
     let gmask: __mmask16 = ((1u32 << groups) - 1) as __mmask16;
-    let stride = rows.scale_stride() as i32;
-    let key_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(stride));
+    let key_at = key_offsets(rows.scale_stride());
     let mut part = [[Avx512::zero(); LANES]; N];
     let mut x0 = 0;
     while x0 < nk {

@@ -31,7 +31,7 @@
 
 use std::arch::x86_64::*;
 
-use super::decode_bf16::in_groups;
+use super::decode_bf16::{in_groups, key_offsets};
 use super::decode_rows::{Quant, KEY_BLOCK};
 use crate::decode::{Cache, Decode};
 use crate::dtype::DType;
@@ -75,12 +75,6 @@ pub(crate) fn available() -> bool {
 fn scale_into(max: f32, top: i32) -> f64 {
     let exp = ((max as f64).to_bits() >> 52) as i32 - 1023;
     f64::from_bits(((1023 + top - 1 - exp) as u64) << 52)
-}
-
-/// Lane x: x · stride, the offsets of 16 consecutive keys' scale entries.
-#[inline(always)]
-unsafe fn key_offsets(stride: usize) -> __m512i {
-    _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(stride as i32))
 }
 
 /// Whether [`accumulate_q4`] takes the call's P V: bf16 q (as [`usable`]) over a 4-bit V cache with D
