@@ -37,7 +37,7 @@ CHECK_HEAD_DIMS = (8, 40, 64, 72, 128, 136, 256)
 MAX_SMEM_DEFAULT = 227 * 1024
 MAX_SMEM_ANY = 99 * 1024
 
-# Spills a kernel may have (bytes of spill stores + loads, per arch), where its measured-faster build
+# Spills a kernel may have (bytes of spill stores + loads, on each arch), where its measured-faster build
 # keeps them out of its inner loop. decode's PAIRED one-wave kernels (bf16 q over 4-bit caches in
 # groups of 64, 128 registers; kv_variants.rs decode_one_wave): DecodeWork's fields stored at the
 # set-up and reloaded once a stage for the copy engine's box coordinates and by the epilogue (NVRTC
