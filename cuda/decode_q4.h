@@ -123,6 +123,8 @@ __device__ __forceinline__ void q4_load_q(u32 (&qa)[HEAD_DIM / 8], float (&qs)[H
         float s = part[G];
         s += __shfl_xor_sync(0xffffffffu, s, 1);
         s += __shfl_xor_sync(0xffffffffu, s, 2);  // state g's sum, in every lane of g
+        // (4 col_state() is 8 t at the tile of 8; that text kept there: ptxas allocated the tile-8
+        // kernels' registers otherwise, and three spilled, bench/RESULTS.md session 54)
         qs[G][0] = __shfl_sync(0xffffffffu, s, PAIRED ? 4 * col_state() : 8 * t);
         qs[G][1] = __shfl_sync(0xffffffffu, s, PAIRED ? 4 * col_state() + 4 : 8 * t + 4);
     }
