@@ -233,6 +233,24 @@ def test_the_one_wave_kernel(fa, ref, lib, gpu, assert_close_to_oracle, dtype_na
 
 
 @pytest.mark.parametrize("dtype_name", ["bf16", "f16"])
+@pytest.mark.parametrize("quant, v_quant", [((4, 64), (4, 64)), ((4, 32), (4, 32)), ((4, 64), (4, 32)), ((8, 64), (8, 64)),
+                                             ((8, 32), (8, 64))], ids=str)
+@pytest.mark.parametrize("splits", [None, 1])
+def test_the_wide_kernel(fa, ref, lib, gpu, assert_close_to_oracle, dtype_name, quant, v_quant, splits):
+    """Quantized caches at D = 128 whose groups nearly fill the SMs at one block each (here one per
+    SM) take one eight-warp block each, unsplit, on Hopper (decode.rs); the chosen kernel's splits
+    elsewhere. Ragged rows, empty ones too, keys past a stage's."""
+    sms = gpu.get("multiprocessors")
+    if not sms:
+        pytest.skip("the GPU's multiprocessor count is unknown")
+    seqlens = np.random.default_rng(13).integers(0, 700, sms)
+    seqlens[::9] = 0
+    run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name=dtype_name, d=128, sq=1, group=4, quant=quant,
+               v_quant=v_quant, b=sms, s_cache=700, hkv=1, seqlens=tuple(int(x) for x in seqlens), leftpad=None,
+               num_splits=splits)
+
+
+@pytest.mark.parametrize("dtype_name", ["bf16", "f16"])
 @pytest.mark.parametrize("splits", [None, 2, 3])
 def test_the_plain_kernel_past_a_wave(fa, ref, lib, gpu, assert_close_to_oracle, dtype_name, splits):
     """Plain caches at D = 128 whose grid is past one wave of the two-block kernel (3 blocks an SM

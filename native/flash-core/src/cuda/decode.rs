@@ -14,7 +14,7 @@ use cudarc::driver::sys as cu;
 use super::device::{self, ContextGuard, Device, DeviceBuffer};
 use super::host::{download, upload, Stream};
 use super::kv::{self, bytes_of, bytes_of_mut, MergePtrs};
-use super::kv_variants::{decode_candidates, decode_one_wave, decode_plain_past_a_wave};
+use super::kv_variants::{decode_wide, decode_candidates, decode_one_wave, decode_plain_past_a_wave};
 use super::variant::{Kernel, Variant};
 use super::libs;
 use crate::decode::{Cache, Decode};
@@ -296,6 +296,23 @@ fn one_wave_splits(items: usize, splits: usize, asked: bool, sms: usize, (blocks
     needs_one_wave_kernel(items * splits, sms, blocks_per_sm, one_wave_blocks).then_some(splits)
 }
 
+/// Whether `items` (b, kv head, chunk) groups over caches of `bits` take decode_wide's kernel
+/// unsplit: one eight-warp block an SM each, where they fill at least wide_fill(bits) of the SMs
+/// and at most all (the other kernels split such grids to fill two or three blocks an SM, and pay
+/// the merge's ~3 us tail).
+fn fills_the_sms_unsplit(items: usize, sms: usize, bits: usize) -> bool {
+    items <= sms && items as f64 >= wide_fill(bits) * sms as f64
+}
+
+/// The least share of the SMs decode_wide's unsplit blocks must fill. H200 (132 SMs), bf16 q, Hkv 8,
+/// graph, us, default / wide (RESULTS, session 55): 8-bit 16 x 4096 (0.97 of the SMs) 42.0-42.2 /
+/// 39.9-40.2, 15 x 4096 (0.91) 43.3-43.4 / 38.2-38.6, 13 x 4096 (0.79) 38.5-38.6 / 36.7-36.9, 12 x 4096
+/// (0.73) 37.8-37.9 / 35.9-36.2; 4-bit 30.8 / 29.6-29.9, 32.0-32.2 / 28.8-29.3, 28.3-28.6 /
+/// 28.4-28.8, but 25.0-25.2 / 28.3-28.4 (the 4-bit kernel wants more warps an SM than eight).
+fn wide_fill(bits: usize) -> f64 {
+    if bits == 8 { 0.7 } else { 0.85 }
+}
+
 /// How a call runs: the states' partition, the splits, and whether the splits of a group are one
 /// thread-block cluster that merges them in the kernel (no merge kernel).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -429,6 +446,14 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
             if let Some((f1, ws1)) = takes_the_same_blocks(dev, &v1, group * p.seq_q, chunks)? {
                 (v, f, warp_states, splits) = (v1, f1, ws1, splits1);
                 break;
+            }
+        }
+    }
+    // Groups that nearly fill the SMs at one block each: one wide block each, unsplit (Hopper).
+    if dev.cc.0 >= 9 && p.num_splits.is_none_or(|n| n == 1) && fills_the_sms_unsplit(p.batch * blocks, sms, bits) {
+        if let Some(vw) = decode_wide(p.dtype, p.head_dim, bits, (gs(formats[0]), gs(formats[1])), group * p.seq_q) {
+            if let Some((fw, ws)) = takes_the_same_blocks(dev, &vw, group * p.seq_q, chunks)? {
+                (v, f, warp_states, splits) = (vw, fw, ws, 1);
             }
         }
     }
@@ -676,6 +701,15 @@ mod tests {
         // A count asked for is kept: the kernel only where it fits those splits.
         assert_eq!(one_wave_splits(256, 3, true, 132, (3, 4), 2048, trip), None);
         assert_eq!(one_wave_splits(256, 2, true, 132, (3, 4), 2048, trip), Some(2));
+    }
+
+    #[test]
+    fn wide_blocks_take_groups_that_nearly_fill_the_sms() {
+        // 132 SMs, Hkv 8: 16 x 4096 is 128 groups. 4-bit from 113 groups (85 %), 8-bit from 93 (70 %).
+        assert!(fills_the_sms_unsplit(128, 132, 4) && fills_the_sms_unsplit(113, 132, 4) && fills_the_sms_unsplit(132, 132, 4));
+        assert!(!fills_the_sms_unsplit(112, 132, 4) && !fills_the_sms_unsplit(133, 132, 4) && !fills_the_sms_unsplit(96, 132, 4));
+        assert!(fills_the_sms_unsplit(96, 132, 8) && fills_the_sms_unsplit(93, 132, 8) && !fills_the_sms_unsplit(92, 132, 8));
+        assert!(!fills_the_sms_unsplit(133, 132, 8) && !fills_the_sms_unsplit(64, 132, 8));
     }
 
     #[test]

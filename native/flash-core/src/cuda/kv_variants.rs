@@ -150,6 +150,25 @@ pub fn decode_plain_past_a_wave(dtype: DType, head_dim: usize) -> Option<Variant
     (decode_uses_mma(dtype, head_dim) && head_dim == 128).then(|| decode_variant(dtype, head_dim, 0, (0, 0), (2, 3, 4), state_tile(Kernel::Decode), TileSet::Default))
 }
 
+/// The quantized tensor-core kernel at D = 128 in wide blocks, one an SM (WIDE_SHAPE: eight warps
+/// under 255 registers, two steps a warp as the default's, spill-free), which decode.rs takes on
+/// Hopper for groups that nearly fill the SMs at one block each, unsplit: no merge. H200, bf16 q,
+/// graph, 16 x 4096 (128 groups on 132 SMs), us, default (two or three splits and the merge) /
+/// this: 8-bit 41.9-42.2 / 39.9-40.2 (80 -> 84-85 % of the copy), 4-bit 30.8-30.9 / 29.6-29.9
+/// (58 -> 60 %); sixteen-warp blocks (128 registers) were slower, and so were splits merged by a
+/// cluster of two wide blocks where the groups fill half the SMs (RESULTS, session 55). `states`:
+/// query states a kv head (the PAIRED tile where paired() allows).
+pub fn decode_wide(dtype: DType, head_dim: usize, bits: usize, groups: (usize, usize), states: usize) -> Option<Variant> {
+    if !(decode_uses_mma(dtype, head_dim) && head_dim == 128 && bits != 0) {
+        return None;
+    }
+    let tile = if paired(dtype, head_dim, bits, states) { PAIRED_STATE_TILE } else { state_tile(Kernel::Decode) };
+    Some(decode_variant(dtype, head_dim, bits, groups, WIDE_SHAPE, tile, TileSet::Default))
+}
+
+/// decode_wide's (warps, stages, blocks an SM).
+const WIDE_SHAPE: (usize, usize, usize) = (8, 2, 1);
+
 /// decode_one_wave's kernels, (warps, stages, blocks an SM) in order of blocks an SM: the same 16
 /// warps an SM as four blocks of four, eight of two or sixteen of one, so that twice or four times
 /// the grid fits a wave. Eight and sixteen blocks take groups of 64 only (the fp16 4-bit groups of
@@ -207,6 +226,9 @@ pub fn all(head_dims: &[usize]) -> Vec<Variant> {
                         out.extend(decode_one_wave(dtype, d, bits, groups, usize::MAX));
                         let one_wave_paired = decode_one_wave(dtype, d, bits, groups, PAIRED_STATE_TILE);
                         out.extend(one_wave_paired.into_iter().filter(|v| v.tiles.block_m == PAIRED_STATE_TILE));
+                        let wide = decode_wide(dtype, d, bits, groups, usize::MAX);
+                        let wide_paired = decode_wide(dtype, d, bits, groups, PAIRED_STATE_TILE).filter(|v| v.tiles.block_m == PAIRED_STATE_TILE);
+                        out.extend(wide.into_iter().chain(wide_paired));
                     }
                 } else {
                     out.extend(decode_candidates(dtype, d, bits, (0, 0), usize::MAX));
@@ -259,6 +281,9 @@ mod tests {
         assert!(decode_one_wave(DType::F16, 128, 4, (64, 32), 8).is_empty());
         assert_eq!(decode_one_wave(DType::F16, 128, 4, (32, 32), 8).len(), 1);
         assert_eq!(decode_one_wave(DType::F16, 128, 8, (64, 64), 8).len(), 3);
+        assert_eq!(decode_wide(DType::BF16, 128, 8, (64, 32), 4).unwrap().name(), "decode_bf16_d128_cache_bits8_k_group64_v_group32_num_warps8_state_tile8_stages2_min_blocks1");
+        assert_eq!(decode_wide(DType::BF16, 128, 4, (64, 64), 4).unwrap().tiles.block_m, PAIRED_STATE_TILE);
+        assert!(decode_wide(DType::BF16, 128, 0, (0, 0), 4).is_none() && decode_wide(DType::F16, 64, 4, (64, 64), 4).is_none());
         assert_eq!(decode_plain_past_a_wave(DType::BF16, 128).unwrap().name(), "decode_bf16_d128_cache_bits0_num_warps2_state_tile8_stages3_min_blocks4");
         assert!(decode_plain_past_a_wave(DType::BF16, 64).is_none() && decode_plain_past_a_wave(DType::F32, 128).is_none());
         for (dtype, d) in [(DType::F32, 128), (DType::BF16, 96), (DType::F16, 40)] {
@@ -280,8 +305,9 @@ mod tests {
         // 128 fallback and the D = 128 one-wave kernels (four blocks an SM: 4-bit 2 equal group pairs,
         // 8-bit 64/64; eight and sixteen: 4- and 8-bit 64/64) and the plain one past a wave; 3 dtypes x
         // (simt, merge, quantize, dequantize, merge by block); and bf16's PAIRED 4-bit kernels at D 64
-        // and 128 (4 group pairs each) and its one-wave ones (groups 64: four, eight, sixteen blocks).
-        assert_eq!(n, 2 * (3 * 9 + 1 + 3 + 2 * 2 + 1) + 3 * 5 + 2 * 4 + 3);
+        // and 128 (4 group pairs each) and its one-wave ones (groups 64: four, eight, sixteen blocks);
+        // the wide D = 128 kernels (2 dtypes x 8 quantized group pairs, and bf16's PAIRED 4-bit ones).
+        assert_eq!(n, 2 * (3 * 9 + 1 + 3 + 2 * 2 + 1) + 3 * 5 + 2 * 4 + 3 + 2 * 8 + 4);
         let tile_ok = |v: &Variant| v.tiles.block_m == state_tile(v.kernel) || (v.kernel == Kernel::Decode && v.tiles.block_m == PAIRED_STATE_TILE);
         assert!(all.iter().all(|v| tile_ok(v) || !v.kernel.is_decode()));
     }
