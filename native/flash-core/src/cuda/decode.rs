@@ -14,7 +14,7 @@ use cudarc::driver::sys as cu;
 use super::device::{self, ContextGuard, Device, DeviceBuffer};
 use super::host::{download, upload, Stream};
 use super::kv::{self, bytes_of, bytes_of_mut, MergePtrs};
-use super::kv_variants::{decode_wide, decode_candidates, decode_one_wave, decode_plain_past_a_wave};
+use super::kv_variants::{decode_candidates, decode_one_wave, decode_plain_past_a_wave, decode_wide};
 use super::variant::{Kernel, Variant};
 use super::libs;
 use crate::decode::{Cache, Decode};

@@ -155,9 +155,10 @@ pub fn decode_plain_past_a_wave(dtype: DType, head_dim: usize) -> Option<Variant
 /// Hopper for groups that nearly fill the SMs at one block each, unsplit: no merge. H200, bf16 q,
 /// graph, 16 x 4096 (128 groups on 132 SMs), us, default (two or three splits and the merge) /
 /// this: 8-bit 41.9-42.2 / 39.9-40.2 (80 -> 84-85 % of the copy), 4-bit 30.8-30.9 / 29.6-29.9
-/// (58 -> 60 %); sixteen-warp blocks (128 registers) were slower, and so were splits merged by a
-/// cluster of two wide blocks where the groups fill half the SMs (RESULTS, session 55). `states`:
-/// query states a kv head (the PAIRED tile where paired() allows).
+/// (58 -> 60 %); sixteen-warp blocks (128 registers) and twelve (4-bit) were slower, and two wide
+/// blocks a group merged as a cluster (8-bit 8 x 8192, 1-2 % faster) cost the other kernels more
+/// through the epilogue code they share (RESULTS, session 55). `states`: query states a kv head
+/// (the PAIRED tile where paired() allows).
 pub fn decode_wide(dtype: DType, head_dim: usize, bits: usize, groups: (usize, usize), states: usize) -> Option<Variant> {
     if !(decode_uses_mma(dtype, head_dim) && head_dim == 128 && bits != 0) {
         return None;
