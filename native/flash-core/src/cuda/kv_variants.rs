@@ -77,6 +77,12 @@ fn paired(dtype: DType, head_dim: usize, bits: usize, states: usize) -> bool {
     dtype == DType::BF16 && bits == 4 && head_dim <= 128 && states <= PAIRED_STATE_TILE
 }
 
+/// The tensor-core kernel's query states per warp for `states` a kv head: the PAIRED tile where
+/// paired() allows, else the tile of 8.
+fn mma_state_tile(dtype: DType, head_dim: usize, bits: usize, states: usize) -> usize {
+    if paired(dtype, head_dim, bits, states) { PAIRED_STATE_TILE } else { state_tile(Kernel::Decode) }
+}
+
 /// Whether decode at this dtype and head dim runs on tensor cores.
 pub fn decode_uses_mma(dtype: DType, head_dim: usize) -> bool {
     dtype != DType::F32 && DECODE_MMA_HEAD_DIMS.contains(&head_dim)
@@ -96,7 +102,7 @@ pub fn decode_candidates(dtype: DType, head_dim: usize, bits: usize, groups: (us
     let mma = decode_uses_mma(dtype, head_dim);
     let shapes = if mma { decode_shapes(head_dim, bits) } else { decode_shapes(ANY_HEAD_DIM, 0) };
     let kernel = if mma { Kernel::Decode } else { Kernel::DecodeSimt };
-    let tile = if mma && paired(dtype, head_dim, bits, states) { PAIRED_STATE_TILE } else { state_tile(kernel) };
+    let tile = if mma { mma_state_tile(dtype, head_dim, bits, states) } else { state_tile(kernel) };
     let last = shapes.len() - 1;
     // The fallback that fits every GPU is the small tile set (compiled and checked where small
     // tiles launch; kernels.py).
@@ -132,8 +138,7 @@ pub fn decode_one_wave(dtype: DType, head_dim: usize, bits: usize, groups: (usiz
         .iter()
         .filter(|&&(warps, _, _)| warps == 4 || groups == (64, 64))
         .map(|&shape| {
-            let paired = paired(dtype, head_dim, bits, states) && groups == (64, 64);
-            let tile = if paired { PAIRED_STATE_TILE } else { state_tile(Kernel::Decode) };
+            let tile = if groups == (64, 64) { mma_state_tile(dtype, head_dim, bits, states) } else { state_tile(Kernel::Decode) };
             decode_variant(dtype, head_dim, bits, groups, shape, tile, TileSet::Default)
         })
         .collect()
@@ -163,8 +168,7 @@ pub fn decode_wide(dtype: DType, head_dim: usize, bits: usize, groups: (usize, u
     if !(decode_uses_mma(dtype, head_dim) && head_dim == 128 && bits != 0) {
         return None;
     }
-    let tile = if paired(dtype, head_dim, bits, states) { PAIRED_STATE_TILE } else { state_tile(Kernel::Decode) };
-    Some(decode_variant(dtype, head_dim, bits, groups, WIDE_SHAPE, tile, TileSet::Default))
+    Some(decode_variant(dtype, head_dim, bits, groups, WIDE_SHAPE, mma_state_tile(dtype, head_dim, bits, states), TileSet::Default))
 }
 
 /// decode_wide's (warps, stages, blocks an SM).
