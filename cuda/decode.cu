@@ -532,7 +532,7 @@ __device__ __forceinline__ void block_step_quant(float (&o)[HEAD_DIM / 16 + V_SU
                 q8_qk<GK>(x, qa, qs, qinv, rows, ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k, ks + r8 * 4 * L.sw_k,
                           kb + r8 * 4 * L.sw_k, k_off(key0 + r), k_off(key0 + r8));
             } else {
-                q4_qk<GK>(x, qa, qs, rows, ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k, ks + r8 * 4 * L.sw_k,
+                q4_qk<GK>(x, qa, qs, qinv[0], rows, ks + r * 4 * L.sw_k, kb + r * 4 * L.sw_k, ks + r8 * 4 * L.sw_k,
                           kb + r8 * 4 * L.sw_k, k_off(key0 + r), k_off(key0 + r8));
             }
         },
@@ -558,7 +558,7 @@ __device__ __forceinline__ void block_step_quant(float (&o)[HEAD_DIM / 16 + V_SU
 template <int GK, int GV>
 __device__ __forceinline__ void block_step_paired(float (&o)[HEAD_DIM / 16 + V_SUMS(GV)][4], float (&cv)[HEAD_DIM / GV][2], WeightRange& w,
                                                   float (&m)[2], float (&l)[2], const u32 (&qa)[Q_REGS],
-                                                  const float (&qs)[HEAD_DIM / GK][2], const unsigned char* stage, u32 stage_s,
+                                                  const float (&qs)[HEAD_DIM / GK][2], float kf, const unsigned char* stage, u32 stage_s,
                                                   const StageLayout& L, const DecodeParams& p, int key0, int nkeys, const int (&r0)[2],
                                                   const int2 (&vis)[2], const ScaleOffset& k_off, const ScaleOffset& v_off) {
     constexpr int NGK = HEAD_DIM / GK;
@@ -579,7 +579,7 @@ __device__ __forceinline__ void block_step_paired(float (&o)[HEAD_DIM / 16 + V_S
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[G][e] = lane_block() ? acc1[G][e] : acc[G][e];
         }
-        q4_qk_terms<GK>(x[0], acc, qs, stage + L.off_ks + sk, stage + L.off_kb + sk, stage + L.off_ks + sk8,
+        q4_qk_terms<GK>(x[0], acc, qs, kf, stage + L.off_ks + sk, stage + L.off_kb + sk, stage + L.off_ks + sk8,
                         stage + L.off_kb + sk8, k_off(key0 + r), k_off(key0 + r8));
     }
     const int key_base[1] = {key0 + rl};
@@ -630,10 +630,10 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const void* 
 
     u32 qa[Q_REGS];
     float qs[NGK][2];
-    float qinv[2] = {1.f, 1.f};  // 8-bit: the states' q scaling, undone (decode_q8.h)
+    float qinv[2] = {1.f, 1.f};  // the states' q scaling, undone (decode_q8.h; 4-bit: qinv[0], decode_q4.h's kf)
     WeightRange wr;  // quantized: the V weights' range (decode_weights.h)
     if constexpr (q4) {
-        q4_load_q<GK>(qa, qs, p, w);
+        q4_load_q<GK>(qa, qs, qinv[0], p, w);
     } else if constexpr (q8) {
         q8_load_q<GK>(qa, qs, qinv, p, w);
     } else {
@@ -666,7 +666,7 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const void* 
 #pragma unroll
             for (int b = 0; b < STEP_BLOCKS; ++b) rows[b] = r0 + b * wk_n * KEY_BLOCK;
             if constexpr (PAIRED) {
-                block_step_paired<GK, GV>(o, cv, wr, m, l, qa, qs, stage, stage_s, L, p, key0, nkeys, rows, vis, k_off, v_off);
+                block_step_paired<GK, GV>(o, cv, wr, m, l, qa, qs, qinv[0], stage, stage_s, L, p, key0, nkeys, rows, vis, k_off, v_off);
             } else if constexpr (CACHE_BITS != 0) {
                 block_step_quant<CACHE_BITS, GK, GV, STEP_BLOCKS>(o, cv, wr, qinv, m, l, qa, qs, stage, stage_s, L, p, key0, nkeys, rows,
                                                                   vis, k_off, v_off);

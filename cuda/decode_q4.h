@@ -9,7 +9,8 @@
 //   K:  S^T[key, st] = sum_G  s'[key,G] * A_G[key, st] + (b[key,G] - M s'[key,G]) * qs_G[st],
 //       A_G = sum_{d in G} (M + U c[key,d]) q[st,d] (an mma over G's dims, f32 accumulators),
 //       s' = s / U (U = Q4_K_UNIT, below),
-//       qs_G = sum_{d in G} q[st,d] (f32, once per call).
+//       qs_G = sum_{d in G} q[st,d] (f32, once per call). On Hopper under bf16 queries K's codes
+//       enter as subnormals instead, with no M (Q4_SUBNORMAL_K, below).
 //   V:  O^T[d, st] = sum_k (M + c[k,d]) P'_G[k,st] - (M + 8) sum_k P'_G[k,st] + sum_k (b + 8 s)[k,G] P[k,st],
 //       P'_G = P * s[.,G] rounded once to elem_t (as P alone would be), G the group of d (fp16
 //       queries: P s f, f keeping it in fp16's range, decode_weights.h; the output divides by f). Each
@@ -71,8 +72,37 @@ struct Q4 {
     };
 };
 
-// The code pairs of a K word: (c0, c4), (c1, c5), (c2, c6), (c3, c7), times Q4_K_UNIT, under M.
+// K's codes on Hopper under bf16 queries: as subnormals, not under M. A bf16 lane whose bit pattern
+// is below 256 is subnormal or in the first normal binade, where its value is linear in its bits:
+// a code in bits 0-3 reads as c 2^-133, in bits 4-7 as 16 c 2^-133, exactly, and sm_90's mma.sync
+// takes them so (bench/RESULTS.md session 56). Four LOP3 and one SHF build a word's four pairs where
+// the magic form takes seven (its PRMTs), and no magic sum cancels in f32. q goes in as
+// q' = q 2^k / U (U = 16 for the pairs from bits 4-7), k chosen per warp so that its largest |q'|
+// lies in [2^Q4_SUB_TOP, 2^(Q4_SUB_TOP + 1)) and the products stay normal f32; the scores take
+// kf = 2^(Q4_SUB_B - k) with the scale:
+//   S^T[key, st] = sum_G kf s[key,G] A_G[key, st] + b[key,G] qs_G[st],  A_G = sum_{d in G} q'_d U_d c_d 2^-133.
+// Elsewhere the magic form above: sm_80 (not measured there); fp16 queries, whose 8-state kernel
+// spilled 20 bytes with kf live through its loop (at the 168-register cap); and the 128-register
+// kernels of four blocks an SM or more, which spilled more with it (one warp a block: 88 bytes) and
+// ran 5 % slower (64 x 1024).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && FLASH_DTYPE == 1 && MIN_BLOCKS < 4
+#define Q4_SUBNORMAL_K 1
+#define Q4_SUB_B 133    // bit pattern 1 is 2^-133
+#define Q4_SUB_TOP 120  // q' below 2^121; a code's product with a q' 2^-113 of that still a normal f32
+#else
+#define Q4_SUBNORMAL_K 0
+#endif
+
+// The code pairs of a K word: (c0, c4), (c1, c5), (c2, c6), (c3, c7): subnormal, the odd ones in
+// units of 16 (Q4_SUBNORMAL_K), or all times Q4_K_UNIT under M.
 __device__ __forceinline__ void q4_pairs(u32 w, u32 (&out)[4]) {
+#if Q4_SUBNORMAL_K
+    const u32 w8 = w >> 8;
+    out[0] = w & 0x000f000fu;
+    out[1] = w & 0x00f000f0u;
+    out[2] = w8 & 0x000f000fu;
+    out[3] = w8 & 0x00f000f0u;
+#else
 #if FLASH_DTYPE == 1
     const u32 lo = w & 0x0f0f0f0fu, hi = (w >> 4) & 0x0f0f0f0fu;
 #else
@@ -82,6 +112,7 @@ __device__ __forceinline__ void q4_pairs(u32 w, u32 (&out)[4]) {
     out[1] = __byte_perm(hi, MAGIC_BYTES, 0x5240);
     out[2] = __byte_perm(lo, MAGIC_BYTES, 0x5341);
     out[3] = __byte_perm(hi, MAGIC_BYTES, 0x5341);
+#endif
 }
 
 // U ((x >> 4k) & 0xf) in both 16-bit lanes under M: dim k of two keys' interleaved half-words.
@@ -95,9 +126,10 @@ __device__ __forceinline__ u32 q4_dim(u32 x) {
 }
 
 // Q^T's B fragments for chunk c, k step h: qa[4c + 2h + f] = dims (8W + 2h + f, 8W + 2h + f + 4) of
-// state g, W = 4c + t (zero past the last state); qs[G][j]: the sum of group G of states 2t + j.
+// state g, W = 4c + t (zero past the last state), scaled by 2^k / U where Q4_SUBNORMAL_K (kf: the
+// scores' 2^(Q4_SUB_B - k)); qs[G][j]: the sum of group G of states 2t + j (unscaled).
 template <int GK>
-__device__ __forceinline__ void q4_load_q(u32 (&qa)[HEAD_DIM / 8], float (&qs)[HEAD_DIM / GK][2], const DecodeParams& p,
+__device__ __forceinline__ void q4_load_q(u32 (&qa)[HEAD_DIM / 8], float (&qs)[HEAD_DIM / GK][2], float& kf, const DecodeParams& p,
                                           const DecodeWork& w) {
     constexpr int CPG = GK / 32;  // chunks per group
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -108,6 +140,33 @@ __device__ __forceinline__ void q4_load_q(u32 (&qa)[HEAD_DIM / 8], float (&qs)[H
     float part[HEAD_DIM / GK];
 #pragma unroll
     for (int G = 0; G < HEAD_DIM / GK; ++G) part[G] = 0.f;
+#if Q4_SUBNORMAL_K
+    float x[Q4::CHUNKS][8];  // [c][k]: dim 8 (4c + t) + k
+    float mx = 0.f;
+#pragma unroll
+    for (int c = 0; c < Q4::CHUNKS; ++c)
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            x[c][k] = ok ? to_float(q[8 * (4 * c + t) + k]) : 0.f;
+            part[c / CPG] += x[c][k];
+            mx = fmaxf(mx, fabsf(x[c][k]));
+        }
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));  // the warp's largest |q|
+    // mx in [2^e, 2^(e + 1)) (e = -127 for zero, 128 for inf); k keeps 2^k and kf normal floats.
+    const int e = (int)(__float_as_uint(mx) >> 23) - 127;
+    const int k = min(max(Q4_SUB_TOP - e, Q4_SUB_B - 127), 126);
+    const float up = __uint_as_float((u32)(127 + k) << 23);
+    kf = __uint_as_float((u32)(127 + Q4_SUB_B - k) << 23);
+#pragma unroll
+    for (int c = 0; c < Q4::CHUNKS; ++c)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {  // k = 2h + f; odd k: q4_pairs' units of 16
+            const float u = k % 2 ? up * 0.0625f : up;
+            qa[4 * c + k] = pack2(x[c][k] * u, x[c][k + 4] * u);
+        }
+#else
+    kf = 1.f / Q4_K_UNIT;
 #pragma unroll
     for (int c = 0; c < Q4::CHUNKS; ++c) {
         const int base = 8 * (4 * c + t);
@@ -118,6 +177,7 @@ __device__ __forceinline__ void q4_load_q(u32 (&qa)[HEAD_DIM / 8], float (&qs)[H
             part[c / CPG] += to_float(lo) + to_float(hi);
         }
     }
+#endif
 #pragma unroll
     for (int G = 0; G < HEAD_DIM / GK; ++G) {
         float s = part[G];
@@ -164,16 +224,23 @@ __device__ __forceinline__ void q4_qk_products(float (&acc)[HEAD_DIM / GK][4], c
 // scale rows of this lane's key g (g + 8), at ScaleOffset half (half8).
 template <int GK>
 __device__ __forceinline__ void q4_qk_terms(float (&x)[4], const float (&acc)[HEAD_DIM / GK][4], const float (&qs)[HEAD_DIM / GK][2],
-                                            const unsigned char* sc, const unsigned char* bi, const unsigned char* sc8,
+                                            float kf, const unsigned char* sc, const unsigned char* bi, const unsigned char* sc8,
                                             const unsigned char* bi8, int half, int half8) {
     constexpr int NG = HEAD_DIM / GK;
 #pragma unroll
     for (int G = 0; G < NG; ++G) {
+#if Q4_SUBNORMAL_K
+        // The codes' scale per unit of acc: kf (q4_load_q) times s; no magic to take off.
+        const float s = scale_value<NG>(sc, half, G) * kf;
+        const float s8 = scale_value<NG>(sc8, half8, G) * kf;
+        const float b = scale_value<NG>(bi, half, G), b8 = scale_value<NG>(bi8, half8, G);
+#else
         // The codes' scale per unit of acc (exact: a power of two).
         const float s = scale_value<NG>(sc, half, G) / Q4_K_UNIT;
         const float s8 = scale_value<NG>(sc8, half8, G) / Q4_K_UNIT;
         const float b = fmaf(-Q4_M, s, scale_value<NG>(bi, half, G));
         const float b8 = fmaf(-Q4_M, s8, scale_value<NG>(bi8, half8, G));
+#endif
         group_scores(x, acc[G], s, s8, b, b8, qs[G], G == 0);
     }
 }
@@ -181,12 +248,12 @@ __device__ __forceinline__ void q4_qk_terms(float (&x)[4], const float (&acc)[HE
 // x = S^T of a 16-key block whose K rows start at shared address `rows` (q4_qk_products, then
 // q4_qk_terms).
 template <int GK>
-__device__ __forceinline__ void q4_qk(float (&x)[4], const u32 (&qa)[HEAD_DIM / 8], const float (&qs)[HEAD_DIM / GK][2], u32 rows,
-                                      const unsigned char* sc, const unsigned char* bi, const unsigned char* sc8,
+__device__ __forceinline__ void q4_qk(float (&x)[4], const u32 (&qa)[HEAD_DIM / 8], const float (&qs)[HEAD_DIM / GK][2], float kf,
+                                      u32 rows, const unsigned char* sc, const unsigned char* bi, const unsigned char* sc8,
                                       const unsigned char* bi8, int half, int half8) {
     float acc[HEAD_DIM / GK][4];
     q4_qk_products<GK>(acc, qa, rows);
-    q4_qk_terms<GK>(x, acc, qs, sc, bi, sc8, bi8, half, half8);
+    q4_qk_terms<GK>(x, acc, qs, kf, sc, bi, sc8, bi8, half, half8);
 }
 
 // The group of m-block mb, and the dim of its row g (row g + 8: the next one).
