@@ -308,6 +308,21 @@ def test_sizes_far_from_one(fa, ref, lib, assert_close_to_oracle, dtype_name, qu
                s_cache=s_cache, seqlens=(600, 333, 0), leftpad=(0, 5, 0), q_size=q_size, v_sizes=sizes, num_splits=2)
 
 
+# q's factor per head (hkv 2, GQA 4): one warp's four states 10^6 apart, then 10^12 apart.
+HEADS_APART = np.array([1.0, 1e-6, 1e6, 1e-3, 1e3, 1e-12, 1.0, 1.0]).reshape(1, 1, 8, 1)
+
+
+@pytest.mark.parametrize("quant", [(4, 64), (4, 32)], ids=str)
+@pytest.mark.parametrize("q_size", [1e-30, 1e-12, 1e20, HEADS_APART], ids=["1e-30", "1e-12", "1e20", "heads-apart"])
+def test_bf16_queries_of_any_size_over_4_bit_keys(fa, ref, lib, assert_close_to_oracle, quant, q_size):
+    """On Hopper the 4-bit kernels under bf16 queries take K's codes as bf16 subnormals and q scaled
+    by a power of two chosen per warp from its largest |q| (cuda/decode_q4.h, Q4_SUBNORMAL_K): tiny
+    and huge queries, and states of one warp far apart in size, must keep their scores."""
+    for num_splits in (None, 2):
+        run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name="bf16", d=128, sq=1, group=4, quant=quant,
+                   s_cache=500, seqlens=(500, 77, 0), leftpad=(0, 3, 0), q_size=q_size, num_splits=num_splits)
+
+
 @pytest.mark.parametrize("where", GPU_LIBS)
 @pytest.mark.parametrize("quant", [None, (4, 64)], ids=str)
 def test_every_array_library(fa, ref, env, assert_close_to_oracle, where, quant):
