@@ -81,11 +81,12 @@ struct Q4 {
 // lies in [2^Q4_SUB_TOP, 2^(Q4_SUB_TOP + 1)) and the products stay normal f32; the scores take
 // kf = 2^(Q4_SUB_B - k) with the scale:
 //   S^T[key, st] = sum_G kf s[key,G] A_G[key, st] + b[key,G] qs_G[st],  A_G = sum_{d in G} q'_d U_d c_d 2^-133.
-// Elsewhere the magic form above: sm_80 (not measured there); fp16 queries, whose 8-state kernel
-// spilled 20 bytes with kf live through its loop (at the 168-register cap); and the 128-register
-// kernels of four blocks an SM or more, which spilled more with it (one warp a block: 88 bytes) and
-// ran 5 % slower (64 x 1024).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && FLASH_DTYPE == 1 && MIN_BLOCKS < 4
+// k comes from one REDUX, so kf lives in a uniform register: with a shuffle reduction it took a
+// vector register through the loop, and the 128-register kernels spilled more (one warp a block:
+// 88 bytes) and ran 64 x 1024 5 % slower. Elsewhere the magic form above: sm_80 (not measured
+// there) and fp16 queries (not measured: their 8-state kernel, at the 168-register cap, spilled
+// 20 bytes with kf in a vector register).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && FLASH_DTYPE == 1
 #define Q4_SUBNORMAL_K 1
 #define Q4_SUB_B 133    // bit pattern 1 is 2^-133
 #define Q4_SUB_TOP 120  // q' below 2^121; a code's product with a q' 2^-113 of that still a normal f32
@@ -151,10 +152,10 @@ __device__ __forceinline__ void q4_load_q(u32 (&qa)[HEAD_DIM / 8], float (&qs)[H
             part[c / CPG] += x[c][k];
             mx = fmaxf(mx, fabsf(x[c][k]));
         }
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));  // the warp's largest |q|
-    // mx in [2^e, 2^(e + 1)) (e = -127 for zero, 128 for inf); k keeps 2^k and kf normal floats.
-    const int e = (int)(__float_as_uint(mx) >> 23) - 127;
+    // The warp's largest |q| (as bits: ordered as the floats, mx >= 0) by one REDUX, whose result
+    // and what follows from it live in uniform registers; mx in [2^e, 2^(e + 1)) (e = -127 for
+    // zero, 128 for inf); k keeps 2^k and kf normal floats.
+    const int e = (int)(__reduce_max_sync(0xffffffffu, __float_as_uint(mx)) >> 23) - 127;
     const int k = min(max(Q4_SUB_TOP - e, Q4_SUB_B - 127), 126);
     const float up = __uint_as_float((u32)(127 + k) << 23);
     kf = __uint_as_float((u32)(127 + Q4_SUB_B - k) << 23);
