@@ -156,9 +156,9 @@ __device__ __forceinline__ void q4_load_q(u32 (&qa)[HEAD_DIM / 8], float (&qs)[H
     // and what follows from it live in uniform registers; mx in [2^e, 2^(e + 1)) (e = -127 for
     // zero, 128 for inf); k keeps 2^k and kf normal floats.
     const int e = (int)(__reduce_max_sync(0xffffffffu, __float_as_uint(mx)) >> 23) - 127;
-    const int k = min(max(Q4_SUB_TOP - e, Q4_SUB_B - 127), 126);
-    const float up = __uint_as_float((u32)(127 + k) << 23);
-    kf = __uint_as_float((u32)(127 + Q4_SUB_B - k) << 23);
+    const int kq = min(max(Q4_SUB_TOP - e, Q4_SUB_B - 127), 126);  // k: q' = q 2^k / U
+    const float up = __uint_as_float((u32)(127 + kq) << 23);
+    kf = __uint_as_float((u32)(127 + Q4_SUB_B - kq) << 23);
 #pragma unroll
     for (int c = 0; c < Q4::CHUNKS; ++c)
 #pragma unroll
