@@ -167,7 +167,7 @@ __device__ __forceinline__ void q4_load_q(u32 (&qa)[HEAD_DIM / 8], float (&qs)[H
             qa[4 * c + k] = pack2(x[c][k] * u, x[c][k + 4] * u);
         }
 #else
-    kf = 1.f / Q4_K_UNIT;
+    kf = 1.f / Q4_K_UNIT;  // the magic codes' unit
 #pragma unroll
     for (int c = 0; c < Q4::CHUNKS; ++c) {
         const int base = 8 * (4 * c + t);
@@ -230,15 +230,12 @@ __device__ __forceinline__ void q4_qk_terms(float (&x)[4], const float (&acc)[HE
     constexpr int NG = HEAD_DIM / GK;
 #pragma unroll
     for (int G = 0; G < NG; ++G) {
-#if Q4_SUBNORMAL_K
-        // The codes' scale per unit of acc: kf (q4_load_q) times s; no magic to take off.
+        // The codes' scale per unit of acc: s times kf (q4_load_q; exact, a power of two).
         const float s = scale_value<NG>(sc, half, G) * kf;
         const float s8 = scale_value<NG>(sc8, half8, G) * kf;
-        const float b = scale_value<NG>(bi, half, G), b8 = scale_value<NG>(bi8, half8, G);
+#if Q4_SUBNORMAL_K
+        const float b = scale_value<NG>(bi, half, G), b8 = scale_value<NG>(bi8, half8, G);  // no magic to take off
 #else
-        // The codes' scale per unit of acc (exact: a power of two).
-        const float s = scale_value<NG>(sc, half, G) / Q4_K_UNIT;
-        const float s8 = scale_value<NG>(sc8, half8, G) / Q4_K_UNIT;
         const float b = fmaf(-Q4_M, s, scale_value<NG>(bi, half, G));
         const float b8 = fmaf(-Q4_M, s8, scale_value<NG>(bi8, half8, G));
 #endif
