@@ -11,7 +11,7 @@ two CUDA events, median of --reps of those (GPU), after warm-up.
 On the CPU the reference is memcpy measured in the same run (np.copyto of --copy-mb MiB, bytes read
 plus written, on 1 thread and on all the library's threads) and a read-only sum for scale; the
 percentages are of the all-threads memcpy. The target is >= 50 % of it for every cache format.
-    python bench/decode.py --device cuda [--shapes 8x8192,1x131072] [--graph]  # GPU: torch tensors
+    python bench/decode.py --device cuda [--shapes 8x8192,1x131072] [--graph] [--dtype f16]  # GPU: torch tensors
 
 On the GPU each shape B x S_cache also runs torch's scaled_dot_product_attention (GQA, its fastest
 backend that takes the call) on the same bf16 cache in its own layout [B, Hkv, S, D], and prints
@@ -208,25 +208,28 @@ def gpu(args):
     print(f"{dev.name} ({dev.multi_processor_count} SMs), torch {torch.__version__}, flash_nif {flash_nif.info()['version']} "
           f"(NVRTC {info.get('nvrtc_version')}, {info.get('arch')})")
     how = "replayed from a CUDA graph" if args.graph else "back to back"
-    print(f"Hkv={HKV} H={H} D={D}, Sq=1, bf16 q, groups of 64; per call: CUDA events around {args.iters} calls {how}, "
+    gk, gv = (int(x) for x in (args.groups + "," + args.groups).split(",")[:2])
+    print(f"Hkv={HKV} H={H} D={D}, Sq=1, {args.dtype} q, groups of {gk} (K) / {gv} (V); per call: CUDA events around {args.iters} calls {how}, "
           f"median of {args.reps}")
     rate = copy_rate(torch, args.copy_mb * 2**20, args.iters, args.reps)
     print(f"copy: {rate / 1e9:.0f} GB/s (read + written, {args.copy_mb} MiB)\n")
-    print("| B x S_cache | cache | num_splits | bytes read (MB) | time (us) | GB/s | % of copy | SDPA bf16 (us) | "
+    print(f"| B x S_cache | cache | num_splits | bytes read (MB) | time (us) | GB/s | % of copy | SDPA {args.dtype} (us) | "
           "speed-up | byte ratio | speed-up / byte ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     gen = torch.Generator(device="cuda").manual_seed(0)
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
+    formats = tuple((args.dtype if bits is None else name, bits) for name, bits in FORMATS)
     for b, s in shapes:
-        q = torch.randn(b, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        k = torch.randn(b, s, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        v = torch.randn(b, s, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q = torch.randn(b, 1, H, D, device="cuda", dtype=dtype, generator=gen)
+        k = torch.randn(b, s, HKV, D, device="cuda", dtype=dtype, generator=gen)
+        v = torch.randn(b, s, HKV, D, device="cuda", dtype=dtype, generator=gen)
         # SDPA on the same cache in its own layout (made once, untimed): its fastest backend.
         qt, kt, vt = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
         t_sdpa, backend = sdpa_time(torch, qt, kt, vt, args)
         print(f"<!-- {b} x {s}: torch SDPA's fastest backend here: {backend} -->")
-        bf16_bytes = k.nbytes + v.nbytes
-        for name, bits in FORMATS:
-            kc, vc = (k, v) if bits is None else (flash_nif.quantize_kv(x, bits=bits, group_size=64) for x in (k, v))
+        bf16_bytes = k.nbytes + v.nbytes  # the plain cache SDPA reads (bf16 or f16: the same bytes)
+        for name, bits in formats:
+            kc, vc = (k, v) if bits is None else (flash_nif.quantize_kv(x, bits=bits, group_size=g) for x, g in ((k, gk), (v, gv)))
             nbytes = cache_bytes(kc) + cache_bytes(vc)
             for n in splits:
                 t = gpu_time(torch, lambda: flash_nif.decode(q, kc, vc, num_splits=n), args.iters, args.reps, args.graph)
@@ -253,6 +256,9 @@ def main():
     ap.add_argument("--formats", default="bf16,8-bit/64,4-bit/64",
                     help="CPU: caches, comma separated: bf16, f16, f32 (q in that dtype) or BITS-bit/GROUP "
                          "(quantized from bf16, bf16 q)")
+    ap.add_argument("--groups", default="64", help="GPU: the quantized caches' group size, or K's and V's (e.g. 32,64)")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "f16"),
+                    help="GPU: q's and the cache's dtype (the quantized caches' scales and biases too)")
     ap.add_argument("--graph", action="store_true",
                     help="GPU: time CUDA-graph replays of the calls (ours and SDPA alike; the copy stays eager): the GPU's time "
                          "without the host's between calls")

@@ -298,15 +298,30 @@ __device__ __forceinline__ float column_sum(float x) {
 #else
 #define MAX_LAG 0.f
 #endif
+// Whether a step first asks by one vote if any lane's scores pass their state's m + MAX_LAG, and
+// takes the columns' maxima (a chain of shuffles: 13 % of the 4-bit kernel's stall samples, ncu)
+// only then: the 4-bit kernels under bf16 q, 1-4 % faster (bench/RESULTS.md, session 57). Not the
+// plain cache's (memory bound: 0-5 % slower), nor the 8-bit ones' (no lag: the same), nor D = 128
+// with K groups of 32 and V groups of 64 (its PAIRED kernel, at the 168-register cap, then spills a
+// word reloaded once a stage, and 64 x 1024 ran 1-2 % slower).
+#if CACHE_BITS == 4 && FLASH_DTYPE == 1 && !(HEAD_DIM == 128 && K_GROUP == 32 && V_GROUP == 64)
+#define MAX_VOTE 1
+#else
+#define MAX_VOTE 0
+#endif
 
 // The softmax step of NB 16-key blocks in S^T's layout (x[b]: keys g, g + 8 of states 2t, 2t + 1;
 // block b's keys key_base[b] + g ..; the stage's keys end at key_end), one max and one rescale for
 // all of them: masks, updates m and l of the lane's states and leaves P in x and the factors the
-// accumulators take in alpha. Returns whether any lane's alpha is not 1 (warp-uniform).
-template <int NB>
+// accumulators take in alpha. Returns whether any lane's alpha is not 1 (warp-uniform); on_move(alpha)
+// runs then too, inside the step's rare path (where the callers need no flag across it).
+struct NoMove {
+    __device__ __forceinline__ void operator()(const float (&)[2]) const {}
+};
+template <int NB, typename OnMove = NoMove>
 __device__ __forceinline__ bool softmax_step(float (&x)[NB][4], float (&m)[2], float (&l)[2], float (&alpha)[2],
                                              const DecodeParams& p, const int (&key_base)[NB], int key_end,
-                                             const int2 (&vis)[2]) {
+                                             const int2 (&vis)[2], OnMove&& on_move = OnMove()) {
     const int g = (threadIdx.x % 32) / 4;
     scores_log2(p, reinterpret_cast<float(&)[NB * 4]>(x));
     // Most steps lie inside the stage's keys and every state's visible ones: with several blocks a
@@ -333,12 +348,25 @@ __device__ __forceinline__ bool softmax_step(float (&x)[NB][4], float (&m)[2], f
 #pragma unroll
         for (int e = 0; e < 4; ++e) mx[e & 1] = fmaxf(mx[e & 1], x[b][e]);
     }
+    // MAX_VOTE: the columns' maxima only in the steps where some lane's scores pass m + MAX_LAG (one
+    // vote); in the others no maximum moves. The same m either way.
+    bool moved = false;
+    alpha[0] = alpha[1] = 1.f;
+    if (!MAX_VOTE || __any_sync(0xffffffffu, mx[0] > m[0] + MAX_LAG || mx[1] > m[1] + MAX_LAG)) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const float m_step = column_max(mx[c]);
+            const float m_new = m_step > m[c] + MAX_LAG ? m_step : m[c];
+            alpha[c] = fast_exp2(m[c] - (m_new == NEG_INF ? 0.f : m_new));
+            m[c] = m_new;
+        }
+        // Once the maxima settle most blocks change none: the callers skip the multiplies.
+        moved = __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f);
+        if (moved) on_move(alpha);
+    }
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-        const float m_step = column_max(mx[c]);
-        const float m_new = m_step > m[c] + MAX_LAG ? m_step : m[c];
-        const float m_use = m_new == NEG_INF ? 0.f : m_new;  // no -inf - -inf
-        alpha[c] = fast_exp2(m[c] - m_use);
+        const float m_use = m[c] == NEG_INF ? 0.f : m[c];  // no -inf - -inf
         float sum = 0.f;
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
@@ -347,10 +375,8 @@ __device__ __forceinline__ bool softmax_step(float (&x)[NB][4], float (&m)[2], f
             sum += x[b][c] + x[b][c + 2];
         }
         l[c] = l[c] * alpha[c] + sum;
-        m[c] = m_new;
     }
-    // Once the maxima settle most blocks change none: the callers skip the multiplies.
-    return __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f);
+    return moved;
 }
 
 // Accumulators in O^T's layout (columns states 2t, 2t + 1) times the step's factors.
@@ -584,9 +610,17 @@ __device__ __forceinline__ void block_step_paired(float (&o)[HEAD_DIM / 16 + V_S
     }
     const int key_base[1] = {key0 + rl};
     float alpha[2];
-    if (softmax_step<1>(x, m, l, alpha, p, key_base, key0 + nkeys, vis)) {  // bf16 q: the weights need no range (decode_weights.h)
-        rescale(o, alpha);
-        rescale_pairs(cv, alpha);
+    // bf16 q: the weights need no range (decode_weights.h). Where MAX_VOTE, the rescale runs inside
+    // the step's rare path (no flag across it: 1 % faster at 1 x 131072); elsewhere after it (the
+    // K32 / V64 kernel, at the register cap, spilled with it inside).
+    const auto rescale_all = [&](const float (&a)[2]) {
+        rescale(o, a);
+        rescale_pairs(cv, a);
+    };
+    if constexpr (MAX_VOTE) {
+        softmax_step<1>(x, m, l, alpha, p, key_base, key0 + nkeys, vis, rescale_all);
+    } else if (softmax_step<1>(x, m, l, alpha, p, key_base, key0 + nkeys, vis)) {
+        rescale_all(alpha);
     }
     q4_pv<GV, 2>(o, cv, x[0], w, stage_s + L.off_v + r0[0] * Q4::SROW_V, stage + L.off_vs + sv, stage + L.off_vb + sv,
                  stage + L.off_vs + sv8, stage + L.off_vb + sv8, v_off(key0 + r), v_off(key0 + r8), stage_s + L.off_v + r0[1] * Q4::SROW_V);

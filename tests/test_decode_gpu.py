@@ -308,19 +308,29 @@ def test_sizes_far_from_one(fa, ref, lib, assert_close_to_oracle, dtype_name, qu
                s_cache=s_cache, seqlens=(600, 333, 0), leftpad=(0, 5, 0), q_size=q_size, v_sizes=sizes, num_splits=2)
 
 
-# q's factor per head (hkv 2, GQA 4): one warp's four states 10^6 apart, then 10^12 apart.
+# q's factor per head (hkv 2, GQA 4): one warp's four states 10^6 apart, then 10^12 apart (bf16);
+# within fp16's range, 10^3 and 10^6 apart (its largest |q| past 2^15).
 HEADS_APART = np.array([1.0, 1e-6, 1e6, 1e-3, 1e3, 1e-12, 1.0, 1.0]).reshape(1, 1, 8, 1)
+F16_HEADS_APART = np.array([1.0, 1e-3, 3e-2, 1e-3, 1e4, 1e-2, 1.0, 1.0]).reshape(1, 1, 8, 1)
+QUERY_SIZES = {
+    "bf16": [1e-30, 1e-12, 1e20, HEADS_APART],
+    "f16": [1e-4, 1e-2, 1e4, F16_HEADS_APART],
+}
 
 
-@pytest.mark.parametrize("quant", [(4, 64), (4, 32)], ids=str)
-@pytest.mark.parametrize("q_size", [1e-30, 1e-12, 1e20, HEADS_APART], ids=["1e-30", "1e-12", "1e20", "heads-apart"])
-def test_bf16_queries_of_any_size_over_4_bit_keys(fa, ref, lib, assert_close_to_oracle, quant, q_size):
-    """On Hopper the 4-bit kernels under bf16 queries take K's codes as bf16 subnormals and q scaled
-    by a power of two chosen per warp from its largest |q| (cuda/decode_q4.h, Q4_SUBNORMAL_K): tiny
-    and huge queries, and states of one warp far apart in size, must keep their scores."""
+@pytest.mark.parametrize("quant", [(4, 64), (4, 32), ((4, 64), (4, 32))], ids=str)
+@pytest.mark.parametrize("dtype_name, q_size", [(dt, size) for dt, sizes in QUERY_SIZES.items() for size in sizes],
+                         ids=[f"{dt}-{size if np.isscalar(size) else 'heads-apart'}" for dt, sizes in QUERY_SIZES.items() for size in sizes])
+def test_queries_of_any_size_over_4_bit_keys(fa, ref, lib, assert_close_to_oracle, quant, dtype_name, q_size):
+    """On Hopper the 4-bit kernels under bf16 q take K's codes as bf16 subnormals and q scaled by a
+    power of two chosen per warp from its largest |q| (cuda/decode_q4.h, Q4_SUBNORMAL_K); fp16 q
+    keeps the magic codes. Tiny and huge queries, and states of one warp far apart in size, must keep
+    their scores either way (and with K and V in different group sizes)."""
+    k_quant, v_quant = quant if isinstance(quant[0], tuple) else (quant, "same")
     for num_splits in (None, 2):
-        run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name="bf16", d=128, sq=1, group=4, quant=quant,
-                   s_cache=500, seqlens=(500, 77, 0), leftpad=(0, 3, 0), q_size=q_size, num_splits=num_splits)
+        run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name=dtype_name, d=128, sq=1, group=4, quant=k_quant,
+                   v_quant=v_quant, s_cache=500, seqlens=(500, 77, 0), leftpad=(0, 3, 0), q_size=q_size,
+                   num_splits=num_splits)
 
 
 @pytest.mark.parametrize("where", GPU_LIBS)
