@@ -1,5 +1,6 @@
 """Decode bandwidth: flash_nif.decode over a KV cache, plain (bf16) and quantized (8- and 4-bit,
-groups of 64), against a copy in the same run. bf16 q, Hkv = 8, H = 32, D = 128, Sq = 1.
+groups of 64), against a copy in the same run. bf16 q, Hkv = 8, H = 32, D = 128, Sq = 1 (on the
+GPU, --dtype f16 takes fp16 q and caches, --groups K,V other group sizes).
 
 Effective bandwidth = bytes of the cache read (K and V values, scales, biases) / time; the copy's
 rate counts bytes read plus written. Median of --reps (CPU) or the mean of --iters calls between
@@ -14,7 +15,7 @@ percentages are of the all-threads memcpy. The target is >= 50 % of it for every
     python bench/decode.py --device cuda [--shapes 8x8192,1x131072] [--graph] [--dtype f16]  # GPU: torch tensors
 
 On the GPU each shape B x S_cache also runs torch's scaled_dot_product_attention (GQA, its fastest
-backend that takes the call) on the same bf16 cache in its own layout [B, Hkv, S, D], and prints
+backend that takes the call) on the same plain cache in its own layout [B, Hkv, S, D], and prints
 ours / SDPA's time against the ratio of
 the bytes read: the targets are >= 90 % of the copy for bf16, >= 80 % for 8 / 4-bit, and a
 speed-up over SDPA of at least 0.8 x the byte ratio. `--splits 8,16,32` adds rows with num_splits
