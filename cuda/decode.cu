@@ -291,9 +291,9 @@ __device__ __forceinline__ float column_sum(float x) {
 // when a step's exceeds it by more than this, so after the first steps the accumulators seldom take
 // a rescale (it measured half the 4-bit kernel's steps with random scores and exact moves). Exact
 // either way: P = 2^(s - m) then lies below 2^MAX_LAG, which bf16 / fp16 P, f32 sums and o hold.
-// Not where the V weights go into fp16 scaled to their range (decode_weights.h: 8-bit caches and
-// 4-bit ones under fp16 queries), which tracks P's range itself.
-#if CACHE_BITS == 0 || (CACHE_BITS == 4 && FLASH_DTYPE == 1)
+// 8-bit caches too, whose fp16 V weights P s f follow the largest (decode_weights.h) whatever P's
+// range; not yet the 4-bit ones under fp16 queries (the same weights; not measured).
+#if CACHE_BITS == 0 || CACHE_BITS == 8 || (CACHE_BITS == 4 && FLASH_DTYPE == 1)
 #define MAX_LAG 8.f
 #else
 #define MAX_LAG 0.f
@@ -304,7 +304,7 @@ __device__ __forceinline__ float column_sum(float x) {
 // plain cache's (memory bound: 0-5 % slower), nor the 8-bit ones' (no lag: the same), nor D = 128
 // with K groups of 32 and V groups of 64 (its PAIRED kernel, at the 168-register cap, then spills a
 // word reloaded once a stage, and 64 x 1024 ran 1-2 % slower).
-#if CACHE_BITS == 4 && FLASH_DTYPE == 1 && !(HEAD_DIM == 128 && K_GROUP == 32 && V_GROUP == 64)
+#if (CACHE_BITS == 4 && FLASH_DTYPE == 1 && !(HEAD_DIM == 128 && K_GROUP == 32 && V_GROUP == 64)) || CACHE_BITS == 8
 #define MAX_VOTE 1
 #else
 #define MAX_VOTE 0

@@ -43,6 +43,10 @@ __device__ __forceinline__ void settle_weights(const float (&x)[NB][4], const fl
         mx[0] = fmaxf(mx[0], fmaxf(x[b][0] * smax[b], x[b][2] * smax8[b]));
         mx[1] = fmaxf(mx[1], fmaxf(x[b][1] * smax[b], x[b][3] * smax8[b]));
     }
+    // MAX_VOTE (decode.cu): where no factor moved and no lane's weights pass R, R stays (the max
+    // over the lanes of mx f is the lanes' max of mx times f) and nothing renormalises: one vote
+    // instead of the column maxima's shuffles.
+    if (MAX_VOTE && !moved && !__any_sync(0xffffffffu, mx[0] * w.f[0] > w.r[0] || mx[1] * w.f[1] > w.r[1])) return;
     float k[2];
     bool renorm = false;
 #pragma unroll
