@@ -269,6 +269,17 @@ __device__ __forceinline__ StageLayout stage_layout(const DecodeParams& p, int s
     return layout_of(srow_k, srow_v, scale_words(groups_k(p)), scale_words(groups_v(p)), budget, key_round);
 }
 
+// The caches' rows and scale words are read once: their copies ask L2 to evict them first
+// (DECODE_STREAM_HINT), so that what is read again — q, the code, the splits' parts — stays.
+#ifndef DECODE_STREAM_HINT
+#define DECODE_STREAM_HINT 1
+#endif
+__device__ __forceinline__ unsigned long long stream_policy() {
+    unsigned long long pol;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+}
+
 // cp.async of 8 and 4 bytes (through L1; 16 bytes is ptx.h's cp_async16). When !valid the bytes
 // are zero-filled and src is not read.
 __device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid) {
@@ -276,15 +287,35 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(n));
 }
 __device__ __forceinline__ void cp_async4_u32(u32 dst, const void* src, bool valid) {
+#if DECODE_STREAM_HINT
+    asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 4, %2, %3;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0), "l"(stream_policy()));
+#else
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
+#endif
 }
 __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) { cp_async4_u32(smem_addr(dst), src, valid); }
 // Unpredicated: every byte read (no source-size operand).
 __device__ __forceinline__ void cp_async4_u32_all(u32 dst, const void* src) {
+#if DECODE_STREAM_HINT
+    asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 4, 4, %2;" ::"r"(dst), "l"(src), "l"(stream_policy()));
+#else
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src));
+#endif
 }
 __device__ __forceinline__ void cp_async16_u32_all(u32 dst, const void* src) {
+#if DECODE_STREAM_HINT
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, 16, %2;" ::"r"(dst), "l"(src), "l"(stream_policy()));
+#else
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+#endif
+}
+// ptx.h's cp_async16_u32 with the stream's hint.
+__device__ __forceinline__ void stream_cp_async16_u32(u32 dst, const void* src, bool valid) {
+#if DECODE_STREAM_HINT
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0), "l"(stream_policy()));
+#else
+    cp_async16_u32(dst, src, valid);
+#endif
 }
 
 // Copies `unit` bytes (16, 8 or 4: cp.async; 2: a plain load and store, for rows whose size or
@@ -429,7 +460,7 @@ struct FastCopy {
         }
         template <int BYTES>
         __device__ __forceinline__ static void copy_bytes(u32 d, const void* src, bool valid) {
-            if constexpr (BYTES == 16) cp_async16_u32(d, src, valid);
+            if constexpr (BYTES == 16) stream_cp_async16_u32(d, src, valid);
             else cp_async4_u32(d, src, valid);
         }
     };
@@ -662,8 +693,8 @@ struct WarpCopy {
                 cp_async16_u32_all(dv, v + at);
             } else {
                 const bool ok = i0 + i * PASS < valid;
-                cp_async16_u32(dk, ok ? k + at : k, ok);
-                cp_async16_u32(dv, ok ? v + at : v, ok);
+                stream_cp_async16_u32(dk, ok ? k + at : k, ok);
+                stream_cp_async16_u32(dv, ok ? v + at : v, ok);
             }
         }
         scales<KS, FULL>(e.ks, stage + L.off_ks, stage + L.off_kb, (u32)(key0 + r0) * k_stride, r0, valid);
@@ -730,8 +761,13 @@ __device__ __forceinline__ void tma_rows(const DecodeTmaParams& tp, u32 stage, c
 #pragma unroll
         for (int j = 0; j < DECODE_TMA_WARP_BLOCKS; ++j) {
             const int r0 = first + j * NUM_WARPS * ROWS;
+#if DECODE_STREAM_HINT
+            tma_load_2d_hint(dst + r0 * L.srow_k, &tp.k, tp.k_x0 + x, y + r0, b, stream_policy());
+            tma_load_2d_hint(dst + L.off_v + r0 * L.srow_v, &tp.v, tp.v_x0 + x, y + r0, b, stream_policy());
+#else
             tma_load_2d(dst + r0 * L.srow_k, &tp.k, tp.k_x0 + x, y + r0, b);
             tma_load_2d(dst + L.off_v + r0 * L.srow_v, &tp.v, tp.v_x0 + x, y + r0, b);
+#endif
         }
     }
 }

@@ -60,6 +60,12 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, int c
                  ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar)
                  : "memory");
 }
+// The same with an L2 cache policy (createpolicy's 64-bit operand).
+__device__ __forceinline__ void tma_load_2d_hint(u32 dst, const TensorMap* map, int c0, int c1, u32 bar, unsigned long long policy) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3}], [%4], %5;"
+                 ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar), "l"(policy)
+                 : "memory");
+}
 __device__ __forceinline__ void tma_prefetch_map(const TensorMap* map) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
 }
