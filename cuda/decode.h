@@ -269,8 +269,11 @@ __device__ __forceinline__ StageLayout stage_layout(const DecodeParams& p, int s
     return layout_of(srow_k, srow_v, scale_words(groups_k(p)), scale_words(groups_v(p)), budget, key_round);
 }
 
-// The caches' rows and scale words are read once: their copies ask L2 to evict them first
-// (DECODE_STREAM_HINT), so that what is read again — q, the code, the splits' parts — stays.
+// The caches' rows are read once: their copies ask L2 to evict them first (DECODE_STREAM_HINT), so
+// that what is read again — q, the code, the splits' parts — stays. Not the scale and bias words
+// (the 4-byte copies below): a 32-byte sector of them holds every kv head's words of a key, which
+// the other heads' blocks read from L2 soon after (evicted first, 8-bit 8 x 8192 took 41.1 us
+// instead of 38.7, bench/RESULTS.md session 58).
 #ifndef DECODE_STREAM_HINT
 #define DECODE_STREAM_HINT 1
 #endif
@@ -287,20 +290,12 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(n));
 }
 __device__ __forceinline__ void cp_async4_u32(u32 dst, const void* src, bool valid) {
-#if DECODE_STREAM_HINT
-    asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 4, %2, %3;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0), "l"(stream_policy()));
-#else
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
-#endif
 }
 __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) { cp_async4_u32(smem_addr(dst), src, valid); }
 // Unpredicated: every byte read (no source-size operand).
 __device__ __forceinline__ void cp_async4_u32_all(u32 dst, const void* src) {
-#if DECODE_STREAM_HINT
-    asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 4, 4, %2;" ::"r"(dst), "l"(src), "l"(stream_policy()));
-#else
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src));
-#endif
 }
 __device__ __forceinline__ void cp_async16_u32_all(u32 dst, const void* src) {
 #if DECODE_STREAM_HINT

@@ -51,12 +51,19 @@ def test_fit_rules_catch_an_oversized_kernel(golden):
 
 
 def test_spills_are_allowed_only_where_named(golden):
-    """The spill allowance names decode's PAIRED one-wave kernels (four, eight and sixteen blocks an
-    SM), present in the table, and no other variant."""
+    """The spill allowance names decode's PAIRED 4-bit one-wave kernels (four, eight and sixteen
+    blocks an SM) and its one-warp 8-bit ones (sixteen, bf16 and fp16 q), present in the table, and
+    no other variant."""
     allowed = [v["name"] for v in golden["variants"] if kernels.spill_allowed(v["name"])]
-    assert sorted(n.rsplit("_", 1)[1] for n in allowed) == ["blocks16", "blocks4", "blocks8"]
-    assert all("_state_tile4_" in n and n.startswith("decode_bf16_d128_cache_bits4_k_group64_v_group64") for n in allowed)
+    q4 = [n for n in allowed if n.startswith("decode_bf16_d128_cache_bits4_k_group64_v_group64")]
+    q8 = [n for n in allowed if "_d128_cache_bits8_k_group64_v_group64_num_warps1_" in n]
+    assert sorted(n.rsplit("_", 1)[1] for n in q4) == ["blocks16", "blocks4", "blocks8"]
+    assert all("_state_tile4_" in n for n in q4)
+    assert sorted(n.split("_", 2)[1] for n in q8) == ["bf16", "f16"]
+    assert all(n.endswith("_min_blocks16") for n in q8)
+    assert sorted(allowed) == sorted(q4 + q8)
     assert not kernels.spill_allowed("decode_bf16_d128_cache_bits4_k_group64_v_group64_num_warps4_state_tile4_stages2_min_blocks3")
+    assert not kernels.spill_allowed("decode_bf16_d128_cache_bits8_k_group64_v_group64_num_warps4_state_tile8_stages2_min_blocks4")
 
 
 def test_no_define_is_dead_weight(golden):
