@@ -270,11 +270,12 @@ __device__ __forceinline__ StageLayout stage_layout(const DecodeParams& p, int s
 }
 
 // The caches' rows are read once: their copies ask L2 to evict them first (DECODE_STREAM_HINT: the
-// copy engine's boxes, FastCopy's and WarpCopy's 16-byte copies; the CUDA-core kernel's copy_unit,
-// f32 caches, not measured, keeps plain ones), so that what is read again — q, the code, the splits'
-// parts — stays. Not the scale and bias words (the 4-byte copies below): a 32-byte sector of them
-// holds every kv head's words of a key, which the other heads' blocks read from L2 soon after
-// (evicted first, 8-bit 8 x 8192 took 41.1 us instead of 38.7, bench/RESULTS.md session 58).
+// copy engine's boxes, FastCopy's and WarpCopy's 16-byte copies; load_stage's copy_unit, for f32
+// caches and rows not 16-byte aligned, not measured, keeps plain ones), so that what is read again
+// — q, the code, the splits' parts — stays. Not the scale and bias words (the 4-byte copies below):
+// a 32-byte sector of them holds every kv head's words of a key, which the other heads' blocks read
+// from L2 soon after (evicted first, 8-bit 8 x 8192 took 41.1 us instead of 38.7, bench/RESULTS.md
+// session 58).
 #ifndef DECODE_STREAM_HINT
 #define DECODE_STREAM_HINT 1
 #endif
