@@ -300,10 +300,11 @@ __device__ __forceinline__ float column_sum(float x) {
 #endif
 // Whether a step first asks by one vote if any lane's scores pass their state's m + MAX_LAG, and
 // takes the columns' maxima (a chain of shuffles: 13 % of the 4-bit kernel's stall samples, ncu)
-// only then: the 4-bit kernels under bf16 q, 1-4 % faster (bench/RESULTS.md, session 57). Not the
-// plain cache's (memory bound: 0-5 % slower), nor the 8-bit ones' (no lag: the same), nor D = 128
-// with K groups of 32 and V groups of 64 (its PAIRED kernel, at the 168-register cap, then spills a
-// word reloaded once a stage, and 64 x 1024 ran 1-2 % slower).
+// only then: the 4-bit kernels under bf16 q, 1-4 % faster (bench/RESULTS.md, session 57), and the
+// 8-bit ones (with the lag, and decode_weights.h's vote: 0.3-1.5 %, session 58). Not the plain
+// cache's (memory bound: 0-5 % slower), nor D = 128 4-bit with K groups of 32 and V groups of 64
+// (its PAIRED kernel, at the 168-register cap, then spills a word reloaded once a stage, and 64 x
+// 1024 ran 1-2 % slower).
 #if (CACHE_BITS == 4 && FLASH_DTYPE == 1 && !(HEAD_DIM == 128 && K_GROUP == 32 && V_GROUP == 64)) || CACHE_BITS == 8
 #define MAX_VOTE 1
 #else

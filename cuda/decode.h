@@ -299,7 +299,7 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid
 __device__ __forceinline__ void cp_async4_u32_all(u32 dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src));
 }
-__device__ __forceinline__ void cp_async16_u32_all(u32 dst, const void* src) {
+__device__ __forceinline__ void stream_cp_async16_u32_all(u32 dst, const void* src) {
 #if DECODE_STREAM_HINT
     asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, 16, %2;" ::"r"(dst), "l"(src), "l"(stream_policy()));
 #else
@@ -686,8 +686,8 @@ struct WarpCopy {
             const int r = r0 + i0 + i * PASS;
             const u32 dk = stage + r * L.srow_k + row_offset(r, 16 * z), dv = stage + L.off_v + r * L.srow_v + row_offset(r, 16 * z);
             if (FULL) {
-                cp_async16_u32_all(dk, k + at);
-                cp_async16_u32_all(dv, v + at);
+                stream_cp_async16_u32_all(dk, k + at);
+                stream_cp_async16_u32_all(dv, v + at);
             } else {
                 const bool ok = i0 + i * PASS < valid;
                 stream_cp_async16_u32(dk, ok ? k + at : k, ok);
