@@ -982,13 +982,15 @@ __device__ __forceinline__ void store_states(const DecodeParams& p, const Decode
         const i64 row = p.cluster ? (i64)slot * d
                         : p.splits == 1 ? (((i64)w.b * p.seq_q + i) * p.heads + h) * d
                                         : ((sb * p.seq_q + i) * p.heads + h) * d;
+        // One reciprocal a state: a division a column (with its slow-path test) took ~1 us a state.
+        const float inv_l = seen ? 1.f / l : 0.f;
         for (int col = lane; col < d; col += 32) {
             float acc = 0.f;
 #pragma unroll
             for (int k = 0; k < NUM_WARPS; ++k) {
                 if (k < wk_n) acc += f[k] * part.o[((k * ws_n + ws) * STATE_TILE + sl) * d + col];
             }
-            const float out = seen ? acc / l : 0.f;
+            const float out = acc * inv_l;
             if (p.cluster) {
                 mine.o[row + col] = out;
             } else if (p.splits == 1) {
