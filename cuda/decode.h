@@ -991,7 +991,7 @@ __device__ __forceinline__ void store_states(const DecodeParams& p, const Decode
             for (int k = 0; k < NUM_WARPS; ++k) {
                 if (k < wk_n) acc += f[k] * part.o[((k * ws_n + ws) * STATE_TILE + sl) * d + col];
             }
-            const float out = acc * inv_l;
+            const float out = seen ? acc * inv_l : 0.f;  // 0, whatever an unseen state's partials hold
             if (p.cluster) {
                 mine.o[row + col] = out;
             } else if (p.splits == 1) {
