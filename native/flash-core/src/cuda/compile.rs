@@ -48,11 +48,19 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
     Ok((major, minor))
 }
 
+/// Development probes only: `FLASH_NIF_NVRTC_DEFINES="NAME=VALUE ..."` adds these defines to every
+/// kernel's options (and so to the cache key), e.g. a timing probe's switch, so that one wheel runs
+/// several probe builds. Unset in every product path.
+pub const EXTRA_DEFINES_ENV: &str = "FLASH_NIF_NVRTC_DEFINES";
+
 /// NVRTC options for `v` on `arch` (e.g. "sm_90a"): its defines, and ptxas's resource report
 /// (registers, spills, stack) in the log.
 pub fn options(v: &Variant, arch: &str) -> Vec<String> {
     let mut o = vec![format!("-arch={arch}"), "-std=c++17".to_string(), "-default-device".to_string()];
     o.extend(v.defines.iter().map(|(k, x)| format!("-D{k}={x}")));
+    if let Ok(extra) = std::env::var(EXTRA_DEFINES_ENV) {
+        o.extend(extra.split_whitespace().map(|d| format!("-D{d}")));
+    }
     o.push("-Xptxas=-v".to_string());
     o
 }
