@@ -50,15 +50,23 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
 
 /// Development probes only: `FLASH_NIF_NVRTC_DEFINES="NAME=VALUE ..."` adds these defines to every
 /// kernel's options (and so to the cache key), e.g. a timing probe's switch, so that one wheel runs
-/// several probe builds. Unset in every product path.
+/// several probe builds (tools/ab_probe.sh). Unset in every product path; where set, the process
+/// says so on stderr once.
 pub const EXTRA_DEFINES_ENV: &str = "FLASH_NIF_NVRTC_DEFINES";
+
+fn extra_defines() -> Option<String> {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    let extra = std::env::var(EXTRA_DEFINES_ENV).ok().filter(|e| !e.trim().is_empty())?;
+    SAID.call_once(|| eprintln!("flash_nif: {EXTRA_DEFINES_ENV}={extra}: these defines go into every kernel's compile"));
+    Some(extra)
+}
 
 /// NVRTC options for `v` on `arch` (e.g. "sm_90a"): its defines, and ptxas's resource report
 /// (registers, spills, stack) in the log.
 pub fn options(v: &Variant, arch: &str) -> Vec<String> {
     let mut o = vec![format!("-arch={arch}"), "-std=c++17".to_string(), "-default-device".to_string()];
     o.extend(v.defines.iter().map(|(k, x)| format!("-D{k}={x}")));
-    if let Ok(extra) = std::env::var(EXTRA_DEFINES_ENV) {
+    if let Some(extra) = extra_defines() {
         o.extend(extra.split_whitespace().map(|d| format!("-D{d}")));
     }
     o.push("-Xptxas=-v".to_string());
