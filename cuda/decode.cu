@@ -19,8 +19,9 @@
 //      EK elements each). A unit's elements form pairs P_0, P_1, ... (pair_lo / pair_hi); step r
 //      of the unit feeds P_2r to k indices (2t, 2t+1) and P_2r+1 to (2t+8, 2t+9), and Q's B
 //      fragment takes the same elements of state g.
-//   V: lane g owns units g, g + 8, ... of each V row (UV bytes, EV elements); pair k of its unit j
-//      is m-block mb = j * EV / 2 + k, the pair's two elements O^T rows g and g + 8 of that block.
+//   V: DECODE_PLAIN_LDSM: O^T's m-block mb holds dims 16 mb .. 16 mb + 15 in order (ldmatrix.trans).
+//      Else lane g owns units g, g + 8, ... of each V row (UV bytes, EV elements); pair k of its unit
+//      j is m-block mb = j * EV / 2 + k, the pair's two elements O^T rows g and g + 8 of that block.
 // Pairs of a u32 word: plain rows, its two elements. Quantized caches take their own block steps
 // (decode_q4.h, decode_q8.h): codes into the mma undequantized, their own layouts.
 #include "decode.h"
@@ -73,6 +74,16 @@ __device__ __forceinline__ int lane_block() { return PAIRED ? (threadIdx.x % 4) 
 #endif
 static_assert(!PAIRED || STEP_BLOCKS == 2, "a PAIRED step takes two blocks");
 
+// Plain caches: V^T's fragments by ldmatrix.trans and the K products in two chains (pv_block,
+// qk_block). They cut the block loop 297 -> 264 instructions and pay where four two-warp blocks
+// share an SM and the compute's latency shows (kv_variants.rs decode_plain_past_a_wave: 256 x 256
+// and 128 x 512 -2 %), but the kernels of one block an SM ran slower with them, replayed back to
+// back (8 x 8192 +6 to +19 %, 1 x 131072 +2 to +6 %; faster alone under ncu: bench/RESULTS.md
+// session 61). A define, so that a probe may set it (FLASH_NIF_NVRTC_DEFINES).
+#ifndef DECODE_PLAIN_LDSM
+#define DECODE_PLAIN_LDSM (CACHE_BITS == 0 && MIN_BLOCKS >= 4)
+#endif
+
 // Geometry of a cache whose elements take BITS bits (0: plain elem_t rows).
 template <int BITS>
 struct Geom {
@@ -89,9 +100,10 @@ struct Geom {
         PPW = EPW / 2,                       // pairs per word
         // Row strides in shared memory that keep the reads above free of bank conflicts: the two K
         // rows of a quarter warp (LDS.128) 64 bytes apart mod 128; the four V rows 2t (t = 0..3) of
-        // a warp phase 32 bytes apart. Quantized caches (decode_q4.h, decode_q8.h): K and V rows an
-        // odd number of 16-byte units apart (ldmatrix, ldmatrix.trans), or DECODE_TMA's swizzled
-        // 64-byte rows (decode.h row_offset).
+        // a warp phase 32 bytes apart, and the eight of an ldmatrix phase 16 (DECODE_PLAIN_LDSM).
+        // Quantized caches (decode_q4.h, decode_q8.h): K and V rows an odd number of 16-byte units
+        // apart (ldmatrix, ldmatrix.trans), or DECODE_TMA's swizzled 64-byte rows (decode.h
+        // row_offset).
         SROW_K = BITS != 0 ? (DECODE_TMA ? ROW : ROW + 16) : ROW % 128 == 0 ? ROW + 64 : ROW,
         SROW_V = BITS != 0 && DECODE_TMA ? ROW : ROW + 16,
     };
@@ -222,21 +234,31 @@ __device__ __forceinline__ void k_unit(u32 (&pairs)[Geom<BITS>::EK / 2], const u
 }
 
 // s = S^T of a 16-key block of a plain cache: this lane's K rows are r (key g) and r8 (key g + 8).
+// DECODE_PLAIN_LDSM: two chains of products (a unit's even and odd k steps), added at the end, so
+// that the block's scores wait on half as many dependent mmas (ncu: "wait" stalls led the four-block
+// kernel's samples at two warps a scheduler).
 template <int BITS>
 __device__ __forceinline__ void qk_block(float (&s)[4], const u32 (&qa)[Q_REGS], const unsigned char* r, const unsigned char* r8) {
     using G = Geom<BITS>;
+    static_assert(G::EK / 4 == 2, "a unit: two k steps, one a chain");
+    constexpr bool CHAINS = DECODE_PLAIN_LDSM;
     const int t = threadIdx.x % 4;
+    float s1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < G::NK; ++j) {
         u32 pg[G::EK / 2], pg8[G::EK / 2];
         k_unit<BITS>(pg, r, t + 4 * j);
         k_unit<BITS>(pg8, r8, t + 4 * j);
 #pragma unroll
-        for (int x = 0; x < G::EK / 4; ++x) {
-            const int at = 2 * (j * (G::EK / 4) + x);
+        for (int x = 0; x < 2; ++x) {
+            const int at = 2 * (j * 2 + x);
             const u32 a[4] = {pg[2 * x], pg8[2 * x], pg[2 * x + 1], pg8[2 * x + 1]};
-            mma16816(s, a, qa[at], qa[at + 1]);
+            mma16816(CHAINS && x ? s1 : s, a, qa[at], qa[at + 1]);
         }
+    }
+    if constexpr (CHAINS) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[e] += s1[e];
     }
 }
 
@@ -248,14 +270,27 @@ __device__ __forceinline__ u32 transpose8x8(u32 x) {
     return y;
 }
 
-// The four V rows of this lane in a 16-key block: keys 2t, 2t + 1, 2t + 8, 2t + 9.
-__device__ __forceinline__ int v_row(int n) { return 2 * (threadIdx.x % 4) + (n & 1) + (n >> 1) * 8; }
-
 // o += V^T P^T for a 16-key block of a plain cache whose first V row is `rows` (stride SROW_V);
 // bp0 / bp1: P^T's B fragment.
-template <int BITS>
+#if DECODE_PLAIN_LDSM
+// One ldmatrix.x4.trans per m-block mb gives V^T's A fragment as it lies (rows: dims 16 mb + g and
+// + 8; columns: keys 2t, 2t + 1 and + 8): lanes 8j .. 8j + 7 address keys 8 (j / 2) .. + 7 at dims
+// 16 mb + 8 (j % 2).
 __device__ __forceinline__ void pv_block(float (&o)[HEAD_DIM / 16][4], const unsigned char* rows, u32 bp0, u32 bp1) {
-    using G = Geom<BITS>;
+    const int lane = threadIdx.x % 32;
+    const u32 at = smem_addr(rows) + ((lane & 7) + 8 * (lane >> 4)) * Geom<0>::SROW_V + 16 * ((lane >> 3) & 1);
+#pragma unroll
+    for (int mb = 0; mb < HEAD_DIM / 16; ++mb) {
+        u32 a[4];
+        ldmatrix_x4_trans(a, at + 32 * mb);
+        mma16816(o[mb], a, bp0, bp1);
+    }
+}
+#else
+// Four 16-byte loads (this lane's V rows: keys 2t, 2t + 1, 2t + 8, 2t + 9) and a PRMT a register.
+__device__ __forceinline__ int v_row(int n) { return 2 * (threadIdx.x % 4) + (n & 1) + (n >> 1) * 8; }
+__device__ __forceinline__ void pv_block(float (&o)[HEAD_DIM / 16][4], const unsigned char* rows, u32 bp0, u32 bp1) {
+    using G = Geom<0>;
     const int g = (threadIdx.x % 32) / 4;
 #pragma unroll
     for (int j = 0; j < G::NV; ++j) {
@@ -272,6 +307,7 @@ __device__ __forceinline__ void pv_block(float (&o)[HEAD_DIM / 16][4], const uns
         }
     }
 }
+#endif
 
 // Max and sum over the lanes of a state's columns of S^T (the 8 lanes of one t: the keys of a
 // state; PAIRED, the 16 lanes of t and t ^ 2: both blocks' keys). Every lane of them gets the result.
@@ -442,7 +478,7 @@ __device__ __forceinline__ void block_step(float (&o)[HEAD_DIM / 16][4], float (
         [&](int b, const float (&x)[4]) {
             u32 bp0, bp1;
             p_fragment(x, bp0, bp1);
-            pv_block<0>(o, stage + L.off_v + r0[b] * G::SROW_V, bp0, bp1);
+            pv_block(o, stage + L.off_v + r0[b] * G::SROW_V, bp0, bp1);
         });
 }
 
@@ -627,22 +663,23 @@ __device__ __forceinline__ void block_step_paired(float (&o)[HEAD_DIM / 16 + V_S
                  stage + L.off_vs + sv8, stage + L.off_vb + sv8, v_off(key0 + r), v_off(key0 + r8), stage_s + L.off_v + r0[1] * Q4::SROW_V);
 }
 
-// The warp's partial o into shared memory: states 2t, 2t + 1 at the head dims of its V pairs.
-template <int BITS>
+// The warp's partial o (plain caches) into shared memory: states 2t, 2t + 1 at the head dims of
+// pv_block's rows.
 __device__ __forceinline__ void store_partial_o(float* dst, const float (&o)[HEAD_DIM / 16][4]) {
-    using G = Geom<BITS>;
     const int t = threadIdx.x % 4, g = (threadIdx.x % 32) / 4;
 #pragma unroll
-    for (int j = 0; j < G::NV; ++j) {
-#pragma unroll
-        for (int P = 0; P < G::EV / 2; ++P) {
-            const int mb = j * (G::EV / 2) + P, base = (g + 8 * j) * G::EV;
-            const int d_lo = base + pair_elem<BITS>(P, 0), d_hi = base + pair_elem<BITS>(P, 1);
-            dst[2 * t * HEAD_DIM + d_lo] = o[mb][0];
-            dst[(2 * t + 1) * HEAD_DIM + d_lo] = o[mb][1];
-            dst[2 * t * HEAD_DIM + d_hi] = o[mb][2];
-            dst[(2 * t + 1) * HEAD_DIM + d_hi] = o[mb][3];
-        }
+    for (int mb = 0; mb < HEAD_DIM / 16; ++mb) {
+#if DECODE_PLAIN_LDSM
+        const int d_lo = 16 * mb + g, d_hi = d_lo + 8;
+#else
+        using G = Geom<0>;
+        const int j = mb / (G::EV / 2), P = mb % (G::EV / 2), base = (g + 8 * j) * G::EV;
+        const int d_lo = base + pair_elem<0>(P, 0), d_hi = base + pair_elem<0>(P, 1);
+#endif
+        dst[2 * t * HEAD_DIM + d_lo] = o[mb][0];
+        dst[(2 * t + 1) * HEAD_DIM + d_lo] = o[mb][1];
+        dst[2 * t * HEAD_DIM + d_hi] = o[mb][2];
+        dst[(2 * t + 1) * HEAD_DIM + d_hi] = o[mb][3];
     }
 }
 
@@ -733,7 +770,7 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const void* 
     } else if constexpr (q8) {
         store_quant_partial_o<GV>(part.o + row * HEAD_DIM, o, cv, wr, Q8_MAGIC_SUMS, 1.f, [g](int mb) { return make_int2(q8_group<GV>(mb), q8_dim_of(mb, g)); });
     } else {
-        store_partial_o<0>(part.o + row * HEAD_DIM, o);
+        store_partial_o(part.o + row * HEAD_DIM, o);
     }
     __syncthreads();
     store_states(p, w, part);

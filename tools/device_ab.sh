@@ -19,6 +19,7 @@
 #                  merge kernels' own durations under ncu (clocks left alone; ${NCU_FORMATS:-bf16 8 4})
 #   SASS=NAME:FMT  per-instruction executed counts of the decode kernel (ncu source page, SASS, CSV;
 #                  read it here with tools/sass_regions.py)
+#   PROFILE_SHAPE  the B x S_cache that NCU and SASS profile (default 8x8192)
 #   CPU_PROBE="a b .."  the host CPU: dist/NAME/decode_probe (a build of native/flash-core/examples/
 #                  decode_probe carried in dist/NAME, no wheel needed) per name in that order, each of
 #                  ${CPU_FORMATS:-bf16 8/64 4/64} at ${CPU_THREADS:-16} threads, B = 4, S = 65536, best of 5;
@@ -64,7 +65,7 @@ if [ -n "${NCU:-}" ]; then
     w=${NCU%%:*} f=${NCU##*:}
     (cd bench && PYTHONPATH="/tmp/site_$w" timeout 300 ncu --kernel-name regex:flash_decode --launch-skip 2 \
         --launch-count 1 --section SpeedOfLight --section Occupancy --section SchedulerStats \
-        --section WarpStateStats --print-details all python3 profile_decode.py 8x8192 "$f" > "$OUT/ncu_$w.txt" 2>&1)
+        --section WarpStateStats --print-details all python3 profile_decode.py "${PROFILE_SHAPE:-8x8192}" "$f" > "$OUT/ncu_$w.txt" 2>&1)
     echo "== ncu $w $f"; grep -E "Duration|DRAM Throughput|Issued Warp|Eligible Warps|Active Warps Per|Stall|Registers Per" "$OUT/ncu_$w.txt"
 fi
 
@@ -111,7 +112,7 @@ if [ -n "${SASS:-}" ]; then
     w=${SASS%%:*} f=${SASS##*:}
     (cd bench && PYTHONPATH="/tmp/site_$w" timeout 300 ncu --clock-control none --kernel-name regex:flash_decode --launch-skip 2 \
         --launch-count 1 --section SourceCounters --page source --print-source sass --csv \
-        python3 profile_decode.py 8x8192 "$f" > "$OUT/sass_counts_${w}_$f.csv" 2>&1)
+        python3 profile_decode.py "${PROFILE_SHAPE:-8x8192}" "$f" > "$OUT/sass_counts_${w}_$f.csv" 2>&1)
     echo "== sass counts $w $f: $(wc -l < "$OUT/sass_counts_${w}_$f.csv") lines"
 fi
 
