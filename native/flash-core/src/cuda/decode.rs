@@ -481,6 +481,10 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
     let work_ptrs = work.as_ref().map_or((0, 0), |w| (w.ptr, w.ptr + lse_at as u64));
     let prm = params(p, bits, gs(formats[0]), gs(formats[1]), plan, &ptrs, work_ptrs);
     let grid = (grid_x as u32, p.batch as u32, 1);
+    // A grid within one wave, launched dependent (Hopper), keeps its share of every SM
+    // (device::alone): at most as many blocks an SM as it places there itself.
+    let n = grid_x * p.batch;
+    let f = if dev.cc.0 >= 9 && n <= sms * f.blocks_per_sm as usize { device::alone(dev, f, n.div_ceil(sms) as u32)? } else { f };
     if cluster {
         // SAFETY: as below; the cluster's blocks are the splits of one group (the kernel's order).
         unsafe { device::launch_cluster(v.kernel.entry(), f, grid, splits as u32, s, &prm)? };

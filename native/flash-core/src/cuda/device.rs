@@ -43,6 +43,9 @@ pub struct Device {
     pub arch: String,
     pub sm_count: i32,
     pub max_smem_optin: i32,
+    /// Shared memory an SM holds, and what each resident block costs of it besides its own.
+    pub smem_per_sm: i32,
+    pub smem_reserved_per_block: i32,
 }
 
 // SAFETY: CUcontext / CUdevice are driver handles usable from any thread.
@@ -114,11 +117,13 @@ pub fn device(ordinal: usize) -> Result<Arc<Device>> {
     if let Some(cap) = std::env::var("FLASH_NIF_MAX_SMEM").ok().and_then(|v| v.parse::<i32>().ok()) {
         max_smem_optin = max_smem_optin.min(cap);
     }
+    let smem_per_sm = attribute(dev, A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?;
+    let smem_reserved_per_block = attribute(dev, A::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK)?;
     let mut ctx: cu::CUcontext = std::ptr::null_mut();
     check("cuDevicePrimaryCtxRetain", unsafe { cu::cuDevicePrimaryCtxRetain(&mut ctx, dev) })?;
     keep_pool_memory(dev)?;
     let arch = if major == 9 && minor == 0 { "sm_90a".to_string() } else { format!("sm_{major}{minor}") };
-    let d = Arc::new(Device { ordinal, ctx, name, cc: (major, minor), arch, sm_count, max_smem_optin });
+    let d = Arc::new(Device { ordinal, ctx, name, cc: (major, minor), arch, sm_count, max_smem_optin, smem_per_sm, smem_reserved_per_block });
     map.insert(ordinal, d.clone());
     Ok(d)
 }
@@ -266,6 +271,33 @@ pub fn function(dev: &Device, v: &Variant) -> Result<Function> {
         m.insert((dev.ordinal, v.clone()), f);
     }
     Ok(f)
+}
+
+/// `f` asking for enough shared memory that an SM holds at most `per_sm` of its blocks at a time,
+/// for a grid of at most `per_sm` blocks an SM launched dependent: the next kernel's blocks, placed
+/// while this grid's last ones finish, then spread over the SMs instead of doubling up on those
+/// that free first (decode at 8 x 8192 bf16, one block an SM, ran 67.6 us so against 74 in the
+/// same call: bench/RESULTS.md session 61). `f` itself where its blocks are that few an SM already,
+/// or where a block may not ask for that much.
+pub fn alone(dev: &Device, f: Function, per_sm: u32) -> Result<Function> {
+    let per_sm = per_sm.max(1);
+    let pad = (dev.smem_per_sm / (per_sm as i32 + 1) - dev.smem_reserved_per_block + 1).max(0) as u32;
+    if f.blocks_per_sm <= per_sm || pad <= f.smem || pad > dev.max_smem_optin.max(0) as u32 {
+        return Ok(f);
+    }
+    static RAISED: OnceLock<Mutex<HashMap<usize, u32>>> = OnceLock::new();
+    let raised = RAISED.get_or_init(|| Mutex::new(HashMap::new()));
+    let key = f.func as usize;
+    if raised.lock().map(|m| m.get(&key).copied().unwrap_or(0) < pad).unwrap_or(true) {
+        // SAFETY: a loaded function; its launches ask for at most this limit.
+        check("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", unsafe {
+            cu::cuFuncSetAttribute(f.func, cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, pad as i32)
+        })?;
+        if let Ok(mut m) = raised.lock() {
+            m.insert(key, pad);
+        }
+    }
+    Ok(Function { smem: pad, blocks_per_sm: per_sm, ..f })
 }
 
 /// Launches `f` with one by-value parameter (the params struct) on `stream`. A grid with a zero
