@@ -215,13 +215,15 @@ def test_more_items_than_resident_blocks(fa, ref, lib, assert_close_to_oracle, d
 @pytest.mark.parametrize("dtype_name", ["bf16", "f16"])
 @pytest.mark.parametrize("quant, v_quant", [((4, 64), (4, 64)), ((4, 32), (4, 32)), ((4, 64), (4, 32)), ((4, 32), (4, 64)),
                                              ((8, 64), (8, 64)), ((8, 32), (8, 32))], ids=str)
-@pytest.mark.parametrize("per_sm", [3.5, 6, 12], ids=["3.5-an-sm", "6-an-sm", "12-an-sm"])
+@pytest.mark.parametrize("per_sm", [3.5, 6, 12, 20], ids=["3.5-an-sm", "6-an-sm", "12-an-sm", "20-an-sm"])
 def test_the_one_wave_kernel(fa, ref, lib, gpu, assert_close_to_oracle, dtype_name, quant, v_quant, per_sm):
     """Quantized caches at D = 128 whose grid needs more than one wave of the chosen kernel (three
     4-bit blocks an SM, two 8-bit ones) but fits one of four blocks an SM (3.5 an SM), of eight (6)
     or of sixteen (12) take the four-, eight- or sixteen-block kernel (decode.rs) where it is
     compiled (four: 4-bit K and V sharing a group size, 8-bit groups of 64; eight and sixteen: groups
-    of 64), the chosen one otherwise; ragged rows, empty ones too."""
+    of 64), the chosen one otherwise; past every one-wave kernel's wave (20 an SM), rows this short
+    take the one of most blocks an SM in several waves (decode.rs short_rows_past_every_wave);
+    ragged rows, empty ones too."""
     sms = gpu.get("multiprocessors")
     if not sms:
         pytest.skip("the GPU's multiprocessor count is unknown")

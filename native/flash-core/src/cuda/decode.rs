@@ -302,6 +302,20 @@ fn one_wave_splits(items: usize, splits: usize, asked: bool, sms: usize, (blocks
     needs_one_wave_kernel(items * splits, sms, blocks_per_sm, one_wave_blocks).then_some(splits)
 }
 
+/// Keys a block reads at most for which a grid past one wave of every one-wave kernel still takes
+/// the one of most blocks an SM (short_rows_past_every_wave).
+const SHORT_ROW_KEYS: usize = 256;
+
+/// Whether a quantized grid of `grid` blocks, past one wave of the one-wave kernel of most blocks
+/// an SM (`most_blocks`), takes it anyway: where each block reads few keys its fixed set-up and end
+/// outweigh its stream, and more of them in flight an SM hide those. H200, graph, us, default /
+/// sixteen one-warp blocks an SM (RESULTS, session 62): 8-bit 1024 x 64 206 -> 65, 512 x 128 102
+/// -> 49, 2200 x 256 545 -> 355; 4-bit 1024 x 64 135 -> 52, 512 x 128 69 -> 38.5, 2200 x 256 360
+/// -> 243; but 320 x 2048 8-bit 361 -> 475, 4-bit 248 -> 381, and 512 x 1024 4-bit 207 -> 245.
+fn short_rows_past_every_wave(grid: usize, sms: usize, most_blocks: usize, keys: usize, splits: usize) -> bool {
+    grid > sms * most_blocks && keys.div_ceil(splits.max(1)) <= SHORT_ROW_KEYS
+}
+
 /// Whether `items` (b, kv head, chunk) groups over caches of `bits` take decode_wide's kernel
 /// unsplit: one eight-warp block an SM each, where they fill at least wide_fill(bits) of the SMs
 /// and at most all (the other kernels split such grids to fill two or three blocks an SM, and pay
@@ -452,6 +466,16 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
             if let Some((f1, ws1)) = takes_the_same_blocks(dev, &v1, group * p.seq_q, chunks)? {
                 (v, f, warp_states, splits) = (v1, f1, ws1, splits1);
                 break;
+            }
+        }
+    }
+    // Short rows past a wave of every one-wave kernel: the one of most blocks an SM, the same splits.
+    if dev.cc.0 >= 9 {
+        if let Some(vm) = decode_one_wave(p.dtype, p.head_dim, bits, (gs(formats[0]), gs(formats[1])), group * p.seq_q).pop() {
+            if short_rows_past_every_wave(p.batch * blocks * splits, sms, vm.tiles.min_blocks, keys, splits) {
+                if let Some((fm, ws)) = takes_the_same_blocks(dev, &vm, group * p.seq_q, chunks)? {
+                    (v, f, warp_states) = (vm, fm, ws);
+                }
             }
         }
     }
@@ -717,6 +741,15 @@ mod tests {
         // A count asked for is kept: the kernel only where it fits those splits.
         assert_eq!(one_wave_splits(256, 3, true, 132, (3, 4), 2048, trip), None);
         assert_eq!(one_wave_splits(256, 2, true, 132, (3, 4), 2048, trip), Some(2));
+    }
+
+    #[test]
+    fn short_rows_past_every_wave_take_the_most_blocks_an_sm() {
+        // H200 (132 SMs), Hkv 8, sixteen blocks an SM at most: 512 x 128 (4096 blocks) and
+        // 2200 x 256 do; 256 x 256 (2048 blocks) fits a wave; 512 x 1024's rows are long.
+        assert!(short_rows_past_every_wave(4096, 132, 16, 128, 1) && short_rows_past_every_wave(17600, 132, 16, 256, 1));
+        assert!(!short_rows_past_every_wave(2048, 132, 16, 256, 1) && !short_rows_past_every_wave(4096, 132, 16, 1024, 1));
+        assert!(short_rows_past_every_wave(4096, 132, 16, 1024, 4) && !short_rows_past_every_wave(4096, 132, 16, 1024, 3));
     }
 
     #[test]
