@@ -17,6 +17,7 @@ use super::kv::{self, bytes_of, bytes_of_mut, MergePtrs};
 use super::kv_variants::{decode_candidates, decode_one_wave, decode_plain_past_a_wave, decode_wide};
 use super::variant::{Kernel, Variant};
 use super::libs;
+use super::trace;
 use crate::decode::{Cache, Decode};
 use crate::error::{FlashError, Result};
 use crate::guard::catch_panics;
@@ -515,6 +516,8 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
     // (device::alone): at most as many blocks an SM as it places there itself.
     let n = grid_x * p.batch;
     let f = if dev.cc.0 >= 9 && n <= sms * f.blocks_per_sm as usize { device::alone(dev, f, n.div_ceil(sms) as u32)? } else { f };
+    let merge = if splits == 1 { "unsplit" } else if cluster { "merged as a cluster" } else { "merge kernel" };
+    trace::decode_plan(&v, (grid.0, grid.1), splits, merge, f.blocks_per_sm);
     if cluster {
         // SAFETY: as below; the cluster's blocks are the splits of one group (the kernel's order).
         unsafe { device::launch_cluster(v.kernel.entry(), f, grid, splits as u32, s, &prm)? };

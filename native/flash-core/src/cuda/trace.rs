@@ -71,3 +71,12 @@ pub(super) fn fallback(pass: &str, why: &str) {
 pub fn last_kernels() -> LastKernels {
     LAST.lock().map(|l| l.clone()).unwrap_or_default()
 }
+
+/// With `FLASH_NIF_LOG=1`, a decode call's plan on stderr: its kernel, grid, splits, how the splits
+/// merge and the blocks an SM its kernel holds (decode keeps no `info()` entry: it has no Hopper
+/// fallback to report).
+pub(super) fn decode_plan(v: &Variant, grid: (u32, u32), splits: usize, merge: &str, blocks_per_sm: u32) {
+    if logging() {
+        eprintln!("flash_nif: decode: {} grid {}x{} splits {splits} ({merge}) {blocks_per_sm} blocks an SM", v.name(), grid.0, grid.1);
+    }
+}
