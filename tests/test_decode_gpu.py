@@ -268,6 +268,22 @@ def test_the_plain_kernel_past_a_wave(fa, ref, lib, gpu, assert_close_to_oracle,
                s_cache=700, hkv=1, seqlens=tuple(int(x) for x in seqlens), leftpad=None, num_splits=splits)
 
 
+@pytest.mark.parametrize("dtype_name", ["bf16", "f16"])
+def test_plain_pairs_that_even_the_sms(fa, ref, lib, gpu, assert_close_to_oracle, dtype_name):
+    """A plain grid of ~1.45 blocks an SM (uneven: some SMs run two, some one) takes two splits a
+    group merged as a cluster, ~2.9 blocks an SM, on Hopper (decode.rs pairs_even_the_sms); ragged
+    rows, empty ones too."""
+    sms = gpu.get("multiprocessors")
+    if not sms:
+        pytest.skip("the GPU's multiprocessor count is unknown")
+    b = sms * 145 // 100
+    seqlens = np.random.default_rng(13).integers(0, 1100, b)
+    seqlens[::7] = 0
+    seqlens[1] = 1100
+    run_decode(fa, ref, lib, assert_close_to_oracle, dtype_name=dtype_name, d=128, sq=1, group=4, quant=None, b=b,
+               s_cache=1100, hkv=1, seqlens=tuple(int(x) for x in seqlens), leftpad=None, num_splits=None)
+
+
 def test_scales_ending_mid_word(fa, ref, lib, assert_close_to_oracle):
     """B * S * Hkv odd with one 16-bit scale per row: the last scale is the first half of a word past
     the tensor's end (read by a plain load, never past it)."""

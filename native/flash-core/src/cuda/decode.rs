@@ -276,6 +276,19 @@ fn pairs_fill_one_block_an_sm(blocks: usize, sms: usize, blocks_per_sm: u32, max
     blocks <= sms && blocks * CLUSTER_SPLITS <= sms * blocks_per_sm as usize && max_keys >= CLUSTER_SPLITS * MIN_KEYS_PER_SPLIT
 }
 
+/// Whether a plain cache's unsplit grid of `blocks`, past one block an SM, takes two splits merged
+/// as a cluster on Hopper's kernel of `wave_blocks` two-warp blocks an SM (decode_plain_past_a_wave),
+/// because the pairs share the SMs more evenly: within one wave, the busiest SM runs ceil(blocks /
+/// sms) of them (device::alone), and the mean share of that (`evenness`) grows by a tenth or more.
+/// H200, bf16, graph, us, unsplit / two splits (RESULTS, session 63): 24 x 2730 (192 blocks:
+/// evenness 0.73 -> 0.97) 73.4 / 70.0 (86 -> 90 % of the copy); 40 x 1638, 36 x 1820 and 50 x 1310,
+/// whose pairs need a second wave, 8-16 % slower at two.
+fn pairs_even_the_sms(blocks: usize, sms: usize, wave_blocks: usize, max_keys: usize) -> bool {
+    let evenness = |n: usize| n as f64 / (sms * n.div_ceil(sms)).max(1) as f64;
+    let pairs = blocks * CLUSTER_SPLITS;
+    blocks > sms && pairs <= sms * wave_blocks && max_keys >= CLUSTER_SPLITS * MIN_KEYS_PER_SPLIT && evenness(pairs) >= evenness(blocks) + 0.1
+}
+
 /// Whether `grid` blocks need more than one wave at `blocks_per_sm` blocks an SM but fit one at
 /// `one_wave_blocks` (decode_one_wave's kernels: four, eight or sixteen, where the 4-bit kernel
 /// runs three and the 8-bit one two).
@@ -447,9 +460,11 @@ unsafe fn run(dev: &Device, p: &Decode, formats: [Option<&QuantFormat>; 2], rows
         None => {
             let mma = v.kernel == Kernel::Decode;
             let n = auto_splits(bits == 0 && mma, bits == 4 && mma, f.blocks_per_sm, p.batch * blocks, sms, keys, one_trip);
+            let past_a_wave = decode_plain_past_a_wave(p.dtype, p.head_dim).filter(|_| dev.cc.0 >= 9 && bits == 0);
             let paired = n == 1
                 && cluster_merges(dev.cc, v.kernel, bits, CLUSTER_SPLITS)
-                && pairs_fill_one_block_an_sm(p.batch * blocks, sms, f.blocks_per_sm, keys);
+                && (pairs_fill_one_block_an_sm(p.batch * blocks, sms, f.blocks_per_sm, keys)
+                    || past_a_wave.is_some_and(|v2| pairs_even_the_sms(p.batch * blocks, sms, v2.tiles.min_blocks, keys)));
             if paired { CLUSTER_SPLITS } else { n }
         }
     };
@@ -684,6 +699,16 @@ mod tests {
         assert!(pairs_fill_one_block_an_sm(128, 132, 2, 4096) && pairs_fill_one_block_an_sm(132, 132, 2, 512));
         assert!(!pairs_fill_one_block_an_sm(256, 132, 2, 2048) && !pairs_fill_one_block_an_sm(133, 132, 2, 4096));
         assert!(!pairs_fill_one_block_an_sm(128, 132, 1, 4096) && !pairs_fill_one_block_an_sm(128, 132, 2, 511));
+    }
+
+    #[test]
+    fn pairs_even_the_sms_where_one_split_leaves_them_uneven() {
+        // 24 x 2730 at Hkv 8 (192 blocks): 0.73 -> 0.97; 20 x 3276 (160): 0.61 -> 0.81.
+        assert!(pairs_even_the_sms(192, 132, 4, 2730) && pairs_even_the_sms(160, 132, 4, 3276));
+        // 32 x 2048 (256): 0.97 either way; 36 x 1820 (288): pairs past a wave of four; 128 blocks:
+        // one an SM (pairs_fill_one_block_an_sm's); too few keys to split.
+        assert!(!pairs_even_the_sms(256, 132, 4, 2048) && !pairs_even_the_sms(288, 132, 4, 1820));
+        assert!(!pairs_even_the_sms(128, 132, 4, 4096) && !pairs_even_the_sms(192, 132, 4, 511));
     }
 
     #[test]
