@@ -4,7 +4,7 @@ with no copy, and give results bit-identical to the same call on contiguous copi
 kernels cannot read (negative strides, a strided last axis) are copied first and still give the
 right results. flash_nif.torch's CPU path (bhsd layout, qkv.unbind) rides on the same views.
 
-Sizes are small: the point is the addressing, which the Rust tests (native/flash-core/tests/
+Sizes are small: the point is the addressing, which the Rust tests (native/flash-core/tests/it/
 strides.rs) also check on every path with NaN between a view's elements.
 """
 

@@ -4,9 +4,7 @@
 
 #![cfg(feature = "cuda")]
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use flash_core::cuda::config::{candidates, tf32_terms, Spec};
 use flash_core::cuda::{self, Kernel};
 use flash_core::{BackwardIo, DType, ForwardIo, IndexArg, MaskArgs, MaskBuffers, Options, Problem, TensorSpec, Window, MASK_BLOCK};

@@ -3,9 +3,7 @@
 //! Sq != Sk, windows, segment ids and varlen batches, in every dtype; the backward's two
 //! schedules stay bit-identical.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use flash_core::{DType, Dims};
 
 fn run(c: &MaskedCase) -> Outputs {

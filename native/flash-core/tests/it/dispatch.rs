@@ -2,9 +2,7 @@
 //! and the crossover table. One test function: it sets process environment variables, which no
 //! other test of this binary may read meanwhile.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use flash_core::dispatch::{self, Backend, Pass, Path, MAX_BYTES_ENV, MODE_ENV};
 use flash_core::{DType, FlashError, Mode};
 

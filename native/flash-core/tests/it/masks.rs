@@ -2,9 +2,7 @@
 //! the float64 oracle (alone and combined), and the properties its kernels promise: hidden keys
 //! are never read, varlen equals padding, the backward does not depend on the thread count.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use flash_core::{DType, Dims};
 
 fn run(c: &MaskedCase) -> Outputs {

@@ -4,9 +4,7 @@
 
 #![cfg(feature = "cuda")]
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use flash_core::cuda;
 use flash_core::{BackwardIo, DType, ForwardIo, Problem};
 

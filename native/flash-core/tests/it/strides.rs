@@ -4,9 +4,7 @@
 //! materialized), padded and varlen, with masks and sinks. The bytes between a view's elements
 //! are NaN, so a misread cannot go unnoticed.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use flash_core::{
     backward_host, forward_host, BackwardIo, DType, Device, FloatArg, ForwardIo, InputStrides, ModArgs, Mode, Problem, Strides,
     TensorSpec,

@@ -2,9 +2,7 @@
 //! (both layouts, R < D, positions as an array and as an offset, every dtype). The CUDA cases run
 //! where a GPU is usable and pass trivially elsewhere.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use flash_core::{
     cuda_available, rotary_host, DType, Device, FlashError, IndexArg, Positions, RotaryIo, RotaryOptions, RotaryProblem, TensorSpec,
 };

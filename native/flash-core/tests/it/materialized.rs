@@ -3,9 +3,7 @@
 //! results do not depend on the thread count. (The dispatch rules themselves: tests/dispatch.rs
 //! and tests/test_dispatch.py.)
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use flash_core::{DType, Dims, Mode};
 
 /// Forward + backward of the case with `mode`.

@@ -1,8 +1,6 @@
 //! The CPU backend against a float64 reference, over options, dtypes and odd sizes.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use flash_core::DType;
 
 fn run(c: &Case) -> Outputs {
