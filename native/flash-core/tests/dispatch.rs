@@ -1,8 +1,11 @@
 //! The dispatch rules (`flash_core::dispatch::choose`): mode, environment overrides, the ceiling
 //! and the crossover table. One test function: it sets process environment variables, which no
-//! other test of this binary may read meanwhile.
+//! other test of this binary may read meanwhile (so it keeps a binary of its own, outside tests/it).
 
-use crate::common::*;
+#[path = "it/common/mod.rs"]
+mod common;
+
+use common::*;
 use flash_core::dispatch::{self, Backend, Pass, Path, MAX_BYTES_ENV, MODE_ENV};
 use flash_core::{DType, FlashError, Mode};
 
