@@ -220,6 +220,11 @@ fn max_visible_keys(p: &Decode, seqlens: &[i32], leftpad: &[i32]) -> usize {
         .unwrap_or(0)
 }
 
+/// The most splits of rows of `max_keys` keys: MIN_KEYS_PER_SPLIT keys a split at least, MAX_SPLITS.
+fn max_splits(max_keys: usize) -> usize {
+    max_keys.div_ceil(MIN_KEYS_PER_SPLIT).clamp(1, MAX_SPLITS)
+}
+
 /// Splits of each row's keys for `blocks` blocks per split on a GPU of `sms` SMs that runs `lanes`
 /// of them per SM: one split when the blocks nearly fill those lanes; else the fewest splits whose
 /// waves are within 95 % of the best efficiency (waves / whole waves; FlashAttention-2's rule, at
@@ -227,7 +232,7 @@ fn max_visible_keys(p: &Decode, seqlens: &[i32], leftpad: &[i32]) -> usize {
 /// least.
 fn choose_splits(blocks: usize, sms: usize, lanes: usize, max_keys: usize) -> usize {
     let slots = (sms * lanes).max(1);
-    let max_splits = max_keys.div_ceil(MIN_KEYS_PER_SPLIT).clamp(1, MAX_SPLITS);
+    let max_splits = max_splits(max_keys);
     if blocks * 5 >= slots * 4 || max_splits == 1 {
         return 1;
     }
@@ -298,21 +303,31 @@ fn needs_one_wave_kernel(grid: usize, sms: usize, blocks_per_sm: u32, one_wave_b
 
 /// The splits with which `items` (b, kv head, chunk) groups take decode_one_wave's kernel, or None:
 /// where `splits` need more than one wave at `blocks_per_sm` (the chosen kernel's), those splits if
-/// they fit one at `one_wave_blocks`, else (the count left to the library) choose_splits' at
-/// `one_wave_blocks`, if those do (32 x 2048 4-bit at Hkv 8 on 132 SMs: 3 splits, 768 blocks,
-/// become 2 splits, 512 blocks). Splits that fit are kept where they fill 3/5 of that wave at
-/// least, though choose_splits would count it poor. H200, graph, us (RESULTS, session 62): 48 x
-/// 1365 8-bit (384 blocks, 73 % of the four-block kernel's wave) 45.7 -> 38.1, 50 x 1310 4-bit (400)
-/// 35.4 -> 31.9, 24 x 2730 8-bit (4 splits, 73 % of eight blocks an SM) 44.5 -> 42.4; but 36 x
-/// 1820 4-bit's 4 splits, 55 % of sixteen one-warp blocks an SM, 35.5 -> 40.4 (its 7 kept).
+/// they fit one at `one_wave_blocks` and fill 3/5 of it, else (the count left to the library) the
+/// most splits that wave holds, if they fill 3/5 of it (32 x 2048 4-bit at Hkv 8 on 132 SMs: 3
+/// splits, 768 blocks, become 2 splits, 512 blocks). H200, graph, us (RESULTS, sessions 62-63):
+/// 48 x 1365 8-bit (384 blocks, 73 % of the four-block kernel's wave) 45.7 -> 38.1, 50 x 1310 4-bit
+/// (400) 35.4 -> 31.9, 24 x 2730 8-bit (4 splits, 73 % of eight blocks an SM) 44.5 -> 42.4; 20 x
+/// 3276 8-bit's 8 splits (61 % of sixteen one-warp blocks an SM) 48.0 against 41.1 at the four-block
+/// kernel's 3 (91 %), which choose_splits, counting several waves, passed over; but 36 x 1820
+/// 4-bit's 4 splits, 55 % of sixteen one-warp blocks an SM, 35.5 -> 40.4 (its 7 kept).
 fn one_wave_splits(items: usize, splits: usize, asked: bool, sms: usize, (blocks_per_sm, one_wave_blocks): (u32, usize),
                    keys: usize, one_trip: usize) -> Option<usize> {
     if items * splits <= sms * blocks_per_sm as usize {
         return None;
     }
-    let grid = items * splits;
-    let fits = needs_one_wave_kernel(grid, sms, blocks_per_sm, one_wave_blocks) && 5 * grid >= 3 * sms * one_wave_blocks;
-    let splits = if asked || fits { splits } else { choose_splits(items, sms, one_wave_blocks, keys).min(one_trip) };
+    let (grid, wave) = (items * splits, sms * one_wave_blocks);
+    let fills = |grid: usize| 5 * grid >= 3 * wave;
+    let fits = needs_one_wave_kernel(grid, sms, blocks_per_sm, one_wave_blocks) && fills(grid);
+    let splits = if asked || fits {
+        splits
+    } else {
+        let most = (wave / items.max(1)).min(max_splits(keys)).min(one_trip);
+        if most == 0 || !fills(items * most) {
+            return None;
+        }
+        most
+    };
     needs_one_wave_kernel(items * splits, sms, blocks_per_sm, one_wave_blocks).then_some(splits)
 }
 
@@ -766,6 +781,16 @@ mod tests {
         assert_eq!(one_wave_splits(400, 1, false, 132, (3, 4), 1310, trip), Some(1));
         // 36 x 1820 4-bit: 4 splits (1152 blocks) fill 55 % of sixteen blocks an SM; 7 fill 95 %.
         assert_eq!(one_wave_splits(288, 4, false, 132, (3, 16), 1820, trip), Some(7));
+        // 20 x 3276 (160 groups): the four-block kernel's 3 splits, where choose_splits found 8
+        // (8-bit) or 13 (4-bit) over several waves; 17 x 3855 (136): 3 fill 77 % of its wave.
+        assert_eq!(one_wave_splits(160, 8, false, 132, (2, 4), 3276, trip), Some(3));
+        assert_eq!(one_wave_splits(160, 13, false, 132, (3, 4), 3276, trip), Some(3));
+        assert_eq!(one_wave_splits(136, 15, false, 132, (3, 4), 3855, trip), Some(3));
+        // 36 x 1820 (288): one split fills 55 % of the four-block wave (none), three 82 % of eight.
+        assert_eq!(one_wave_splits(288, 7, false, 132, (2, 4), 1820, trip), None);
+        assert_eq!(one_wave_splits(288, 7, false, 132, (2, 8), 1820, trip), Some(3));
+        // Too few keys for more splits: 160 groups of 256 keys take one split at most (30 %).
+        assert_eq!(one_wave_splits(160, 8, false, 132, (2, 4), 256, trip), None);
         // A count asked for is kept: the kernel only where it fits those splits.
         assert_eq!(one_wave_splits(256, 3, true, 132, (3, 4), 2048, trip), None);
         assert_eq!(one_wave_splits(256, 2, true, 132, (3, 4), 2048, trip), Some(2));
