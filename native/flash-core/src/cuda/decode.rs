@@ -287,7 +287,7 @@ fn pairs_fill_one_block_an_sm(blocks: usize, sms: usize, blocks_per_sm: u32, max
 /// sms) of them (device::alone), and the mean share of that (`evenness`) grows by a tenth or more.
 /// H200, bf16, graph, us, unsplit / two splits (RESULTS, session 63): 24 x 2730 (192 blocks:
 /// evenness 0.73 -> 0.97) 73.4 / 70.0 (86 -> 90 % of the copy); 40 x 1638, 36 x 1820 and 50 x 1310,
-/// whose pairs need a second wave, 8-16 % slower at two.
+/// whose pairs need a second wave, 9-20 % slower at two.
 fn pairs_even_the_sms(blocks: usize, sms: usize, wave_blocks: usize, max_keys: usize) -> bool {
     let evenness = |n: usize| n as f64 / (sms * n.div_ceil(sms)).max(1) as f64;
     let pairs = blocks * CLUSTER_SPLITS;
