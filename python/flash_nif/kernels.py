@@ -184,9 +184,10 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: all cores)")
     ap.add_argument("--fresh", action="store_true", help="compile everything, skipping the disk cache")
     ap.add_argument("--masked-arch", action="append",
-                    help="compile the MASKED variants only for these archs (repeatable; default: every --arch)")
+                    help="compile the MASKED variants only for these archs (repeatable; default: every --arch; 'none': for none)")
     ap.add_argument("--tf32-arch", action="append",
-                    help="compile the f32 tensor-core (TF32) variants only for these archs (repeatable; default: every --arch)")
+                    help="compile the f32 tensor-core (TF32) variants only for these archs (repeatable; default: every --arch; "
+                         "'none': for none)")
     ap.add_argument("--golden", metavar="PATH", help="check the table and shared memory against a snapshot")
     ap.add_argument("--write-golden", metavar="PATH", help="write the snapshot of this run")
     ap.add_argument("-v", "--verbose", action="store_true", help="print NVRTC logs")
