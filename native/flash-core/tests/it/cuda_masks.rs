@@ -51,13 +51,6 @@ struct Call {
     block_mask: Option<Vec<u8>>,
 }
 
-fn cumulative(lens: &[usize]) -> Vec<i32> {
-    std::iter::once(0).chain(lens.iter().scan(0, |acc, &l| {
-        *acc += l as i32;
-        Some(*acc)
-    })).collect()
-}
-
 fn bytes_i32(v: &[i32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_ne_bytes()).collect()
 }

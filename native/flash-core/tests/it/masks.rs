@@ -38,22 +38,6 @@ fn f32_case(d: Dims, m: Masks) -> MaskedCase {
     masked_case(d, m, DType::F32, 7 + d.seq_q as u64)
 }
 
-/// Ids that step up by one at each boundary: sorted segments, as packed sequences have.
-fn sorted_ids(len: usize, bounds: &[usize]) -> Vec<i32> {
-    (0..len).map(|i| bounds.iter().filter(|&&b| b <= i).count() as i32).collect()
-}
-
-/// Per batch row b, `ids(b)` over `len` positions, flattened to [B, len].
-fn per_batch(batch: usize, ids: impl Fn(usize) -> Vec<i32>) -> Vec<i32> {
-    (0..batch).flat_map(ids).collect()
-}
-
-/// A pseudo-random block mask of `shape` hiding about a third of its blocks.
-fn block_mask(shape: [usize; 4], seed: u64) -> (Vec<u8>, [usize; 4]) {
-    let n = shape.iter().product();
-    (Rng::new(seed).normals(n).iter().map(|&x| (x > -0.45) as u8).collect(), shape)
-}
-
 fn base() -> Dims {
     dims(2, 200, 300, 4, 2, 24)
 }
@@ -123,20 +107,6 @@ fn block_masks_match_reference() {
     check(&f32_case(base(), Masks { block_mask: Some(hidden_row), ..Masks::default() }), 1e-5);
 }
 
-/// Window, segment ids, padding and a block mask together, with GQA and Sq != Sk.
-fn combined(d: Dims, causal: bool, window: (Option<usize>, Option<usize>)) -> Masks {
-    let (b, sq, sk) = (d.batch, d.seq_q, d.seq_k);
-    Masks {
-        causal,
-        window,
-        seqused_k: Some((0..b).map(|i| (sk - 9 * i) as i32).collect()),
-        leftpad_k: Some((0..b).map(|i| (13 * i).min(sk - 9 * i) as i32).collect()),
-        segments: Some((per_batch(b, |i| sorted_ids(sq, &[sq / 3 + i])), per_batch(b, |i| sorted_ids(sk, &[sk / 2 - i])))),
-        block_mask: Some(block_mask([b, 1, sq.div_ceil(128), sk.div_ceil(128)], 17)),
-        ..Masks::default()
-    }
-}
-
 #[test]
 fn combined_masks_over_dtypes() {
     let d = dims(2, 150, 260, 6, 2, 40);
@@ -158,15 +128,6 @@ fn odd_sizes_match_reference() {
     let no_keys = dims(1, 5, 0, 2, 1, 8);
     let m = Masks { causal: true, window: (Some(1), None), seqused_k: Some(vec![0]), block_mask: Some((vec![], [1, 1, 1, 0])), ..Masks::default() };
     check(&f32_case(no_keys, m), 1e-5);
-}
-
-/// Sequence lengths to varlen offsets.
-fn cumulative(lens: &[usize]) -> Vec<i32> {
-    let mut cu = vec![0];
-    for &l in lens {
-        cu.push(cu[cu.len() - 1] + l as i32);
-    }
-    cu
 }
 
 #[test]
@@ -222,26 +183,6 @@ fn backward_does_not_depend_on_thread_count() {
 
 #[test]
 fn hidden_keys_are_never_read() {
-    // NaN keys and values wherever no row may look: left padding [0, 100), a block-mask column
-    // hidden for all [256, 384), a segment no query has [384, 512), past seqused_k [600, 640).
-    let d = dims(1, 130, 640, 2, 1, 16);
-    let mut blocks = (vec![1u8; 10], [1, 1, 2, 5]);
-    (blocks.0[2], blocks.0[7]) = (0, 0);
-    let seg_k: Vec<i32> = (0..640).map(|j| if (384..512).contains(&j) { 7 } else { (j >= 250) as i32 }).collect();
-    let m = Masks {
-        seqused_k: Some(vec![600]),
-        leftpad_k: Some(vec![100]),
-        segments: Some((sorted_ids(130, &[65]), seg_k)),
-        block_mask: Some(blocks),
-        ..Masks::default()
-    };
-    let mut c = f32_case(d, m);
-    let row = d.kv_heads * d.head_dim;
-    for j in (0..100).chain(256..512).chain(600..640) {
-        for t in [&mut c.k, &mut c.v] {
-            t.1[j * row..(j + 1) * row].fill(f32::NAN);
-            t.0[j * row * 4..(j + 1) * row * 4].copy_from_slice(&f32::NAN.to_ne_bytes().repeat(row));
-        }
-    }
-    check(&c, 1e-5);
+    // The case's seed as f32_case's (7 + Sq).
+    check(&hidden_keys_case(7 + 130), 1e-5);
 }

@@ -326,3 +326,70 @@ pub fn run_cpu(p: &Problem, [q, k, v, d_out]: [&[u8]; 4], mask: MaskBuffers) -> 
     backward_host(Device::Cpu, p, io).unwrap();
     Outputs { o, lse, dq, dk, dv }
 }
+
+// ---- mask builders ----
+
+/// Ids that step up by one at each boundary: sorted segments, as packed sequences have.
+pub fn sorted_ids(len: usize, bounds: &[usize]) -> Vec<i32> {
+    (0..len).map(|i| bounds.iter().filter(|&&b| b <= i).count() as i32).collect()
+}
+
+/// Per batch row b, `ids(b)` over `len` positions, flattened to [B, len].
+pub fn per_batch(batch: usize, ids: impl Fn(usize) -> Vec<i32>) -> Vec<i32> {
+    (0..batch).flat_map(ids).collect()
+}
+
+/// A pseudo-random block mask of `shape` hiding about a third of its blocks.
+pub fn block_mask(shape: [usize; 4], seed: u64) -> (Vec<u8>, [usize; 4]) {
+    let n = shape.iter().product();
+    (Rng::new(seed).normals(n).iter().map(|&x| (x > -0.45) as u8).collect(), shape)
+}
+
+/// Sequence lengths to varlen offsets.
+pub fn cumulative(lens: &[usize]) -> Vec<i32> {
+    let mut cu = vec![0];
+    for &l in lens {
+        cu.push(cu[cu.len() - 1] + l as i32);
+    }
+    cu
+}
+
+/// Window, segment ids, padding and a block mask together (masks.rs, materialized.rs).
+pub fn combined(d: Dims, causal: bool, window: (Option<usize>, Option<usize>)) -> Masks {
+    let (b, sq, sk) = (d.batch, d.seq_q, d.seq_k);
+    Masks {
+        causal,
+        window,
+        seqused_k: Some((0..b).map(|i| (sk - 9 * i) as i32).collect()),
+        leftpad_k: Some((0..b).map(|i| (13 * i).min(sk - 9 * i) as i32).collect()),
+        segments: Some((per_batch(b, |i| sorted_ids(sq, &[sq / 3 + i])), per_batch(b, |i| sorted_ids(sk, &[sk / 2 - i])))),
+        block_mask: Some(block_mask([b, 1, sq.div_ceil(128), sk.div_ceil(128)], 17)),
+        ..Masks::default()
+    }
+}
+
+/// An f32 case whose keys and values are NaN wherever no row may look: left padding [0, 100), a
+/// block-mask column hidden for all [256, 384), a segment no query has [384, 512), past seqused_k
+/// [600, 640) (masks.rs, materialized.rs: a kernel that reads them gives NaN).
+pub fn hidden_keys_case(seed: u64) -> MaskedCase {
+    let d = dims(1, 130, 640, 2, 1, 16);
+    let mut blocks = (vec![1u8; 10], [1, 1, 2, 5]);
+    (blocks.0[2], blocks.0[7]) = (0, 0);
+    let seg_k: Vec<i32> = (0..640).map(|j| if (384..512).contains(&j) { 7 } else { (j >= 250) as i32 }).collect();
+    let m = Masks {
+        seqused_k: Some(vec![600]),
+        leftpad_k: Some(vec![100]),
+        segments: Some((sorted_ids(130, &[65]), seg_k)),
+        block_mask: Some(blocks),
+        ..Masks::default()
+    };
+    let mut c = masked_case(d, m, DType::F32, seed);
+    let row = d.kv_heads * d.head_dim;
+    for j in (0..100).chain(256..512).chain(600..640) {
+        for t in [&mut c.k, &mut c.v] {
+            t.1[j * row..(j + 1) * row].fill(f32::NAN);
+            t.0[j * row * 4..(j + 1) * row * 4].copy_from_slice(&f32::NAN.to_ne_bytes().repeat(row));
+        }
+    }
+    c
+}
